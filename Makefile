@@ -1,0 +1,36 @@
+# `make verify` and `make test` work on a fresh clone: each builds .venv first.
+# torch 2.13.0 is installed before anything that depends on torch so pip takes the local CPU
+# build instead of fetching a multi-GB CUDA one.
+PY      := .venv/bin/python
+PYTEST  := $(PY) -m pytest
+NPROC   ?= 4
+
+.PHONY: venv verify test test-cpu test-interpreter test-gpu bench clean
+
+venv: .venv/.done
+
+.venv/.done: pyproject.toml Makefile
+	python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q "triton==3.6.0"
+	$(PY) -m pip install -q -e ".[test,mpi,bench]"
+	touch $@
+
+verify: venv
+	$(PY) -m splitsoftmax verify --nproc $(NPROC)
+
+test: test-cpu test-interpreter
+
+test-cpu: venv
+	$(PYTEST) -q -m "not interpreter and not gpu" -p no:cacheprovider
+
+test-interpreter: venv
+	TRITON_INTERPRET=1 $(PYTEST) -q -m interpreter -p no:cacheprovider
+
+# GPU lane: run on a CUDA machine (see launch/gpu_check.sh); skipped in CI.
+test-gpu:
+	python3 -m pytest -q -m gpu -p no:cacheprovider
+
+clean:
+	rm -rf .venv build *.egg-info

@@ -1,0 +1,91 @@
+"""Argument checks shared by the public functions: each error names the argument and the value."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+SCHEDULES = ("ring", "allgather", "tree")
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def tensor(name: str, x, *, floating: bool = True) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+    return x
+
+
+def dim(name: str, d, ndim: int) -> int:
+    """Normalise ``d`` into ``[0, ndim)`` (a 0-d tensor counts as 1-d)."""
+    if isinstance(d, bool) or not isinstance(d, int):
+        raise TypeError(f"{name} must be an int, got {type(d).__name__} {d!r}")
+    n = max(ndim, 1)
+    if not -n <= d < n:
+        raise ValueError(f"{name}={d} is out of range for a tensor with {ndim} dimensions")
+    return d % n
+
+
+def scale(s, head_dim: int) -> float:
+    if s is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
+    if isinstance(s, bool) or not isinstance(s, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(s).__name__} {s!r}")
+    if not math.isfinite(s):
+        raise ValueError(f"scale must be finite, got {s}")
+    return float(s)
+
+
+def flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def choice(name: str, value, options: tuple) -> str:
+    if value not in options:
+        raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, options))}")
+    return value
+
+
+def same_device_dtype(**named: Tensor) -> None:
+    (first, t0), *rest = named.items()
+    for name, t in rest:
+        if t.device != t0.device:
+            raise ValueError(f"{name} is on {t.device} but {first} is on {t0.device}")
+        if t.dtype != t0.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but {first} has dtype {t0.dtype}")
+
+
+def attention_args(q, k, v, scale_: Optional[float], causal) -> float:
+    """Check SDPA-layout ``q (B, H, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``; return the scale."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (B, heads, seq, head_dim), got shape {tuple(t.shape)}")
+    same_device_dtype(q=q, k=k, v=v)
+    flag("causal", causal)
+    (b, h, _, d), (bk, hkv, sk, dk), (bv, hv, skv, _) = q.shape, k.shape, v.shape
+    if bk != b or bv != b:
+        raise ValueError(f"batch sizes differ: q has {b}, k has {bk}, v has {bv}")
+    if hv != hkv or skv != sk:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree in heads and seq")
+    if dk != d:
+        raise ValueError(f"head_dim of k ({dk}) must equal head_dim of q ({d})")
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"q heads H={h} must be a multiple of k/v heads Hkv={hkv}")
+    return scale(scale_, d)
+
+
+def merge_args(outs, lses) -> None:
+    tensor("outs", outs)
+    tensor("lses", lses)
+    if outs.dim() < 2:
+        raise ValueError(f"outs must be (N, *rows, Dv), got shape {tuple(outs.shape)}")
+    if tuple(lses.shape) != tuple(outs.shape[:-1]):
+        raise ValueError(f"lses shape {tuple(lses.shape)} must equal outs.shape[:-1] = {tuple(outs.shape[:-1])}")
+    if lses.device != outs.device:
+        raise ValueError(f"lses is on {lses.device} but outs is on {outs.device}")

@@ -1,0 +1,82 @@
+"""Public single-device ops (CONTRACT.md's first table)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from .autograd import AttentionFn, LogSumExpFn, MergeStatesFn, SoftmaxFn
+
+
+def _rows(x: Tensor, dim: int) -> tuple[Tensor, tuple]:
+    """``x`` with ``dim`` moved last, as a 2-D ``(R, N)`` view where possible; and the moved shape."""
+    xm = x.reshape(1) if x.dim() == 0 else x.movedim(dim, -1)
+    return xm.reshape(-1, xm.shape[-1]) if xm.shape[-1] else xm.reshape(-1, 0), tuple(xm.shape)
+
+
+def _softmax(x: Tensor, dim: int, log: bool) -> Tensor:
+    _checks.tensor("x", x)
+    d = _checks.dim("dim", dim, x.dim())
+    x2, shape = _rows(x, d)
+    y = SoftmaxFn.apply(x2, log).reshape(shape)
+    return y.reshape(()) if x.dim() == 0 else y.movedim(-1, d)
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Softmax of ``x`` along ``dim``, in ``x.dtype`` (float32 statistics).
+
+    A row of all ``-inf`` gives all zeros (and zero gradient), never NaN.
+    """
+    return _softmax(x, dim, log=False)
+
+
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Log-softmax of ``x`` along ``dim``, in ``x.dtype``; a row of all ``-inf`` gives ``-inf``."""
+    return _softmax(x, dim, log=True)
+
+
+def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
+    """``log(sum(exp(x)))`` along ``dim`` (removed), float32; ``-inf`` for a row of all ``-inf``."""
+    _checks.tensor("x", x)
+    d = _checks.dim("dim", dim, x.dim())
+    x2, shape = _rows(x, d)
+    return LogSumExpFn.apply(x2).reshape(shape[:-1])
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+              return_lse: bool = False):
+    """Exact softmax attention, laid out like ``scaled_dot_product_attention``.
+
+    Args:
+        q: ``(B, H, Sq, D)``; k: ``(B, Hkv, Sk, D)``; v: ``(B, Hkv, Sk, Dv)``, ``H % Hkv == 0``
+            (query head ``h`` reads kv head ``h // (H // Hkv)``).
+        causal: query ``i`` sees keys ``j <= i`` (top-left aligned, like SDPA's ``is_causal``).
+        scale: score scale, default ``1 / sqrt(D)``.
+        return_lse: also return ``lse (B, H, Sq)``, float32, natural log.
+
+    Returns ``out (B, H, Sq, Dv)`` in ``q.dtype`` (or ``(out, lse)``). A query that sees no key
+    gets ``out = 0``, ``lse = -inf`` and zero gradients.
+    """
+    s = _checks.attention_args(q, k, v, scale, causal)
+    _checks.flag("return_lse", return_lse)
+    out, lse = AttentionFn.apply(q, k, v, s, causal, 0)
+    return (out, lse) if return_lse else out
+
+
+def merge_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge N partial results along dim 0.
+
+    Args:
+        outs: ``(N, *rows, Dv)`` normalised partial outputs, any float dtype.
+        lses: ``(N, *rows)`` their log-sum-exps (natural log). A partial with ``lse = -inf``
+            contributes nothing, whatever its ``out`` holds (NaN included).
+
+    Returns ``(out (*rows, Dv) in outs.dtype, lse (*rows) float32)``; associative and commutative.
+    """
+    _checks.merge_args(outs, lses)
+    if outs.shape[0] == 0:
+        rows = tuple(outs.shape[1:-1])
+        return outs.new_zeros(outs.shape[1:]), torch.full(rows, float("-inf"), device=outs.device)
+    return MergeStatesFn.apply(outs, lses)

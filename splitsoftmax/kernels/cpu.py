@@ -1,0 +1,135 @@
+"""Torch path of every local op, blockwise, with the same signatures as the Triton launchers.
+
+Runs on any device (it is what CPU tensors use). The math is the state algebra of
+``splitsoftmax.state``: each block of columns (keys) gives a tile state that is merged into the
+running one, so no ``Sq x Sk`` matrix is ever formed (memory ``O(rows * block + Sk * D)``).
+
+Softmax-family ops take a 2-D view ``x (R, N)``; attention ops take ``q (B, H, Sq, D)``,
+``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``. Causal masking is by offset: query ``i`` sees
+key ``j`` iff ``j <= i + diag`` (``diag = 0``: SDPA's top-left alignment).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ..state import NEG_INF, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state, to_out_lse
+from ..state import merge_out_lse  # noqa: F401  (the torch path of the N-way merge)
+from .configs import CPU_BLOCK_KEYS, CPU_BLOCK_COLS
+
+
+def lse_rows(x: Tensor) -> Tensor:
+    """Natural-log logsumexp of each row of ``x (R, N)``: ``(R,)`` float32 (float64 for float64)."""
+    dt = stat_dtype(x.dtype)
+    s = empty_state((x.shape[0],), None, dtype=dt, device=x.device)
+    for j in range(0, x.shape[1], CPU_BLOCK_COLS):
+        s = merge(s, tile_state(x[:, j:j + CPU_BLOCK_COLS].to(dt)))
+    return lse_of(s)
+
+
+def normalize(x: Tensor, lse: Tensor, log: bool) -> Tensor:
+    """``exp(x - lse)`` (softmax) or ``x - lse`` (log-softmax) in ``x.dtype``; empty rows give 0 / -inf."""
+    xf = x.to(lse.dtype) - safe_max(lse).unsqueeze(-1)
+    empty = (lse == NEG_INF).unsqueeze(-1)
+    y = torch.where(empty, NEG_INF, xf) if log else torch.where(empty, 0.0, torch.exp(xf))
+    return y.to(x.dtype)
+
+
+def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
+    """Softmax or log-softmax of each row of ``x (R, N)``: ``(y (R, N) x.dtype, lse (R,))``."""
+    lse = lse_rows(x)
+    return normalize(x, lse, log), lse
+
+
+def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:
+    """The row sum the backward needs: ``sum(dy * y)`` (softmax) or ``sum(dy)`` (log): ``(R,)``."""
+    dt = stat_dtype(y.dtype)
+    return dy.to(dt).sum(-1) if log else (dy.to(dt) * y.to(dt)).sum(-1)
+
+
+def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool, rowsum: Optional[Tensor] = None) -> Tensor:
+    """``dx`` of (log-)softmax from its output ``y``; ``rowsum`` (global, for shards) defaults to local.
+
+    Rows with ``lse = -inf`` (no finite input) get ``dx = 0``.
+    """
+    dt = stat_dtype(y.dtype)
+    s = softmax_rowsum(y, dy, log) if rowsum is None else rowsum.to(dt)
+    yf, dyf = y.to(dt), dy.to(dt)
+    dx = dyf - torch.exp(yf) * s.unsqueeze(-1) if log else yf * (dyf - s.unsqueeze(-1))
+    return torch.where((lse == NEG_INF).unsqueeze(-1), 0.0, dx).to(y.dtype)
+
+
+def logsumexp_bwd(x: Tensor, lse: Tensor, g: Tensor) -> Tensor:
+    """``dx = g * exp(x - lse)`` for ``x (R, N)``, ``lse, g (R,)``; 0 in empty rows."""
+    p = normalize(x.to(lse.dtype), lse, log=False)
+    return (p * g.to(lse.dtype).unsqueeze(-1)).to(x.dtype)
+
+
+def _grouped(q: Tensor, hkv: int) -> Tensor:
+    """``q (B, H, Sq, D)`` as ``(B, Hkv, G*Sq, D)``: query head ``h`` reads kv head ``h // G``."""
+    b, h, sq, d = q.shape
+    return q.reshape(b, hkv, (h // hkv) * sq, d)
+
+
+def _visible_keys(sq: int, sk: int, causal: bool, diag: int) -> int:
+    """How many leading keys any query may see (the rest are never read)."""
+    return max(0, min(sk, sq + diag)) if causal else sk
+
+
+def _block_scores(qg: Tensor, kb: Tensor, scale: float, causal: bool, diag: int, j0: int, sq: int) -> Tensor:
+    """Scaled scores ``(B, Hkv, G*Sq, n)`` of a key block starting at ``j0``, hidden keys ``-inf``."""
+    s = (qg @ kb.transpose(-1, -2)) * scale
+    if causal:
+        qpos = torch.arange(qg.shape[2], device=qg.device) % sq
+        kpos = j0 + torch.arange(kb.shape[2], device=qg.device)
+        s = s.masked_fill(kpos[None, :] > qpos[:, None] + diag, NEG_INF)
+    return s
+
+
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int = 0,
+             out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """Partial attention: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``, empty rows ``(0, -inf)``.
+
+    ``lse`` and ``out`` are float32 (float64 for float64 inputs); ``out_dtype`` overrides ``out``.
+    """
+    b, h, sq, _ = q.shape
+    hkv, dv = k.shape[1], v.shape[-1]
+    dt = stat_dtype(q.dtype)
+    qg = _grouped(q, hkv).to(dt)
+    s = empty_state(qg.shape[:3], dv, dtype=dt, device=q.device)
+    for j in range(0, _visible_keys(sq, k.shape[2], causal, diag), CPU_BLOCK_KEYS):
+        kb, vb = k[:, :, j:j + CPU_BLOCK_KEYS].to(dt), v[:, :, j:j + CPU_BLOCK_KEYS].to(dt)
+        s = merge(s, tile_state(_block_scores(qg, kb, scale, causal, diag, j, sq), vb))
+    out, lse = to_out_lse(s)
+    out = out.reshape(b, h, sq, dv).to(out_dtype or dt)
+    return out, lse.reshape(b, h, sq)
+
+
+def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+             scale: float, causal: bool, diag: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` (float32, float64 for float64 inputs) of one Q/K/V block pair.
+
+    ``lse (B, H, Sq)`` and ``delta = rowsum(dout * out) (B, H, Sq)`` are the global statistics of
+    each query row, so a shard's contribution needs only its own keys. GQA gradients are summed
+    over the query heads of each kv head.
+    """
+    b, h, sq, d = q.shape
+    hkv = k.shape[1]
+    dt = stat_dtype(q.dtype)
+    qg, dog = _grouped(q, hkv).to(dt), _grouped(dout, hkv).to(dt)
+    lse_g = safe_max(lse.reshape(b, hkv, -1).to(dt)).unsqueeze(-1)
+    empty = (lse.reshape(b, hkv, -1) == NEG_INF).unsqueeze(-1)
+    delta_g = delta.reshape(b, hkv, -1, 1).to(dt)
+    dq = torch.zeros_like(qg)
+    dk = torch.zeros(k.shape, dtype=dt, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dt, device=v.device)
+    for j in range(0, _visible_keys(sq, k.shape[2], causal, diag), CPU_BLOCK_KEYS):
+        kb, vb = k[:, :, j:j + CPU_BLOCK_KEYS].to(dt), v[:, :, j:j + CPU_BLOCK_KEYS].to(dt)
+        p = torch.exp(_block_scores(qg, kb, scale, causal, diag, j, sq) - lse_g).masked_fill(empty, 0.0)
+        dv[:, :, j:j + CPU_BLOCK_KEYS] = p.transpose(-1, -2) @ dog
+        ds = p * (dog @ vb.transpose(-1, -2) - delta_g)
+        dq += (ds @ kb) * scale
+        dk[:, :, j:j + CPU_BLOCK_KEYS] = (ds.transpose(-1, -2) @ qg) * scale
+    return dq.reshape(b, h, sq, d), dk, dv

@@ -1,0 +1,52 @@
+"""Dispatch of the local ops: Triton kernels for CUDA tensors (and for CPU tensors under
+``TRITON_INTERPRET=1``), the blockwise torch path otherwise. Both sides share one signature per op.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from functools import lru_cache
+
+from torch import Tensor
+
+from .kernels import cpu
+
+# op name -> module of splitsoftmax.kernels holding its Triton launcher
+_TRITON_MODULE = {
+    "lse_rows": "softmax",
+    "normalize": "softmax",
+    "softmax_fwd": "softmax",
+    "softmax_rowsum": "softmax",
+    "softmax_bwd": "softmax",
+    "logsumexp_bwd": "softmax",
+    "attn_fwd": "attention",
+    "attn_bwd": "attention",
+    "merge_out_lse": "merge",
+}
+
+
+@lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether Triton imports here (it is a Linux-only dependency)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t: Tensor) -> bool:
+    """Triton runs CUDA tensors, and CPU tensors when interpreting."""
+    return triton_available() and (t.is_cuda or interpreting())
+
+
+def op(name: str, t: Tensor):
+    """The implementation of local op ``name`` for tensors like ``t``."""
+    if use_triton(t):
+        return getattr(importlib.import_module(f"splitsoftmax.kernels.{_TRITON_MODULE[name]}"), name)
+    return getattr(cpu, name)

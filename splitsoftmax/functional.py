@@ -1,6 +1,7 @@
 """Public single-device ops (CONTRACT.md's first table)."""
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -13,7 +14,7 @@ from .autograd import AttentionFn, LogSumExpFn, MergeStatesFn, SoftmaxFn
 def _rows(x: Tensor, dim: int) -> tuple[Tensor, tuple]:
     """``x`` with ``dim`` moved last, as a 2-D ``(R, N)`` view where possible; and the moved shape."""
     xm = x.reshape(1) if x.dim() == 0 else x.movedim(dim, -1)
-    return xm.reshape(-1, xm.shape[-1]) if xm.shape[-1] else xm.reshape(-1, 0), tuple(xm.shape)
+    return xm.reshape(math.prod(xm.shape[:-1]), xm.shape[-1]), tuple(xm.shape)
 
 
 def _softmax(x: Tensor, dim: int, log: bool) -> Tensor:

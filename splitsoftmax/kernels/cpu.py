@@ -15,18 +15,23 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..state import NEG_INF, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state, to_out_lse
+from ..state import NEG_INF, State, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state, to_out_lse
 from ..state import merge_out_lse  # noqa: F401  (the torch path of the N-way merge)
 from .configs import CPU_BLOCK_KEYS, CPU_BLOCK_COLS
 
 
-def lse_rows(x: Tensor) -> Tensor:
-    """Natural-log logsumexp of each row of ``x (R, N)``: ``(R,)`` float32 (float64 for float64)."""
+def _row_state(x: Tensor) -> State:
+    """``(m, l)`` of each row of ``x (R, N)``, merged block by block."""
     dt = stat_dtype(x.dtype)
     s = empty_state((x.shape[0],), None, dtype=dt, device=x.device)
     for j in range(0, x.shape[1], CPU_BLOCK_COLS):
         s = merge(s, tile_state(x[:, j:j + CPU_BLOCK_COLS].to(dt)))
-    return lse_of(s)
+    return s
+
+
+def lse_rows(x: Tensor) -> Tensor:
+    """Natural-log logsumexp of each row of ``x (R, N)``: ``(R,)`` float32 (float64 for float64)."""
+    return lse_of(_row_state(x))
 
 
 def normalize(x: Tensor, lse: Tensor, log: bool) -> Tensor:
@@ -38,9 +43,17 @@ def normalize(x: Tensor, lse: Tensor, log: bool) -> Tensor:
 
 
 def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
-    """Softmax or log-softmax of each row of ``x (R, N)``: ``(y (R, N) x.dtype, lse (R,))``."""
-    lse = lse_rows(x)
-    return normalize(x, lse, log), lse
+    """Softmax or log-softmax of each row of ``x (R, N)``: ``(y (R, N) x.dtype, lse (R,))``.
+
+    Normalises with the row's ``(m, l)`` rather than the rounded ``lse``: ``exp(x - m) / l``.
+    """
+    s = _row_state(x)
+    lse = lse_of(s)
+    if log:
+        return normalize(x, lse, log), lse
+    inv_l = torch.where(s.l > 0, 1.0 / torch.where(s.l > 0, s.l, 1.0), 0.0)
+    y = torch.exp(x.to(s.m.dtype) - safe_max(s.m).unsqueeze(-1)) * inv_l.unsqueeze(-1)
+    return y.to(x.dtype), lse
 
 
 def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:

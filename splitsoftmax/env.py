@@ -1,0 +1,52 @@
+"""``python -m splitsoftmax env``: versions, devices, backends, and whether Triton kernels run."""
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from .local import interpreting, triton_available
+
+
+def _version(module: str) -> str:
+    try:
+        return getattr(__import__(module), "__version__", "installed")
+    except ImportError:
+        return "not installed"
+
+
+def _mpi() -> str:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return "mpi4py not installed"
+    return f"mpi4py {_version('mpi4py')}, {MPI.Get_library_version().splitlines()[0].strip()}"
+
+
+def _devices() -> list[str]:
+    if not torch.cuda.is_available():
+        return ["no CUDA device"]
+    return [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
+
+
+def report() -> str:
+    dist = torch.distributed
+    backends = [name for name, ok in (("NCCL", dist.is_available() and dist.is_nccl_available()),
+                                      ("Gloo", dist.is_available() and dist.is_gloo_available()),
+                                      ("MPI (torch)", dist.is_available() and dist.is_mpi_available())) if ok]
+    cuda = torch.cuda.is_available()
+    kernels = ("yes (CUDA)" if cuda and triton_available() else
+               "yes (interpreter, TRITON_INTERPRET=1)" if interpreting() and triton_available() else
+               "no: CPU tensors use the torch path" + ("" if triton_available() else " (Triton not installed)"))
+    rows = [
+        ("splitsoftmax", _version("splitsoftmax")),
+        ("python", platform.python_version()),
+        ("torch", f"{torch.__version__} (CUDA {torch.version.cuda})"),
+        ("triton", _version("triton")),
+        ("numpy", _version("numpy")),
+        ("devices", "; ".join(_devices())),
+        ("torch.distributed", ", ".join(backends) or "unavailable"),
+        ("MPI", _mpi()),
+        ("Triton kernels run", kernels),
+    ]
+    return "\n".join(f"{k:<20} {v}" for k, v in rows)

@@ -1,0 +1,121 @@
+"""Float64 oracles and the teaching versions of online softmax.
+
+Oracles (used by the tests, ``verify`` and the benchmarks' correctness gate) materialise whole
+rows in float64 and follow the contract's conventions: empty rows give ``out = 0``,
+``lse = -inf``. The teaching versions follow the online-softmax lesson: a scalar and a
+vectorised online softmax that log their running state, and the deliberately wrong variant
+that does not rescale when the maximum changes.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from . import state
+
+NEG_INF = float("-inf")
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """Stable two-pass softmax in float64; all-``-inf`` rows give 0."""
+    return torch.exp(log_softmax(x, dim))
+
+
+def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """``x - logsumexp(x)`` in float64; all-``-inf`` rows give ``-inf``."""
+    x = x.double()
+    lse = logsumexp(x, dim).unsqueeze(dim if x.dim() else 0)
+    return torch.where(lse == NEG_INF, NEG_INF, x - torch.where(lse == NEG_INF, 0.0, lse))
+
+
+def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
+    """Two-pass logsumexp in float64 (max, then sum of shifted exponentials)."""
+    x = x.double()
+    if x.dim() == 0:
+        x = x.reshape(1)
+    m = x.amax(dim, keepdim=True) if x.shape[dim] else x.sum(dim, keepdim=True) + NEG_INF
+    ms = torch.where(m == NEG_INF, 0.0, m)
+    s = torch.exp(x - ms).sum(dim, keepdim=True)
+    return torch.where(s > 0, ms + torch.log(torch.where(s > 0, s, 1.0)), NEG_INF).squeeze(dim)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+              diag: int = 0) -> tuple[Tensor, Tensor]:
+    """Float64 attention with the full score matrix: ``(out (B,H,Sq,Dv), lse (B,H,Sq))``.
+
+    ``causal``: query ``i`` sees key ``j`` iff ``j <= i + diag`` (``diag = 0``: top-left).
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if causal:
+        i = torch.arange(q.shape[2]).unsqueeze(1)
+        j = torch.arange(k.shape[2]).unsqueeze(0)
+        s = s.masked_fill(j > i + diag, NEG_INF)
+    lse = logsumexp(s, -1)
+    return softmax(s, -1) @ v, lse
+
+
+def split_then_merge(q: Tensor, k: Tensor, v: Tensor, splits: Sequence[int], *, scale: Optional[float] = None):
+    """Non-causal attention computed per key split with :func:`attention`, merged by the state algebra."""
+    parts = [attention(q, kb, vb, scale=scale) for kb, vb in zip(k.split(list(splits), 2), v.split(list(splits), 2))]
+    return state.merge_out_lse(torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts]))
+
+
+class TraceStep(NamedTuple):
+    """Running state after one element: the element, the running max, the running sum."""
+
+    x: float
+    m: float
+    l: float
+
+
+def online_softmax_scalar(row: Sequence[float], *, rescale: bool = True) -> tuple[list[float], list[TraceStep]]:
+    """Element-by-element online softmax: ``(probabilities, trace)``.
+
+    ``rescale=False`` is the deliberately wrong variant: when the maximum grows, the old sum is
+    kept in the old maximum's frame instead of being multiplied by ``exp(m_old - m_new)``.
+    """
+    m, l, trace = NEG_INF, 0.0, []
+    for x in row:
+        m_new = max(m, x)
+        if rescale:
+            l = l * math.exp(m - m_new) + math.exp(x - m_new)
+        else:
+            l = l + math.exp(x - m_new)
+        m = m_new
+        trace.append(TraceStep(float(x), m, l))
+    return [math.exp(x - m) / l for x in row], trace
+
+
+def online_softmax_vectorised(rows: np.ndarray, *, rescale: bool = True, block: int = 1):
+    """Online softmax over many rows at once, ``block`` columns per step.
+
+    Returns ``(probabilities (R, N), trace)`` where ``trace`` holds the running ``(m, l)``
+    arrays (each ``(R,)``) after every step.
+    """
+    rows = np.asarray(rows, dtype=np.float64)
+    m = np.full(rows.shape[0], -np.inf)
+    l = np.zeros(rows.shape[0])
+    trace = []
+    for j in range(0, rows.shape[1], block):
+        xb = rows[:, j:j + block]
+        m_new = np.maximum(m, xb.max(axis=1))
+        alpha = np.exp(m - m_new) if rescale else np.ones_like(m)
+        l = l * alpha + np.exp(xb - m_new[:, None]).sum(axis=1)
+        m = m_new
+        trace.append((m.copy(), l.copy()))
+    return np.exp(rows - m[:, None]) / l[:, None], trace
+
+
+def two_pass_softmax_np(rows: np.ndarray) -> np.ndarray:
+    """The stable two-pass softmax in float64 numpy: max, then normalised exponentials."""
+    rows = np.asarray(rows, dtype=np.float64)
+    e = np.exp(rows - rows.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)

@@ -14,7 +14,7 @@ venv: .venv/.done
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q "triton==3.6.0"
-	$(PY) -m pip install -q -e ".[test,mpi,bench]"
+	$(PY) -m pip install -q -e ".[test,mpi,bench,hf]"
 	touch $@
 
 verify: venv

@@ -1,0 +1,260 @@
+"""The communicator: point-to-point transfers with bounded waits, over three transports.
+
+Every schedule is written against one tiny interface, :class:`Communicator`:
+
+- ``rank``, ``size`` and ``meta_device`` (where small metadata tensors live);
+- ``post(sends, recvs, tag)``: start non-blocking transfers of flat contiguous tensors,
+  ``sends``/``recvs`` being lists of ``(tensor, peer)``; returns one :class:`Handle` per transfer;
+- ``wait(handles, step)``: poll them against a deadline of ``SPLITSOFTMAX_TIMEOUT`` seconds
+  (default 300, read at call time). A transfer that fails (a peer that exited) or does not
+  complete in time raises ``RuntimeError`` naming the peer rank and the step.
+
+Collectives (all-gather, reduce-scatter, all-reduce) are built on top in the schedules, in a
+fixed order, so the three transports behave alike and results are reproducible.
+
+Transports: :class:`TorchComm` (``torch.distributed``: Gloo, NCCL), :class:`MpiComm` (mpi4py;
+CUDA tensors are staged through the host) and :class:`LoopbackWorld` (P ranks as threads of one
+process, counting every transfer, for tests).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import defaultdict, deque
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+DEFAULT_TIMEOUT = 300.0
+
+
+def timeout_s() -> float:
+    """``SPLITSOFTMAX_TIMEOUT`` in seconds (default 300), read at every call."""
+    raw = os.environ.get("SPLITSOFTMAX_TIMEOUT", "")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT
+    except ValueError:
+        raise ValueError(f"SPLITSOFTMAX_TIMEOUT={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise ValueError(f"SPLITSOFTMAX_TIMEOUT={raw!r} must be positive")
+    return value
+
+
+class Handle:
+    """One started transfer with ``peer``; ``done()`` polls it (raising if it failed)."""
+
+    def __init__(self, peer: int, poll: Callable[[], bool], finish: Optional[Callable[[], None]] = None):
+        self.peer = peer
+        self._poll = poll
+        self._finish = finish
+        self.completed = False
+
+    def done(self) -> bool:
+        if not self.completed and self._poll():
+            self.completed = True
+            if self._finish is not None:
+                self._finish()
+        return self.completed
+
+
+class Communicator:
+    """Base class: ``rank``, ``size``, ``meta_device``; subclasses implement ``_send``/``_recv``."""
+
+    rank: int
+    size: int
+    meta_device: torch.device = torch.device("cpu")
+
+    def _send(self, t: Tensor, peer: int, tag: int) -> Handle:
+        raise NotImplementedError
+
+    def _recv(self, t: Tensor, peer: int, tag: int) -> Handle:
+        raise NotImplementedError
+
+    def post(self, sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], tag: int) -> list[Handle]:
+        """Start the transfers (flat contiguous tensors; empty ones are skipped by the callers)."""
+        hs = [self._send(t, p, tag) for t, p in sends]
+        return hs + [self._recv(t, p, tag) for t, p in recvs]
+
+    def wait(self, handles: Sequence[Handle], step: str) -> None:
+        """Block until every handle is done, at most ``SPLITSOFTMAX_TIMEOUT`` seconds."""
+        limit = timeout_s()
+        deadline = time.monotonic() + limit
+        spins = 0
+        while True:
+            pending = []
+            for h in handles:
+                try:
+                    if not h.done():
+                        pending.append(h)
+                except Exception as e:  # the transport reports a broken peer
+                    raise RuntimeError(f"{step}: rank {self.rank}: transfer with peer rank {h.peer} "
+                                       f"failed ({type(e).__name__}: {e})") from e
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                peers = sorted({h.peer for h in pending})
+                raise RuntimeError(f"{step}: rank {self.rank}: peer rank(s) {peers} did not answer within "
+                                   f"{limit:g} s (SPLITSOFTMAX_TIMEOUT)")
+            spins += 1
+            if spins > 50:
+                time.sleep(min(1e-5 * spins, 2e-3))
+
+
+class TorchComm(Communicator):
+    """``torch.distributed`` point-to-point over a process group (NCCL: batched, on its own stream)."""
+
+    def __init__(self, group=None):
+        import torch.distributed as dist
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError("group=None needs an initialised torch.distributed default group "
+                             "(call torch.distributed.init_process_group first)")
+        self.dist = dist
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        self.nccl = dist.get_backend(self.group) == "nccl"
+        if self.nccl:
+            self.meta_device = torch.device("cuda", torch.cuda.current_device())
+
+    def _global(self, peer: int) -> int:
+        return self.dist.get_global_rank(self.group, peer)
+
+    def _handle(self, work, peer: int) -> Handle:
+        return Handle(peer, work.is_completed, work.wait)
+
+    def post(self, sends, recvs, tag):
+        ops = [(self.dist.isend, t, p) for t, p in sends] + [(self.dist.irecv, t, p) for t, p in recvs]
+        if not ops:
+            return []
+        if self.nccl:  # NCCL matches by order: one batch per call, identical order on every rank
+            p2p = [self.dist.P2POp(f, t, self._global(p), self.group, tag) for f, t, p in ops]
+            works = self.dist.batch_isend_irecv(p2p)
+            return [self._handle(w, p) for w, (_, _, p) in zip(works, ops)]
+        return [self._handle(f(t, self._global(p), self.group, tag), p) for f, t, p in ops]
+
+
+class MpiComm(Communicator):
+    """mpi4py ``Isend``/``Irecv`` on byte views of CPU tensors; CUDA tensors staged via the host."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+
+    @staticmethod
+    def _bytes(t: Tensor):
+        return t.reshape(-1).view(torch.uint8).numpy()
+
+    def _send(self, t, peer, tag):
+        if t.is_cuda:  # MPI knows nothing of streams: finish the producer, then copy out
+            torch.cuda.current_stream(t.device).synchronize()
+            t = t.cpu()
+        req = self.comm.Isend(self._bytes(t), dest=peer, tag=tag)
+        return Handle(peer, req.Test, lambda keep=t: None)
+
+    def _recv(self, t, peer, tag):
+        host = torch.empty(t.shape, dtype=t.dtype) if t.is_cuda else t
+        req = self.comm.Irecv(self._bytes(host), source=peer, tag=tag)
+        finish = (lambda: t.copy_(host)) if t.is_cuda else None
+        return Handle(peer, req.Test, finish)
+
+
+class LoopbackWorld:
+    """``size`` ranks in one process (threads): mailboxes keyed by (src, dst, tag), counted sends.
+
+    ``sends[tag]`` counts the transfers started per tag, over all ranks; ``run(fn)`` calls
+    ``fn(comm)`` on every rank concurrently and returns the results in rank order.
+    """
+
+    def __init__(self, size: int):
+        self.size = size
+        self.lock = threading.Lock()
+        self.boxes: dict = defaultdict(deque)
+        self.sends: dict = defaultdict(int)
+        self.bytes: dict = defaultdict(int)
+
+    def comm(self, rank: int) -> "LoopbackComm":
+        return LoopbackComm(self, rank)
+
+    def reset_counts(self) -> None:
+        with self.lock:
+            self.sends.clear()
+            self.bytes.clear()
+
+    def run(self, fn: Callable, timeout: float = 120.0) -> list:
+        """Run ``fn(comm)`` on every rank in its own thread; re-raise the first failure."""
+        results, errors = [None] * self.size, [None] * self.size
+
+        def body(r):
+            try:
+                results[r] = fn(self.comm(r))
+            except BaseException as e:  # reported to the caller below
+                errors[r] = e
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout)
+            if t.is_alive():
+                raise RuntimeError(f"loopback world: a rank did not finish within {timeout} s")
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+
+class LoopbackComm(Communicator):
+    """One rank of a :class:`LoopbackWorld`; a send copies the tensor into the peer's mailbox."""
+
+    def __init__(self, world: LoopbackWorld, rank: int):
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+
+    def _send(self, t, peer, tag):
+        w = self.world
+        with w.lock:
+            w.boxes[(self.rank, peer, tag)].append(t.detach().clone())
+            w.sends[tag] += 1
+            w.bytes[tag] += t.numel() * t.element_size()
+        return Handle(peer, lambda: True)
+
+    def _recv(self, t, peer, tag):
+        box = self.world.boxes[(peer, self.rank, tag)]
+
+        def poll() -> bool:
+            with self.world.lock:
+                if not box:
+                    return False
+                msg = box.popleft()
+            if msg.shape != t.shape or msg.dtype != t.dtype:
+                raise RuntimeError(f"message {tuple(msg.shape)} {msg.dtype} does not fit the receive "
+                                   f"buffer {tuple(t.shape)} {t.dtype}")
+            t.copy_(msg)
+            return True
+
+        return Handle(peer, poll)
+
+
+def as_comm(group) -> Communicator:
+    """The communicator of ``group``: None (default group), a ProcessGroup, a 1-d DeviceMesh,
+    an ``mpi4py.MPI.Comm``, or a :class:`Communicator` (e.g. a loopback rank)."""
+    if isinstance(group, Communicator):
+        return group
+    if group is None:
+        return TorchComm(None)
+    kind = type(group).__module__ + "." + type(group).__name__
+    if kind.startswith("mpi4py."):
+        return MpiComm(group)
+    if type(group).__name__ == "DeviceMesh":
+        if group.ndim != 1:
+            raise ValueError(f"group: a DeviceMesh must be 1-d (pick a dim with mesh[name]), got {group.ndim}-d")
+        return TorchComm(group.get_group())
+    import torch.distributed as dist
+    if isinstance(group, dist.ProcessGroup):
+        return TorchComm(group)
+    raise TypeError(f"group must be None, a ProcessGroup, a 1-d DeviceMesh or an mpi4py communicator, "
+                    f"got {kind}")

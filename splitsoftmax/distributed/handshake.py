@@ -1,0 +1,86 @@
+"""The metadata handshake every sharded call makes before any bulk transfer.
+
+Each rank packs a small int64 vector ``[op, ok, fields...]`` (fixed length, so the exchange itself
+can never mismatch) and every rank receives every other rank's vector. Then, identically on all
+ranks: a rank whose local arguments were rejected makes every rank raise; a field that must agree
+but does not raises ``ValueError`` naming the field and the ranks; per-rank fields (shard lengths)
+are returned for the schedules. All transfers complete before anyone raises, so the group stays
+usable after a refused call.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Optional
+
+import torch
+
+from .comm import Communicator
+
+META_LEN = 24
+TAG_META = 11
+
+OPS = ("sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+# fields whose integer value is a code, shown back to the user decoded
+_DECODE = {"dtype": lambda c: DTYPES[c] if 0 <= c < len(DTYPES) else f"code {c}",
+           "scale": lambda c: struct.unpack("<d", struct.pack("<q", c))[0]}
+
+
+def encode_dtype(dtype: torch.dtype) -> int:
+    return DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
+
+
+def encode_float(x: float) -> int:
+    """The bits of float64 ``x`` as an int64 (exact agreement, not approximate)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _exchange(comm: Communicator, mine: torch.Tensor, op: str) -> torch.Tensor:
+    """All-gather of the small vector by direct sends: rows in rank order ``(P, META_LEN)``."""
+    p, r = comm.size, comm.rank
+    rows = [torch.zeros_like(mine) for _ in range(p)]
+    rows[r] = mine
+    peers = [q for q in range(p) if q != r]
+    handles = comm.post([(mine, q) for q in peers], [(rows[q], q) for q in peers], TAG_META)
+    comm.wait(handles, f"{op}: metadata handshake")
+    return torch.stack(rows).cpu()
+
+
+def _describe(name: str, values: list) -> str:
+    decode = _DECODE.get(name, lambda c: c)
+    groups: dict = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(v, []).append(rank)
+    return "; ".join(f"rank(s) {ranks}: {decode(v)}" for v, ranks in groups.items())
+
+
+def handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank: Optional[dict] = None,
+              error: Optional[BaseException] = None) -> dict:
+    """Exchange ``agree`` (must be equal on every rank) and ``per_rank`` fields (name -> int).
+
+    ``error``: this rank's argument error, raised here after the exchange (the others raise a
+    ``ValueError`` naming this rank). Returns ``{name: [value of rank 0, ..., rank P-1]}``.
+    """
+    agree, per_rank = dict(agree or {}), dict(per_rank or {})
+    names = list(agree) + list(per_rank)
+    if len(names) + 2 > META_LEN:
+        raise ValueError(f"{op}: too many handshake fields")
+    vec = [OPS.index(op), 0 if error is not None else 1] + [int(v) for v in (*agree.values(), *per_rank.values())]
+    mine = torch.tensor(vec + [0] * (META_LEN - len(vec)), dtype=torch.int64, device=comm.meta_device)
+    rows = _exchange(comm, mine, op).tolist()
+    ops = [row[0] for row in rows]
+    if len(set(ops)) > 1:
+        raise ValueError(f"{op}: ranks called different operations: "
+                         + "; ".join(f"rank {i}: {OPS[c] if 0 <= c < len(OPS) else c}" for i, c in enumerate(ops)))
+    if error is not None:
+        raise error
+    bad = [i for i, row in enumerate(rows) if row[1] != 1]
+    if bad:
+        raise ValueError(f"{op}: rank(s) {bad} rejected their arguments (see the error on those ranks)")
+    out = {name: [row[2 + j] for row in rows] for j, name in enumerate(names)}
+    for name in agree:
+        if len(set(out[name])) > 1:
+            raise ValueError(f"{op}: {name} differs across ranks ({_describe(name, out[name])}); "
+                             f"it must be the same on every rank")
+    return out

@@ -8,6 +8,8 @@ any mismatch.
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -63,33 +65,58 @@ def rel_err(x: Tensor, want: Tensor, *, skip_nan: bool = False) -> float:
 
 def floor(dtype: torch.dtype) -> float:
     """A few ulps of ``dtype`` at 1: the least tolerance any check gets."""
-    return 8 * torch.finfo(dtype).eps
+    return 4 * torch.finfo(dtype).eps
 
 
-def grad_check(name: str, fn: Callable, torch_fn: Callable, ref_fn: Callable, inputs: Sequence[Tensor],
-               schedule: str = "local", layout: str = "-") -> list[Row]:
-    """Compare ``fn`` (forward, then gradients of a random projection) with ``ref_fn`` in float64,
-    tolerances from ``torch_fn`` in the inputs' dtype."""
-    t0 = time.perf_counter()
-    leaves = [x.detach().requires_grad_(True) for x in inputs]
-    leaves64 = [x.detach().double().requires_grad_(True) for x in inputs]
-    leaves_t = [x.detach().requires_grad_(True) for x in inputs]
-    out, want, peer = fn(*leaves), ref_fn(*leaves64), torch_fn(*leaves_t)
-    proj = torch.randn(want.shape, dtype=torch.float64)
+@dataclass
+class Sharding:
+    """How each input becomes this rank's leaf, and how local results become full tensors again."""
+
+    split_in: Sequence[Callable[[Tensor], Tensor]]
+    gather_in: Sequence[Callable[[Tensor], Tensor]]
+    split_out: Callable[[Tensor], Tensor]
+    gather_out: Callable[[Tensor], Tensor]
+
+
+def unsharded(n: int) -> Sharding:
+    ident = [lambda t: t] * n
+    return Sharding(ident, ident, lambda t: t, lambda t: t)
+
+
+def evaluate(fn: Callable, inputs: Sequence[Tensor], proj: Tensor, sh: Sharding) -> tuple[Tensor, list[Tensor]]:
+    """Forward ``fn`` on the leaves, backward of ``<out, proj>``; full output and full gradients."""
+    leaves = [split(x).detach().requires_grad_(True) for split, x in zip(sh.split_in, inputs)]
+    out = fn(*leaves)
+    loss = (torch.nan_to_num(out.double(), neginf=0.0, posinf=0.0) * sh.split_out(proj)).sum()
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    grads = [torch.zeros_like(x) if g is None else g for g, x in zip(grads, leaves)]
+    return sh.gather_out(out.detach()), [gather(g) for gather, g in zip(sh.gather_in, grads)]
+
+
+def compare(name: str, fn: Callable, peer: Callable, oracle: Callable, inputs: Sequence[Tensor], *,
+            sharding: Optional[Sharding] = None, schedule: str = "local", layout: str = "-",
+            seed: int = 0, merges: int = 1) -> list[Row]:
+    """Rows for ``fn`` forward and backward against ``oracle`` in float64; the tolerance is from
+    ``peer`` (torch, one device, inputs' dtype), widened by ``1 + log2(merges)`` for sharded merges."""
+    want = oracle(*[x.double() for x in inputs])
+    gen = torch.Generator().manual_seed(seed)
+    proj = torch.randn(want.shape, generator=gen, dtype=torch.float64).to(want.device)
     proj = torch.where(torch.isfinite(want), proj, 0.0)
-    grads = torch.autograd.grad((torch.nan_to_num(out.double(), neginf=0.0) * proj).sum(), leaves)
-    grads64 = torch.autograd.grad((torch.nan_to_num(want, neginf=0.0) * proj).sum(), leaves64)
-    grads_t = torch.autograd.grad((torch.nan_to_num(peer.double(), neginf=0.0) * proj).sum(), leaves_t)
-    fl = floor(inputs[0].dtype)
+    t0 = time.perf_counter()
+    out, grads = evaluate(fn, inputs, proj, sharding or unsharded(len(inputs)))
     secs = time.perf_counter() - t0
-    rows = [Row(f"{name} fwd", schedule, layout, rel_err(out, want), max(2 * rel_err(peer, want, skip_nan=True), fl), secs)]
-    err_g = max(rel_err(g, w) for g, w in zip(grads, grads64))
-    tol_g = max(GRAD_FACTOR * max(rel_err(g, w, skip_nan=True) for g, w in zip(grads_t, grads64)), GRAD_FACTOR * fl)
-    rows.append(Row(f"{name} bwd", schedule, layout, err_g, tol_g, 0.0))
-    return rows
+    want, grads64 = evaluate(oracle, [x.double() for x in inputs], proj, unsharded(len(inputs)))
+    peer_out, peer_grads = evaluate(peer, inputs, proj, unsharded(len(inputs)))
+    widen = 1.0 + math.log2(max(merges, 1))
+    fl = floor(inputs[0].dtype)
+    tol = widen * max(2 * rel_err(peer_out, want, skip_nan=True), fl)
+    tol_g = widen * GRAD_FACTOR * max(max(rel_err(g, w, skip_nan=True) for g, w in zip(peer_grads, grads64)), fl)
+    return [Row(f"{name} fwd", schedule, layout, rel_err(out, want), tol, secs),
+            Row(f"{name} bwd", schedule, layout, max(rel_err(g, w) for g, w in zip(grads, grads64)), tol_g, 0.0)]
 
 
-def _sdpa(causal: bool, groups: int):
+def sdpa(causal: bool, groups: int):
+    """torch's SDPA with the kv heads repeated for GQA (the peer in the tolerance rule)."""
     def f(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(
             q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=causal)
@@ -101,17 +128,16 @@ def single_device_rows(device: str = "cpu", dtype: torch.dtype = torch.float32) 
     x = torch.randn(33, 1000, device=device, dtype=dtype) * 4
     x[3] = float("-inf")
     rows = []
-    rows += grad_check("softmax 33x1000", F.softmax, lambda t: torch.softmax(t, -1),
-                       ref.softmax, [x])
-    rows += grad_check("log_softmax 33x1000", F.log_softmax, lambda t: torch.log_softmax(t, -1), ref.log_softmax, [x])
-    rows += grad_check("logsumexp 33x1000", F.logsumexp, lambda t: torch.logsumexp(t, -1), ref.logsumexp, [x])
+    rows += compare("softmax 33x1000", F.softmax, lambda t: torch.softmax(t, -1), ref.softmax, [x])
+    rows += compare("log_softmax 33x1000", F.log_softmax, lambda t: torch.log_softmax(t, -1), ref.log_softmax, [x])
+    rows += compare("logsumexp 33x1000", F.logsumexp, lambda t: torch.logsumexp(t, -1), ref.logsumexp, [x])
     for causal in (False, True):
         q = torch.randn(2, 4, 97, 64, device=device, dtype=dtype)
         k = torch.randn(2, 2, 129, 64, device=device, dtype=dtype)
         v = torch.randn(2, 2, 129, 64, device=device, dtype=dtype)
-        rows += grad_check(f"attention GQA 4/2 97x129{' causal' if causal else ''}",
-                           lambda q, k, v, c=causal: F.attention(q, k, v, causal=c), _sdpa(causal, 2),
-                           lambda q, k, v, c=causal: ref.attention(q, k, v, causal=c)[0], [q, k, v])
+        rows += compare(f"attention GQA 4/2 97x129{' causal' if causal else ''}",
+                        lambda q, k, v, c=causal: F.attention(q, k, v, causal=c), sdpa(causal, 2),
+                        lambda q, k, v, c=causal: ref.attention(q, k, v, causal=c)[0], [q, k, v])
     return rows
 
 
@@ -127,6 +153,27 @@ def run_table(rows_fn: Callable[[], list[Row]], stream=sys.stdout) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="splitsoftmax verify", description=__doc__)
-    parser.add_argument("--nproc", type=int, default=None, help="launch this many ranks locally")
-    parser.parse_args(argv)
-    return run_table(single_device_rows)
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="launch this many local ranks (Gloo on CPU, NCCL with a GPU per rank)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--deadline", type=float, default=1800.0, help="seconds before --nproc ranks are stopped")
+    ns = parser.parse_args(argv)
+    from . import launcher
+    kind = launcher.launched_by()
+    if kind is None and ns.nproc:
+        return launcher.spawn(ns.nproc, ["verify", "--dtype", ns.dtype], ns.deadline)
+    dtype = getattr(torch, ns.dtype)
+    if kind is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return run_table(lambda: single_device_rows(device, dtype))
+    return _verify_ranks(kind, dtype)
+
+
+def _verify_ranks(kind: str, dtype: torch.dtype) -> int:
+    """One rank of a job: single-device rows on its device, then the sharded rows; rank 0 prints."""
+    from . import launcher
+    from .verify_sharded import Job, sharded_rows
+    group, device, rank, world = launcher.init_ranks(kind)
+    job = Job(group, device, rank, world, dtype)
+    quiet = open(os.devnull, "w") if rank else sys.stdout
+    return run_table(lambda: single_device_rows(str(device), dtype) + sharded_rows(job), stream=quiet)

@@ -3,3 +3,74 @@
 # Torch (CPU) path: columns per block of a softmax row, keys per block of attention.
 CPU_BLOCK_COLS = 8192
 CPU_BLOCK_KEYS = 256
+
+# ---- softmax (issue 3): Triton softmax / log-softmax / logsumexp, forward and backward ----
+from dataclasses import dataclass  # noqa: E402
+from typing import Optional  # noqa: E402
+
+
+@dataclass
+class SoftmaxConfig:
+    """Tiles and path thresholds of the softmax family; tests shrink them to reach every path."""
+
+    one_pass_max_cols: int = 32768    # rows up to this length stay on chip: one read, one write (2N)
+    one_pass_tile_elems: int = 4096   # short rows are batched until a tile holds this many elements
+    loop_tile_bytes: int = 16384      # one tile of the looped passes (4096 fp32, 8192 bf16)
+    elems_per_warp: int = 512         # num_warps = tile elements / this, clamped to [1, max_warps]
+    max_warps: int = 16
+    split_rows_per_sm: float = 1.0    # long rows are split across programs when R < SMs * this
+    split_programs_per_sm: int = 4    # programs the split path aims for, per SM
+    split_min_tiles: int = 8          # each split program takes at least this many loop tiles
+    split_max_chunks: int = 2048      # at most this many partial states per row
+    sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)
+
+
+SOFTMAX = SoftmaxConfig()
+SOFTMAX_INTERPRET_SMS = 4
+
+
+@dataclass(frozen=True)
+class SoftmaxPlan:
+    """How one launch covers ``(R, N)``: ``path`` in one_pass / two_pass / split; a program
+    covers ``block_r`` rows and ``chunk`` columns in ``[block_r, block_n]`` tiles; ``splits``
+    programs per row (``splits * chunk >= N``, ``chunk % block_n == 0``)."""
+
+    path: str
+    block_r: int
+    block_n: int
+    splits: int
+    chunk: int
+    num_warps: int
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _warps(tile_elems: int, cfg: SoftmaxConfig) -> int:
+    return max(1, min(cfg.max_warps, tile_elems // cfg.elems_per_warp))
+
+
+def softmax_is_split(rows: int, cols: int, sms: int, cfg: SoftmaxConfig) -> bool:
+    """The split-row predicate: few rows, each long enough to feed several programs."""
+    return cols > cfg.one_pass_max_cols and rows < sms * cfg.split_rows_per_sm
+
+
+def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig = SOFTMAX,
+                 stats_only: bool = False) -> SoftmaxPlan:
+    """The launch plan of a softmax-family op over ``(rows, cols)``; ``stats_only``: a pass that
+    need not hold the row (logsumexp, row sums, normalising) keeps to loop-sized tiles."""
+    loop_n = max(16, 1 << (max(1, cfg.loop_tile_bytes // elem_bytes).bit_length() - 1))
+    if cols <= cfg.one_pass_max_cols and not (stats_only and cols > loop_n):
+        block_n = max(16, _pow2(cols))
+        block_r = min(_pow2(rows), max(1, cfg.one_pass_tile_elems // block_n))
+        return SoftmaxPlan("one_pass", block_r, block_n, 1, block_n, _warps(block_r * block_n, cfg))
+    if softmax_is_split(rows, cols, sms, cfg):
+        tiles = -(-cols // loop_n)
+        want = max(1, (sms * cfg.split_programs_per_sm) // max(rows, 1))
+        splits = max(1, min(want, tiles // cfg.split_min_tiles, cfg.split_max_chunks))
+        chunk = -(-tiles // splits) * loop_n
+        splits = -(-cols // chunk)
+        if splits > 1:
+            return SoftmaxPlan("split", 1, loop_n, splits, chunk, _warps(loop_n, cfg))
+    return SoftmaxPlan("two_pass", 1, loop_n, 1, -(-cols // loop_n) * loop_n, _warps(loop_n, cfg))

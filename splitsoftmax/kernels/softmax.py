@@ -1,0 +1,420 @@
+"""Triton kernels of the softmax family: one-pass, online two-pass and split-row.
+
+Every launcher takes a 2-D view ``x (R, N)`` with unit column stride (any row stride) and has the
+signature of its torch twin in ``kernels/cpu.py``. Paths (chosen by ``configs.softmax_plan``):
+
+- one pass: a ``[BLOCK_R, BLOCK_N]`` tile holds whole rows; read once, write once (2N traffic);
+- two pass: one program per row, online ``(m, l)`` over tiles, then the normalising pass walks the
+  tiles backwards so the most recently read ones come from L2 (3N, less what L2 keeps);
+- split: few very long rows; ``S`` programs per row each write a partial ``(m, l)``, the
+  normalising launch merges a row's partials (``m' = max m_i``, ``l' = sum exp(m_i - m') l_i``,
+  reference 0 where ``m' = -inf``) and normalises its chunk, last chunk first.
+
+Statistics are float32; ``exp`` is ``exp2`` with ``log2(e)`` folded into the operand; ``lse`` is
+natural log. A row of all ``-inf`` has ``l = 0``: ``lse = -inf``, softmax 0, log-softmax ``-inf``.
+NaN in a row makes that row's ``l`` NaN and stays there.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from . import configs
+from ..local import interpreting
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+def _fix_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a runtime scalar into a loop bound with ``int(array)``, which
+    NumPy >= 2.4 refuses for its 1-element arrays; read the element instead (idempotent)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "scalar_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.scalar_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    _fix_interpreter_index()
+
+
+@triton.jit
+def _ref(m):
+    """The max to subtract: ``m``, or 0 in an empty row (so ``exp(-inf - ref) = 0``, not NaN)."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _lse(m, l):
+    """Natural ``lse`` from ``(m, l)`` ([BLOCK_R] each); ``-inf`` where ``l = 0``, NaN stays NaN."""
+    return tl.where(l == 0.0, float("-inf"), _ref(m) + tl.log2(l) * _LN2)
+
+
+@triton.jit
+def _online(m, l, x):
+    """Fold tile ``x [BLOCK_R, BLOCK_N]`` (float32) into the running ``(m, l)`` ([BLOCK_R])."""
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    ref2 = _ref(m_new) * _LOG2E
+    p = tl.math.exp2(x * _LOG2E - ref2[:, None])  # [BLOCK_R, BLOCK_N]
+    l = l * tl.math.exp2(m * _LOG2E - ref2) + tl.sum(p, axis=1)
+    return m_new, l
+
+
+@triton.jit
+def _stats(xb, rmask, start, end, BLOCK_N: tl.constexpr):
+    """Online ``(m, l)`` of columns ``[start, end)`` of the rows at ``xb [BLOCK_R, 1]``.
+
+    Full tiles load without a column mask (vector loads); one masked tail tile follows.
+    """
+    cols = tl.arange(0, BLOCK_N)
+    m = tl.full([xb.shape[0]], float("-inf"), tl.float32)
+    l = tl.zeros([xb.shape[0]], tl.float32)
+    n_full = (end - start) // BLOCK_N
+    for i in range(n_full):
+        c0 = tl.multiple_of(start + i * BLOCK_N, BLOCK_N)
+        x = tl.load(xb + (c0 + cols)[None, :], mask=rmask[:, None], other=float("-inf"),
+                    eviction_policy="evict_last").to(tl.float32)  # [BLOCK_R, BLOCK_N]
+        m, l = _online(m, l, x)
+    c = start + n_full * BLOCK_N + cols
+    x = tl.load(xb + c[None, :], mask=rmask[:, None] & (c < end)[None, :],
+                other=float("-inf")).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+    return _online(m, l, x)
+
+
+@triton.jit
+def _norm_tile(x, lse, g, LOG: tl.constexpr):
+    """``g * exp(x - lse)`` or ``x - lse`` of ``x [BLOCK_R, BLOCK_N]``; empty rows 0 / -inf."""
+    empty = (lse == float("-inf"))[:, None]
+    if LOG:
+        y = tl.where(empty, float("-inf"), x - lse[:, None])
+    else:
+        y = tl.where(empty, 0.0, tl.math.exp2(x * _LOG2E - (lse * _LOG2E)[:, None]) * g[:, None])
+    return y
+
+
+@triton.jit
+def _normalize_range(xb, yb, rmask, lse, g, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Write the normalised columns ``[start, end)`` of the rows at ``xb``/``yb``, last tile first."""
+    cols = tl.arange(0, BLOCK_N)
+    n_full = (end - start) // BLOCK_N
+    tail = start + n_full * BLOCK_N
+    c = tail + cols
+    cmask = rmask[:, None] & (c < end)[None, :]
+    x = tl.load(xb + c[None, :], mask=cmask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+    tl.store(yb + c[None, :], _norm_tile(x, lse, g, LOG).to(yb.dtype.element_ty), mask=cmask)
+    for i in range(n_full):
+        c0 = tl.multiple_of(tail - (i + 1) * BLOCK_N, BLOCK_N)
+        x = tl.load(xb + (c0 + cols)[None, :], mask=rmask[:, None], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)  # [BLOCK_R, BLOCK_N]
+        y = _norm_tile(x, lse, g, LOG).to(yb.dtype.element_ty)
+        tl.store(yb + (c0 + cols)[None, :], y, mask=rmask[:, None])
+
+
+@triton.jit
+def _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S: tl.constexpr):
+    """Merged natural ``lse`` [BLOCK_R] of the ``S`` partial ``(m, l)`` of each row (row-major ``(R, S)``)."""
+    s = tl.arange(0, BLOCK_S)
+    mask = rmask[:, None] & (s < S)[None, :]
+    off = rows[:, None].to(tl.int64) * S + s[None, :]
+    pm = tl.load(pm_ptr + off, mask=mask, other=float("-inf"))  # [BLOCK_R, BLOCK_S]
+    pl = tl.load(pl_ptr + off, mask=mask, other=0.0)  # [BLOCK_R, BLOCK_S]
+    m = tl.max(pm, axis=1)
+    ref2 = _ref(m) * _LOG2E
+    l = tl.sum(pl * tl.math.exp2(pm * _LOG2E - ref2[:, None]), axis=1)
+    return _lse(m, l)
+
+
+@triton.jit(do_not_specialize=["R", "chunk"])
+def _lse_fwd_kernel(x_ptr, lse_ptr, pm_ptr, pl_ptr, R, N, stride_x, chunk,
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr):
+    """Grid ``(cdiv(R, BLOCK_R), S)``: ``(m, l)`` of a ``chunk`` of columns; ``lse`` if ``S == 1``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    rmask = rows < R
+    s = tl.program_id(1)
+    start = s * chunk
+    end = tl.minimum(start + chunk, N)
+    m, l = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, start, end, BLOCK_N)
+    if PARTIAL:
+        off = rows.to(tl.int64) * tl.num_programs(1) + s
+        tl.store(pm_ptr + off, m, mask=rmask)
+        tl.store(pl_ptr + off, l, mask=rmask)
+    else:
+        tl.store(lse_ptr + rows, _lse(m, l), mask=rmask)
+
+
+@triton.jit(do_not_specialize=["R", "S"])
+def _lse_merge_fwd_kernel(pm_ptr, pl_ptr, lse_ptr, R, S, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid ``cdiv(R, BLOCK_R)``: the ``lse`` of each row from its ``S`` partial states."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    tl.store(lse_ptr + rows, _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S), mask=rmask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def _softmax_fwd_kernel(x_ptr, y_ptr, lse_ptr, R, N, stride_x, stride_y, LOG: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+    """Grid ``cdiv(R, BLOCK_R)``: whole rows; one pass if ``BLOCK_N >= N``, else online two-pass."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    rmask = rows < R
+    xb = x_ptr + rows[:, None].to(tl.int64) * stride_x
+    yb = y_ptr + rows[:, None].to(tl.int64) * stride_y
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK_N)
+        mask = rmask[:, None] & (cols < N)[None, :]
+        x = tl.load(xb + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+        m = tl.max(x, axis=1)
+        ref2 = _ref(m) * _LOG2E
+        p = tl.math.exp2(x * _LOG2E - ref2[:, None])  # [BLOCK_R, BLOCK_N]
+        l = tl.sum(p, axis=1)
+        lse = _lse(m, l)
+        if LOG:
+            y = tl.where((l == 0.0)[:, None], float("-inf"), x - lse[:, None])
+        else:
+            y = p * tl.where(l == 0.0, 0.0, 1.0 / l)[:, None]
+        tl.store(yb + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        m, l = _stats(xb, rmask, 0, N, BLOCK_N)
+        lse = _lse(m, l)
+        _normalize_range(xb, yb, rmask, lse, tl.full([BLOCK_R], 1.0, tl.float32), 0, N, LOG, BLOCK_N)
+    tl.store(lse_ptr + rows, lse, mask=rmask)
+
+
+@triton.jit(do_not_specialize=["R", "chunk", "S"])
+def _normalize_fwd_kernel(x_ptr, y_ptr, lse_ptr, g_ptr, pm_ptr, pl_ptr, R, N, stride_x, stride_y,
+                          chunk, S, LOG: tl.constexpr, HAS_G: tl.constexpr, MERGE: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Grid ``(cdiv(R, BLOCK_R), S)``, chunks in reverse launch order (the last read is in L2).
+
+    ``MERGE``: ``lse`` is merged from ``S`` partials, and the chunk-0 program writes it out.
+    """
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    rmask = rows < R
+    s = tl.num_programs(1) - 1 - tl.program_id(1)
+    if MERGE:
+        lse = _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S)
+        tl.store(lse_ptr + rows, lse, mask=rmask & (s == 0))
+    else:
+        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    if HAS_G:
+        g = tl.load(g_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+    else:
+        g = tl.full([BLOCK_R], 1.0, tl.float32)
+    start = s * chunk
+    _normalize_range(x_ptr + rows[:, None].to(tl.int64) * stride_x,
+                     y_ptr + rows[:, None].to(tl.int64) * stride_y,
+                     rmask, lse, g, start, tl.minimum(start + chunk, N), LOG, BLOCK_N)
+
+
+@triton.jit
+def _grad_terms(y, dy, LOG: tl.constexpr):
+    """The per-element term of the row sum: ``dy`` (log) or ``dy * y``."""
+    return dy if LOG else dy * y
+
+
+@triton.jit
+def _dx(y, dy, s, empty, LOG: tl.constexpr):
+    """``dx [BLOCK_R, BLOCK_N]`` from ``y, dy`` and the row sum ``s [BLOCK_R]``; 0 in empty rows."""
+    if LOG:
+        dx = dy - tl.math.exp2(y * _LOG2E) * s[:, None]
+    else:
+        dx = y * (dy - s[:, None])
+    return tl.where(empty[:, None], 0.0, dx)
+
+
+@triton.jit(do_not_specialize=["R", "chunk"])
+def _rowsum_bwd_kernel(y_ptr, dy_ptr, out_ptr, R, N, stride_y, stride_dy, chunk, LOG: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid ``(cdiv(R, BLOCK_R), S)``: partial row sums of ``dy * y`` (or ``dy``) into ``out (R, S)``."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    s = tl.program_id(1)
+    start = s * chunk
+    end = tl.minimum(start + chunk, N)
+    yb = y_ptr + rows[:, None].to(tl.int64) * stride_y
+    db = dy_ptr + rows[:, None].to(tl.int64) * stride_dy
+    cols = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_R, BLOCK_N], tl.float32)
+    for c0 in range(start, end, BLOCK_N):
+        c = c0 + cols
+        mask = rmask[:, None] & (c < end)[None, :]
+        y = tl.load(yb + c[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+        dy = tl.load(db + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += _grad_terms(y, dy, LOG)
+    tl.store(out_ptr + rows.to(tl.int64) * tl.num_programs(1) + s, tl.sum(acc, axis=1), mask=rmask)
+
+
+@triton.jit(do_not_specialize=["R", "chunk"])
+def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, lse_ptr, rs_ptr, R, N, stride_y, stride_dy, stride_dx,
+                        chunk, LOG: tl.constexpr, FUSED_SUM: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Grid ``(cdiv(R, BLOCK_R), S)``. ``FUSED_SUM``: the tile holds whole rows and sums them itself."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < R
+    empty = tl.load(lse_ptr + rows, mask=rmask, other=0.0) == float("-inf")  # [BLOCK_R]
+    yb = y_ptr + rows[:, None].to(tl.int64) * stride_y
+    db = dy_ptr + rows[:, None].to(tl.int64) * stride_dy
+    xb = dx_ptr + rows[:, None].to(tl.int64) * stride_dx
+    cols = tl.arange(0, BLOCK_N)
+    if FUSED_SUM:
+        mask = rmask[:, None] & (cols < N)[None, :]
+        y = tl.load(yb + cols[None, :], mask=mask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+        dy = tl.load(db + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.sum(_grad_terms(y, dy, LOG), axis=1)
+        tl.store(xb + cols[None, :], _dx(y, dy, s, empty, LOG).to(dx_ptr.dtype.element_ty), mask=mask)
+    else:
+        s = tl.load(rs_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        start = tl.program_id(1) * chunk
+        end = tl.minimum(start + chunk, N)
+        for c0 in range(start, end, BLOCK_N):
+            c = c0 + cols
+            mask = rmask[:, None] & (c < end)[None, :]
+            y = tl.load(yb + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(db + c[None, :], mask=mask, other=0.0).to(tl.float32)
+            tl.store(xb + c[None, :], _dx(y, dy, s, empty, LOG).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(t: Tensor) -> int:
+    """Streaming multiprocessors of ``t``'s device (the configured count, or a small one on CPU)."""
+    if configs.SOFTMAX.sm_count:
+        return configs.SOFTMAX.sm_count
+    return _device_sms(t.device.index or 0) if t.is_cuda else configs.SOFTMAX_INTERPRET_SMS
+
+
+def _plan(x: Tensor, stats_only: bool = False) -> configs.SoftmaxPlan:
+    """The launch plan for ``x (R, N)``."""
+    return configs.softmax_plan(x.shape[0], x.shape[1], x.element_size(), _sms(x), configs.SOFTMAX, stats_only)
+
+
+def _unit_cols(x: Tensor) -> Tensor:
+    """``x`` itself when its columns are contiguous (any row stride), else a contiguous copy."""
+    return x if x.stride(1) == 1 or x.shape[1] <= 1 else x.contiguous()
+
+
+def _grid(x: Tensor, p: configs.SoftmaxPlan) -> tuple[int, int]:
+    return triton.cdiv(x.shape[0], p.block_r), p.splits
+
+
+def _partials(x: Tensor, p: configs.SoftmaxPlan) -> tuple[Tensor, Tensor]:
+    """Partial states ``(m, l)``, each ``(R, S)`` float32, of the ``S`` chunks of each row."""
+    pm = torch.empty((x.shape[0], p.splits), dtype=torch.float32, device=x.device)
+    pl = torch.empty_like(pm)
+    _lse_fwd_kernel[_grid(x, p)](x, pm, pm, pl, x.shape[0], x.shape[1], x.stride(0), p.chunk,
+                                 BLOCK_R=p.block_r, BLOCK_N=p.block_n, PARTIAL=True, num_warps=p.num_warps)
+    return pm, pl
+
+
+def lse_rows(x: Tensor) -> Tensor:
+    """Natural-log logsumexp of each row of ``x (R, N)``: ``(R,)`` float32."""
+    x = _unit_cols(x)
+    R, N = x.shape
+    lse = torch.empty(R, dtype=torch.float32, device=x.device)
+    if R == 0 or N == 0:
+        return lse.fill_(float("-inf"))
+    p = _plan(x, stats_only=True)
+    if p.splits == 1:
+        _lse_fwd_kernel[_grid(x, p)](x, lse, lse, lse, R, N, x.stride(0), p.chunk, BLOCK_R=p.block_r,
+                                     BLOCK_N=p.block_n, PARTIAL=False, num_warps=p.num_warps)
+        return lse
+    pm, pl = _partials(x, p)
+    bs = triton.next_power_of_2(p.splits)
+    br = max(1, min(triton.next_power_of_2(R), 4096 // bs))
+    _lse_merge_fwd_kernel[(triton.cdiv(R, br),)](pm, pl, lse, R, p.splits, BLOCK_R=br, BLOCK_S=bs)
+    return lse
+
+
+def _normalize(x: Tensor, lse: Optional[Tensor], g: Optional[Tensor], log: bool,
+               partials: Optional[tuple[Tensor, Tensor]] = None, p: Optional[configs.SoftmaxPlan] = None):
+    """Launch the normalising pass; with ``partials``, merge them into (and write) ``lse``."""
+    R, N = x.shape
+    y = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    p = p or _plan(x, stats_only=True)
+    pm, pl = partials if partials is not None else (y, y)
+    _normalize_fwd_kernel[_grid(x, p)](
+        x, y, lse, g if g is not None else y, pm, pl, R, N, x.stride(0), y.stride(0), p.chunk, p.splits,
+        LOG=log, HAS_G=g is not None, MERGE=partials is not None, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
+        BLOCK_S=triton.next_power_of_2(p.splits) if partials is not None else 1, num_warps=p.num_warps)
+    return y
+
+
+def normalize(x: Tensor, lse: Tensor, log: bool) -> Tensor:
+    """``exp(x - lse)`` (softmax) or ``x - lse`` (log-softmax) in ``x.dtype``; empty rows give 0 / -inf."""
+    x = _unit_cols(x)
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _normalize(x, lse.contiguous(), None, log)
+
+
+def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
+    """Softmax or log-softmax of each row of ``x (R, N)``: ``(y (R, N) x.dtype, lse (R,) float32)``."""
+    x = _unit_cols(x)
+    R, N = x.shape
+    if R == 0 or N == 0:
+        return torch.empty((R, N), dtype=x.dtype, device=x.device), lse_rows(x)
+    p = _plan(x)
+    lse = torch.empty(R, dtype=torch.float32, device=x.device)
+    if p.path == "split":
+        return _normalize(x, lse, None, log, _partials(x, p), p), lse
+    y = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    _softmax_fwd_kernel[_grid(x, p)](x, y, lse, R, N, x.stride(0), y.stride(0), LOG=log, BLOCK_R=p.block_r,
+                                     BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass", num_warps=p.num_warps)
+    return y, lse
+
+
+def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:
+    """The row sum the backward needs: ``sum(dy * y)`` (softmax) or ``sum(dy)`` (log): ``(R,)`` float32."""
+    y, dy = _unit_cols(y), _unit_cols(dy)
+    R, N = y.shape
+    if R == 0 or N == 0:
+        return torch.zeros(R, dtype=torch.float32, device=y.device)
+    p = _plan(y, stats_only=True)
+    out = torch.empty((R, p.splits), dtype=torch.float32, device=y.device)
+    _rowsum_bwd_kernel[_grid(y, p)](y, dy, out, R, N, y.stride(0), dy.stride(0), p.chunk, LOG=log,
+                                    BLOCK_R=p.block_r, BLOCK_N=p.block_n, num_warps=p.num_warps)
+    return out[:, 0] if p.splits == 1 else out.sum(1)
+
+
+def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool, rowsum: Optional[Tensor] = None) -> Tensor:
+    """``dx`` of (log-)softmax from its output ``y (R, N)``; ``rowsum`` (global, for shards) defaults
+    to the local one. Rows with ``lse = -inf`` get ``dx = 0``."""
+    y, dy = _unit_cols(y), _unit_cols(dy)
+    R, N = y.shape
+    dx = torch.empty((R, N), dtype=y.dtype, device=y.device)
+    if R == 0 or N == 0:
+        return dx
+    p = _plan(y)
+    fused = rowsum is None and p.path == "one_pass"
+    if not fused:
+        p = _plan(y, stats_only=True)
+        rowsum = softmax_rowsum(y, dy, log) if rowsum is None else rowsum
+    rs = lse if fused else rowsum.contiguous()
+    _softmax_bwd_kernel[_grid(y, p)](y, dy, dx, lse.contiguous(), rs, R, N, y.stride(0), dy.stride(0),
+                                     dx.stride(0), p.chunk, LOG=log, FUSED_SUM=fused, BLOCK_R=p.block_r,
+                                     BLOCK_N=p.block_n, num_warps=p.num_warps)
+    return dx
+
+
+def logsumexp_bwd(x: Tensor, lse: Tensor, g: Tensor) -> Tensor:
+    """``dx = g * exp(x - lse)`` for ``x (R, N)``, ``lse, g (R,)``; 0 in empty rows."""
+    x = _unit_cols(x)
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return _normalize(x, lse.contiguous(), g.contiguous(), log=False)

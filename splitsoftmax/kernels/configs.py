@@ -4,6 +4,50 @@
 CPU_BLOCK_COLS = 8192
 CPU_BLOCK_KEYS = 256
 
+# ---- attention (issue 4): Triton attention, split-KV decode and the fused N-way merge ----
+# A tile config is (BLOCK_M, BLOCK_N, num_warps, num_stages), looked up by a key
+# (kind, element size of the inputs, padded head dim); `attn_tile` falls back to the
+# closest smaller head dim, then to ATTN_TILE_DEFAULT.
+ATTN_TILES = {
+    # forward over many queries (prefill, ring steps): Hopper-sized tiles for 16-bit inputs
+    ("fwd", 2, 64): (128, 64, 4, 3),
+    ("fwd", 2, 128): (128, 64, 8, 3),
+    ("fwd", 2, 256): (64, 64, 4, 2),
+    ("fwd", 4, 64): (64, 32, 4, 2),
+    ("fwd", 4, 128): (64, 32, 4, 2),
+    ("fwd", 4, 256): (32, 32, 4, 1),
+    # decode: few query rows (GQA heads packed into BLOCK_M), long key streams
+    ("decode", 2, 64): (16, 128, 4, 4),
+    ("decode", 2, 128): (16, 128, 4, 4),
+    ("decode", 2, 256): (16, 64, 4, 3),
+    ("decode", 4, 128): (16, 64, 4, 2),
+    ("decode", 4, 256): (16, 32, 4, 2),
+    # backward: dK/dV programs walk query blocks (BLOCK_M small, BLOCK_N large) ...
+    ("bwd_kv", 2, 128): (32, 128, 4, 3),
+    ("bwd_kv", 2, 256): (32, 64, 4, 2),
+    ("bwd_kv", 4, 128): (32, 64, 4, 2),
+    ("bwd_kv", 4, 256): (16, 32, 4, 1),
+    # ... and dQ programs walk key blocks (BLOCK_M large, BLOCK_N small)
+    ("bwd_q", 2, 128): (128, 32, 4, 3),
+    ("bwd_q", 2, 256): (64, 32, 4, 2),
+    ("bwd_q", 4, 128): (64, 32, 4, 2),
+    ("bwd_q", 4, 256): (32, 16, 4, 1),
+}
+ATTN_TILE_DEFAULT = (32, 32, 4, 2)
+# Under TRITON_INTERPRET=1 small tiles, so tiny test shapes still cross several tiles.
+ATTN_TILE_INTERPRET = (16, 16, 4, 1)
+# Split-KV: split the keys when fewer programs than this many per SM would run ...
+ATTN_SPLIT_PROGRAMS_PER_SM = 2
+# ... and give each split at least this many key tiles.
+ATTN_SPLIT_MIN_TILES = 4
+# SM count assumed under the interpreter (no device to ask), so tests reach the split path.
+ATTN_INTERPRET_SMS = 4
+# Queries per head at or under which GQA heads are packed into one program's rows.
+ATTN_PACK_MAX_SQ = 16
+# Fused merge: rows per program, head-dim columns per program, num_warps.
+MERGE_TILE = (32, 128, 4)
+MERGE_TILE_INTERPRET = (8, 16, 1)
+
 # ---- softmax (issue 3): Triton softmax / log-softmax / logsumexp, forward and backward ----
 from dataclasses import dataclass  # noqa: E402
 from typing import Optional  # noqa: E402

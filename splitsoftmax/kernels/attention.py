@@ -1,0 +1,432 @@
+"""Triton attention: partial-state forward (optionally merged in place), backward, split-KV decode.
+
+Layouts are SDPA's: ``q (B, H, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``, any
+strides. Query head ``h`` reads kv head ``h // (H // Hkv)`` (K/V are never repeated). Causal:
+query ``i`` sees key ``j`` iff ``j <= i + diag``.
+
+Forward program = ``BLOCK_M`` query rows x one key range. It walks K/V tiles with the online
+recurrence ``(m, l, o)`` in the log2 domain (``exp2``; ``log2(e)`` folded into the score scale and
+so into ``alpha``) and converts ``lse`` to the natural log at the boundary. Key tiles wholly
+visible to every row run unmasked; only the tiles crossing the diagonal or the end of the range
+are masked; tiles wholly above the diagonal are never visited. With few query rows (decode) the
+G query heads of a kv head are packed into one program's rows (``PACK``), and when too few
+programs would run the keys are split across programs whose partial ``(out, lse)`` are merged
+by the fused merge kernel (flash-decoding); see ``splitsoftmax.kernels.decode``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..state import stat_dtype
+from .decode import Plan, attn_tile, dot_precision, pad_dim, plan
+from ..local import interpreting
+from .merge import merge_into
+
+LOG2E = 1.4426950408889634
+# Triton 3.6's interpreter multiplies bf16 tiles as raw integers: there, tl.dot runs on float32
+# copies of the (already rounded) operands, which is the same product.
+_DOT_F32 = tl.constexpr(interpreting())
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr):
+    """``acc + a @ b`` with float32 accumulation."""
+    if _DOT_F32:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        out = tl.dot(a, b, acc, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _load_rows(ptrs, rmask, cmask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
+    """Load a 2-D tile, masking rows and/or padded columns only when asked (0 elsewhere)."""
+    if MASK_ROWS and MASK_COLS:
+        x = tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
+    elif MASK_ROWS:
+        x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
+    elif MASK_COLS:
+        x = tl.load(ptrs, mask=cmask[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, kj, pos, hi, diag, qk_scale, dmask, dvmask,
+              CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+              POS_SCALE: tl.constexpr, PREC: tl.constexpr):
+    """One K/V tile of the online recurrence; ``MASKED`` tiles mask keys >= hi and the diagonal."""
+    kmask = kj < hi  # [BLOCK_N]
+    k = _load_rows(k_ptrs, kmask, dmask, MASKED, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+    qk = _dot(q, tl.trans(k), None, PREC)  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        ok = kmask[None, :]
+        if CAUSAL:
+            ok = ok & (kj[None, :] <= pos[:, None] + diag)
+        s = tl.where(ok, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far: exp2(-inf - 0) = 0
+        p = tl.math.exp2(s - m_use[:, None])
+    else:
+        if POS_SCALE:
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
+            m_new = tl.maximum(m_i, tl.max(qk * qk_scale, 1))
+        m_use = m_new
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_rows(v_ptrs, kmask, dvmask, MASKED, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "chunk"])
+def _attn_fwd_kernel(Q, K, V, O, L,
+                     s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
+                     s_ob, s_oh, s_os, s_od, s_osplit, s_lb, s_lh, s_ls, s_lsplit,
+                     NH, G, Sq, Sk, diag, chunk, qk_scale,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                     PACK: tl.constexpr, ACC: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = (pid_bh // NH).to(tl.int64)
+    hh = pid_bh % NH
+    r0 = pid_m * BLOCK_M
+    r = r0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] program rows
+    if PACK:  # rows are (query head of this kv group, position) pairs
+        n_rows = G * Sq
+        head = (hh * G + r // Sq).to(tl.int64)
+        pos = r % Sq
+        kvh = hh
+        r1 = tl.minimum(r0 + BLOCK_M, n_rows) - 1
+        same = (r0 // Sq) == (r1 // Sq)
+        pos_lo = tl.where(same, r0 % Sq, 0)
+        pos_hi = tl.where(same, r1 % Sq, Sq - 1)
+    else:
+        n_rows = Sq
+        head = hh.to(tl.int64) + tl.zeros([BLOCK_M], tl.int64)
+        pos = r
+        kvh = hh // G
+        pos_lo = r0
+        pos_hi = tl.minimum(r0 + BLOCK_M, Sq) - 1
+    row_ok = r < n_rows
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dmask = offs_d < D
+    dvmask = offs_dv < DV
+    q_ptrs = Q + b * s_qb + head[:, None] * s_qh + pos[:, None] * s_qs + offs_d[None, :] * s_qd
+    q = _load_rows(q_ptrs, row_ok, dmask, True, BLOCK_D != D)  # [BLOCK_M, BLOCK_D]
+    # key range of this program: its split, cut at the last key any of its rows may see
+    lo = pid_s * chunk
+    hi = tl.minimum(Sk, lo + chunk)
+    full_hi = hi
+    if CAUSAL:
+        hi = tl.minimum(hi, pos_hi + diag + 1)
+        full_hi = tl.minimum(hi, pos_lo + diag + 1)
+    mid = lo + (tl.maximum(full_hi - lo, 0) // BLOCK_N) * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    k_base = K + b * s_kb + kvh.to(tl.int64) * s_kh + offs_d[None, :] * s_kd
+    v_base = V + b * s_vb + kvh.to(tl.int64) * s_vh + offs_dv[None, :] * s_vd
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for start in range(lo, mid, BLOCK_N):  # tiles every row sees whole
+        kj = start + offs_n  # [BLOCK_N]
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs,
+                                  kj, pos, hi, diag, qk_scale, dmask, dvmask, CAUSAL, False,
+                                  BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC)
+    for start in range(mid, hi, BLOCK_N):  # tiles crossing the diagonal or the range end
+        kj = start + offs_n
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs,
+                                  kj, pos, hi, diag, qk_scale, dmask, dvmask, CAUSAL, True,
+                                  BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC)
+    # epilogue: (out, lse) of this block; an empty row is (0, -inf)
+    l_ok = l_i > 0
+    l_safe = tl.where(l_ok, l_i, 1.0)
+    out = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_DV]
+    lse2 = tl.where(l_ok, m_i + tl.math.log2(l_safe), float("-inf"))
+    o_ptrs = O + pid_s * s_osplit + b * s_ob + head[:, None] * s_oh + pos[:, None] * s_os + offs_dv[None, :] * s_od
+    l_ptrs = L + pid_s * s_lsplit + b * s_lb + head * s_lh + pos * s_ls
+    st_mask = row_ok[:, None] & dvmask[None, :]
+    if ACC:  # merge into the running float32 state (out, lse) held at O, L
+        old2 = tl.load(l_ptrs, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+        m2 = tl.maximum(old2, lse2)
+        m2 = tl.where(m2 == float("-inf"), 0.0, m2)
+        w_old = tl.math.exp2(old2 - m2)
+        w_new = tl.math.exp2(lse2 - m2)
+        tot = w_old + w_new
+        inv = tl.where(tot > 0, 1.0 / tl.where(tot > 0, tot, 1.0), 0.0)
+        o_old = tl.load(o_ptrs, mask=st_mask & (w_old > 0)[:, None], other=0.0)
+        out = o_old * (w_old * inv)[:, None] + out * (w_new * inv)[:, None]
+        lse2 = tl.where(tot > 0, m2 + tl.math.log2(tl.where(tot > 0, tot, 1.0)), float("-inf"))
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=st_mask)
+    tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
+
+
+def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
+               diag: int, p: Plan, *, acc: bool = False, split_dim: bool = False) -> None:
+    """Run the forward kernel into ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)`` (any strides).
+
+    ``split_dim``: both carry a leading dim of ``p.nsplit`` partials, split ``s`` covering keys
+    ``[s * p.chunk, (s + 1) * p.chunk)``. ``acc``: merge into the state already in ``out``/``lse``.
+    """
+    b, h, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = h // hkv
+    bm, bn, warps, stages = p.tile
+    so = out.stride() if split_dim else (0, *out.stride())
+    sl = lse.stride() if split_dim else (0, *lse.stride())
+    grid = (triton.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
+    _attn_fwd_kernel[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(),
+                           *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g, sq, sk, diag, p.chunk,
+                           scale * LOG2E, D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm,
+                           BLOCK_N=bn, CAUSAL=causal, PACK=p.pack, ACC=acc, POS_SCALE=scale > 0,
+                           PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+
+
+def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
+               diag: int, p: Plan, acc: bool) -> None:
+    """Flash-decoding: ``p.nsplit`` float32 partials (plus the running state when ``acc``), merged."""
+    b, h, sq, _ = q.shape
+    dv, extra = v.shape[-1], int(acc)
+    outs = torch.empty((p.nsplit + extra, b, h, sq, dv), dtype=torch.float32, device=q.device)
+    lses = torch.empty((p.nsplit + extra, b, h, sq), dtype=torch.float32, device=q.device)
+    if acc:
+        outs[0].copy_(out)
+        lses[0].copy_(lse)
+    launch_fwd(q, k, v, outs[extra:], lses[extra:], scale, causal, diag, p, split_dim=True)
+    r = b * h * sq
+    direct = out.is_contiguous() and lse.is_contiguous()
+    dst_o = out.view(r, dv) if direct else torch.empty((r, dv), dtype=out.dtype, device=q.device)
+    dst_l = lse.view(r) if direct else torch.empty((r,), dtype=lse.dtype, device=q.device)
+    merge_into(outs.view(-1, r, dv), lses.view(-1, r), dst_o, dst_l)
+    if not direct:
+        out.copy_(dst_o.view(out.shape))
+        lse.copy_(dst_l.view(lse.shape))
+
+
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int = 0,
+             out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """Partial attention ``(out (B, H, Sq, Dv), lse (B, H, Sq))``; empty rows ``(0, -inf)``.
+
+    ``out`` is float32 unless ``out_dtype``; ``lse`` float32. Splits the keys across programs
+    (flash-decoding) when too few programs would run otherwise.
+    """
+    b, h, sq, _ = q.shape
+    dt = stat_dtype(q.dtype)
+    out = torch.empty((b, h, sq, v.shape[-1]), dtype=out_dtype or dt, device=q.device)
+    lse = torch.empty((b, h, sq), dtype=dt, device=q.device)
+    if lse.numel() == 0:
+        return out, lse
+    if k.shape[2] == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    p = plan(q, k, v, causal, diag)
+    if p.nsplit == 1:
+        launch_fwd(q, k, v, out, lse, scale, causal, diag, p)
+    else:
+        _split_fwd(q, k, v, out, lse, scale, causal, diag, p, acc=False)
+    return out, lse
+
+
+def attn_fwd_acc(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int,
+                 acc_out: Tensor, acc_lse: Tensor) -> None:
+    """Merge this block's attention into the running float32 state in place (a ring step).
+
+    ``acc_out (B, H, Sq, Dv)`` and ``acc_lse (B, H, Sq)`` are float32 (any strides); the result is
+    ``merge_out_lse`` of the stack of the old state and ``attn_fwd(q, k, v, ...)``.
+    """
+    if k.shape[2] == 0 or acc_lse.numel() == 0:
+        return
+    p = plan(q, k, v, causal, diag)
+    if p.nsplit == 1:
+        launch_fwd(q, k, v, acc_out, acc_lse, scale, causal, diag, p, acc=True)
+    else:
+        _split_fwd(q, k, v, acc_out, acc_lse, scale, causal, diag, p, acc=True)
+
+
+@triton.jit
+def _bwd_kv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, m0, kj, Sq, diag, qk_scale,
+                 s_qs, s_ds, s_ls, s_es, offs_d, offs_dv, dmask, dvmask,
+                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                 PREC: tl.constexpr):
+    """dK, dV of one key block from one query block; ``MASKED``: the block crosses the diagonal."""
+    qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    qmask = qi < Sq
+    q = _load_rows(q_base + qi[:, None] * s_qs + offs_d[None, :], qmask, dmask, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
+    do = _load_rows(do_base + qi[:, None] * s_ds + offs_dv[None, :], qmask, dvmask, True, not EVEN_DV)
+    lse2 = tl.load(l_base + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty row: p = exp2(-inf) = 0
+    delta = tl.load(e_base + qi * s_es, mask=qmask, other=0.0)
+    qk_t = _dot(k, tl.trans(q), None, PREC)  # [BLOCK_N, BLOCK_M]
+    p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
+    if MASKED:
+        p_t = tl.where(kj[:, None] <= qi[None, :] + diag, p_t, 0.0)
+    dv = _dot(p_t.to(do.dtype), do, dv, PREC)  # [BLOCK_N, BLOCK_DV]
+    dp_t = _dot(v, tl.trans(do), None, PREC)  # [BLOCK_N, BLOCK_M]
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = _dot(ds_t.to(q.dtype), q, dk, PREC)  # [BLOCK_N, BLOCK_D]
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag"])
+def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GK, GV,
+                        s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
+                        s_db, s_dh, s_ds, s_dd, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
+                        s_kgb, s_kgh, s_kgs, s_kgd, s_vgb, s_vgh, s_vgs, s_vgd,
+                        HKV, G, Sq, Sk, diag, qk_scale, scale,
+                        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // HKV).to(tl.int64)
+    kvh = (pid_bh % HKV).to(tl.int64)
+    n0 = pid_n * BLOCK_N
+    kj = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    kmask = kj < Sk
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dmask = offs_d < D
+    dvmask = offs_dv < DV
+    k = _load_rows(K + b * s_kb + kvh * s_kh + kj[:, None] * s_ks + offs_d[None, :] * s_kd,
+                   kmask, dmask, True, BLOCK_D != D)  # [BLOCK_N, BLOCK_D]
+    v = _load_rows(V + b * s_vb + kvh * s_vh + kj[:, None] * s_vs + offs_dv[None, :] * s_vd,
+                   kmask, dvmask, True, BLOCK_DV != DV)  # [BLOCK_N, BLOCK_DV]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    # query blocks [m_start, m_full) cross the diagonal; from m_full on every query sees every key
+    m_start = 0
+    m_full = 0
+    if CAUSAL:
+        m_start = (tl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
+        m_full = tl.maximum(m_start, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M)
+    for gi in range(G):  # the query heads that read this kv head
+        h = kvh * G + gi
+        q_base = Q + b * s_qb + h * s_qh
+        do_base = DO + b * s_db + h * s_dh
+        l_base = LSE + b * s_lb + h * s_lh
+        e_base = DELTA + b * s_eb + h * s_eh
+        for m0 in range(m_start, tl.minimum(m_full, Sq), BLOCK_M):
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, m0, kj, Sq, diag, qk_scale,
+                                  s_qs, s_ds, s_ls, s_es, offs_d * s_qd, offs_dv * s_dd, dmask, dvmask,
+                                  BLOCK_M, True, BLOCK_D == D, BLOCK_DV == DV, PREC)
+        for m0 in range(m_full, Sq, BLOCK_M):
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, m0, kj, Sq, diag, qk_scale,
+                                  s_qs, s_ds, s_ls, s_es, offs_d * s_qd, offs_dv * s_dd, dmask, dvmask,
+                                  BLOCK_M, False, BLOCK_D == D, BLOCK_DV == DV, PREC)
+    st = kmask[:, None]
+    tl.store(GK + b * s_kgb + kvh * s_kgh + kj[:, None] * s_kgs + offs_d[None, :] * s_kgd, dk * scale,
+             mask=st & dmask[None, :])
+    tl.store(GV + b * s_vgb + kvh * s_vgh + kj[:, None] * s_vgs + offs_dv[None, :] * s_vgd, dv,
+             mask=st & dvmask[None, :])
+
+
+@triton.jit
+def _bwd_q_tile(dq, q, do, lse2, delta, k_base, v_base, kj, qi, Sk, diag, qk_scale, dmask, dvmask,
+                CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                PREC: tl.constexpr):
+    """dQ of one query block from one key block; ``MASKED``: keys past Sk or across the diagonal."""
+    kmask = kj < Sk
+    k = _load_rows(k_base, kmask, dmask, MASKED, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+    v = _load_rows(v_base, kmask, dvmask, MASKED, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
+    qk = _dot(q, tl.trans(k), None, PREC)  # [BLOCK_M, BLOCK_N]
+    p = tl.math.exp2(qk * qk_scale - lse2[:, None])
+    if MASKED:
+        ok = kmask[None, :]
+        if CAUSAL:
+            ok = ok & (kj[None, :] <= qi[:, None] + diag)
+        p = tl.where(ok, p, 0.0)
+    dp = _dot(do, tl.trans(v), None, PREC)  # [BLOCK_M, BLOCK_N]
+    ds = p * (dp - delta[:, None])
+    return _dot(ds.to(k.dtype), k, dq, PREC)  # [BLOCK_M, BLOCK_D]
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag"])
+def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
+                       s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
+                       s_db, s_dh, s_ds, s_dd, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
+                       s_qgb, s_qgh, s_qgs, s_qgd,
+                       H, G, Sq, Sk, diag, qk_scale, scale,
+                       D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    kvh = h // G
+    m0 = pid_m * BLOCK_M
+    qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    qmask = qi < Sq
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dmask = offs_d < D
+    dvmask = offs_dv < DV
+    q = _load_rows(Q + b * s_qb + h * s_qh + qi[:, None] * s_qs + offs_d[None, :] * s_qd,
+                   qmask, dmask, True, BLOCK_D != D)  # [BLOCK_M, BLOCK_D]
+    do = _load_rows(DO + b * s_db + h * s_dh + qi[:, None] * s_ds + offs_dv[None, :] * s_dd,
+                    qmask, dvmask, True, BLOCK_DV != DV)  # [BLOCK_M, BLOCK_DV]
+    lse2 = tl.load(LSE + b * s_lb + h * s_lh + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty row: p = 0
+    delta = tl.load(DELTA + b * s_eb + h * s_eh + qi * s_es, mask=qmask, other=0.0)
+    hi = Sk
+    full = Sk
+    if CAUSAL:
+        hi = tl.minimum(Sk, tl.maximum(tl.minimum(m0 + BLOCK_M, Sq) + diag, 0))
+        full = tl.minimum(hi, tl.maximum(m0 + diag + 1, 0))
+    mid = (full // BLOCK_N) * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    k_base = K + b * s_kb + kvh * s_kh + offs_d[None, :] * s_kd
+    v_base = V + b * s_vb + kvh * s_vh + offs_dv[None, :] * s_vd
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(0, mid, BLOCK_N):
+        kj = n0 + offs_n
+        dq = _bwd_q_tile(dq, q, do, lse2, delta, k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs,
+                         kj, qi, Sk, diag, qk_scale, dmask, dvmask, CAUSAL, False,
+                         BLOCK_D == D, BLOCK_DV == DV, PREC)
+    for n0 in range(mid, hi, BLOCK_N):
+        kj = n0 + offs_n
+        dq = _bwd_q_tile(dq, q, do, lse2, delta, k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs,
+                         kj, qi, Sk, diag, qk_scale, dmask, dvmask, CAUSAL, True,
+                         BLOCK_D == D, BLOCK_DV == DV, PREC)
+    tl.store(GQ + b * s_qgb + h * s_qgh + qi[:, None] * s_qgs + offs_d[None, :] * s_qgd, dq * scale,
+             mask=qmask[:, None] & dmask[None, :])
+
+
+def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+             scale: float, causal: bool, diag: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq (B,H,Sq,D), dk (B,Hkv,Sk,D), dv (B,Hkv,Sk,Dv))``, float32.
+
+    ``lse`` and ``delta = rowsum(dout * out)`` ``(B, H, Sq)`` are the rows' global statistics, so
+    a shard needs only its own K/V; rows with ``lse = -inf`` contribute nothing. GQA: dK/dV sum
+    over the query heads of each kv head inside one program (no atomics).
+    """
+    b, h, sq, d = q.shape
+    hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
+    dt = stat_dtype(q.dtype)
+    dq = torch.empty(q.shape, dtype=dt, device=q.device)
+    dk = torch.empty(k.shape, dtype=dt, device=q.device)
+    dv = torch.empty(v.shape, dtype=dt, device=q.device)
+    common = dict(D=d, DV=dv_, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv_), CAUSAL=causal,
+                  PREC=dot_precision(q.dtype))
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
+    if dk.numel() or dv.numel():
+        bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
+        _attn_bwd_kv_kernel[(triton.cdiv(sk, bn), b * hkv)](
+            q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
+            hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    if dq.numel():
+        bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
+        _attn_bwd_q_kernel[(triton.cdiv(sq, bm), b * h)](
+            q, k, v, dout, lse, delta, dq, *strides, *dq.stride(),
+            h, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    return dq, dk, dv

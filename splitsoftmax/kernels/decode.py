@@ -1,0 +1,108 @@
+"""Host-side choices of the attention kernels: tiles per head dim, GQA packing, split-KV plan.
+
+Split-KV (flash-decoding): when the forward would launch fewer than
+``ATTN_SPLIT_PROGRAMS_PER_SM`` programs per SM (few query rows, long keys), the visible keys
+are cut into ``nsplit`` chunks of whole ``BLOCK_N`` tiles, one program per (rows, chunk); each
+writes a float32 partial ``(out, lse)`` and the fused merge kernel combines them.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+import torch
+import triton
+from torch import Tensor
+
+from ..local import interpreting
+from .configs import (ATTN_INTERPRET_SMS, ATTN_PACK_MAX_SQ, ATTN_SPLIT_MIN_TILES, ATTN_SPLIT_PROGRAMS_PER_SM,
+                      ATTN_TILE_DEFAULT, ATTN_TILE_INTERPRET, ATTN_TILES)
+
+
+def fix_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a runtime scalar loop bound into ``int(array)``, which NumPy
+    >= 2.4 refuses for its 1-element arrays; read the element instead. Idempotent (the softmax
+    kernels apply the same patch, marked the same way)."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+    if getattr(patch, "scalar_index", False):
+        return
+
+    def patched(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched.scalar_index = True
+    interpreter._patch_lang_tensor = patched
+
+
+if interpreting():
+    fix_interpreter_index()
+
+
+class Plan(NamedTuple):
+    """How one forward runs: ``tile (BLOCK_M, BLOCK_N, warps, stages)``, packing, key split."""
+
+    tile: tuple
+    pack: bool
+    nsplit: int
+    chunk: int
+
+
+def pad_dim(d: int) -> int:
+    """Head dim padded to the power of two a tile holds (at least 16, for ``tl.dot``)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` precision: full IEEE for float32/64 inputs (no tf32 rounding), native otherwise."""
+    return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
+
+
+def attn_tile(kind: str, dtype: torch.dtype, d: int, dv: int) -> tuple:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kind`` for these inputs (configs.ATTN_TILES)."""
+    if interpreting():
+        return ATTN_TILE_INTERPRET
+    size = 2 if dtype.itemsize <= 2 else 4
+    want = pad_dim(max(d, dv))
+    dims = sorted(hd for (kd, sz, hd) in ATTN_TILES if kd == kind and sz == size and hd >= want)
+    return ATTN_TILES[(kind, size, dims[0])] if dims else ATTN_TILE_DEFAULT
+
+
+@lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(t: Tensor) -> int:
+    """Multiprocessors of ``t``'s device (a fixed small number under the interpreter)."""
+    return _sm_count(t.device.index or 0) if t.is_cuda else ATTN_INTERPRET_SMS
+
+
+def visible_keys(sq: int, sk: int, causal: bool, diag: int) -> int:
+    """How many leading keys any query may see."""
+    return max(0, min(sk, sq - 1 + diag + 1)) if causal else sk
+
+
+def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int) -> Plan:
+    """Tiles, packing and split for ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v``."""
+    b, h, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    pack = sq <= ATTN_PACK_MAX_SQ
+    rows = (h // hkv) * sq if pack else sq
+    bm, bn, warps, stages = attn_tile("decode" if pack else "fwd", q.dtype, d, dv)
+    if pack and not interpreting():
+        bm = min(64, max(16, triton.next_power_of_2(rows)))
+    tile = (bm, bn, warps, stages)
+    programs = triton.cdiv(rows, bm) * b * (hkv if pack else h)
+    target = ATTN_SPLIT_PROGRAMS_PER_SM * sm_count(q)
+    keys = visible_keys(sq, sk, causal, diag)
+    nsplit = 1
+    if programs < target:
+        nsplit = max(1, min(triton.cdiv(target, programs), keys // (bn * ATTN_SPLIT_MIN_TILES)))
+    chunk = triton.cdiv(max(sk, 1), bn) * bn
+    if nsplit > 1:
+        chunk = triton.cdiv(triton.cdiv(keys, nsplit), bn) * bn
+        nsplit = triton.cdiv(keys, chunk)
+    return Plan(tile, pack, nsplit, chunk)

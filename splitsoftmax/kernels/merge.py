@@ -1,0 +1,90 @@
+"""Fused N-way merge of partial attention results ``(out_i, lse_i)`` in one Triton kernel.
+
+The math is ``splitsoftmax.state.merge_out_lse``: with ``M = max_i lse_i`` (0 where every part
+is empty), ``w_i = exp(lse_i - M)``, ``out = sum_i w_i out_i / sum_i w_i`` and
+``lse = M + log(sum_i w_i)``. A part with ``lse_i = -inf`` has ``w_i = 0`` and its ``out_i`` is
+never multiplied in (NaN there stays out); a row where every part is empty gives ``(0, -inf)``.
+
+One program owns ``BLOCK_R`` rows and ``BLOCK_D`` columns. It first reads only the ``lse`` column
+of every part (small) to fix ``M`` and ``sum w``, then streams each part's ``out`` tile once with
+its final weight, so the partials are read exactly once and nothing is rescaled.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..local import interpreting
+from .configs import MERGE_TILE, MERGE_TILE_INTERPRET
+
+
+@triton.jit(do_not_specialize=["N", "R"])
+def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
+                      s_on, s_or, s_od, s_ln, s_lr, s_outr, s_outd, s_lser,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    # pass 1: running max and normaliser of the weights, in the log2 domain
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_R], tl.float32)
+    for i in range(N):
+        x = tl.load(LSES + i * s_ln + rows64 * s_lr, mask=rmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        m_new = tl.maximum(m, x)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        s = s * tl.math.exp2(m - m_use) + tl.math.exp2(x - m_use)
+        m = m_new
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    inv = tl.where(s > 0, 1.0 / tl.where(s > 0, s, 1.0), 0.0)  # [BLOCK_R]
+    # pass 2: one read of each part's tile with its final weight
+    mask2 = rmask[:, None] & (cols[None, :] < DV)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    optr = OUTS + rows64[:, None] * s_or + cols[None, :] * s_od  # [BLOCK_R, BLOCK_D]
+    for i in range(N):
+        x = tl.load(LSES + i * s_ln + rows64 * s_lr, mask=rmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        w = tl.math.exp2(x - m_use) * inv  # [BLOCK_R]; 0 for empty parts
+        o = tl.load(optr + i * s_on, mask=mask2 & (w > 0)[:, None], other=0.0).to(tl.float32)
+        acc += w[:, None] * o
+    tl.store(OUT + rows64[:, None] * s_outr + cols[None, :] * s_outd, acc.to(OUT.dtype.element_ty), mask=mask2)
+    if WRITE_LSE:
+        lse = tl.where(s > 0, (m_use + tl.math.log2(tl.where(s > 0, s, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(LSE + rows64 * s_lser, lse, mask=rmask & (pid_d == 0))
+
+
+def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Merge ``outs (N, R, Dv)``, ``lses (N, R)`` into ``out (R, Dv)`` (any float dtype), ``lse (R,)`` fp32.
+
+    All four may be strided views; ``out`` and ``lse`` are written, not read.
+    """
+    n, r, dv = outs.shape
+    if r == 0:
+        return
+    block_r, block_d, warps = MERGE_TILE_INTERPRET if interpreting() else MERGE_TILE
+    block_d = min(block_d, triton.next_power_of_2(max(dv, 1)))
+    grid = (triton.cdiv(r, block_r), max(1, triton.cdiv(dv, block_d)))
+    _merge_fwd_kernel[grid](outs, lses, out, lse, n, r, dv,
+                            *outs.stride(), *lses.stride(), *out.stride(), lse.stride(0),
+                            BLOCK_R=block_r, BLOCK_D=block_d, WRITE_LSE=True, num_warps=warps)
+
+
+def merge_out_lse(outs: Tensor, lses: Tensor, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:
+    """N-way merge: ``outs (N, *rows, Dv)``, ``lses (N, *rows)`` -> ``(out (*rows, Dv), lse (*rows))``.
+
+    ``out`` is float32 unless ``out_dtype``; ``lse`` float32. Same math as
+    ``splitsoftmax.state.merge_out_lse``.
+    """
+    n, rows, dv = outs.shape[0], tuple(outs.shape[1:-1]), outs.shape[-1]
+    out = torch.empty((*rows, dv), dtype=out_dtype or torch.float32, device=outs.device)
+    lse = torch.empty(rows, dtype=torch.float32, device=outs.device)
+    if n == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    r = out.numel() // max(dv, 1) if dv else lse.numel()
+    merge_into(outs.reshape(n, r, dv), lses.reshape(n, r), out.view(r, dv), lse.view(r))
+    return out, lse

@@ -1,0 +1,214 @@
+"""Interpreter lane: the Triton attention, split-KV decode and merge kernels on tiny CPU shapes.
+
+Run as ``TRITON_INTERPRET=1 python -m pytest -m interpreter``. Every result is compared with a
+float64 reference written here in plain torch (full score matrix), outputs are NaN-poisoned by
+conftest, and empty rows / -inf partials are checked for exact zeros and no NaN.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.interpreter
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("interpreter lane: set TRITON_INTERPRET=1 before importing triton", allow_module_level=True)
+
+import splitsoftmax as ss  # noqa: E402
+from splitsoftmax.kernels import attention as A  # noqa: E402
+from splitsoftmax.kernels import decode, merge  # noqa: E402
+
+NEG_INF = float("-inf")
+
+
+def ref_attention(q, k, v, scale, causal, diag=0):
+    """float64 ``(out, lse, p)``; empty rows ``(0, -inf)`` and p = 0 there (differentiable, no NaN)."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    i = torch.arange(q.shape[2]).unsqueeze(1)
+    j = torch.arange(k.shape[2]).unsqueeze(0)
+    mask = (j <= i + diag) if causal else torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    s = s.masked_fill(~mask, NEG_INF)
+    nonempty = mask.any(-1).expand(s.shape[:-1])
+    s_safe = torch.where(nonempty.unsqueeze(-1), s, 0.0)
+    lse = torch.logsumexp(s_safe, -1)
+    p = torch.exp(s_safe - lse.unsqueeze(-1)) * nonempty.unsqueeze(-1)
+    return p @ v, torch.where(nonempty, lse, NEG_INF)
+
+
+def rel_err(x, ref):
+    assert not torch.isnan(x).any(), "NaN in result"
+    return ((x.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+def inputs(b, h, hkv, sq, sk, d, dv, dtype):
+    q = torch.randn(b, h, sq, d).to(dtype)
+    k = torch.randn(b, hkv, sk, d).to(dtype)
+    v = torch.randn(b, hkv, sk, dv).to(dtype)
+    return q, k, v
+
+
+# max |err| / max |ref| against float64 on the same (rounded) inputs: float32 math, or bf16
+# operands with P and dS rounded to bf16 before their products (as on the GPU).
+TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
+
+FWD_CASES = [
+    # b, h, hkv, sq, sk, d, dv, causal, diag
+    (1, 2, 2, 17, 17, 32, 32, False, 0),
+    (2, 4, 2, 17, 97, 32, 16, True, 0),
+    (1, 4, 1, 33, 129, 16, 32, True, 96),   # bottom-right style offset, MQA
+    (1, 2, 2, 40, 40, 80, 80, True, -7),    # first rows see no key; D=80 padded
+    (1, 2, 1, 129, 20, 32, 32, True, 5),    # more queries than keys: fully masked tail tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", FWD_CASES)
+def test_forward(case, dtype):
+    b, h, hkv, sq, sk, d, dv, causal, diag = case
+    q, k, v = inputs(b, h, hkv, sq, sk, d, dv, dtype)
+    scale = 1 / math.sqrt(d)
+    out, lse = A.attn_fwd(q, k, v, scale, causal, diag)
+    ro, rl = ref_attention(q, k, v, scale, causal, diag)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert rel_err(out, ro) < TOL[dtype]
+    fin = rl > NEG_INF
+    assert torch.equal(lse == NEG_INF, ~fin)
+    assert (lse[fin].double() - rl[fin]).abs().max().item() < TOL[dtype]
+    assert torch.equal(out[~fin], torch.zeros_like(out[~fin]))
+
+
+def test_forward_noncontiguous_out_dtype_and_sk0():
+    q = torch.randn(1, 17, 4, 32).transpose(1, 2)  # (B, H, Sq, D) view with odd strides
+    kv = torch.randn(1, 97, 2, 2, 32)
+    k, v = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)
+    out, lse = A.attn_fwd(q, k, v, 0.3, True, 3, out_dtype=torch.bfloat16)
+    ro, rl = ref_attention(q, k, v, 0.3, True, 3)
+    assert out.dtype == torch.bfloat16 and rel_err(out, ro) < 1e-2
+    assert rel_err(lse, rl) < 1e-5
+    out0, lse0 = A.attn_fwd(q, k[:, :, :0], v[:, :, :0], 0.3, False)
+    assert torch.equal(out0, torch.zeros_like(out0)) and bool((lse0 == NEG_INF).all())
+
+
+def test_decode_split_matches_reference():
+    q, k, v = inputs(2, 8, 2, 1, 300, 32, 32, torch.float32)
+    p = decode.plan(q, k, v, False, 0)
+    assert p.nsplit > 1 and p.pack
+    out, lse = A.attn_fwd(q, k, v, 0.2, False)
+    ro, rl = ref_attention(q, k, v, 0.2, False)
+    assert rel_err(out, ro) < 2e-6 and rel_err(lse, rl) < 2e-6
+    # bottom-right causal decode of 3 queries: diag = Sk - Sq
+    q3 = torch.randn(2, 8, 3, 32)
+    out, lse = A.attn_fwd(q3, k, v, 0.2, True, 297)
+    ro, rl = ref_attention(q3, k, v, 0.2, True, 297)
+    assert decode.plan(q3, k, v, True, 297).nsplit > 1
+    assert rel_err(out, ro) < 2e-6 and rel_err(lse, rl) < 2e-6
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_forward_accumulate_in_place(split):
+    sq, sk = (1, 300) if split else (17, 40)
+    q, k, v = inputs(1, 4, 2, sq, sk, 32, 32, torch.float32)
+    diag = sk - sq
+    half = sk // 2
+    acc_out, acc_lse = A.attn_fwd(q, k[:, :, :half], v[:, :, :half], 0.25, True, diag)
+    assert (decode.plan(q, k[:, :, half:], v, True, diag - half).nsplit > 1) == split
+    A.attn_fwd_acc(q, k[:, :, half:], v[:, :, half:], 0.25, True, diag - half, acc_out, acc_lse)
+    ro, rl = ref_attention(q, k, v, 0.25, True, diag)
+    assert rel_err(acc_out, ro) < 2e-6 and rel_err(acc_lse, rl) < 2e-6
+
+
+def test_accumulate_into_empty_state_ignores_nan():
+    q, k, v = inputs(1, 2, 2, 17, 17, 32, 32, torch.float32)
+    acc_out = torch.full((1, 2, 17, 32), float("nan"))
+    acc_lse = torch.full((1, 2, 17), NEG_INF)
+    A.attn_fwd_acc(q, k, v, 0.25, True, -3, acc_out, acc_lse)
+    ro, rl = ref_attention(q, k, v, 0.25, True, -3)
+    assert rel_err(acc_out, ro) < 2e-6
+    assert torch.equal(acc_lse == NEG_INF, rl == NEG_INF)
+
+
+BWD_CASES = [
+    (1, 2, 2, 17, 17, 32, 32, False, 0),
+    (1, 4, 2, 33, 20, 32, 16, True, 0),
+    (2, 2, 1, 20, 33, 16, 32, True, 13),
+    (1, 2, 2, 18, 18, 32, 32, True, -5),  # empty rows get zero gradient
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", BWD_CASES)
+def test_backward(case, dtype):
+    b, h, hkv, sq, sk, d, dv, causal, diag = case
+    q, k, v = inputs(b, h, hkv, sq, sk, d, dv, dtype)
+    dout = torch.randn(b, h, sq, dv).to(dtype)
+    scale = 1 / math.sqrt(d)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ro, rl = ref_attention(q64, k64, v64, scale, causal, diag)
+    (ro * dout.double()).sum().backward()
+    delta = (dout.double() * ro.detach()).sum(-1)
+    dq, dk, dv_ = A.attn_bwd(q, k, v, dout, rl.detach().float(), delta.float(), scale, causal, diag)
+    for got, want in ((dq, q64.grad), (dk, k64.grad), (dv_, v64.grad)):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert rel_err(got, want) < TOL[dtype] * 2
+    if diag < 0:
+        assert torch.equal(dq[:, :, :-diag], torch.zeros_like(dq[:, :, :-diag]))
+
+
+def test_public_attention_autograd_routes_to_triton():
+    q, k, v = inputs(1, 4, 2, 17, 17, 32, 32, torch.float32)
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = ss.attention(qr, kr, vr, causal=True, return_lse=True)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ro, rl = ref_attention(q64, k64, v64, 1 / math.sqrt(32), True)
+    (ro * g.double()).sum().backward()
+    assert rel_err(out, ro) < 2e-6 and rel_err(lse, rl) < 2e-6
+    for got, want in ((qr.grad, q64.grad), (kr.grad, k64.grad), (vr.grad, v64.grad)):
+        assert rel_err(got, want) < 4e-6
+
+
+def ref_merge(outs, lses):
+    lses = lses.double()
+    m = lses.amax(0)
+    ms = torch.where(m == NEG_INF, 0.0, m)
+    w = torch.exp(lses - ms)
+    o = torch.where(w.unsqueeze(-1) > 0, outs.double(), 0.0)
+    s = w.sum(0)
+    out = (w.unsqueeze(-1) * o).sum(0) / torch.where(s > 0, s, 1.0).unsqueeze(-1)
+    return out, torch.where(s > 0, ms + torch.log(torch.where(s > 0, s, 1.0)), NEG_INF)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,rows,dv", [(1, (5,), 8), (3, (2, 7), 24), (8, (3, 11), 40)])
+def test_merge(n, rows, dv, dtype):
+    outs = torch.randn(n, *rows, dv).to(dtype)
+    lses = torch.randn(n, *rows) * 3
+    lses[0, 0] = NEG_INF           # an empty partial with NaN inside
+    outs[0, 0] = float("nan")
+    if n > 1:
+        lses[:, -1] = NEG_INF      # a row where every partial is empty
+        outs[:, -1] = float("nan")
+    out, lse = merge.merge_out_lse(outs, lses)
+    ro, rl = ref_merge(outs, lses)
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    assert rel_err(out, ro) < 1e-6
+    assert torch.equal(lse == NEG_INF, rl == NEG_INF)
+    fin = rl > NEG_INF
+    assert (lse[fin].double() - rl[fin]).abs().max().item() < 1e-5
+    if n > 1:
+        assert torch.equal(out[-1], torch.zeros_like(out[-1]))
+
+
+def test_merge_noncontiguous_and_public():
+    outs = torch.randn(4, 16, 3, 8).transpose(1, 2)  # (N, 3, 16, 8) strided
+    lses = torch.randn(4, 16, 3).transpose(1, 2)
+    out, lse = ss.merge_states(outs, lses)
+    ro, rl = ref_merge(outs, lses)
+    assert rel_err(out, ro) < 1e-6 and rel_err(lse, rl) < 1e-6

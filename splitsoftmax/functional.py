@@ -1,4 +1,4 @@
-"""Public single-device ops (CONTRACT.md's first table)."""
+"""Public single-device ops (CONTRACT.md's first table), over the custom ops of ``splitsoftmax.ops``."""
 from __future__ import annotations
 
 import math
@@ -8,7 +8,9 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from .autograd import AttentionFn, LogSumExpFn, MergeStatesFn, SoftmaxFn
+from . import ops  # noqa: F401  (registers torch.ops.splitsoftmax.*)
+
+_OPS = torch.ops.splitsoftmax
 
 
 def _rows(x: Tensor, dim: int) -> tuple[Tensor, tuple]:
@@ -21,7 +23,7 @@ def _softmax(x: Tensor, dim: int, log: bool) -> Tensor:
     _checks.tensor("x", x)
     d = _checks.dim("dim", dim, x.dim())
     x2, shape = _rows(x, d)
-    y = SoftmaxFn.apply(x2, log).reshape(shape)
+    y = _OPS.softmax_fwd(x2, log)[0].reshape(shape)
     return y.reshape(()) if x.dim() == 0 else y.movedim(-1, d)
 
 
@@ -43,7 +45,7 @@ def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
     _checks.tensor("x", x)
     d = _checks.dim("dim", dim, x.dim())
     x2, shape = _rows(x, d)
-    return LogSumExpFn.apply(x2).reshape(shape[:-1])
+    return _OPS.logsumexp_fwd(x2).float().reshape(shape[:-1])
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
@@ -62,8 +64,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     """
     s = _checks.attention_args(q, k, v, scale, causal)
     _checks.flag("return_lse", return_lse)
-    out, lse = AttentionFn.apply(q, k, v, s, causal, 0)
-    return (out, lse) if return_lse else out
+    out, lse = _OPS.attn_fwd(q, k, v, s, causal, 0)
+    return (out, lse.float()) if return_lse else out
 
 
 def merge_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
@@ -80,4 +82,5 @@ def merge_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     if outs.shape[0] == 0:
         rows = tuple(outs.shape[1:-1])
         return outs.new_zeros(outs.shape[1:]), torch.full(rows, float("-inf"), device=outs.device)
-    return MergeStatesFn.apply(outs, lses)
+    out, lse = _OPS.merge_fwd(outs, lses)
+    return out.to(outs.dtype), lse.float()

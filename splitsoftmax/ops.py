@@ -1,0 +1,124 @@
+"""The local ops as ``torch.library`` custom ops (namespace ``splitsoftmax``).
+
+Each op has a real implementation that dispatches through :func:`splitsoftmax.local.op`
+(Triton for CUDA tensors and under ``TRITON_INTERPRET=1``, the blockwise torch path otherwise),
+a fake implementation giving shapes and dtypes (``torch.compile`` traces with it), and, for the
+forward ops, an autograd formula from :mod:`splitsoftmax.autograd`. So a function calling
+``ss.softmax``, ``ss.attention`` or ``ss.merge_states`` compiles with ``fullgraph=True``.
+
+Every output is a fresh contiguous tensor; statistics are float32 (float64 for float64 inputs).
+Python scalars (``log``, ``scale``, ``causal``, ``diag``) are op arguments.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import autograd as ag
+from .local import op
+from .state import stat_dtype
+
+custom_op, register_fake, register_autograd = (torch.library.custom_op, torch.library.register_fake,
+                                               torch.library.register_autograd)
+
+
+def _out(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as a contiguous tensor of ``dtype`` (no copy when it already is one)."""
+    return t.to(dtype).contiguous()
+
+
+@custom_op("splitsoftmax::softmax_fwd", mutates_args=())
+def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
+    """(Log-)softmax of each row of ``x (R, N)``: ``(y (R, N) x.dtype, lse (R,))``."""
+    y, lse = op("softmax_fwd", x)(x, log)
+    return _out(y, x.dtype), _out(lse, stat_dtype(x.dtype))
+
+
+@register_fake("splitsoftmax::softmax_fwd")
+def _softmax_fwd_fake(x, log):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:1], dtype=stat_dtype(x.dtype))
+
+
+@custom_op("splitsoftmax::softmax_bwd", mutates_args=())
+def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool) -> Tensor:
+    """``dx (R, N)`` in ``y.dtype`` from the output ``y``, its gradient ``dy`` and ``lse (R,)``."""
+    return _out(op("softmax_bwd", y)(y, dy, lse, log), y.dtype)
+
+
+@register_fake("splitsoftmax::softmax_bwd")
+def _softmax_bwd_fake(y, dy, lse, log):
+    return y.new_empty(y.shape)
+
+
+@custom_op("splitsoftmax::logsumexp_fwd", mutates_args=())
+def logsumexp_fwd(x: Tensor) -> Tensor:
+    """Logsumexp of each row of ``x (R, N)``: ``(R,)``, natural log."""
+    return _out(op("lse_rows", x)(x), stat_dtype(x.dtype))
+
+
+@register_fake("splitsoftmax::logsumexp_fwd")
+def _logsumexp_fwd_fake(x):
+    return x.new_empty(x.shape[:1], dtype=stat_dtype(x.dtype))
+
+
+@custom_op("splitsoftmax::logsumexp_bwd", mutates_args=())
+def logsumexp_bwd(x: Tensor, lse: Tensor, g: Tensor) -> Tensor:
+    """``dx = g * exp(x - lse)``, ``(R, N)`` in ``x.dtype``; 0 in empty rows."""
+    return _out(op("logsumexp_bwd", x)(x, lse, g), x.dtype)
+
+
+@register_fake("splitsoftmax::logsumexp_bwd")
+def _logsumexp_bwd_fake(x, lse, g):
+    return x.new_empty(x.shape)
+
+
+@custom_op("splitsoftmax::attn_fwd", mutates_args=())
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int) -> tuple[Tensor, Tensor]:
+    """Attention of ``q (B,H,Sq,D)`` over ``k (B,Hkv,Sk,D)``, ``v (B,Hkv,Sk,Dv)``.
+
+    Returns ``(out (B,H,Sq,Dv) q.dtype, lse (B,H,Sq))``; causal: query ``i`` sees key ``j <= i + diag``.
+    """
+    out, lse = op("attn_fwd", q)(q, k, v, scale, causal, diag, out_dtype=q.dtype)
+    return _out(out, q.dtype), _out(lse, stat_dtype(q.dtype))
+
+
+@register_fake("splitsoftmax::attn_fwd")
+def _attn_fwd_fake(q, k, v, scale, causal, diag):
+    b, h, sq, _ = q.shape
+    return q.new_empty((b, h, sq, v.shape[-1])), q.new_empty((b, h, sq), dtype=stat_dtype(q.dtype))
+
+
+@custom_op("splitsoftmax::attn_bwd", mutates_args=())
+def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+             scale: float, causal: bool, diag: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` in the dtypes of ``q, k, v``; ``lse``, ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``."""
+    dq, dk, dv = op("attn_bwd", q)(q, k, v, dout, lse, delta, scale, causal, diag)
+    return _out(dq, q.dtype), _out(dk, k.dtype), _out(dv, v.dtype)
+
+
+@register_fake("splitsoftmax::attn_bwd")
+def _attn_bwd_fake(q, k, v, dout, lse, delta, scale, causal, diag):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@custom_op("splitsoftmax::merge_fwd", mutates_args=())
+def merge_fwd(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+    """N-way merge of ``outs (N, *rows, Dv)``, ``lses (N, *rows)``, N >= 1.
+
+    Returns ``(out (*rows, Dv), lse (*rows))``, both in the accumulation dtype.
+    """
+    out, lse = op("merge_out_lse", outs)(outs, lses)
+    dt = stat_dtype(outs.dtype)
+    return _out(out, dt), _out(lse, dt)
+
+
+@register_fake("splitsoftmax::merge_fwd")
+def _merge_fwd_fake(outs, lses):
+    dt = stat_dtype(outs.dtype)
+    return outs.new_empty(outs.shape[1:], dtype=dt), outs.new_empty(lses.shape[1:], dtype=dt)
+
+
+register_autograd("splitsoftmax::softmax_fwd", ag.softmax_backward, setup_context=ag.setup_softmax)
+register_autograd("splitsoftmax::logsumexp_fwd", ag.logsumexp_backward, setup_context=ag.setup_logsumexp)
+register_autograd("splitsoftmax::attn_fwd", ag.attention_backward, setup_context=ag.setup_attention)
+register_autograd("splitsoftmax::merge_fwd", ag.merge_backward, setup_context=ag.setup_merge)

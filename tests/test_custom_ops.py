@@ -1,0 +1,112 @@
+"""The custom ops behind the public functions: opcheck, and torch.compile(fullgraph=True) with no break."""
+import pytest
+import torch
+
+import splitsoftmax as ss
+from splitsoftmax import reference as ref
+
+OPS = torch.ops.splitsoftmax
+NEG_INF = float("-inf")
+
+
+def _rand(*shape, dtype=torch.float32, grad=True):
+    return torch.randn(*shape, dtype=dtype).requires_grad_(grad)
+
+
+def _opcheck_cases():
+    x = _rand(5, 37)
+    x_inf = torch.randn(4, 19)
+    x_inf[1] = NEG_INF
+    q, k, v = _rand(2, 4, 9, 16), _rand(2, 2, 13, 16), _rand(2, 2, 13, 8)
+    y, lse = OPS.softmax_fwd(x.detach(), False)
+    delta = torch.randn(2, 4, 9)
+    _, alse = OPS.attn_fwd(q.detach(), k.detach(), v.detach(), 0.25, True, 0)
+    lses = torch.randn(3, 2, 5)
+    lses[1, 0] = NEG_INF
+    return [
+        (OPS.softmax_fwd, (x, False)), (OPS.softmax_fwd, (x, True)), (OPS.softmax_fwd, (x_inf.requires_grad_(), True)),
+        (OPS.softmax_fwd, (torch.randn(37, 5).t().requires_grad_(), False)),
+        (OPS.attn_fwd, (*(t.transpose(1, 2) for t in (_rand(1, 7, 2, 8), _rand(1, 5, 1, 8), _rand(1, 5, 1, 4))), 0.5, False, 0)),
+        (OPS.softmax_bwd, (y, torch.randn(5, 37), lse, False)),
+        (OPS.logsumexp_fwd, (x,)), (OPS.logsumexp_bwd, (x.detach(), lse, torch.randn(5))),
+        (OPS.attn_fwd, (q, k, v, 0.25, True, 0)), (OPS.attn_fwd, (q, k, v, 0.3, False, 0)),
+        (OPS.attn_fwd, (q, k, v, 0.25, True, 4)),
+        (OPS.attn_bwd, (q.detach(), k.detach(), v.detach(), torch.randn(2, 4, 9, 8), alse, delta, 0.25, True, 0)),
+        (OPS.merge_fwd, (_rand(3, 2, 5, 8), lses.requires_grad_())),
+        (OPS.merge_fwd, (_rand(2, 6, 4, dtype=torch.bfloat16), torch.randn(2, 6))),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_opcheck_cases())))
+def test_opcheck(case):
+    fn, args = _opcheck_cases()[case]
+    torch.library.opcheck(fn, args)
+
+
+def test_every_op_is_registered_with_fake_and_autograd():
+    names = {"softmax_fwd", "softmax_bwd", "logsumexp_fwd", "logsumexp_bwd", "attn_fwd", "attn_bwd", "merge_fwd"}
+    for name in names:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"splitsoftmax::{name}", "Meta"), name
+    for name in ("softmax_fwd", "logsumexp_fwd", "attn_fwd", "merge_fwd"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"splitsoftmax::{name}", "Autograd"), name
+
+
+def model(q, k, v, x, outs, lses):
+    """One function touching every public single-device op."""
+    a = ss.attention(q, k, v, causal=True, scale=0.2)
+    o, l = ss.attention(q, k, v, return_lse=True)
+    m, ml = ss.merge_states(outs, lses)
+    s = ss.softmax(x, dim=0) + ss.log_softmax(x).exp() + ss.logsumexp(x, dim=1).clamp(min=-10).unsqueeze(1)
+    return a.sum() + (o * l.unsqueeze(-1)).sum() + (m * ml.unsqueeze(-1)).sum() + s.pow(2).sum()
+
+
+def _inputs():
+    x = torch.randn(6, 33)
+    x[2] = NEG_INF
+    lses = torch.randn(3, 2, 4, 7)
+    lses[0, 1] = NEG_INF
+    return [_rand(2, 4, 7, 16), _rand(2, 2, 11, 16), _rand(2, 2, 11, 8),
+            x.requires_grad_(), _rand(3, 2, 4, 7, 8), lses.requires_grad_()]
+
+
+def _compiled_matches_eager(backend: str, dynamic: bool):
+    torch._dynamo.reset()
+    eager_in, comp_in = _inputs(), None
+    comp_in = [t.detach().clone().requires_grad_() for t in eager_in]
+    want = model(*eager_in)
+    gw = torch.autograd.grad(want, eager_in)
+    explain = torch._dynamo.explain(model)(*comp_in)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)
+    got = compiled(*comp_in)
+    gg = torch.autograd.grad(got, comp_in)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    return compiled
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_fullgraph_aot_eager(dynamic):
+    _compiled_matches_eager("aot_eager", dynamic)
+
+
+def test_compile_fullgraph_inductor():
+    _compiled_matches_eager("inductor", False)
+
+
+def test_compile_no_recompile_for_a_new_length():
+    """With dynamic shapes a second sequence length reuses the compiled graph."""
+    torch._dynamo.reset()
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    fn = torch.compile(lambda q, k, v: ss.attention(q, k, v, causal=True), backend=backend,
+                       fullgraph=True, dynamic=True)
+    for s in (9, 23):
+        q, k, v = torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8)
+        torch.testing.assert_close(fn(q, k, v).double(), ref.attention(q, k, v, causal=True)[0], atol=2e-6, rtol=2e-5)
+    assert len(calls) == 1

@@ -1,0 +1,1 @@
+"""Benchmarks against the peers (``python -m splitsoftmax bench <name>``)."""

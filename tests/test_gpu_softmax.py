@@ -1,0 +1,126 @@
+"""Triton softmax family on the GPU at real sizes (PERF.md's shapes included), against float64.
+
+Outputs are NaN-poisoned by conftest's ``torch.empty`` patch, so an unwritten element fails.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import splitsoftmax as ss
+from splitsoftmax.kernels import configs
+
+pytestmark = pytest.mark.gpu
+
+# (atol, rtol): one unit in the last place of the output dtype, float32 statistics.
+TOL = {torch.float32: (1e-6, 2e-6), torch.bfloat16: (1e-6, 2 ** -8), torch.float16: (1e-7, 2 ** -11)}
+PERF_SHAPES = [(4096, 32768, torch.float32), (16384, 4096, torch.float32), (512, 262144, torch.bfloat16),
+               (8, 1 << 24, torch.float32), (1, 1 << 28, torch.float32)]
+
+
+def _k():
+    from splitsoftmax.kernels import softmax
+    return softmax
+
+
+def _close(got, ref, dtype, what):
+    atol, rtol = TOL[dtype]
+    assert not torch.isnan(got).any(), f"{what}: NaN in output"
+    torch.testing.assert_close(got.double(), ref.double(), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def _rows(t: torch.Tensor, k: int = 4) -> torch.Tensor:
+    """A few rows spread over ``t`` (first, last, middle) to check against float64."""
+    idx = torch.unique(torch.linspace(0, t.shape[0] - 1, min(k, t.shape[0])).long())
+    return t[idx.to(t.device)]
+
+
+@pytest.mark.parametrize("rows,cols,dtype", PERF_SHAPES, ids=lambda v: str(v))
+def test_perf_shapes_forward(rows, cols, dtype):
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    xs = _rows(x).double()
+    for log, fn, ref_fn in ((False, ss.softmax, torch.softmax), (True, ss.log_softmax, torch.log_softmax)):
+        y = fn(x)
+        _close(_rows(y), ref_fn(xs, -1).to(dtype), dtype, f"{rows}x{cols} log={log}")
+        del y
+    _close(_rows(ss.logsumexp(x)), torch.logsumexp(xs, -1), torch.float32, f"{rows}x{cols} logsumexp")
+
+
+@pytest.mark.parametrize("cols", [1, 17, 97, 129, 1000, 4096, 40000, 100003])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lengths(cols, dtype):
+    rows = max(1, (1 << 21) // cols)
+    x = (torch.randn(rows, cols, device="cuda") * 4).to(dtype)
+    xd = x.double()
+    _close(ss.softmax(x), torch.softmax(xd, -1).to(dtype), dtype, f"softmax {cols}")
+    _close(ss.log_softmax(x), torch.log_softmax(xd, -1).to(dtype), dtype, f"log_softmax {cols}")
+    _close(ss.logsumexp(x), torch.logsumexp(xd, -1), torch.float32, f"logsumexp {cols}")
+
+
+@pytest.mark.parametrize("rows,cols", [(64, 4096), (300, 50000), (4, 3_000_001)])
+@pytest.mark.parametrize("log", [False, True])
+def test_backward(rows, cols, log):
+    x = torch.randn(rows, cols, device="cuda").requires_grad_()
+    dy = torch.randn(rows, cols, device="cuda")
+    fn, ref_fn = (ss.log_softmax, torch.log_softmax) if log else (ss.softmax, torch.softmax)
+    (g,) = torch.autograd.grad(fn(x), x, dy)
+    xd = x.detach().double().requires_grad_()
+    (ref,) = torch.autograd.grad(ref_fn(xd, -1), xd, dy.double())
+    # float32 bound: rounding of y (relative |y| eps inside exp for log) and of the row sum
+    xd = xd.detach()
+    p, y = torch.softmax(xd, -1), ref_fn(xd, -1)
+    dyd = dy.double()
+    s_abs = dyd.abs().sum(-1, keepdim=True) if log else (dyd.abs() * p).sum(-1, keepdim=True)
+    tol = 1e-6 + 1e-5 * (ref.abs() + p * (dyd.abs() + s_abs) * (1 + y.abs()))
+    err = (g.double() - ref).abs()
+    assert not torch.isnan(g).any() and (err <= tol).all(), f"max err {err.max().item()}"
+    xl = x.detach().requires_grad_()
+    gl = torch.randn(rows, device="cuda")
+    (dl,) = torch.autograd.grad(ss.logsumexp(xl), xl, gl)
+    _close(dl, p * gl.double()[:, None], torch.float32, "logsumexp grad")
+
+
+def test_empty_nan_and_strided_rows():
+    x = torch.randn(6, 70000, device="cuda")
+    x[1] = float("-inf")
+    x[4, 123] = float("nan")
+    y = ss.softmax(x)
+    assert (y[1] == 0).all() and torch.isnan(y[4]).all()
+    _close(y[[0, 2, 3, 5]], torch.softmax(x[[0, 2, 3, 5]].double(), -1), torch.float32, "rows beside")
+    lse = ss.logsumexp(x)
+    assert lse[1] == float("-inf") and torch.isnan(lse[4])
+    big = torch.randn(1000, 5000, device="cuda")
+    v = big[:, 100:4196]
+    _close(ss.softmax(v), torch.softmax(v.double(), -1), torch.float32, "strided rows")
+
+
+@pytest.mark.parametrize("path", ["two_pass", "split"])
+def test_forced_paths_at_real_sizes(path, monkeypatch):
+    monkeypatch.setattr(configs.SOFTMAX, "one_pass_max_cols", 1024)
+    monkeypatch.setattr(configs.SOFTMAX, "split_rows_per_sm", 0.0 if path == "two_pass" else 1e9)
+    k = _k()
+    x = torch.randn(37, 123457, device="cuda", dtype=torch.bfloat16)
+    assert k._plan(x).path == path
+    for log in (False, True):
+        y, lse = k.softmax_fwd(x, log)
+        ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
+        _close(y, ref.to(torch.bfloat16), torch.bfloat16, f"{path} log={log}")
+        _close(lse, torch.logsumexp(x.double(), -1), torch.float32, f"{path} lse")
+
+
+def test_no_recompile_per_length():
+    k = _k()
+    x = torch.randn(8, 200000, device="cuda")
+    k.softmax_fwd(x[:, :100000], False)
+    before = _cache_size(k._normalize_fwd_kernel) + _cache_size(k._lse_fwd_kernel)
+    for n in (100016, 100032, 150000, 199984):
+        k.softmax_fwd(x[:, :n], False)
+    after = _cache_size(k._normalize_fwd_kernel) + _cache_size(k._lse_fwd_kernel)
+    assert after == before, f"{after - before} recompiles for lengths of one bucket"
+
+
+def _cache_size(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        pytest.skip("this Triton has no device_caches")
+    return sum(len(c[0]) for c in caches.values())

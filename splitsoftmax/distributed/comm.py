@@ -199,7 +199,8 @@ class LoopbackWorld:
         for t in threads:
             t.join(timeout)
             if t.is_alive():
-                raise RuntimeError(f"loopback world: a rank did not finish within {timeout} s")
+                done = {r: repr(e) for r, e in enumerate(errors) if e is not None}
+                raise RuntimeError(f"loopback world: a rank did not finish within {timeout} s; failed ranks: {done}")
         for e in errors:
             if e is not None:
                 raise e

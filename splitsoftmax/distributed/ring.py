@@ -150,10 +150,11 @@ def empty_acc(spec: AttnSpec, q: Tensor) -> list:
 
 
 def finish_acc(acc: list, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Concatenate the segments' states as ``(out (B,H,Sq,Dv) out_dtype, lse (B,H,Sq) float32)``."""
+    """Concatenate the segments' states as ``(out (B,H,Sq,Dv) out_dtype, lse (B,H,Sq))`` (lse in the
+    accumulation dtype: float32, float64 for float64 inputs)."""
     parts = [state.to_out_lse(s) for s in acc]
     out = torch.cat([o for o, _ in parts], dim=2).to(out_dtype)
-    return out, torch.cat([l for _, l in parts], dim=2).float()
+    return out, torch.cat([l for _, l in parts], dim=2)
 
 
 def ring_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor):

@@ -111,7 +111,7 @@ class ShardedAttentionFn(torch.autograd.Function):
         out, lse = _FWD[schedule](comm, spec, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.spec, ctx.schedule = comm, spec, schedule
-        return out, lse
+        return out, lse.float()
 
     @staticmethod
     def backward(ctx, dout, dlse):

@@ -59,7 +59,7 @@ def _tree_block(spec: AttnSpec, sq: int) -> tuple[str, int]:
 
 
 def tree_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor):
-    """``(out (B,H,Sq,Dv) q.dtype, lse float32)``, identical on every rank."""
+    """``(out (B,H,Sq,Dv) q.dtype, lse (B,H,Sq) accumulation dtype)``, identical on every rank."""
     kind, diag = _tree_block(spec, q.shape[2])
     dt = state.stat_dtype(q.dtype)
     if kind == layout.SKIP:
@@ -70,7 +70,7 @@ def tree_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor,
     packed = torch.cat((out.to(dt), lse.to(dt).unsqueeze(-1)), dim=-1)  # [B, H, Sq, Dv+1]
     parts = bruck_allgather(comm, packed.reshape(-1), "tree forward").view(comm.size, *packed.shape)
     out, lse = state.merge_out_lse(parts[..., :-1], parts[..., -1])
-    return out.to(q.dtype), lse.float()
+    return out.to(q.dtype), lse
 
 
 def tree_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta):

@@ -1,0 +1,250 @@
+"""Correctness cases of every sharded op, runnable on any group.
+
+Each ``case_*(group)`` builds the full inputs from a fixed seed on every rank, shards them, and
+asserts forward and backward against float64 single-device results. Here they run on the
+in-process loopback world (P in 1, 2, 3, 5, 8); test_dist_gloo.py and test_dist_mpi.py run the
+same functions in Gloo and MPI worker processes.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from splitsoftmax.distributed import (LoopbackWorld, as_comm, shard, sharded_attention, sharded_log_softmax,
+                                      sharded_logsumexp, sharded_softmax, unshard)
+
+NEG_INF = float("-inf")
+F64 = dict(atol=1e-10, rtol=1e-9)
+F32 = dict(atol=3e-5, rtol=3e-5)
+
+
+def _randn(g, *shape, dtype=torch.float64):
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def uneven_lengths(p: int, seed: int) -> list:
+    """Unequal shard lengths in 1..6, with one rank empty when P > 1."""
+    lens = torch.randint(1, 7, (p,), generator=torch.Generator().manual_seed(seed)).tolist()
+    if p > 1:
+        lens[seed % p] = 0
+    return lens
+
+
+def _ref_softmax(x, dy, dim, log):
+    """float64 softmax / log-softmax and its input gradient; all ``-inf`` rows give 0 / -inf, dx 0."""
+    x = x.double()
+    lse = torch.logsumexp(x, dim, keepdim=True)
+    empty = lse == NEG_INF
+    safe = torch.where(empty, 0.0, lse)
+    p = torch.where(empty, 0.0, torch.exp(x - safe))
+    if log:
+        y = torch.where(empty, NEG_INF, x - safe)
+        dx = dy - p * dy.sum(dim, keepdim=True)
+    else:
+        y = p
+        dx = p * (dy - (dy * p).sum(dim, keepdim=True))
+    return y, torch.where(empty, 0.0, dx)
+
+
+def _clean(t, dim=1):
+    """``t`` (float64) without the row holding the NaN input, which must not reach any other row."""
+    t = t.double().clone()
+    t.select(-1, 2)[1] = 0.0
+    assert not torch.isnan(t).any(), "NaN reached a row that does not depend on it"
+    return t
+
+
+def case_softmax(group):
+    """sharded_softmax / log_softmax / logsumexp: uneven and empty shards, -inf and NaN rows."""
+    c = as_comm(group)
+    for dtype, tol in ((torch.float64, F64), (torch.float32, F32)):
+        lens = uneven_lengths(c.size, 1)
+        g = torch.Generator().manual_seed(2)
+        x = _randn(g, 3, sum(lens), 4, dtype=dtype)
+        x[0, :, 1] = NEG_INF  # an all -inf row: zeros, no NaN
+        if sum(lens):
+            x[1, sum(lens) - 1, 2] = float("nan")  # reaches row (1, 2) only
+        dy = _randn(g, 3, sum(lens), 4)
+        xs = x.split(lens, 1)[c.rank].clone().requires_grad_()
+        dys = dy.split(lens, 1)[c.rank]
+        for log, fn in ((False, sharded_softmax), (True, sharded_log_softmax)):
+            y = fn(xs, dim=1, group=group)
+            y_ref, dx_ref = _ref_softmax(x, dy, 1, log)
+            assert y.dtype == dtype and y.shape == xs.shape
+            torch.testing.assert_close(_clean(y), _clean(y_ref.split(lens, 1)[c.rank]), **tol)
+            (dx,) = torch.autograd.grad(y, xs, dys.to(dtype))
+            torch.testing.assert_close(_clean(dx), _clean(dx_ref.split(lens, 1)[c.rank]), **tol)
+        lse = sharded_logsumexp(xs, dim=-2, group=group)
+        lse_ref = torch.logsumexp(x.double(), 1)
+        assert lse.dtype == torch.float32 and lse.shape == (3, 4)
+        torch.testing.assert_close(_clean(lse, 0), _clean(lse_ref, 0), **F32)
+        gl = _randn(g, 3, 4)
+        (dx,) = torch.autograd.grad(lse, xs, gl.float())
+        p = torch.where(lse_ref.unsqueeze(1) == NEG_INF, 0.0, torch.exp(x.double() - lse_ref.unsqueeze(1)))
+        torch.testing.assert_close(_clean(dx), _clean((p * gl.unsqueeze(1)).split(lens, 1)[c.rank]), **F32)
+
+
+def ref_attention(q, k, v, scale, causal, offset=0):
+    """float64 attention with lse; query ``i`` sits at global ``offset + i``, sees keys ``j <= offset + i``."""
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ kk.transpose(-1, -2) * scale
+    if causal:
+        i = torch.arange(q.shape[2])[:, None] + offset
+        s = s.masked_fill(torch.arange(k.shape[2])[None, :] > i, NEG_INF)
+    return torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1)
+
+
+def _qkv(seed, sq, sk, dtype=torch.float64, b=2, h=4, hkv=2, d=8, dv=6):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (_randn(g, *shape, dtype=dtype) for shape in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, dv)))
+    wo, wl = _randn(g, b, h, sq, dv), _randn(g, b, h, sq).float().double()  # lse is float32: so is its grad
+    return q, k, v, wo, wl
+
+
+def _reference_grads(q, k, v, wo, wl, scale, causal, offset=0):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out, lse = ref_attention(q, k, v, scale, causal, offset)
+    ((out * wo).sum() + (lse * wl).sum()).backward()
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+def _split_seq(x, layout, lens, group):
+    return shard(x, 2, group=group, layout=layout) if lens is None else x.split(lens, 2)[as_comm(group).rank]
+
+
+def _check_sharded(group, schedule, layout, causal, lens, dtype=torch.float64, tol=F64, seed=3):
+    c = as_comm(group)
+    s = 13 if lens is None else sum(lens)
+    q, k, v, wo, wl = _qkv(seed, s, s, dtype)
+    out_r, lse_r, dq_r, dk_r, dv_r = _reference_grads(q, k, v, wo, wl, 8 ** -0.5, causal)
+    ql, kl, vl = (_split_seq(t, layout, lens, group).detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = sharded_attention(ql, kl, vl, causal=causal, group=group, schedule=schedule, layout=layout,
+                                 return_lse=True)
+    mine = lambda t: _split_seq(t, layout, lens, group)  # noqa: E731
+    what = f"{schedule} {layout} causal={causal} lens={lens} rank {c.rank}/{c.size}"
+    assert out.dtype == dtype and lse.dtype == torch.float32, what
+    torch.testing.assert_close(out.double(), mine(out_r), **tol, msg=lambda m: f"{what} out: {m}")
+    torch.testing.assert_close(lse.double(), mine(lse_r), **F32, msg=lambda m: f"{what} lse: {m}")
+    ((out * mine(wo).to(dtype)).sum() + (lse * mine(wl).float()).sum()).backward()
+    for name, got, ref in (("dq", ql.grad, dq_r), ("dk", kl.grad, dk_r), ("dv", vl.grad, dv_r)):
+        torch.testing.assert_close(got.double(), mine(ref), **tol, msg=lambda m: f"{what} {name}: {m}")
+
+
+def case_attention(group):
+    """ring and allgather, contiguous (uneven, one empty) and zigzag, causal and not, GQA."""
+    p = as_comm(group).size
+    for schedule in ("ring", "allgather"):
+        for causal in (False, True):
+            _check_sharded(group, schedule, "contiguous", causal, uneven_lengths(p, 4))
+            _check_sharded(group, schedule, "zigzag", causal, None)
+    _check_sharded(group, "ring", "contiguous", True, None, torch.float32, F32)
+
+
+def case_tree(group):
+    """Split-KV: q replicated, uneven k/v shards; causal bottom-right; out/lse identical everywhere."""
+    c = as_comm(group)
+    lens = uneven_lengths(c.size, 5)
+    sk = sum(lens) + 3
+    lens[-1] += 3
+    for sq in (1, 3):
+        for causal in (False, True):
+            q, k, v, wo, wl = _qkv(6, sq, sk)
+            ref = _reference_grads(q, k, v, wo, wl, 0.3, causal, offset=sk - sq)
+            ql = q.clone().requires_grad_()
+            kl, vl = (t.split(lens, 2)[c.rank].clone().requires_grad_() for t in (k, v))
+            out, lse = sharded_attention(ql, kl, vl, causal=causal, scale=0.3, group=group, schedule="tree",
+                                         return_lse=True)
+            what = f"tree sq={sq} causal={causal} rank {c.rank}"
+            torch.testing.assert_close(out, ref[0], **F64, msg=lambda m: f"{what} out: {m}")
+            torch.testing.assert_close(lse.double(), ref[1], **F32, msg=lambda m: f"{what} lse: {m}")
+            ((out * wo).sum() + (lse * wl.float()).sum()).backward()
+            torch.testing.assert_close(ql.grad, ref[2], **F64, msg=lambda m: f"{what} dq: {m}")
+            torch.testing.assert_close(kl.grad, ref[3].split(lens, 2)[c.rank], **F64)
+            torch.testing.assert_close(vl.grad, ref[4].split(lens, 2)[c.rank], **F64)
+
+
+def case_shard(group):
+    """shard / unshard as tensor_split (contiguous) and chunks r, 2P-1-r (zigzag); their gradients."""
+    c = as_comm(group)
+    for s in (1, 13, 2 * c.size + 1):
+        x = _randn(torch.Generator().manual_seed(s), 2, 3, s, 4)
+        chunks = torch.tensor_split(x, 2 * c.size, 2)
+        want = {"contiguous": torch.tensor_split(x, c.size, 2)[c.rank],
+                "zigzag": torch.cat((chunks[c.rank], chunks[2 * c.size - 1 - c.rank]), 2)}
+        for layout, expect in want.items():
+            xl = x.clone().requires_grad_()
+            mine = shard(xl, 2, group=group, layout=layout)
+            assert torch.equal(mine, expect), f"shard {layout} S={s} rank {c.rank}"
+            full = unshard(mine * 2.0, 2, group=group, layout=layout)
+            assert torch.equal(full, 2.0 * x), f"unshard {layout} S={s} rank {c.rank}"
+            (full * x).sum().backward()
+            assert torch.equal(xl.grad, 2.0 * x), f"shard/unshard grad {layout} S={s}"
+    ids = torch.arange(10).view(1, 10)
+    assert torch.equal(unshard(shard(ids, 1, group=group), 1, group=group), ids)
+
+
+def case_mismatch(group):
+    """Mismatched fields raise ValueError on every rank, naming field and ranks; the group stays usable."""
+    c = as_comm(group)
+    if c.size == 1:
+        return
+    last = c.size - 1
+    q, k, v, _, _ = _qkv(7, 4, 4, d=16 if c.rank == last else 8)
+    with pytest.raises(ValueError, match=rf"D differs across ranks.*rank\(s\) \[{last}\]: 16"):
+        sharded_attention(q, k, v, group=group)
+    q, k, v, _, _ = _qkv(7, 4, 4)
+    with pytest.raises(ValueError, match=r"causal differs"):
+        sharded_attention(q, k, v, causal=c.rank == 0, group=group)
+    with pytest.raises(ValueError, match=r"dtype differs"):
+        sharded_attention(*(t.float() if c.rank == 0 else t for t in (q, k, v)), group=group)
+    with pytest.raises(ValueError, match=r"schedule='bogus' is not one of|rank\(s\) \[0\] rejected their arguments"):
+        sharded_attention(q, k, v, group=group, schedule="bogus" if c.rank == 0 else "ring")
+    with pytest.raises(ValueError, match=r"rows differs"):
+        sharded_softmax(torch.randn(2 + (c.rank == last), 3), group=group)
+    q, k, v, _, _ = _qkv(7, 4 + c.rank, 4 + c.rank)
+    with pytest.raises(ValueError, match=r"layout='zigzag' but rank\(s\) \[0"):
+        sharded_attention(q, k, v, group=group, layout="zigzag")
+    _check_sharded(group, "ring", "contiguous", True, None)
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("case", [case_softmax, case_attention, case_tree, case_shard, case_mismatch],
+                         ids=lambda f: f.__name__)
+def test_loopback(size, case):
+    LoopbackWorld(size).run(case)
+
+
+TAGS = {"meta": 11, "kv": 21, "dkv": 22, "gather": 31, "scatter": 32, "tree": 41}
+
+
+def _count(size, schedule, backward):
+    q, k, v, _, _ = _qkv(8, 2 * size, 2 * size)
+    world = LoopbackWorld(size)
+
+    def run(c):
+        ql = (q if schedule == "tree" else shard(q, group=c)).requires_grad_()
+        out = sharded_attention(ql, shard(k, group=c), shard(v, group=c), group=c, schedule=schedule)
+        if backward:
+            out.sum().backward()
+
+    world.run(run)
+    return {name: world.sends.get(tag, 0) for name, tag in TAGS.items()}
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("schedule", ["ring", "allgather", "tree"])
+def test_transfer_counts(size, schedule):
+    """Per rank: P-1 K/V transfers per ring pass (+ P-1 dK/dV home), P-1 sends per all-gather /
+    reduce-scatter, ceil(log2 P) tree rounds; one handshake (P-1 sends) per call."""
+    p, rounds = size, math.ceil(math.log2(size))
+    fwd, bwd = {"ring": ({"kv": p - 1}, {"kv": p - 1, "dkv": p - 1}),
+                "allgather": ({"gather": p - 1}, {"gather": p - 1, "scatter": p - 1}),
+                "tree": ({"tree": rounds}, {"tree": rounds})}[schedule]
+    calls = 3 if schedule == "tree" else 4
+    f, fb = _count(size, schedule, False), _count(size, schedule, True)
+    for name in TAGS:
+        assert f[name] == p * (fwd.get(name, 0) + (calls * (p - 1) if name == "meta" else 0)), (name, f)
+        assert fb[name] - f[name] == p * bwd.get(name, 0), (name, f, fb)

@@ -64,6 +64,8 @@ def test_softmax_fwd_paths(path, n, dtype, log):
     _close(y, ref_y, dtype, f"{path} y")
     _close(lse, ref_lse, torch.float32, f"{path} lse")
     _close(softmax_k.lse_rows(x), ref_lse, torch.float32, f"{path} lse_rows")
+    if n == 1:  # x - m is exactly 0: softmax exactly 1, log-softmax exactly 0, lse exactly x
+        assert (y == (0.0 if log else 1.0)).all() and (lse == x[:, 0].float()).all(), f"{path} n=1 not exact"
 
 
 @pytest.mark.parametrize("log", [False, True])

@@ -5,35 +5,32 @@ CPU_BLOCK_COLS = 8192
 CPU_BLOCK_KEYS = 256
 
 # ---- attention (issue 4): Triton attention, split-KV decode and the fused N-way merge ----
-# A tile config is (BLOCK_M, BLOCK_N, num_warps, num_stages), looked up by a key
-# (kind, element size of the inputs, padded head dim); `attn_tile` falls back to the
-# closest smaller head dim, then to ATTN_TILE_DEFAULT.
+# A tile config is (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by (kind, element size of the
+# inputs, head dim); `decode.attn_tile` takes the smallest listed head dim >= the padded one,
+# else ATTN_TILE_DEFAULT. Chosen from sm_90 ptxas reports (registers, no spills) and timings.
 ATTN_TILES = {
-    # forward over many queries (prefill, ring steps): Hopper-sized tiles for 16-bit inputs
+    # forward over many queries (prefill, ring steps)
     ("fwd", 2, 64): (128, 64, 4, 3),
     ("fwd", 2, 128): (128, 64, 8, 3),
-    ("fwd", 2, 256): (64, 64, 4, 2),
-    ("fwd", 4, 64): (64, 32, 4, 2),
-    ("fwd", 4, 128): (64, 32, 4, 2),
-    ("fwd", 4, 256): (32, 32, 4, 1),
+    ("fwd", 2, 256): (64, 64, 8, 2),
+    ("fwd", 4, 64): (16, 32, 4, 2),
+    ("fwd", 4, 256): (16, 16, 4, 2),     # float32 runs exact (no tf32) FMA products: small tiles
     # decode: few query rows (GQA heads packed into BLOCK_M), long key streams
-    ("decode", 2, 64): (16, 128, 4, 4),
     ("decode", 2, 128): (16, 128, 4, 4),
     ("decode", 2, 256): (16, 64, 4, 3),
-    ("decode", 4, 128): (16, 64, 4, 2),
-    ("decode", 4, 256): (16, 32, 4, 2),
-    # backward: dK/dV programs walk query blocks (BLOCK_M small, BLOCK_N large) ...
-    ("bwd_kv", 2, 128): (32, 128, 4, 3),
-    ("bwd_kv", 2, 256): (32, 64, 4, 2),
-    ("bwd_kv", 4, 128): (32, 64, 4, 2),
-    ("bwd_kv", 4, 256): (16, 32, 4, 1),
-    # ... and dQ programs walk key blocks (BLOCK_M large, BLOCK_N small)
-    ("bwd_q", 2, 128): (128, 32, 4, 3),
-    ("bwd_q", 2, 256): (64, 32, 4, 2),
-    ("bwd_q", 4, 128): (64, 32, 4, 2),
-    ("bwd_q", 4, 256): (32, 16, 4, 1),
+    ("decode", 4, 256): (16, 16, 4, 2),
+    # backward: dK/dV programs hold a key block and walk query blocks ...
+    ("bwd_kv", 2, 64): (32, 128, 8, 3),
+    ("bwd_kv", 2, 128): (16, 128, 8, 3),
+    ("bwd_kv", 2, 256): (16, 64, 8, 2),
+    ("bwd_kv", 4, 256): (16, 16, 4, 2),
+    # ... and dQ programs hold a query block and walk key blocks
+    ("bwd_q", 2, 128): (128, 64, 8, 3),
+    ("bwd_q", 2, 256): (64, 32, 8, 2),
+    ("bwd_q", 4, 64): (32, 32, 4, 2),
+    ("bwd_q", 4, 256): (16, 16, 4, 2),
 }
-ATTN_TILE_DEFAULT = (32, 32, 4, 2)
+ATTN_TILE_DEFAULT = (16, 16, 4, 2)
 # Under TRITON_INTERPRET=1 small tiles, so tiny test shapes still cross several tiles.
 ATTN_TILE_INTERPRET = (16, 16, 4, 1)
 # Split-KV: split the keys when fewer programs than this many per SM would run ...

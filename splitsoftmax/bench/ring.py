@@ -1,0 +1,529 @@
+"""``python -m splitsoftmax bench ring``: attention over a sequence sharded across ranks, against peers.
+
+Launch: ``torchrun --nproc_per_node=P -m splitsoftmax bench ring --out DIR`` (or ``--nproc P``,
+which starts the ranks itself; mpirun works too, splitsoftmax methods only). On GPUs (NCCL):
+B=1, H=32, D=128, bf16; per S, causal and not, forward and forward+backward, it times
+
+- ``ss-ring``, ``ss-allgather``: ``sharded_attention`` on zigzag shards;
+- ``ss-ring-nocomm``: the same ring loop with a communicator that moves nothing (compute only;
+  the gap to ``ss-ring`` is the communication the overlap did not hide);
+- ``torch-cp-allgather``, ``torch-cp-alltoall``: torch's ``context_parallel`` over a 1-d
+  DeviceMesh (SDPA flash inside), one per rotate method. Non-causal under torch's default
+  head-tail balancer is refused by torch (recorded); ``-nolb`` runs it with balancing off;
+- ``1gpu-ss``, ``1gpu-sdpa-flash``: one GPU (rank 0's) on the full sequence; scaling efficiency
+  is ``T_1gpu / (P * T_P)``;
+
+then split-KV decode across ranks (``schedule="tree"``, GQA 32/8, one query) against one GPU.
+A correctness gate (sharded vs single-device output and gradients, float64 oracle) runs first.
+
+Times: CUDA events (``perf_counter`` on CPU), warm-up, then a rep count agreed by all ranks
+(``triton.testing.do_bench`` picks its own count on each rank, which would pair collectives of
+different reps); the median per rank, the slowest rank reported. Peak memory per rank is
+``torch.cuda.max_memory_allocated`` (reset before each method, inputs are this rank's shards).
+TFLOP/s per GPU: forward ``4*B*H*S*S*D`` (halved when causal) ``/ P``, forward+backward 3.5x.
+Rank 0 writes ``ring_p<P>.json`` and PNG plots to ``--out`` and prints a table. Without GPUs it
+runs the same harness at toy sizes on Gloo with the torch peers skipped, with the reason.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+import splitsoftmax as ss
+from splitsoftmax import launcher
+from splitsoftmax import reference as ref
+from splitsoftmax.verify import HEADER, Sharding, compare, sdpa
+
+GIB = float(1 << 30)
+
+
+class World:
+    """This rank's view of the job: barriers and max-reductions over torch.distributed or MPI."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self.group, self.device, self.rank, self.size = launcher.init_ranks(kind)
+        self.cuda = self.device.type == "cuda"
+        self.nccl = kind == "torchrun" and self.cuda
+        if not self.cuda:  # ranks share the cores: oversubscribed threads make CPU timings meaningless
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
+
+    def barrier(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        if self.kind == "mpi":
+            self.group.Barrier()
+        else:
+            torch.distributed.barrier()
+
+    def max(self, x: float) -> float:
+        """The largest ``x`` over the ranks (the same value on every rank)."""
+        if self.kind == "mpi":
+            from mpi4py import MPI
+            return self.group.allreduce(float(x), op=MPI.MAX)
+        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return t.item()
+
+    def say(self, msg: str) -> None:
+        if self.rank == 0:
+            print(msg, file=sys.stderr, flush=True)
+
+
+class Skip(Exception):
+    """A method that cannot run here; the message is the reason recorded."""
+
+
+def call_ms(fn: Callable[[], object], cuda: bool) -> float:
+    """Milliseconds of one ``fn()`` (CUDA events on GPUs)."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def time_method(w: World, fn: Callable[[], object], opts, collective: bool) -> dict:
+    """Warm-up (the last one timed as a probe), then a rep count every rank agrees on; median ms."""
+    probe = 0.0
+    for _ in range(opts.warmup):
+        probe = call_ms(fn, w.cuda)
+    if collective:
+        probe = w.max(probe)
+    reps = int(min(opts.reps, max(opts.min_reps, math.ceil(opts.budget * 1e3 / max(probe, 1e-3)))))
+    times = [call_ms(fn, w.cuda) for _ in range(reps)]
+    med = statistics.median(times)
+    return {"ms": w.max(med) if collective else med, "ms_rank": med, "reps": reps}
+
+
+def step(f: Callable, inputs: Sequence[torch.Tensor], backward: bool) -> Callable[[], object]:
+    """One forward (under no_grad), or forward and backward of ``<f(*inputs), dout>``."""
+    if not backward:
+        def fwd():
+            with torch.no_grad():
+                return f(*inputs)
+        return fwd
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+    dout = torch.randn_like(inputs[0])
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        f(*leaves).backward(dout)
+    return fwd_bwd
+
+
+def run_method(w: World, name: str, make, opts, collective: bool = True) -> dict:
+    """Time the function that the context manager ``make()`` yields; record a skip or an error."""
+    rec = {"method": name}
+    if not collective and w.rank != 0:
+        return rec
+    if collective:
+        w.barrier()
+    if w.cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        with make() as fn:
+            rec.update(time_method(w, fn, opts, collective))
+    except Skip as e:
+        rec["skipped"] = str(e)
+    except Exception as e:  # a peer's refusal (torch CP non-causal) or an OOM: recorded, not fatal
+        rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    if w.cuda:
+        peak = torch.cuda.max_memory_allocated() / GIB
+        rec["peak_gib"] = w.max(peak) if collective else peak
+    if collective and w.max(float("ms" not in rec)) and "ms" in rec:
+        rec = {"method": name, "error": "failed on another rank"}
+    return rec
+
+
+class NoTransfers(ss.distributed.Communicator):
+    """Same rank and size as the job, but starts no transfer: the ring's compute alone."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+    def post(self, sends, recvs, tag):
+        return []
+
+
+def ss_methods(w: World, local: list, causal: bool, backward: bool, opts) -> list:
+    """(name, context manager factory) of splitsoftmax's sharded methods on zigzag shards."""
+    from splitsoftmax.distributed import ring, sharded
+
+    def sharded_call(schedule):
+        f = lambda q, k, v: ss.sharded_attention(q, k, v, causal=causal, group=w.group,  # noqa: E731
+                                                 schedule=schedule, layout="zigzag")
+        return contextlib.nullcontext(step(f, local, backward))
+
+    @contextlib.contextmanager
+    def nocomm():
+        spec = sharded._attention_meta(ss.distributed.as_comm(w.group), *local, causal, None, "ring", "zigzag")
+        null = NoTransfers(w.rank, w.size)
+        if backward:
+            yield step(lambda q, k, v: sharded.ShardedAttentionFn.apply(q, k, v, null, spec, "ring")[0], local, True)
+        else:
+            yield step(lambda q, k, v: ring.ring_attention_fwd(null, spec, q, k, v), local, False)
+    return [("ss-ring", lambda: sharded_call("ring")), ("ss-allgather", lambda: sharded_call("allgather")),
+            ("ss-ring-nocomm", nocomm)]
+
+
+def torch_cp(w: World, full: Callable, causal: bool, backward: bool, rotate: str, balance: bool):
+    """torch's context_parallel on this rank's shards; the full inputs are freed once sharded."""
+    @contextlib.contextmanager
+    def make():
+        if not w.nccl:
+            raise Skip("torch context parallel needs CUDA SDPA (flash) kernels and an NCCL group")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        set_rotate_method(rotate)
+        mesh = init_device_mesh("cuda", (w.size,))
+        old = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = balance
+        q, k, v = full()
+        try:
+            with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+                local = [t.clone() for t in (q, k, v)]
+                for t in (q, k, v):
+                    t.untyped_storage().resize_(0)  # resize_ keeps the full storage; free it
+                attn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                    q, k, v, is_causal=causal)
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    yield step(attn, local, backward)
+        finally:
+            _cp_options.enable_load_balance = old
+    return make
+
+
+def one_gpu(w: World, full: Callable, causal: bool, backward: bool, flash: bool):
+    """Single-device attention on the full sequence (run on rank 0)."""
+    @contextlib.contextmanager
+    def make():
+        if flash and not w.cuda:
+            raise Skip("the SDPA flash backend needs CUDA")
+        inputs = full()
+        if flash:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            attn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+                q, k, v, is_causal=causal)
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                yield step(attn, inputs, backward)
+        else:
+            yield step(lambda q, k, v: ss.attention(q, k, v, causal=causal), inputs, backward)
+    return make
+
+
+def tflops(s: int, causal: bool, backward: bool, opts, parts: int, ms: float) -> float:
+    flops = 4 * opts.batch * opts.heads * s * s * opts.dim * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+    return flops / parts / (ms * 1e-3) / 1e12
+
+
+def full_inputs(w: World, s: int, opts, seed: int) -> Callable:
+    """A function making the full ``q, k, v (B, H, S, D)``, identical on every rank."""
+    def make():
+        gen = torch.Generator(device=w.device).manual_seed(seed)
+        return [torch.randn(opts.batch, opts.heads, s, opts.dim, generator=gen, device=w.device, dtype=opts.dtype)
+                for _ in range(3)]
+    return make
+
+
+def bench_shape(w: World, s: int, causal: bool, backward: bool, opts) -> list:
+    """Every method at one (S, causal, mode); rows with derived TFLOP/s."""
+    full = full_inputs(w, s, opts, seed=s)
+    local = [ss.shard(t, 2, group=w.group, layout="zigzag") for t in full()]
+    methods = ss_methods(w, local, causal, backward, opts)
+    for rot in ("allgather", "alltoall"):
+        methods.append((f"torch-cp-{rot}", torch_cp(w, full, causal, backward, rot, True)))
+        if not causal:
+            methods.append((f"torch-cp-{rot}-nolb", torch_cp(w, full, causal, backward, rot, False)))
+    rows = []
+    for name, make in methods:
+        w.say(f"  {name}")
+        rows.append(run_method(w, name, make, opts) | {"P": w.size})
+    del local
+    for name, flash in (("1gpu-ss", False), ("1gpu-sdpa-flash", True)):
+        w.say(f"  {name}")
+        rows.append(run_method(w, name, one_gpu(w, full, causal, backward, flash), opts, collective=False) | {"P": 1})
+    w.barrier()
+    for r in rows:
+        r.update({"S": s, "causal": causal, "mode": "fwd+bwd" if backward else "fwd"})
+        if "ms" in r:
+            r["tflops_per_gpu"] = tflops(s, causal, backward, opts, r["P"], r["ms"])
+    return rows
+
+
+def derived(rows: list, world: int) -> list:
+    """Per shape: ring vs torch CP's best, scaling efficiency, the ring's communication overhead."""
+    out = []
+    for key in sorted({(r["S"], r["causal"], r["mode"]) for r in rows}):
+        ms = {r["method"]: r["ms"] for r in rows if (r["S"], r["causal"], r["mode"]) == key and "ms" in r}
+        d = {"S": key[0], "causal": key[1], "mode": key[2]}
+        cp = [v for m, v in ms.items() if m.startswith("torch-cp")]
+        if "ss-ring" in ms:
+            ring = ms["ss-ring"]
+            if cp:
+                d["ring_over_torch_cp_best"] = ring / min(cp)
+            for base in ("1gpu-ss", "1gpu-sdpa-flash"):
+                if base in ms:
+                    d[f"efficiency_vs_{base}"] = ms[base] / (world * ring)
+            if "ss-ring-nocomm" in ms:
+                d["ring_over_nocomm"] = ring / ms["ss-ring-nocomm"]
+        out.append(d)
+    return out
+
+
+def decode(w: World, opts) -> dict:
+    """Split-KV decode across ranks (tree) vs one device on all keys; + one small all-reduce."""
+    h, hkv, d, sk = opts.heads, max(1, opts.heads // 4), opts.dim, opts.decode_keys
+    gen = torch.Generator(device=w.device).manual_seed(7)
+    q = torch.randn(1, h, 1, d, generator=gen, device=w.device, dtype=opts.dtype)
+    lengths = [sk // w.size + (r < sk % w.size) for r in range(w.size)]
+    gen.manual_seed(100 + w.rank)
+    kl, vl = [torch.randn(1, hkv, lengths[w.rank], d, generator=gen, device=w.device, dtype=opts.dtype)
+              for _ in range(2)]
+    out = {"keys": sk, "H": h, "Hkv": hkv, "D": d, "rows": []}
+    tree = lambda: ss.sharded_attention(q, kl, vl, group=w.group, schedule="tree")  # noqa: E731
+    got = tree()
+    kf, vf = ss.unshard(kl, 2, group=w.group), ss.unshard(vl, 2, group=w.group)
+    want = ss.attention(q, kf, vf)
+    out["max_abs_diff_vs_1gpu"] = w.max((got.float() - want.float()).abs().max().item())
+    del want
+
+    def small_allreduce():
+        if w.kind != "torchrun":
+            raise Skip("the all-reduce reference is timed over torch.distributed only")
+        t = torch.zeros(1, h, 1, d + 1, device=w.device)
+        yield lambda: torch.distributed.all_reduce(t)
+    cases = [("tree", lambda: contextlib.nullcontext(tree), True),
+             ("local-split-kv", lambda: contextlib.nullcontext(lambda: ss.attention(q, kl, vl)), True),
+             ("small-allreduce", contextlib.contextmanager(small_allreduce), True),
+             ("1gpu-ss", lambda: contextlib.nullcontext(lambda: ss.attention(q, kf, vf)), False)]
+    with torch.no_grad():
+        for name, make, coll in cases:
+            w.say(f"  decode {name}")
+            out["rows"].append(run_method(w, name, make, opts, collective=coll))
+    w.barrier()
+    ms = {r["method"]: r["ms"] for r in out["rows"] if "ms" in r}
+    if {"tree", "local-split-kv", "small-allreduce"} <= ms.keys():
+        out["tree_over_local_plus_allreduce"] = ms["tree"] / (ms["local-split-kv"] + ms["small-allreduce"])
+    return out
+
+
+def gate(w: World, opts) -> list:
+    """Sharded forward and gradients vs the single-device result (float64 oracle, torch tolerance)."""
+    s, h, d = opts.check_seq, max(2, opts.heads // 4), opts.dim
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = [torch.randn(1, h, s, d, generator=gen).to(w.device, opts.dtype) for _ in range(3)]
+    zz = Sharding([lambda t: ss.shard(t, 2, group=w.group, layout="zigzag")] * 3,
+                  [lambda t: ss.unshard(t, 2, group=w.group, layout="zigzag")] * 3,
+                  lambda t: ss.shard(t, 2, group=w.group, layout="zigzag"),
+                  lambda t: ss.unshard(t, 2, group=w.group, layout="zigzag"))
+    rows = []
+    for schedule in ("ring", "allgather"):
+        for causal in opts.causal:
+            f = lambda q, k, v, c=causal, sc=schedule: ss.sharded_attention(  # noqa: E731
+                q, k, v, causal=c, group=w.group, schedule=sc, layout="zigzag")
+            rows += compare(f"attention S={s} H={h} D={d}{' causal' if causal else ''}", f, sdpa(causal, 1),
+                            lambda q, k, v, c=causal: ref.attention(q, k, v, causal=c)[0], [q, k, v],
+                            sharding=zz, schedule=schedule, layout="zigzag", merges=w.size)
+    sk = opts.check_seq * 2
+    kd, vd = [torch.randn(1, h // 2, sk, d, generator=gen).to(w.device, opts.dtype) for _ in range(2)]
+    qd = torch.randn(1, h, 1, d, generator=gen).to(w.device, opts.dtype)
+    lengths = [sk // w.size + (r < sk % w.size) for r in range(w.size)]
+    split = lambda t: t.narrow(2, sum(lengths[:w.rank]), lengths[w.rank])  # noqa: E731
+    same = lambda t: t  # noqa: E731
+    gather = lambda t: ss.unshard(t, 2, group=w.group)  # noqa: E731
+    rows += compare(f"decode GQA {h}/{h // 2} Sk={sk}",
+                    lambda q, k, v: ss.sharded_attention(q, k, v, group=w.group, schedule="tree"), sdpa(False, 2),
+                    lambda q, k, v: ref.attention(q, k, v)[0], [qd, kd, vd],
+                    sharding=Sharding([same, split, split], [same, gather, gather], same, same),
+                    schedule="tree", layout="contiguous", merges=w.size)
+    return rows
+
+
+def meta(w: World, opts, argv: Sequence[str]) -> dict:
+    import triton
+    return {"command": "python -m splitsoftmax bench ring " + " ".join(argv), "launched_by": w.kind,
+            "world": w.size, "backend": "mpi" if w.kind == "mpi" else torch.distributed.get_backend(),
+            "device": torch.cuda.get_device_name(w.device) if w.cuda else "cpu", "torch": torch.__version__,
+            "triton": triton.__version__, "cuda": torch.version.cuda, "splitsoftmax": ss.__version__,
+            "dtype": str(opts.dtype).replace("torch.", ""), "B": opts.batch, "H": opts.heads, "D": opts.dim,
+            "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def run(w: World, opts, argv: Sequence[str]) -> int:
+    """Gate, every shape, decode; rank 0 writes JSON and plots and prints the table."""
+    w.say(f"bench ring: {w.size} ranks on {w.device.type} ({w.kind}); correctness gate first")
+    checks = gate(w, opts)
+    result = {"meta": meta(w, opts, argv), "gate": [vars(r) | {"ok": r.ok} for r in checks], "results": []}
+    if w.rank == 0:
+        print(HEADER)
+        print("\n".join(r.render() for r in checks), flush=True)
+    if all(r.ok for r in checks):
+        for s in opts.seqs:
+            for causal in opts.causal:
+                for backward in opts.modes:
+                    w.say(f"S={s} {'causal' if causal else 'non-causal'} {'fwd+bwd' if backward else 'fwd'}")
+                    result["results"] += bench_shape(w, s, causal, backward, opts)
+        result["derived"] = derived(result["results"], w.size)
+        if opts.decode_keys:
+            result["decode"] = decode(w, opts)
+    if w.rank == 0:
+        os.makedirs(opts.out, exist_ok=True)
+        path = os.path.join(opts.out, f"ring_p{w.size}.json")
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+        result["plots"] = plots(opts.out)
+        print(render(result))
+        print(f"wrote {path} and {', '.join(result['plots']) or 'no plots (matplotlib missing)'}")
+    w.barrier()
+    return 0 if all(r.ok for r in checks) else 1
+
+
+def render(result: dict) -> str:
+    """The short table: one line per method and shape, then the derived ratios and the decode."""
+    lines = [f"{'S':>7} {'causal':>6} {'mode':>7} {'method':<22} {'ms':>9} {'TFLOP/s/GPU':>11} {'peak GiB':>8}  note"]
+    for r in result["results"]:
+        note = r.get("skipped") or r.get("error") or ""
+        ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
+        tf = f"{r['tflops_per_gpu']:11.1f}" if "ms" in r else f"{'-':>11}"
+        peak = f"{r['peak_gib']:8.2f}" if "peak_gib" in r else f"{'-':>8}"
+        lines.append(f"{r['S']:>7} {str(r['causal']):>6} {r['mode']:>7} {r['method']:<22} {ms} {tf} {peak}  {note[:60]}")
+    for d in result.get("derived", []):
+        vals = ", ".join(f"{k} {v:.3f}" for k, v in d.items() if isinstance(v, float))
+        lines.append(f"S={d['S']} {'causal' if d['causal'] else 'non-causal'} {d['mode']}: {vals}")
+    dec = result.get("decode")
+    if dec:
+        parts = [f"{r['method']} {r['ms']:.3f} ms" if "ms" in r else f"{r['method']} {r.get('skipped') or r.get('error')}"
+                 for r in dec["rows"] if "ms" in r or r.get("skipped") or r.get("error")]
+        lines.append(f"decode {dec['keys']} keys: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def plots(out_dir: str) -> list:
+    """Time and TFLOP/s per GPU vs S (this run), efficiency vs world size (every ring_p*.json)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    runs = {}
+    for name in sorted(os.listdir(out_dir)):
+        if name.startswith("ring_p") and name.endswith(".json"):
+            with open(os.path.join(out_dir, name)) as f:
+                data = json.load(f)
+            runs[data["meta"]["world"]] = data
+    files = []
+    for world, data in runs.items():
+        for key, label in (("ms", "time (ms)"), ("tflops_per_gpu", "TFLOP/s per GPU")):
+            fig, axes = plt.subplots(2, 2, figsize=(12, 8), squeeze=False)
+            for i, mode in enumerate(("fwd", "fwd+bwd")):
+                for j, causal in enumerate((True, False)):
+                    ax, pts = axes[i][j], [r for r in data["results"] if (r["mode"], r["causal"]) == (mode, causal)]
+                    for m in sorted({r["method"] for r in pts if key in r}):
+                        xy = sorted((r["S"], r[key]) for r in pts if r["method"] == m and key in r)
+                        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=m)
+                    ax.set(xscale="log", yscale="log" if key == "ms" else "linear", title=f"{mode}, {'causal' if causal else 'non-causal'}, P={world}",
+                           xlabel="S", ylabel=label)
+                    ax.legend(fontsize=7)
+            files.append(os.path.join(out_dir, f"ring_p{world}_{'time' if key == 'ms' else 'tflops'}.png"))
+            fig.tight_layout()
+            fig.savefig(files[-1], dpi=110)
+            plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 5))
+    series = {}
+    for world, data in runs.items():
+        for d in data.get("derived", []):
+            if "efficiency_vs_1gpu-ss" in d:
+                series.setdefault(f"S={d['S']} {'causal' if d['causal'] else 'full'} {d['mode']}", []).append(
+                    (world, d["efficiency_vs_1gpu-ss"]))
+    for label, xy in sorted(series.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=label)
+    ax.set(xlabel="world size (GPUs)", ylabel="T_1gpu / (P * T_P)", title="ss-ring scaling efficiency vs 1gpu-ss")
+    ax.axhline(1.0, color="gray", lw=0.5)
+    ax.legend(fontsize=7)
+    files.append(os.path.join(out_dir, "ring_scaling.png"))
+    fig.tight_layout()
+    fig.savefig(files[-1], dpi=110)
+    plt.close(fig)
+    return files
+
+
+def defaults(opts, cuda: bool):
+    """GPU shapes (PERF.md) or toy CPU shapes for whatever the user left unset."""
+    gpu = dict(seqs="32768,131072", heads=32, dim=128, dtype="bfloat16", decode_keys=1 << 20, check_seq=2048,
+               warmup=2, reps=10, min_reps=3, budget=1.5)
+    cpu = dict(seqs="64,128", heads=4, dim=32, dtype="float32", decode_keys=4096, check_seq=40,
+               warmup=1, reps=3, min_reps=2, budget=0.05)
+    for key, value in (gpu if cuda else cpu).items():
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    opts.seqs = [int(x) for x in str(opts.seqs).split(",") if x]
+    opts.causal = [True, False] if opts.causal is None else [opts.causal]
+    opts.modes = [False] if opts.fwd_only else [False, True]
+    opts.dtype = getattr(torch, opts.dtype)
+    return opts
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="splitsoftmax bench ring", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=None, help="start this many local ranks (NCCL/Gloo)")
+    p.add_argument("--out", default="bench_out", help="directory for ring_p<P>.json and the plots")
+    p.add_argument("--seqs", default=None, help="comma-separated global sequence lengths (GPU: 32768,131072)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None, help="only causal / non-causal")
+    p.add_argument("--fwd-only", action="store_true", help="skip forward+backward")
+    p.add_argument("--decode-keys", type=int, default=None, help="keys of the split-KV decode (GPU: 1M; 0: skip)")
+    p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--dim", type=int, default=None)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--check-seq", type=int, default=None, help="sequence length of the correctness gate")
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--reps", type=int, default=None, help="most timed reps per method")
+    p.add_argument("--min-reps", type=int, default=None)
+    p.add_argument("--budget", type=float, default=None, help="seconds of timed reps aimed at per method")
+    p.add_argument("--deadline", type=float, default=1800.0, help="seconds before --nproc ranks are stopped")
+    return p
+
+
+def without_nproc(argv: Sequence[str]) -> list:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    opts = parser().parse_args(argv)
+    kind = launcher.launched_by()
+    if kind is None:
+        n = opts.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+        return launcher.spawn(n, ["bench", "ring", *without_nproc(argv)], opts.deadline)
+    w = World(kind)
+    return run(w, defaults(opts, w.cuda), argv)

@@ -1,0 +1,86 @@
+"""``python -m splitsoftmax bench ring`` end to end on 2 CPU ranks (Gloo): the harness, not the speed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SS_METHODS = {"ss-ring", "ss-allgather", "ss-ring-nocomm"}
+CP_METHODS = {"torch-cp-allgather", "torch-cp-alltoall"}
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ring")
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPLITSOFTMAX_TIMEOUT="60")
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-m", "splitsoftmax", "bench", "ring", "--nproc", "2", "--seqs", "64",
+                        "--out", str(out), "--deadline", "100"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(out / "ring_p2.json") as f:
+        return json.load(f), r.stdout, out
+
+
+def test_gate_passed_on_every_schedule(bench):
+    data, _, _ = bench
+    assert data["meta"]["world"] == 2 and data["meta"]["backend"] == "gloo"
+    ops = {(g["op"], g["schedule"]) for g in data["gate"]}
+    assert {s for _, s in ops} == {"ring", "allgather", "tree"}
+    assert len(data["gate"]) == 10  # ring, allgather x causal, non-causal x fwd, bwd; tree fwd, bwd
+    for g in data["gate"]:
+        assert g["ok"] and g["err"] <= g["tol"], g
+
+
+def test_every_shape_and_method_recorded(bench):
+    data, _, _ = bench
+    rows = data["results"]
+    shapes = {(r["S"], r["causal"], r["mode"]) for r in rows}
+    assert shapes == {(64, c, m) for c in (True, False) for m in ("fwd", "fwd+bwd")}
+    for s, causal, mode in shapes:
+        here = {r["method"]: r for r in rows if (r["S"], r["causal"], r["mode"]) == (s, causal, mode)}
+        for m in SS_METHODS | {"1gpu-ss"}:
+            r = here[m]
+            assert r["ms"] > 0 and r["reps"] >= 2 and r["tflops_per_gpu"] > 0, r
+            assert r["P"] == (1 if m == "1gpu-ss" else 2)
+        peers = CP_METHODS | ({f"{m}-nolb" for m in CP_METHODS} if not causal else set()) | {"1gpu-sdpa-flash"}
+        for m in peers:
+            assert "ms" not in here[m] and "CUDA" in here[m]["skipped"], here[m]
+        assert set(here) == SS_METHODS | {"1gpu-ss"} | peers
+
+
+def test_tflops_formula(bench):
+    data, _, _ = bench
+    h, d = data["meta"]["H"], data["meta"]["D"]
+    for r in data["results"]:
+        if "ms" in r:
+            flops = 4 * h * 64 * 64 * d * (0.5 if r["causal"] else 1) * (3.5 if r["mode"] == "fwd+bwd" else 1)
+            assert r["tflops_per_gpu"] == pytest.approx(flops / r["P"] / (r["ms"] * 1e-3) / 1e12, rel=1e-9)
+
+
+def test_derived_and_decode(bench):
+    data, _, _ = bench
+    by = {(r["S"], r["causal"], r["mode"], r["method"]): r["ms"] for r in data["results"] if "ms" in r}
+    assert len(data["derived"]) == 4
+    for d in data["derived"]:
+        ring = by[(d["S"], d["causal"], d["mode"], "ss-ring")]
+        assert d["efficiency_vs_1gpu-ss"] == pytest.approx(by[(d["S"], d["causal"], d["mode"], "1gpu-ss")] / (2 * ring))
+        assert d["ring_over_nocomm"] == pytest.approx(ring / by[(d["S"], d["causal"], d["mode"], "ss-ring-nocomm")])
+        assert "ring_over_torch_cp_best" not in d  # no torch CP on CPU
+    dec = data["decode"]
+    assert dec["keys"] == 4096 and dec["max_abs_diff_vs_1gpu"] < 1e-5
+    assert {r["method"] for r in dec["rows"] if "ms" in r} == {"tree", "local-split-kv", "small-allreduce", "1gpu-ss"}
+    assert dec["tree_over_local_plus_allreduce"] > 0
+
+
+def test_table_and_plots(bench):
+    _, stdout, out = bench
+    assert "ss-ring-nocomm" in stdout and "decode 4096 keys" in stdout
+    assert stdout.count(" ok") >= 10
+    pytest.importorskip("matplotlib")
+    for name in ("ring_p2_time.png", "ring_p2_tflops.png", "ring_scaling.png"):
+        assert (out / name).stat().st_size > 1000

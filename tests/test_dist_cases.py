@@ -248,3 +248,9 @@ def test_transfer_counts(size, schedule):
     for name in TAGS:
         assert f[name] == p * (fwd.get(name, 0) + (calls * (p - 1) if name == "meta" else 0)), (name, f)
         assert fb[name] - f[name] == p * bwd.get(name, 0), (name, f, fb)
+
+
+def case_all(group):
+    """Every case above, in one worker start (process groups are slow to start)."""
+    for case in (case_softmax, case_attention, case_tree, case_shard, case_mismatch):
+        case(group)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from datetime import timedelta
 from collections import defaultdict, deque
 from typing import Callable, Optional, Sequence
 
@@ -43,20 +44,41 @@ def timeout_s() -> float:
 
 
 class Handle:
-    """One started transfer with ``peer``; ``done()`` polls it (raising if it failed)."""
+    """One started transfer with ``peer``; ``done()`` polls it (raising if it failed).
 
-    def __init__(self, peer: int, poll: Callable[[], bool], finish: Optional[Callable[[], None]] = None):
+    ``block(seconds)``, where given, waits instead of polling (Gloo's point-to-point work only
+    completes inside ``wait``); it returns whether the transfer completed in time.
+    """
+
+    def __init__(self, peer: int, poll: Callable[[], bool], finish: Optional[Callable[[], None]] = None,
+                 block: Optional[Callable[[float], bool]] = None):
         self.peer = peer
         self._poll = poll
         self._finish = finish
+        self.block = block
         self.completed = False
 
-    def done(self) -> bool:
-        if not self.completed and self._poll():
+    def done(self, seconds: Optional[float] = None) -> bool:
+        if not self.completed and (self._poll() if self.block is None or seconds is None else self.block(seconds)):
             self.completed = True
             if self._finish is not None:
                 self._finish()
         return self.completed
+
+
+def _failed(error: Exception) -> Callable[[], bool]:
+    def poll() -> bool:
+        raise error
+    return poll
+
+
+def _guard(start: Callable, t: Tensor, peer: int, tag: int) -> Handle:
+    """Start a transfer; a transport that refuses at once (a closed peer) gives a failed handle,
+    reported by ``wait`` with the peer and the step."""
+    try:
+        return start(t, peer, tag)
+    except Exception as e:
+        return Handle(peer, _failed(e))
 
 
 class Communicator:
@@ -74,8 +96,7 @@ class Communicator:
 
     def post(self, sends: Sequence[tuple[Tensor, int]], recvs: Sequence[tuple[Tensor, int]], tag: int) -> list[Handle]:
         """Start the transfers (flat contiguous tensors; empty ones are skipped by the callers)."""
-        hs = [self._send(t, p, tag) for t, p in sends]
-        return hs + [self._recv(t, p, tag) for t, p in recvs]
+        return [_guard(self._send, t, p, tag) for t, p in sends] + [_guard(self._recv, t, p, tag) for t, p in recvs]
 
     def wait(self, handles: Sequence[Handle], step: str) -> None:
         """Block until every handle is done, at most ``SPLITSOFTMAX_TIMEOUT`` seconds."""
@@ -86,7 +107,7 @@ class Communicator:
             pending = []
             for h in handles:
                 try:
-                    if not h.done():
+                    if not h.done(max(0.2, deadline - time.monotonic())):
                         pending.append(h)
                 except Exception as e:  # the transport reports a broken peer
                     raise RuntimeError(f"{step}: rank {self.rank}: transfer with peer rank {h.peer} "
@@ -122,17 +143,39 @@ class TorchComm(Communicator):
         return self.dist.get_global_rank(self.group, peer)
 
     def _handle(self, work, peer: int) -> Handle:
-        return Handle(peer, work.is_completed, work.wait)
+        if self.nccl:  # the work's event can be polled; wait() then orders the current stream after it
+            return Handle(peer, work.is_completed, work.wait)
+        return Handle(peer, lambda: False, block=lambda seconds: self._block(work, seconds))
+
+    @staticmethod
+    def _block(work, seconds: float) -> bool:
+        """Wait for Gloo work at most ``seconds``; False when it timed out (other errors raise)."""
+        start = time.monotonic()
+        try:
+            work.wait(timedelta(seconds=max(seconds, 1e-3)))
+        except RuntimeError as e:  # Gloo's own timeout closes the pair: later waits report that
+            msg = str(e).lower()
+            if time.monotonic() - start >= seconds * 0.99 or "timed out" in msg or "timeout" in msg:
+                return False
+            raise
+        return True
 
     def post(self, sends, recvs, tag):
         ops = [(self.dist.isend, t, p) for t, p in sends] + [(self.dist.irecv, t, p) for t, p in recvs]
         if not ops:
             return []
-        if self.nccl:  # NCCL matches by order: one batch per call, identical order on every rank
-            p2p = [self.dist.P2POp(f, t, self._global(p), self.group, tag) for f, t, p in ops]
-            works = self.dist.batch_isend_irecv(p2p)
-            return [self._handle(w, p) for w, (_, _, p) in zip(works, ops)]
-        return [self._handle(f(t, self._global(p), self.group, tag), p) for f, t, p in ops]
+        if not self.nccl:
+            return super().post(sends, recvs, tag)
+        # NCCL matches by order: one batch per call, identical order on every rank
+        p2p = [self.dist.P2POp(f, t, self._global(p), self.group, tag) for f, t, p in ops]
+        works = self.dist.batch_isend_irecv(p2p)
+        return [self._handle(w, p) for w, (_, _, p) in zip(works, ops)]
+
+    def _send(self, t, peer, tag):
+        return self._handle(self.dist.isend(t, self._global(peer), self.group, tag), peer)
+
+    def _recv(self, t, peer, tag):
+        return self._handle(self.dist.irecv(t, self._global(peer), self.group, tag), peer)
 
 
 class MpiComm(Communicator):

@@ -1,0 +1,95 @@
+"""Faults on real Gloo groups: a peer that exits, a peer that stalls past SPLITSOFTMAX_TIMEOUT.
+
+The surviving ranks must raise RuntimeError naming the peer rank and the step, within the
+timeout (never a hang); the workers assert this themselves and exit 0. Mismatched arguments are
+covered by ``case_mismatch`` (loopback, Gloo and MPI).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from _dist_util import assert_ok, spawn
+from splitsoftmax.distributed import as_comm, sharded_attention
+from splitsoftmax.distributed import ring
+
+pytestmark = pytest.mark.distributed
+TIMEOUT = 10  # SPLITSOFTMAX_TIMEOUT for the stall cases: as short as the checks allow
+HERE = "tests/test_dist_faults.py"
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, 6, 8, generator=g) for _ in range(3)]
+
+
+def _fail_in_ring(action):
+    """Make this rank run ``action`` instead of its first ring transfer (after the handshake)."""
+    def patched(*args):
+        action()
+    ring._transfer = patched
+
+
+def _survive(group, victim: int, within: float, step: str, how: str):
+    """Call the ring attention; expect a RuntimeError naming ``step`` and ``victim`` within ``within`` s."""
+    c = as_comm(group)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"{step}.*peer rank\(?s?\)? \[?{victim}\]? {how}") as err:
+        sharded_attention(*_inputs(), group=group, schedule="ring")
+    elapsed = time.monotonic() - start
+    assert elapsed < within, f"rank {c.rank} took {elapsed:.1f} s to notice ({err.value})"
+    print(f"rank {c.rank}: {err.value} after {elapsed:.1f} s", flush=True)
+    os._exit(0)
+
+
+def exit_before(group):
+    c = as_comm(group)
+    if c.rank == c.size - 1:
+        os._exit(3)
+    _survive(group, c.size - 1, TIMEOUT, "metadata handshake", "(failed|did not answer)")
+
+
+def exit_in_ring(group):
+    c = as_comm(group)
+    if c.rank == c.size - 1:
+        _fail_in_ring(lambda: os._exit(3))
+        sharded_attention(*_inputs(), group=group, schedule="ring")
+    _survive(group, c.size - 1, TIMEOUT, "ring forward step 0", "(failed|did not answer)")
+
+
+def stall_before(group):
+    c = as_comm(group)
+    if c.rank == c.size - 1:
+        time.sleep(TIMEOUT + 3)
+        os._exit(0)
+    _survive(group, c.size - 1, TIMEOUT + 4, "metadata handshake", f"did not answer within {TIMEOUT} s")
+
+
+def stall_in_ring(group):
+    c = as_comm(group)
+    if c.rank == c.size - 1:
+        _fail_in_ring(lambda: (time.sleep(TIMEOUT + 3), os._exit(0)))
+        sharded_attention(*_inputs(), group=group, schedule="ring")
+    _survive(group, c.size - 1, TIMEOUT + 4, "ring forward step 0", f"did not answer within {TIMEOUT} s")
+
+
+def _run(size, case, timeout):
+    results = spawn(size, f"{HERE}:{case}", timeout=timeout, env={"SPLITSOFTMAX_TIMEOUT": str(TIMEOUT)})
+    victim_rc = 3 if case.startswith("exit") else 0
+    assert results[-1][0] == victim_rc, f"victim rank: rc {results[-1][0]}\n{results[-1][1][-3000:]}"
+    assert_ok(results[:-1], f"{case} with {size} ranks")
+
+
+@pytest.mark.parametrize("case", ["exit_before", "exit_in_ring"])
+def test_peer_exits(case):
+    """A peer that exits (before the call / in the middle of the ring) -> RuntimeError, no hang."""
+    _run(2, case, timeout=90)
+
+
+@pytest.mark.parametrize("size,case", [(3, "stall_before"), (2, "stall_in_ring")])
+def test_peer_stalls(size, case):
+    """A peer that stalls past SPLITSOFTMAX_TIMEOUT=10 -> RuntimeError naming it, within the timeout."""
+    _run(size, case, timeout=120)

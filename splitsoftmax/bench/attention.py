@@ -7,7 +7,7 @@
 - decode, one query, GQA 32/8, D=128, bf16, 128k and 1M keys: GB/s of K+V read;
 - the merge of 8 float32 partials (out 1x32x8192x128 each): GB/s of partials read + result written,
   fused kernel vs torch eager (lse weights, and the pairwise sigmoid form);
-- optionally (``--sweep``) alternative tile configs of the forward / backward kernels.
+- optionally (``--sweep``) alternative tiles of each kernel first; the best of each is then used.
 
 Every shape is checked before it is timed: on 128 sampled query rows the error of ss against a
 float64 reference must be at most 2x SDPA-flash's (FlashAttention's rule); gradients are compared
@@ -38,7 +38,7 @@ SWEEP = {
     "fwd": [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 128, 8, 2)],
     "bwd_kv": [(16, 128, 8, 3), (32, 128, 8, 2), (32, 64, 8, 3), (32, 128, 8, 3)],
     "bwd_q": [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (128, 64, 8, 4)],
-    "decode": [(16, 128, 4, 4), (16, 64, 4, 4), (16, 128, 4, 3), (16, 256, 8, 3), (16, 128, 8, 4)],
+    "decode": [(16, 128, 4, 4), (16, 64, 4, 4), (16, 128, 4, 3), (16, 64, 4, 6), (16, 128, 8, 4)],
 }
 
 
@@ -189,40 +189,74 @@ def merging() -> dict:
     return rec
 
 
+def _try_tile(res: list, rec: dict, fn) -> None:
+    """Append ``rec`` with ``fn()``'s measurement (or the error: a tile may not fit) and print it."""
+    try:
+        rec.update(fn())
+    except Exception as e:  # noqa: BLE001 (e.g. OutOfResources for a too-deep pipeline)
+        rec["error"] = repr(e)[:160]
+    res.append(rec)
+    print(json.dumps(rec), flush=True)
+
+
 def sweep() -> list[dict]:
-    """TFLOP/s (GB/s for decode) of each candidate tile at S=8k (decode: 1M keys)."""
+    """TFLOP/s (ms for backward, GB/s for decode) of each candidate tile at S=8k (decode: 1M keys)."""
     res = []
-    s, b = 8192, TOKENS // 8192
+    s, b, sc = 8192, TOKENS // 8192, DIM ** -0.5
     q, k, v = (torch.randn(b, HEADS, s, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     dout = torch.randn_like(q)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:3], device="cuda")
     for causal in (False, True):
         flops = 4 * b * HEADS * s * s * DIM / (2 if causal else 1)
-        o, lse_ = A.attn_fwd(q, k, v, DIM ** -0.5, causal, out_dtype=q.dtype)
+        o, lse_ = A.attn_fwd(q, k, v, sc, causal, out_dtype=q.dtype)
         delta = (dout.float() * o.float()).sum(-1)
         for tile in SWEEP["fwd"]:
             p = decode.Plan(tile, False, 1, s)
-            t = _ms(lambda: A.launch_fwd(q, k, v, out, lse, DIM ** -0.5, causal, 0, p))
-            res.append({"kind": "fwd", "tile": tile, "causal": causal, "tflops": flops / t / 1e9})
+            _try_tile(res, {"kind": "fwd", "tile": tile, "causal": causal}, lambda: {
+                "tflops": flops / _ms(lambda: A.launch_fwd(q, k, v, out, lse, sc, causal, 0, p)) / 1e9})
         for kind in ("bwd_kv", "bwd_q"):
             saved = configs.ATTN_TILES[(kind, 2, 128)]
             for tile in SWEEP[kind]:
                 configs.ATTN_TILES[(kind, 2, 128)] = tile
-                t = _ms(lambda: A.attn_bwd(q, k, v, dout, lse_, delta, DIM ** -0.5, causal))
-                res.append({"kind": kind, "tile": tile, "causal": causal, "bwd_ms": t})
+                _try_tile(res, {"kind": kind, "tile": tile, "causal": causal}, lambda: {
+                    "ms": _ms(lambda: A.attn_bwd(q, k, v, dout, lse_, delta, sc, causal))})
             configs.ATTN_TILES[(kind, 2, 128)] = saved
+    del q, k, v, dout, out
     qd = torch.randn(1, 32, 1, DIM, device="cuda", dtype=torch.bfloat16)
     kd, vd = (torch.randn(1, 8, 1 << 20, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     saved = configs.ATTN_TILES[("decode", 2, 128)]
     for tile in SWEEP["decode"]:
         configs.ATTN_TILES[("decode", 2, 128)] = tile
-        t = _ms(lambda: A.attn_fwd(qd, kd, vd, DIM ** -0.5, False, out_dtype=qd.dtype))
-        res.append({"kind": "decode", "tile": tile, "gbs": 2 * kd.numel() * 2 / t / 1e6})
+        _try_tile(res, {"kind": "decode", "tile": tile}, lambda: {
+            "gbs": 2 * kd.numel() * 2 / _ms(lambda: A.attn_fwd(qd, kd, vd, sc, False, out_dtype=qd.dtype)) / 1e6})
     configs.ATTN_TILES[("decode", 2, 128)] = saved
-    for r in res:
-        print(json.dumps(r), flush=True)
+    for per_sm in (1, 2, 4, 8):
+        configs.ATTN_SPLIT_PROGRAMS_PER_SM = per_sm
+        _try_tile(res, {"kind": "split_per_sm", "tile": per_sm}, lambda: {
+            "gbs": 2 * kd.numel() * 2 / _ms(lambda: A.attn_fwd(qd, kd, vd, sc, False, out_dtype=qd.dtype)) / 1e6})
+    configs.ATTN_SPLIT_PROGRAMS_PER_SM = 2
     return res
+
+
+def adopt_best(res: list[dict]) -> dict:
+    """Set configs.ATTN_TILES (bf16, D=128) to the sweep's best tile of each kind; return them."""
+    score = {"fwd": lambda r: r.get("tflops", 0.0), "bwd_kv": lambda r: -r.get("ms", math.inf),
+             "bwd_q": lambda r: -r.get("ms", math.inf), "decode": lambda r: r.get("gbs", 0.0)}
+    best = {}
+    for kind, f in score.items():
+        totals = {}
+        for r in res:
+            if r["kind"] == kind:
+                totals[tuple(r["tile"])] = totals.get(tuple(r["tile"]), 0.0) + f(r)
+        if totals:
+            best[kind] = max(totals, key=totals.get)
+            configs.ATTN_TILES[(kind, 2, 128)] = best[kind]
+    splits = {r["tile"]: r["gbs"] for r in res if r["kind"] == "split_per_sm" and "gbs" in r}
+    if splits:
+        best["split_per_sm"] = configs.ATTN_SPLIT_PROGRAMS_PER_SM = max(splits, key=splits.get)
+    print("tiles adopted:", json.dumps(best), flush=True)
+    return best
 
 
 def plot(result: dict, path: str) -> None:
@@ -269,7 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, nargs="*", default=SEQS)
     ap.add_argument("--decode-keys", type=int, nargs="*", default=DECODE_KEYS)
     ap.add_argument("--no-flex", action="store_true")
-    ap.add_argument("--sweep", action="store_true", help="also time alternative tile configs")
+    ap.add_argument("--sweep", action="store_true",
+                    help="first time alternative tiles (bf16, D=128) and run the rest with the best of each")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     import triton
@@ -277,6 +312,9 @@ def main(argv=None) -> int:
               "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(), "argv": sys.argv}
     if args.sweep:
         result["sweep"] = sweep()
+        result["tiles_adopted"] = adopt_best(result["sweep"])
+    result["tiles"] = {f"{kd}/{sz}/{hd}": t for (kd, sz, hd), t in configs.ATTN_TILES.items() if (sz, hd) == (2, 128)}
+    result["split_programs_per_sm"] = configs.ATTN_SPLIT_PROGRAMS_PER_SM
     result["merge"] = merging()
     result["decode"] = decoding(args.decode_keys)
     result["prefill"] = prefill(args.seqs, [] if args.no_flex else FLEX_SEQS)

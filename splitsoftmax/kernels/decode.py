@@ -15,8 +15,8 @@ import triton
 from torch import Tensor
 
 from ..local import interpreting
-from .configs import (ATTN_INTERPRET_SMS, ATTN_PACK_MAX_SQ, ATTN_SPLIT_MIN_TILES, ATTN_SPLIT_PROGRAMS_PER_SM,
-                      ATTN_TILE_DEFAULT, ATTN_TILE_INTERPRET, ATTN_TILES)
+from . import configs
+from .configs import ATTN_INTERPRET_SMS, ATTN_PACK_MAX_SQ, ATTN_TILE_DEFAULT, ATTN_TILE_INTERPRET, ATTN_TILES
 
 
 def fix_interpreter_index() -> None:
@@ -96,11 +96,11 @@ def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int) -> Plan:
         bm = min(64, max(16, triton.next_power_of_2(rows)))
     tile = (bm, bn, warps, stages)
     programs = triton.cdiv(rows, bm) * b * (hkv if pack else h)
-    target = ATTN_SPLIT_PROGRAMS_PER_SM * sm_count(q)
+    target = configs.ATTN_SPLIT_PROGRAMS_PER_SM * sm_count(q)
     keys = visible_keys(sq, sk, causal, diag)
     nsplit = 1
     if programs < target:
-        nsplit = max(1, min(triton.cdiv(target, programs), keys // (bn * ATTN_SPLIT_MIN_TILES)))
+        nsplit = max(1, min(triton.cdiv(target, programs), keys // (bn * configs.ATTN_SPLIT_MIN_TILES)))
     chunk = triton.cdiv(max(sk, 1), bn) * bn
     if nsplit > 1:
         chunk = triton.cdiv(triton.cdiv(keys, nsplit), bn) * bn

@@ -8,6 +8,7 @@ same functions in Gloo and MPI worker processes.
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -253,4 +254,12 @@ def test_transfer_counts(size, schedule):
 def case_all(group):
     """Every case above, in one worker start (process groups are slow to start)."""
     for case in (case_softmax, case_attention, case_tree, case_shard, case_mismatch):
+        case(group)
+
+
+def case_multinode(group):
+    """The cases a multi-node launch checks: ranks on different agents exchange K/V and states."""
+    import torch.distributed as dist
+    assert os.environ["GROUP_WORLD_SIZE"] == "2" and dist.get_world_size() == 4, "2 agents x 2 ranks"
+    for case in (case_softmax, case_attention, case_tree):
         case(group)

@@ -95,3 +95,20 @@ def merge_backward(ctx, g_out: Optional[Tensor], g_lse: Optional[Tensor]):
     if g_lse is not None:
         inner = inner + g_lse.to(inner.dtype)
     return (w.unsqueeze(-1) * g_out).to(outs.dtype), (w * inner).to(lses.dtype)
+
+
+def setup_cross_entropy(ctx, inputs, output) -> None:
+    """``ce_fwd(logits (N, V), target, ignore_index, label_smoothing) -> (loss, lse)``."""
+    logits, target, ignore_index, smoothing = inputs
+    _, lse = output
+    ctx.save_for_backward(logits, target, lse)
+    ctx.mark_non_differentiable(lse)
+    ctx.args = (ignore_index, smoothing)
+
+
+def cross_entropy_backward(ctx, g_loss: Tensor, _g_lse: Optional[Tensor]):
+    """``dlogits = g * (softmax - (1-eps) onehot - eps/V)`` per row, 0 for ignored rows."""
+    logits, target, lse = ctx.saved_tensors
+    ignore_index, smoothing = ctx.args
+    coef = torch.where(target == ignore_index, 0.0, g_loss)
+    return _ops().ce_bwd(logits, target, lse, coef, 0, smoothing, logits.shape[1]), None, None, None

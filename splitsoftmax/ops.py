@@ -14,8 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+import importlib
+
 from . import autograd as ag
-from .local import op
+from . import state
+from .kernels import cpu
+from .local import op, use_triton
 from .state import stat_dtype
 
 custom_op, register_fake, register_autograd = (torch.library.custom_op, torch.library.register_fake,
@@ -118,7 +122,55 @@ def _merge_fwd_fake(outs, lses):
     return outs.new_empty(outs.shape[1:], dtype=dt), outs.new_empty(lses.shape[1:], dtype=dt)
 
 
+def ce_op(name: str, t: Tensor):
+    """The cross-entropy local op ``name`` (``ce_stats``, ``ce_bwd``) for tensors like ``t``: Triton
+    (``kernels/cross_entropy.py``) or the torch path, chosen as :func:`splitsoftmax.local.op` does."""
+    if use_triton(t):
+        return getattr(importlib.import_module("splitsoftmax.kernels.cross_entropy"), name)
+    return getattr(cpu, name)
+
+
+def row_losses(stats: Tensor, target: Tensor, ignore_index: int, smoothing: float, vocab: int):
+    """Per-row losses from the merged statistics ``stats (N, 4) = (m, l, x_t, sum x)``.
+
+    ``loss = lse - (1 - eps) x_t - eps/V sum_j x_j`` (torch's label smoothing, over the global ``V``);
+    0 where ``target == ignore_index``. Returns ``(loss (N,), lse (N,))`` in the statistics' dtype.
+    """
+    lse = state.lse_of(state.State(stats[:, 0], stats[:, 1]))
+    loss = lse - (1.0 - smoothing) * stats[:, 2]
+    if smoothing:
+        loss = loss - (smoothing / vocab) * stats[:, 3]
+    return torch.where(target == ignore_index, 0.0, loss), lse
+
+
+@custom_op("splitsoftmax::ce_fwd", mutates_args=())
+def ce_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
+    """Cross-entropy of each row of ``logits (N, V)``: ``(loss (N,), lse (N,))``, statistics dtype."""
+    stats = ce_op("ce_stats", logits)(logits, target, 0).to(stat_dtype(logits.dtype))
+    loss, lse = row_losses(stats, target, ignore_index, label_smoothing, logits.shape[1])
+    return loss.contiguous(), lse.contiguous()
+
+
+@register_fake("splitsoftmax::ce_fwd")
+def _ce_fwd_fake(logits, target, ignore_index, label_smoothing):
+    dt = stat_dtype(logits.dtype)
+    return logits.new_empty(logits.shape[:1], dtype=dt), logits.new_empty(logits.shape[:1], dtype=dt)
+
+
+@custom_op("splitsoftmax::ce_bwd", mutates_args=())
+def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int, smoothing: float,
+           vocab: int) -> Tensor:
+    """``dlogits (N, V)`` in ``logits.dtype`` for the row-loss gradients ``coef (N,)`` (0: ignored row)."""
+    return _out(ce_op("ce_bwd", logits)(logits, target, lse, coef, col0, smoothing, vocab), logits.dtype)
+
+
+@register_fake("splitsoftmax::ce_bwd")
+def _ce_bwd_fake(logits, target, lse, coef, col0, smoothing, vocab):
+    return logits.new_empty(logits.shape)
+
+
 register_autograd("splitsoftmax::softmax_fwd", ag.softmax_backward, setup_context=ag.setup_softmax)
 register_autograd("splitsoftmax::logsumexp_fwd", ag.logsumexp_backward, setup_context=ag.setup_logsumexp)
 register_autograd("splitsoftmax::attn_fwd", ag.attention_backward, setup_context=ag.setup_attention)
 register_autograd("splitsoftmax::merge_fwd", ag.merge_backward, setup_context=ag.setup_merge)
+register_autograd("splitsoftmax::ce_fwd", ag.cross_entropy_backward, setup_context=ag.setup_cross_entropy)

@@ -146,3 +146,59 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
         dq += (ds @ kb) * scale
         dk[:, :, j:j + CPU_BLOCK_KEYS] = (ds.transpose(-1, -2) @ qg) * scale
     return dq.reshape(b, h, sq, d), dk, dv
+
+
+def ce_stats(logits: Tensor, target: Tensor, col0: int = 0) -> Tensor:
+    """Cross-entropy row statistics of ``logits (N, V)``: ``(N, 4)`` = ``(m, l, x_t, sum_j x_j)``.
+
+    ``(m, l)`` is the row's softmax state (merged block by block over V), ``x_t`` the logit of the
+    global class ``target (N,)`` when it falls in this slice ``[col0, col0 + V)`` (else 0), and the
+    last column the sum of the row (for label smoothing). float32 (float64 for float64 logits).
+    """
+    n, v = logits.shape
+    dt = stat_dtype(logits.dtype)
+    s = empty_state((n,), None, dtype=dt, device=logits.device)
+    total = torch.zeros(n, dtype=dt, device=logits.device)
+    for j in range(0, v, CPU_BLOCK_COLS):
+        xb = logits[:, j:j + CPU_BLOCK_COLS].to(dt)  # [N, block]
+        s = merge(s, tile_state(xb))
+        total = total + xb.sum(-1)
+    local = target - col0
+    own = (local >= 0) & (local < v)
+    xt = torch.zeros(n, dtype=dt, device=logits.device)
+    if v:
+        picked = logits.gather(1, torch.where(own, local, 0).unsqueeze(1)).squeeze(1).to(dt)
+        xt = torch.where(own, picked, xt)
+    return torch.stack((s.m, s.l, xt, total), dim=-1)
+
+
+def merge_ce_stats(parts: Tensor) -> Tensor:
+    """Merge cross-entropy statistics of column slices ``parts (P, N, 4)`` (rank/split order) -> ``(N, 4)``.
+
+    ``(m, l)`` merge with the state algebra; ``x_t`` (non-zero on one slice only) and the row sums add.
+    """
+    from ..state import merge_stack  # appended function: the module's imports stay as they were
+    s = merge_stack(State(parts[..., 0], parts[..., 1]))
+    return torch.stack((s.m, s.l, parts[..., 2].sum(0), parts[..., 3].sum(0)), dim=-1)
+
+
+def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int, smoothing: float,
+           vocab: int) -> Tensor:
+    """``dlogits (N, V)`` in ``logits.dtype``: ``coef * (softmax - (1-eps) onehot(target) - eps/vocab)``.
+
+    ``lse, coef (N,)``: the global logsumexp and the upstream gradient of each row's loss (0 for
+    ignored rows, which get exactly 0); ``col0`` the global id of this slice's first class,
+    ``vocab`` the global vocabulary size. Written block by block over V.
+    """
+    n, v = logits.shape
+    dt = stat_dtype(logits.dtype)
+    dx = torch.empty_like(logits)
+    local = (target - col0).unsqueeze(1)
+    c = coef.to(dt).unsqueeze(1)
+    skip = c == 0
+    for j in range(0, v, CPU_BLOCK_COLS):
+        xb = logits[:, j:j + CPU_BLOCK_COLS].to(dt)  # [N, block]
+        hit = local == torch.arange(j, j + xb.shape[1], device=logits.device)
+        g = torch.exp(xb - lse.to(dt).unsqueeze(1)) - smoothing / vocab - (1.0 - smoothing) * hit.to(dt)
+        dx[:, j:j + CPU_BLOCK_COLS] = torch.where(skip, 0.0, c * g).to(logits.dtype)
+    return dx

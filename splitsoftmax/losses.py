@@ -1,0 +1,140 @@
+"""Cross-entropy over the vocabulary: single device, and vocabulary-sharded across ranks.
+
+Both reduce each row of logits to four float32 statistics ``(m, l, x_t, sum_j x_j)`` in one
+pass (``ce_stats``): the softmax state, the target logit and the row sum (label smoothing).
+Shards of the vocabulary merge their statistics with the state algebra after one packed
+exchange; the backward needs no communication (``dlogits = g (softmax - (1-eps) onehot - eps/V)``
+uses only the global ``lse``). No float32 copy of the logits is ever made.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from . import ops  # noqa: F401  (registers torch.ops.splitsoftmax.*)
+from .distributed import handshake as hs
+from .distributed.comm import as_comm
+from .distributed.tree import bruck_allgather
+from .kernels.cpu import merge_ce_stats
+from .ops import ce_op, row_losses
+from .state import stat_dtype
+
+REDUCTIONS = ("mean", "sum", "none")
+# the handshake's operation code (falls back to the sharded logsumexp code on a handshake that
+# does not list sharded_cross_entropy yet)
+_HS_OP = "sharded_cross_entropy" if "sharded_cross_entropy" in hs.OPS else "sharded_logsumexp"
+
+
+def _args(logits, target, ignore_index, reduction, label_smoothing) -> float:
+    """Check ``logits (N, V)`` floating, ``target (N,)`` integer class ids; return the smoothing."""
+    _checks.tensor("logits", logits)
+    _checks.tensor("target", target, floating=False)
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D (N, V), got shape {tuple(logits.shape)}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer class ids, got dtype {target.dtype}")
+    if tuple(target.shape) != tuple(logits.shape[:1]):
+        raise ValueError(f"target shape {tuple(target.shape)} must be (N,) = ({logits.shape[0]},)")
+    if target.device != logits.device:
+        raise ValueError(f"target is on {target.device} but logits is on {logits.device}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    _checks.choice("reduction", reduction, REDUCTIONS)
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"label_smoothing must be a float, got {type(label_smoothing).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+    return float(label_smoothing)
+
+
+def _check_targets(target: Tensor, ignore_index: int, vocab: int) -> None:
+    """Every target is a class id in ``[0, vocab)`` or ``ignore_index`` (skipped while compiling)."""
+    if torch.compiler.is_compiling() or target.numel() == 0:
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(f"target holds class {value}, outside [0, {vocab}) and not ignore_index={ignore_index}")
+
+
+def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str, dtype: torch.dtype) -> Tensor:
+    """``none``: ``(N,)``; ``sum``; ``mean`` over the rows not ignored (NaN if none, like torch)."""
+    if reduction == "none":
+        return loss.to(dtype)
+    total = loss.sum()
+    if reduction == "sum":
+        return total.to(dtype)
+    return (total / (target != ignore_index).sum()).to(dtype)
+
+
+def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0) -> Tensor:
+    """Cross-entropy of ``logits (N, V)`` against class ids ``target (N,)``, like
+    ``torch.nn.functional.cross_entropy``.
+
+    Rows with ``target == ignore_index`` add 0 and leave the ``mean`` denominator. Label smoothing
+    mixes in the uniform distribution over the ``V`` classes. Statistics are float32 (one pass over
+    the logits, no float32 copy); the loss has ``logits.dtype``; the gradient is written in
+    ``logits.dtype``. ``reduction``: ``"mean"``, ``"sum"`` (scalars) or ``"none"`` (``(N,)``).
+    """
+    eps = _args(logits, target, ignore_index, reduction, label_smoothing)
+    _check_targets(target, ignore_index, logits.shape[1])
+    loss, _ = torch.ops.splitsoftmax.ce_fwd(logits, target, ignore_index, eps)
+    return _reduce(loss, target, ignore_index, reduction, logits.dtype)
+
+
+class ShardedCrossEntropyFn(torch.autograd.Function):
+    """Per-row losses ``(N,)`` of vocabulary-sharded ``logits (N, V_r)``; this slice starts at ``col0``."""
+
+    @staticmethod
+    def forward(ctx, logits, target, comm, col0: int, vocab: int, ignore_index: int, eps: float):
+        n = logits.shape[0]
+        stats = ce_op("ce_stats", logits)(logits, target, col0).to(stat_dtype(logits.dtype))  # [N, 4]
+        parts = bruck_allgather(comm, stats.reshape(-1).contiguous(), "sharded_cross_entropy: row statistics")
+        loss, lse = row_losses(merge_ce_stats(parts.view(comm.size, n, 4)), target, ignore_index, eps, vocab)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.args = (col0, vocab, ignore_index, eps)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        logits, target, lse = ctx.saved_tensors
+        col0, vocab, ignore_index, eps = ctx.args
+        coef = torch.where(target == ignore_index, 0.0, g)
+        dx = ce_op("ce_bwd", logits)(logits, target, lse, coef, col0, eps, vocab)
+        return dx, None, None, None, None, None, None
+
+
+def _fingerprint(target: Tensor) -> int:
+    """A position-weighted checksum of ``target``, to catch ranks whose targets differ."""
+    w = torch.arange(1, target.numel() + 1, device=target.device, dtype=torch.int64)
+    return int((target.to(torch.int64) * w).sum() % (2**61 - 1))
+
+
+def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_index: int = -100,
+                          reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
+    """Cross-entropy of vocabulary-sharded logits (collective over ``group``).
+
+    ``logits (N, V_r)`` is this rank's slice of the classes (slices in rank order, any lengths, 0
+    allowed); ``target (N,)`` holds global class ids and is the same on every rank. Returns the
+    loss of the full ``(N, V)`` logits, identical on every rank, in ``logits.dtype``; label
+    smoothing spreads over the global ``V``. One packed exchange of the per-row statistics; each
+    rank's logits gradient is its slice of the full gradient (no communication in backward).
+    """
+    comm = as_comm(group)
+    agree, per, err = None, None, None
+    try:
+        eps = _args(logits, target, ignore_index, reduction, label_smoothing)
+        agree = {"N": logits.shape[0], "dtype": hs.encode_dtype(logits.dtype), "ignore_index": ignore_index,
+                 "reduction": REDUCTIONS.index(reduction), "label_smoothing": hs.encode_float(eps),
+                 "target": _fingerprint(target)}
+        per = {"V_local": logits.shape[1]}
+    except (TypeError, ValueError) as e:
+        err = e
+    meta = hs.handshake(comm, _HS_OP, agree, per, err)
+    widths = meta["V_local"]
+    vocab, col0 = sum(widths), sum(widths[:comm.rank])
+    _check_targets(target, ignore_index, vocab)
+    loss = ShardedCrossEntropyFn.apply(logits, target, comm, col0, vocab, ignore_index, eps)
+    return _reduce(loss, target, ignore_index, reduction, logits.dtype)

@@ -1,0 +1,100 @@
+"""The Triton cross-entropy kernels under TRITON_INTERPRET=1, at tiny sizes, against float64."""
+import os
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.interpreter
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("interpreter lane: run with TRITON_INTERPRET=1", allow_module_level=True)
+
+from splitsoftmax.distributed import LoopbackWorld  # noqa: E402
+from splitsoftmax.kernels import cpu  # noqa: E402
+from splitsoftmax.kernels import cross_entropy as tce  # noqa: E402
+from splitsoftmax.losses import cross_entropy, sharded_cross_entropy  # noqa: E402
+
+NEG_INF = float("-inf")
+
+
+def make(n, v, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(n, v, generator=g, dtype=torch.float64) * 3).to(dtype)
+    target = torch.randint(0, v, (n,), generator=g)
+    target[torch.rand(n, generator=g) < 0.25] = -100
+    return logits, target
+
+
+def _locked(lock, fn, *args):
+    with lock:
+        return fn(*args)
+
+
+def grad_of(fn, logits, target, **kw):
+    x = logits.detach().clone().requires_grad_(True)
+    loss = fn(x, target, **kw)
+    w = torch.linspace(0.5, 1.5, loss.numel()).bfloat16().to(loss.dtype).reshape(loss.shape)  # exact in bf16
+    (g,) = torch.autograd.grad((loss * w).sum(), x)
+    return loss, g
+
+
+@pytest.mark.parametrize("n,v,col0", [(1, 1, 0), (3, 97, 0), (5, 40, 13), (20, 33, -7)])
+def test_stats_match_torch_path(n, v, col0):
+    """Split rows (few rows: several programs per row) and single-program rows, any slice offset."""
+    logits, target = make(n, v, torch.float32, seed=n)
+    target = target.clamp(min=0) + max(col0, 0)
+    logits[0, : v // 2] = NEG_INF
+    got = tce.ce_stats(logits, target, col0)
+    want = cpu.ce_stats(logits.double(), target, col0)
+    ours = cpu.ce_stats(logits, target, col0)
+    torch.testing.assert_close(got[:, 0].double(), want[:, 0])  # max: exact
+    for c in (1, 2, 3):
+        torch.testing.assert_close(got[:, c].double(), want[:, c], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[:, 2], ours[:, 2])
+    assert tce._splits(3, 97, 16, logits.device)[0] > 1  # the split path ran
+
+
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("none", 0.1), ("sum", 0.3)])
+def test_cross_entropy_matches_torch(reduction, smoothing):
+    logits, target = make(6, 75, torch.float32, seed=3)
+    kw = dict(reduction=reduction, label_smoothing=smoothing)
+    want, gwant = grad_of(F.cross_entropy, logits.double(), target, **kw)
+    got, g = grad_of(cross_entropy, logits, target, **kw)
+    assert got.dtype == torch.float32 and g.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-6)
+    torch.testing.assert_close(g.double(), gwant, atol=2e-6, rtol=2e-5)
+    assert torch.equal(g[target == -100], torch.zeros_like(g[target == -100]))
+
+
+def test_bfloat16_within_one_ulp_of_float32_math():
+    """bf16 logits: loss and gradient within one bf16 ulp of the same math on the upcast logits.
+    (The interpreter truncates float32 -> bfloat16 stores where the GPU rounds to nearest, so
+    this lane checks one ulp; the GPU lane checks the 2x-torch error rule.)"""
+    logits, target = make(6, 75, torch.bfloat16, seed=3)
+    got, g = grad_of(cross_entropy, logits, target, reduction="none", label_smoothing=0.1)
+    want, gwant = grad_of(F.cross_entropy, logits.double(), target, reduction="none", label_smoothing=0.1)
+    assert got.dtype == torch.bfloat16 and g.dtype == torch.bfloat16
+    for mine, ref, f32_atol in ((got, want, 2e-5), (g, gwant, 2e-6)):  # float32 tolerances as above
+        ulp = ref.abs() * 2.0 ** -7
+        assert ((mine.double() - ref).abs() <= ulp + f32_atol).all(), (mine.double() - ref).abs().max()
+
+
+def test_sharded_on_the_triton_path(monkeypatch):
+    """Ranks are threads here and the interpreter keeps its grid in globals: launches take a lock."""
+    lock = threading.Lock()
+    for name in ("ce_stats", "ce_bwd"):
+        real = getattr(tce, name)
+        monkeypatch.setattr(tce, name, lambda *a, _real=real: _locked(lock, _real, *a))
+    logits, target = make(4, 50, torch.float32, seed=5)
+    bounds = [0, 17, 17, 50]
+    want, gwant = grad_of(F.cross_entropy, logits.double(), target, label_smoothing=0.1)
+
+    def rank(comm):
+        sl = logits[:, bounds[comm.rank]:bounds[comm.rank + 1]]
+        return grad_of(lambda a, b, **k: sharded_cross_entropy(a, b, group=comm, **k), sl, target,
+                       label_smoothing=0.1)
+
+    for r, (loss, g) in enumerate(LoopbackWorld(3).run(rank)):
+        torch.testing.assert_close(loss.double(), want, atol=2e-5, rtol=2e-6)
+        torch.testing.assert_close(g.double(), gwant[:, bounds[r]:bounds[r + 1]], atol=2e-6, rtol=2e-5)

@@ -84,3 +84,25 @@ def test_table_and_plots(bench):
     pytest.importorskip("matplotlib")
     for name in ("ring_p2_time.png", "ring_p2_tflops.png", "ring_scaling.png"):
         assert (out / name).stat().st_size > 1000
+
+
+def test_derived_ratios_with_torch_cp_rows():
+    """The GPU-only ratios, on made-up rows shaped like a GPU run's (no GPU needed)."""
+    from splitsoftmax.bench.ring import derived, render, without_nproc
+    base = {"S": 32768, "causal": True, "mode": "fwd", "P": 2}
+    rows = [base | {"method": "ss-ring", "ms": 6.0, "peak_gib": 1.0},
+            base | {"method": "ss-ring-nocomm", "ms": 5.0, "peak_gib": 1.0},
+            base | {"method": "torch-cp-allgather", "ms": 10.0, "peak_gib": 2.0},
+            base | {"method": "torch-cp-alltoall", "ms": 8.0, "peak_gib": 4.0},
+            base | {"method": "torch-cp-alltoall-nolb", "error": "RuntimeError: refused"},
+            base | {"method": "1gpu-ss", "ms": 11.0, "P": 1},
+            base | {"method": "1gpu-sdpa-flash", "ms": 9.0, "P": 1}]
+    (d,) = derived(rows, 2)
+    assert d["ring_over_torch_cp_best"] == pytest.approx(6.0 / 8.0)
+    assert d["ring_peak_over_torch_cp_least"] == pytest.approx(0.5)
+    assert d["efficiency_vs_1gpu-ss"] == pytest.approx(11.0 / 12.0)
+    assert d["efficiency_vs_1gpu-sdpa-flash"] == pytest.approx(9.0 / 12.0)
+    assert d["ring_over_nocomm"] == pytest.approx(1.2)
+    text = render({"results": [r | {"tflops_per_gpu": 1.0} if "ms" in r else r for r in rows], "derived": [d]})
+    assert "RuntimeError: refused" in text and "ring_over_torch_cp_best 0.750" in text
+    assert without_nproc(["--nproc", "4", "--seqs", "64", "--nproc=2", "--out", "x"]) == ["--seqs", "64", "--out", "x"]

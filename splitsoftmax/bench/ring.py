@@ -273,13 +273,17 @@ def derived(rows: list, world: int) -> list:
     """Per shape: ring vs torch CP's best, scaling efficiency, the ring's communication overhead."""
     out = []
     for key in sorted({(r["S"], r["causal"], r["mode"]) for r in rows}):
-        ms = {r["method"]: r["ms"] for r in rows if (r["S"], r["causal"], r["mode"]) == key and "ms" in r}
+        here = [r for r in rows if (r["S"], r["causal"], r["mode"]) == key and "ms" in r]
+        ms = {r["method"]: r["ms"] for r in here}
         d = {"S": key[0], "causal": key[1], "mode": key[2]}
-        cp = [v for m, v in ms.items() if m.startswith("torch-cp")]
+        cp = [r for r in here if r["method"].startswith("torch-cp")]
         if "ss-ring" in ms:
             ring = ms["ss-ring"]
             if cp:
-                d["ring_over_torch_cp_best"] = ring / min(cp)
+                d["ring_over_torch_cp_best"] = ring / min(r["ms"] for r in cp)
+                peak = next(r.get("peak_gib") for r in here if r["method"] == "ss-ring")
+                if peak is not None and all("peak_gib" in r for r in cp):
+                    d["ring_peak_over_torch_cp_least"] = peak / min(r["peak_gib"] for r in cp)
             for base in ("1gpu-ss", "1gpu-sdpa-flash"):
                 if base in ms:
                     d[f"efficiency_vs_{base}"] = ms[base] / (world * ring)

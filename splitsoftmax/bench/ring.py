@@ -194,12 +194,12 @@ def torch_cp(w: World, full: Callable, causal: bool, backward: bool, rotate: str
         from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
         from torch.nn.attention import SDPBackend, sdpa_kernel
         set_rotate_method(rotate)
-        mesh = init_device_mesh("cuda", (w.size,))
+        w.mesh = getattr(w, "mesh", None) or init_device_mesh("cuda", (w.size,))
         old = _cp_options.enable_load_balance
         _cp_options.enable_load_balance = balance
         q, k, v = full()
         try:
-            with context_parallel(mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+            with context_parallel(w.mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
                 local = [t.clone() for t in (q, k, v)]
                 for t in (q, k, v):
                     t.untyped_storage().resize_(0)  # resize_ keeps the full storage; free it
@@ -409,14 +409,15 @@ def render(result: dict) -> str:
         ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
         tf = f"{r['tflops_per_gpu']:11.1f}" if "ms" in r else f"{'-':>11}"
         peak = f"{r['peak_gib']:8.2f}" if "peak_gib" in r else f"{'-':>8}"
-        lines.append(f"{r['S']:>7} {str(r['causal']):>6} {r['mode']:>7} {r['method']:<22} {ms} {tf} {peak}  {note[:60]}")
+        lines.append(f"{r['S']:>7} {str(r['causal']):>6} {r['mode']:>7} {r['method']:<22} {ms} {tf} {peak}  "
+                     f"{note[:60]}")
     for d in result.get("derived", []):
         vals = ", ".join(f"{k} {v:.3f}" for k, v in d.items() if isinstance(v, float))
         lines.append(f"S={d['S']} {'causal' if d['causal'] else 'non-causal'} {d['mode']}: {vals}")
     dec = result.get("decode")
     if dec:
-        parts = [f"{r['method']} {r['ms']:.3f} ms" if "ms" in r else f"{r['method']} {r.get('skipped') or r.get('error')}"
-                 for r in dec["rows"] if "ms" in r or r.get("skipped") or r.get("error")]
+        parts = [f"{r['method']} " + (f"{r['ms']:.3f} ms" if "ms" in r else str(r.get("skipped") or r.get("error")))
+                 for r in dec["rows"]]
         lines.append(f"decode {dec['keys']} keys: " + "; ".join(parts))
     return "\n".join(lines)
 
@@ -445,8 +446,8 @@ def plots(out_dir: str) -> list:
                     for m in sorted({r["method"] for r in pts if key in r}):
                         xy = sorted((r["S"], r[key]) for r in pts if r["method"] == m and key in r)
                         ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=m)
-                    ax.set(xscale="log", yscale="log" if key == "ms" else "linear", title=f"{mode}, {'causal' if causal else 'non-causal'}, P={world}",
-                           xlabel="S", ylabel=label)
+                    ax.set(xscale="log", yscale="log" if key == "ms" else "linear", xlabel="S", ylabel=label,
+                           title=f"{mode}, {'causal' if causal else 'non-causal'}, P={world}")
                     ax.legend(fontsize=7)
             files.append(os.path.join(out_dir, f"ring_p{world}_{'time' if key == 'ms' else 'tflops'}.png"))
             fig.tight_layout()

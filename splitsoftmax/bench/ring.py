@@ -54,6 +54,7 @@ class World:
         self.group, self.device, self.rank, self.size = launcher.init_ranks(kind)
         self.cuda = self.device.type == "cuda"
         self.nccl = kind == "torchrun" and self.cuda
+        self.mesh = None  # torch CP's 1-d DeviceMesh, made on first use
         if not self.cuda:  # ranks share the cores: oversubscribed threads make CPU timings meaningless
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
 
@@ -194,7 +195,8 @@ def torch_cp(w: World, full: Callable, causal: bool, backward: bool, rotate: str
         from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
         from torch.nn.attention import SDPBackend, sdpa_kernel
         set_rotate_method(rotate)
-        w.mesh = getattr(w, "mesh", None) or init_device_mesh("cuda", (w.size,))
+        if w.mesh is None:
+            w.mesh = init_device_mesh("cuda", (w.size,))
         old = _cp_options.enable_load_balance
         _cp_options.enable_load_balance = balance
         q, k, v = full()

@@ -207,6 +207,9 @@ class MpiComm(Communicator):
 class LoopbackWorld:
     """``size`` ranks in one process (threads): mailboxes keyed by (src, dst, tag), counted sends.
 
+    A rank whose function has returned or raised counts as exited: receives from it then fail.
+    Ranks take turns: one computes while the others wait for transfers.
+
     ``sends[tag]`` counts the transfers started per tag, over all ranks; ``run(fn)`` calls
     ``fn(comm)`` on every rank concurrently and returns the results in rank order.
     """
@@ -217,6 +220,8 @@ class LoopbackWorld:
         self.boxes: dict = defaultdict(deque)
         self.sends: dict = defaultdict(int)
         self.bytes: dict = defaultdict(int)
+        self.gone: set = set()
+        self.turn = threading.Lock()  # one rank computes at a time (the Triton interpreter is not thread-safe)
 
     def comm(self, rank: int) -> "LoopbackComm":
         return LoopbackComm(self, rank)
@@ -229,12 +234,18 @@ class LoopbackWorld:
     def run(self, fn: Callable, timeout: float = 120.0) -> list:
         """Run ``fn(comm)`` on every rank in its own thread; re-raise the first failure."""
         results, errors = [None] * self.size, [None] * self.size
+        self.gone.clear()
 
         def body(r):
+            self.turn.acquire()
             try:
                 results[r] = fn(self.comm(r))
             except BaseException as e:  # reported to the caller below
                 errors[r] = e
+            finally:
+                self.turn.release()
+            with self.lock:  # like a process that exits: its peers' receives now fail
+                self.gone.add(r)
 
         threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.size)]
         for t in threads:
@@ -244,9 +255,9 @@ class LoopbackWorld:
             if t.is_alive():
                 done = {r: repr(e) for r, e in enumerate(errors) if e is not None}
                 raise RuntimeError(f"loopback world: a rank did not finish within {timeout} s; failed ranks: {done}")
-        for e in errors:
-            if e is not None:
-                raise e
+        first = [e for e in errors if e is not None]
+        if first:  # the root cause rather than a peer's report of it
+            raise next((e for e in first if "has exited" not in str(e)), first[0])
         return results
 
 
@@ -257,6 +268,14 @@ class LoopbackComm(Communicator):
         self.world = world
         self.rank = rank
         self.size = world.size
+
+    def wait(self, handles, step):
+        """Wait with the world's turn released, so that the other ranks run meanwhile."""
+        self.world.turn.release()
+        try:
+            super().wait(handles, step)
+        finally:
+            self.world.turn.acquire()
 
     def _send(self, t, peer, tag):
         w = self.world
@@ -272,6 +291,8 @@ class LoopbackComm(Communicator):
         def poll() -> bool:
             with self.world.lock:
                 if not box:
+                    if peer in self.world.gone:
+                        raise RuntimeError(f"rank {peer} has exited")
                     return False
                 msg = box.popleft()
             if msg.shape != t.shape or msg.dtype != t.dtype:

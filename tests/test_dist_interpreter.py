@@ -1,0 +1,27 @@
+"""The sharded ops over the Triton kernels (TRITON_INTERPRET=1) on a loopback world: tiny shapes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitsoftmax.distributed import LoopbackWorld
+from test_dist_cases import F32, _check_sharded, case_softmax, case_tree, uneven_lengths
+
+pytestmark = pytest.mark.interpreter
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_softmax_family(size):
+    LoopbackWorld(size).run(case_softmax)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_tree(size):
+    LoopbackWorld(size).run(case_tree)
+
+
+@pytest.mark.parametrize("schedule,layout,causal", [("ring", "zigzag", True), ("ring", "contiguous", False),
+                                                    ("allgather", "contiguous", True)])
+def test_attention(schedule, layout, causal):
+    lens = None if layout == "zigzag" else uneven_lengths(3, 4)
+    LoopbackWorld(3).run(lambda g: _check_sharded(g, schedule, layout, causal, lens, torch.float32, F32))

@@ -110,3 +110,33 @@ def test_compile_no_recompile_for_a_new_length():
         q, k, v = torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, 2, s, 8)
         torch.testing.assert_close(fn(q, k, v).double(), ref.attention(q, k, v, causal=True)[0], atol=2e-6, rtol=2e-5)
     assert len(calls) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_opcheck_and_inductor_fullgraph(dtype):
+    """The same ops on CUDA (Triton inside): opcheck, and an inductor fullgraph compile equal to eager."""
+    dev = "cuda"
+    q, k, v = (torch.randn(2, h, 70, 64, device=dev, dtype=dtype, requires_grad=True) for h in (8, 2, 2))
+    x = torch.randn(33, 1000, device=dev, dtype=dtype, requires_grad=True)
+    outs = torch.randn(3, 4, 16, 64, device=dev, dtype=dtype, requires_grad=True)
+    lses = torch.randn(3, 4, 16, device=dev, requires_grad=True)
+    for fn, args in [(OPS.attn_fwd, (q, k, v, 0.125, True, 0)), (OPS.softmax_fwd, (x, False)),
+                     (OPS.logsumexp_fwd, (x,)), (OPS.merge_fwd, (outs, lses))]:
+        torch.library.opcheck(fn, args, atol=2e-2 if dtype == torch.bfloat16 else 1e-5,
+                              rtol=2e-2 if dtype == torch.bfloat16 else 1e-5)
+
+    def f(q, k, v, x, outs, lses):
+        o, l = ss.merge_states(outs, lses)
+        return (ss.attention(q, k, v, causal=True).float().sum() + ss.softmax(x).float().pow(2).sum()
+                + (o.float() * l.unsqueeze(-1)).sum())
+
+    torch._dynamo.reset()
+    ins = [q, k, v, x, outs, lses]
+    want = f(*ins)
+    gw = torch.autograd.grad(want, ins)
+    got = torch.compile(f, fullgraph=True)(*ins)
+    gg = torch.autograd.grad(got, ins)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    for a, b in zip(gg, gw):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -162,6 +162,10 @@ def case_tree(group):
             out, lse = sharded_attention(ql, kl, vl, causal=causal, scale=0.3, group=group, schedule="tree",
                                          return_lse=True)
             what = f"tree sq={sq} causal={causal} rank {c.rank}"
+            every = unshard(torch.cat((out.detach(), lse.detach().unsqueeze(-1).double()), -1)[None], 0, group=group)
+            assert all(torch.equal(e, every[0]) for e in every), f"{what}: ranks differ"
+            again = sharded_attention(ql, kl, vl, causal=causal, scale=0.3, group=group, schedule="tree")
+            assert torch.equal(again, out), f"{what}: not reproducible"
             torch.testing.assert_close(out, ref[0], **F64, msg=lambda m: f"{what} out: {m}")
             torch.testing.assert_close(lse.double(), ref[1], **F32, msg=lambda m: f"{what} lse: {m}")
             ((out * wo).sum() + (lse * wl.float()).sum()).backward()
@@ -254,10 +258,50 @@ def test_transfer_counts(size, schedule):
         assert fb[name] - f[name] == p * bwd.get(name, 0), (name, f, fb)
 
 
+def case_groups(group):
+    """torch.distributed only: an explicit ProcessGroup, a subgroup of the last ranks, a 1-d DeviceMesh."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    p = dist.get_world_size()
+    sub_ranks = list(range(p))[-2:]
+    sub = dist.new_group(sub_ranks)
+    if dist.get_rank() in sub_ranks:
+        _check_sharded(sub, "ring", "zigzag", True, None)
+        case_tree(sub)
+    _check_sharded(dist.new_group(list(range(p))), "allgather", "contiguous", True, uneven_lengths(p, 9))
+    _check_sharded(init_device_mesh("cpu", (p,)), "ring", "contiguous", False, uneven_lengths(p, 10))
+
+
 def case_all(group):
     """Every case above, in one worker start (process groups are slow to start)."""
-    for case in (case_softmax, case_attention, case_tree, case_shard, case_mismatch):
+    for case in (case_softmax, case_attention, case_tree, case_shard, case_mismatch, case_groups):
         case(group)
+
+
+def test_bad_arguments():
+    """Local argument errors name the argument; a bad group is a TypeError; no default group: ValueError."""
+    world = LoopbackWorld(1)
+    c = world.comm(0)
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        world.run(lambda c: sharded_attention(q[0], q, q, group=c))
+    with pytest.raises(ValueError, match="layout='diagonal'"):
+        world.run(lambda c: sharded_attention(q, q, q, group=c, layout="diagonal"))
+    with pytest.raises(ValueError, match="tree schedule takes contiguous"):
+        world.run(lambda c: sharded_attention(q, q, q, group=c, layout="zigzag", schedule="tree"))
+    with pytest.raises(ValueError, match="dim=5"):
+        world.run(lambda c: sharded_softmax(q, dim=5, group=c))
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        world.run(lambda c: sharded_logsumexp([1.0], group=c))
+    with pytest.raises(TypeError, match="group must be"):
+        sharded_softmax(q, group=42)
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        with pytest.raises(ValueError, match="init_process_group"):
+            sharded_softmax(q)
+    assert c.rank == 0 and c.size == 1
 
 
 def case_multinode(group):

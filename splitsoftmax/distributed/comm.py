@@ -168,7 +168,9 @@ class TorchComm(Communicator):
             return super().post(sends, recvs, tag)
         # NCCL matches by order: one batch per call, identical order on every rank
         p2p = [self.dist.P2POp(f, t, self._global(p), self.group, tag) for f, t, p in ops]
-        works = self.dist.batch_isend_irecv(p2p)
+        works = [w for w in self.dist.batch_isend_irecv(p2p) if w is not None]
+        if len(works) != len(ops):  # one coalesced work for the batch: every transfer waits on it
+            works = works[-1:] * len(ops) if works else []
         return [self._handle(w, p) for w, (_, _, p) in zip(works, ops)]
 
     def _send(self, t, peer, tag):

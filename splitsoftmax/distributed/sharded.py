@@ -122,11 +122,12 @@ class ShardedAttentionFn(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def _attention_meta(comm, q, k, v, causal, scale, schedule, layout):
+def _attention_meta(comm, q, k, v, causal, scale, schedule, layout, return_lse):
     """Local checks and the handshake; returns the agreed :class:`AttnSpec`."""
     agree, per, err = None, None, None
     try:
         s = _checks.attention_args(q, k, v, scale, causal)
+        _checks.flag("return_lse", return_lse)
         _checks.choice("schedule", schedule, _checks.SCHEDULES)
         _checks.choice("layout", layout, _checks.LAYOUTS)
         if schedule == "tree" and layout != "contiguous":
@@ -162,8 +163,7 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     query at global position ``i`` sees keys at ``j <= i``.
     """
     comm = as_comm(group)
-    _checks.flag("return_lse", return_lse)
-    spec = _attention_meta(comm, q, k, v, causal, scale, schedule, layout)
+    spec = _attention_meta(comm, q, k, v, causal, scale, schedule, layout, return_lse)
     out, lse = ShardedAttentionFn.apply(q, k, v, comm, spec, schedule)
     return (out, lse) if return_lse else out
 

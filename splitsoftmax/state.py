@@ -78,14 +78,14 @@ def tile_state(scores: Tensor, values: Optional[Tensor] = None) -> State:
 
 
 def lse_of(s: State) -> Tensor:
-    """``m + log l``; ``-inf`` where the state is empty (l == 0)."""
-    nonempty = s.l > 0
+    """``m + log l``; ``-inf`` where the state is empty (l == 0); NaN stays NaN."""
+    nonempty = s.l != 0
     return torch.where(nonempty, s.m + torch.log(torch.where(nonempty, s.l, 1.0)), NEG_INF)
 
 
 def to_out_lse(s: State) -> tuple[Tensor, Tensor]:
-    """``(out = o / l, lse)``; an empty row gives ``(0, -inf)``."""
-    nonempty = s.l > 0
+    """``(out = o / l, lse)``; an empty row gives ``(0, -inf)``; NaN stays NaN."""
+    nonempty = s.l != 0
     inv = torch.where(nonempty, 1.0 / torch.where(nonempty, s.l, 1.0), 0.0)
     return s.o * inv.unsqueeze(-1), lse_of(s)
 

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ..state import stat_dtype
 from .decode import Plan, attn_tile, dot_precision, pad_dim, plan
 from ..local import interpreting

@@ -51,7 +51,7 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     lse = lse_of(s)
     if log:
         return normalize(x, lse, log), lse
-    inv_l = torch.where(s.l > 0, 1.0 / torch.where(s.l > 0, s.l, 1.0), 0.0)
+    inv_l = torch.where(s.l != 0, 1.0 / torch.where(s.l != 0, s.l, 1.0), 0.0)
     y = torch.exp(x.to(s.m.dtype) - safe_max(s.m).unsqueeze(-1)) * inv_l.unsqueeze(-1)
     return y.to(x.dtype), lse
 

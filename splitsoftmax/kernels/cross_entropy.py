@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..local import interpreting
 from .cpu import merge_ce_stats
-from .softmax import _fix_interpreter_index
+from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 
 # (BLOCK_V, num_warps) of the forward and backward passes; small tiles under the interpreter
 CE_FWD_TILE = (4096, 8)
@@ -31,11 +31,7 @@ CE_PROGRAMS_PER_SM = 4
 # SM count assumed under the interpreter, so small tests reach the split path
 CE_INTERPRET_SMS = 4
 
-LOG2E = 1.4426950408889634
-
-if interpreting():
-    _fix_interpreter_index()  # loop bounds from runtime scalars under NumPy >= 2.4
-
+LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit(do_not_specialize=["V", "col0", "span", "s_xn", "s_sp", "s_sn"])
 def _ce_fwd_kernel(X, T, STATS, V, col0, span, s_xn, s_sp, s_sn, BLOCK_V: tl.constexpr):

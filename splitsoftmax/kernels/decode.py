@@ -15,30 +15,9 @@ import triton
 from torch import Tensor
 
 from ..local import interpreting
+from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
 from .configs import ATTN_INTERPRET_SMS, ATTN_PACK_MAX_SQ, ATTN_TILE_DEFAULT, ATTN_TILE_INTERPRET, ATTN_TILES
-
-
-def fix_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a runtime scalar loop bound into ``int(array)``, which NumPy
-    >= 2.4 refuses for its 1-element arrays; read the element instead. Idempotent (the softmax
-    kernels apply the same patch, marked the same way)."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-    if getattr(patch, "scalar_index", False):
-        return
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.scalar_index = True
-    interpreter._patch_lang_tensor = patched
-
-
-if interpreting():
-    fix_interpreter_index()
 
 
 class Plan(NamedTuple):

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ..local import interpreting
 from .configs import MERGE_TILE, MERGE_TILE_INTERPRET
 

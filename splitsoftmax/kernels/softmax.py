@@ -25,31 +25,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
 from ..local import interpreting
 
 _LOG2E = tl.constexpr(1.4426950408889634)
-
-
-def _fix_interpreter_index() -> None:
-    """Triton 3.6's interpreter turns a runtime scalar into a loop bound with ``int(array)``, which
-    NumPy >= 2.4 refuses for its 1-element arrays; read the element instead (idempotent)."""
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-    if getattr(patch, "scalar_index", False):
-        return
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched.scalar_index = True
-    interpreter._patch_lang_tensor = patched
-
-
-if interpreting():
-    _fix_interpreter_index()
 
 
 @triton.jit

@@ -18,15 +18,13 @@ SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_lay
 CLOSE = dict(atol=2e-5, rtol=2e-5)
 
 
-def models(config_cls=None, **overrides):
-    """The same random weights under ``sdpa`` and ``splitsoftmax``."""
+def models(**overrides):
+    """The same random Llama weights under ``sdpa`` and ``splitsoftmax``."""
     sst.register()
-    config_cls = config_cls or transformers.LlamaConfig
     torch.manual_seed(0)
     kw = {**SMALL, **overrides}
-    ref = transformers.LlamaForCausalLM(config_cls(**kw, attn_implementation="sdpa")) if config_cls is \
-        transformers.LlamaConfig else transformers.AutoModelForCausalLM.from_config(config_cls(**kw, attn_implementation="sdpa"))
-    ours = type(ref)(config_cls(**kw, attn_implementation="splitsoftmax"))
+    ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw, attn_implementation="sdpa"))
+    ours = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw, attn_implementation="splitsoftmax"))
     ours.load_state_dict(ref.state_dict())
     assert ours.config._attn_implementation == "splitsoftmax"
     return ref, ours

@@ -6,10 +6,12 @@ states merge with the associative rescaling operator of :mod:`splitsoftmax.state
 from .distributed import (shard, sharded_attention, sharded_log_softmax, sharded_logsumexp, sharded_softmax,
                           unshard)
 from .functional import attention, log_softmax, logsumexp, merge_states, softmax
+from .losses import cross_entropy, sharded_cross_entropy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "softmax", "log_softmax", "logsumexp", "attention", "merge_states",
     "sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
+    "cross_entropy", "sharded_cross_entropy",
 ]

@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import torch
 from torch import Tensor
 
 SCHEDULES = ("ring", "allgather", "tree")

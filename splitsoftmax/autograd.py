@@ -46,17 +46,29 @@ def logsumexp_backward(ctx, g: Tensor):
     return _ops().logsumexp_bwd(x, lse, g.contiguous())
 
 
-def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, diag: int):
-    """``(dq, dk, dv)`` in the inputs' dtypes, from the saved ``out (B,H,Sq,Dv)``, ``lse (B,H,Sq)``.
+def backward_stats(out: Tensor, lse: Tensor, dout: Tensor, dlse) -> tuple[Tensor, Tensor]:
+    """``(lse, delta)`` for the attention backward kernels, rows ``(B, H, Sq)``.
 
-    A gradient through ``lse`` enters as ``delta - dlse`` (``d lse / d s = p``); ``dout`` or
-    ``dlse`` may be ``None`` (no gradient through that output).
+    ``delta = rowsum(dout * out) - dlse`` (a gradient through ``lse`` enters as ``-dlse``, since
+    ``d lse / d s = p``). A row whose cotangents are all zero contributes nothing: its ``lse``
+    becomes ``-inf`` (the kernels' empty row), so a NaN in that row's ``out`` (a visible NaN
+    input) cannot reach other rows' gradients through ``0 * NaN``.
     """
-    if dout is None:
-        dout = torch.zeros_like(out)
-    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    nz = dout != 0
+    delta = torch.where(nz, dout.to(lse.dtype) * out.to(lse.dtype), 0.0).sum(-1)
+    active = nz.any(-1)
     if dlse is not None:
         delta = delta - dlse.to(lse.dtype)
+        active = active | (dlse != 0)
+    return torch.where(active, lse, float("-inf")).contiguous(), delta.contiguous()
+
+
+def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, diag: int):
+    """``(dq, dk, dv)`` from the saved ``out (B,H,Sq,Dv)``, ``lse (B,H,Sq)``; ``dout`` or ``dlse``
+    may be ``None`` (no gradient through that output)."""
+    if dout is None:
+        dout = torch.zeros_like(out)
+    lse, delta = backward_stats(out, lse, dout, dlse)
     return tuple(_ops().attn_bwd(q, k, v, dout.contiguous(), lse, delta, scale, causal, diag))
 
 

@@ -22,6 +22,8 @@ _TRITON_MODULE = {
     "attn_fwd": "attention",
     "attn_bwd": "attention",
     "merge_out_lse": "merge",
+    "ce_stats": "cross_entropy",
+    "ce_bwd": "cross_entropy",
 }
 
 

@@ -17,13 +17,13 @@ from .distributed import handshake as hs
 from .distributed.comm import as_comm
 from .distributed.tree import bruck_allgather
 from .kernels.cpu import merge_ce_stats
-from .ops import ce_op, row_losses
+from .local import op
+from .ops import row_losses
 from .state import stat_dtype
 
 REDUCTIONS = ("mean", "sum", "none")
 # the handshake's operation code (falls back to the sharded logsumexp code on a handshake that
 # does not list sharded_cross_entropy yet)
-_HS_OP = "sharded_cross_entropy" if "sharded_cross_entropy" in hs.OPS else "sharded_logsumexp"
 
 
 def _args(logits, target, ignore_index, reduction, label_smoothing) -> float:
@@ -90,7 +90,7 @@ class ShardedCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, comm, col0: int, vocab: int, ignore_index: int, eps: float):
         n = logits.shape[0]
-        stats = ce_op("ce_stats", logits)(logits, target, col0).to(stat_dtype(logits.dtype))  # [N, 4]
+        stats = op("ce_stats", logits)(logits, target, col0).to(stat_dtype(logits.dtype))  # [N, 4]
         parts = bruck_allgather(comm, stats.reshape(-1).contiguous(), "sharded_cross_entropy: row statistics")
         loss, lse = row_losses(merge_ce_stats(parts.view(comm.size, n, 4)), target, ignore_index, eps, vocab)
         ctx.save_for_backward(logits, target, lse)
@@ -102,7 +102,7 @@ class ShardedCrossEntropyFn(torch.autograd.Function):
         logits, target, lse = ctx.saved_tensors
         col0, vocab, ignore_index, eps = ctx.args
         coef = torch.where(target == ignore_index, 0.0, g)
-        dx = ce_op("ce_bwd", logits)(logits, target, lse, coef, col0, eps, vocab)
+        dx = op("ce_bwd", logits)(logits, target, lse, coef, col0, eps, vocab)
         return dx, None, None, None, None, None, None
 
 
@@ -132,7 +132,7 @@ def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_
         per = {"V_local": logits.shape[1]}
     except (TypeError, ValueError) as e:
         err = e
-    meta = hs.handshake(comm, _HS_OP, agree, per, err)
+    meta = hs.handshake(comm, "sharded_cross_entropy", agree, per, err)
     widths = meta["V_local"]
     vocab, col0 = sum(widths), sum(widths[:comm.rank])
     _check_targets(target, ignore_index, vocab)

@@ -14,12 +14,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-import importlib
 
 from . import autograd as ag
 from . import state
-from .kernels import cpu
-from .local import op, use_triton
+from .local import op
 from .state import stat_dtype
 
 custom_op, register_fake, register_autograd = (torch.library.custom_op, torch.library.register_fake,
@@ -122,14 +120,6 @@ def _merge_fwd_fake(outs, lses):
     return outs.new_empty(outs.shape[1:], dtype=dt), outs.new_empty(lses.shape[1:], dtype=dt)
 
 
-def ce_op(name: str, t: Tensor):
-    """The cross-entropy local op ``name`` (``ce_stats``, ``ce_bwd``) for tensors like ``t``: Triton
-    (``kernels/cross_entropy.py``) or the torch path, chosen as :func:`splitsoftmax.local.op` does."""
-    if use_triton(t):
-        return getattr(importlib.import_module("splitsoftmax.kernels.cross_entropy"), name)
-    return getattr(cpu, name)
-
-
 def row_losses(stats: Tensor, target: Tensor, ignore_index: int, smoothing: float, vocab: int):
     """Per-row losses from the merged statistics ``stats (N, 4) = (m, l, x_t, sum x)``.
 
@@ -146,7 +136,7 @@ def row_losses(stats: Tensor, target: Tensor, ignore_index: int, smoothing: floa
 @custom_op("splitsoftmax::ce_fwd", mutates_args=())
 def ce_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
     """Cross-entropy of each row of ``logits (N, V)``: ``(loss (N,), lse (N,))``, statistics dtype."""
-    stats = ce_op("ce_stats", logits)(logits, target, 0).to(stat_dtype(logits.dtype))
+    stats = op("ce_stats", logits)(logits, target, 0).to(stat_dtype(logits.dtype))
     loss, lse = row_losses(stats, target, ignore_index, label_smoothing, logits.shape[1])
     return loss.contiguous(), lse.contiguous()
 
@@ -161,7 +151,7 @@ def _ce_fwd_fake(logits, target, ignore_index, label_smoothing):
 def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int, smoothing: float,
            vocab: int) -> Tensor:
     """``dlogits (N, V)`` in ``logits.dtype`` for the row-loss gradients ``coef (N,)`` (0: ignored row)."""
-    return _out(ce_op("ce_bwd", logits)(logits, target, lse, coef, col0, smoothing, vocab), logits.dtype)
+    return _out(op("ce_bwd", logits)(logits, target, lse, coef, col0, smoothing, vocab), logits.dtype)
 
 
 @register_fake("splitsoftmax::ce_bwd")

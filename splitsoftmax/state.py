@@ -69,11 +69,22 @@ def merge(a: State, b: State) -> State:
     return merge_stack(State(torch.stack((a.m, b.m)), torch.stack((a.l, b.l)), o))
 
 
+def weighted_sum(p: Tensor, x: Tensor) -> Tensor:
+    """``p @ x`` (``p (*, r, n)``, ``x (*, n, d)``) where a weight of exactly 0 ignores its row of
+    ``x`` even if that row holds NaN/Inf (a masked key changes nothing); a non-zero weight on a
+    non-finite row makes the output row NaN."""
+    bad = ~torch.isfinite(x).all(-1)  # (*, n)
+    if not bad.any():
+        return p @ x
+    hit = ((p != 0) & bad.unsqueeze(-2)).any(-1, keepdim=True)  # (*, r, 1)
+    return (p @ x.masked_fill(bad.unsqueeze(-1), 0.0)).masked_fill(hit, float("nan"))
+
+
 def tile_state(scores: Tensor, values: Optional[Tensor] = None) -> State:
     """State of one tile of scores ``(*rows, n)`` (``-inf`` = masked), values ``(*, n, Dv)``."""
     m = scores.amax(dim=-1) if scores.shape[-1] else scores.new_full(scores.shape[:-1], NEG_INF)
     p = torch.exp(scores - safe_max(m).unsqueeze(-1))
-    o = None if values is None else p @ values
+    o = None if values is None else weighted_sum(p, values)
     return State(m, p.sum(dim=-1), o)
 
 

@@ -174,7 +174,8 @@ def ss_methods(w: World, local: list, causal: bool, backward: bool, opts) -> lis
 
     @contextlib.contextmanager
     def nocomm():
-        spec = sharded._attention_meta(ss.distributed.as_comm(w.group), *local, causal, None, "ring", "zigzag")
+        spec = sharded._attention_meta(ss.distributed.as_comm(w.group), *local, causal, None, "ring", "zigzag",
+                                       False)
         null = NoTransfers(w.rank, w.size)
         if backward:
             yield step(lambda q, k, v: sharded.ShardedAttentionFn.apply(q, k, v, null, spec, "ring")[0], local, True)

@@ -19,7 +19,8 @@ from .comm import Communicator
 META_LEN = 24
 TAG_META = 11
 
-OPS = ("sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard")
+OPS = ("sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
+       "sharded_cross_entropy")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 # fields whose integer value is a code, shown back to the user decoded

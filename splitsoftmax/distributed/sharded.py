@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .. import _checks
+from ..autograd import backward_stats
 from ..functional import _rows
 from ..local import op
 from . import layout as lay
@@ -117,8 +118,8 @@ class ShardedAttentionFn(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
-        delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1) - dlse.to(lse.dtype)
-        dq, dk, dv = _BWD[ctx.schedule](ctx.comm, ctx.spec, q, k, v, dout, lse, delta.contiguous())
+        lse, delta = backward_stats(out, lse, dout, dlse)
+        dq, dk, dv = _BWD[ctx.schedule](ctx.comm, ctx.spec, q, k, v, dout, lse, delta)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 

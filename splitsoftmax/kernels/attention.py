@@ -59,6 +59,18 @@ def _load_rows(ptrs, rmask, cmask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.conste
 
 
 @triton.jit
+def _nonfinite_rows(x):
+    """``[N]`` mask of the rows of tile ``x [N, D]`` that hold a NaN or an Inf."""
+    return tl.max(tl.where(tl.abs(x.to(tl.float32)) < float("inf"), 0, 1), 1) > 0
+
+
+@triton.jit
+def _zero_rows(x, rows):
+    """Tile ``x [N, D]`` with the rows where ``rows [N]`` is set replaced by 0."""
+    return tl.where(rows[:, None], 0.0, x).to(x.dtype)
+
+
+@triton.jit
 def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, kj, pos, hi, diag, qk_scale, dmask, dvmask,
               CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
               POS_SCALE: tl.constexpr, PREC: tl.constexpr):
@@ -84,7 +96,13 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, kj, pos, hi, diag, qk_scale, dma
     alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_rows(v_ptrs, kmask, dvmask, MASKED, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
-    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
+    if MASKED and CAUSAL:  # a NaN/Inf value a row cannot see must not reach it through 0 * NaN
+        bad = _nonfinite_rows(v)  # [BLOCK_N]
+        hit = tl.max(tl.where((p > 0) & bad[None, :], 1, 0), 1) > 0  # [BLOCK_M] rows that see one
+        acc = _dot(p.to(v.dtype), _zero_rows(v, bad), acc * alpha[:, None], PREC)
+        acc = tl.where(hit[:, None], float("nan"), acc)
+    else:
+        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
     return acc, l_i, m_new
 
 
@@ -265,15 +283,22 @@ def _bwd_kv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, m0, kj, Sq, diag
     q = _load_rows(q_base + qi[:, None] * s_qs + offs_d[None, :], qmask, dmask, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
     do = _load_rows(do_base + qi[:, None] * s_ds + offs_dv[None, :], qmask, dvmask, True, not EVEN_DV)
     lse2 = tl.load(l_base + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
-    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty row: p = exp2(-inf) = 0
+    empty = lse2 == float("-inf")  # [BLOCK_M] empty or inactive rows contribute nothing
+    lse2 = tl.where(empty, float("inf"), lse2)
+    q = _zero_rows(q, empty)  # so that p = exp2(0 - inf) = 0 even when q holds NaN
     delta = tl.load(e_base + qi * s_es, mask=qmask, other=0.0)
     qk_t = _dot(k, tl.trans(q), None, PREC)  # [BLOCK_N, BLOCK_M]
     p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])
     if MASKED:
-        p_t = tl.where(kj[:, None] <= qi[None, :] + diag, p_t, 0.0)
+        seen = kj[:, None] <= qi[None, :] + diag  # [BLOCK_N, BLOCK_M]
+        p_t = tl.where(seen, p_t, 0.0)
+        do = _zero_rows(do, _nonfinite_rows(do))  # hidden pairs must give exact zeros, never 0 * NaN
     dv = _dot(p_t.to(do.dtype), do, dv, PREC)  # [BLOCK_N, BLOCK_DV]
     dp_t = _dot(v, tl.trans(do), None, PREC)  # [BLOCK_N, BLOCK_M]
     ds_t = p_t * (dp_t - delta[None, :])
+    if MASKED:
+        ds_t = tl.where(seen, ds_t, 0.0)
+        q = _zero_rows(q, _nonfinite_rows(q))
     dk = _dot(ds_t.to(q.dtype), q, dk, PREC)  # [BLOCK_N, BLOCK_D]
     return dk, dv
 
@@ -340,13 +365,14 @@ def _bwd_q_tile(dq, q, do, lse2, delta, k_base, v_base, kj, qi, Sk, diag, qk_sca
     v = _load_rows(v_base, kmask, dvmask, MASKED, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
     qk = _dot(q, tl.trans(k), None, PREC)  # [BLOCK_M, BLOCK_N]
     p = tl.math.exp2(qk * qk_scale - lse2[:, None])
-    if MASKED:
+    dp = _dot(do, tl.trans(v), None, PREC)  # [BLOCK_M, BLOCK_N]
+    ds = p * (dp - delta[:, None])
+    if MASKED:  # hidden pairs give exact zeros, never 0 * NaN from a NaN/Inf key or value
         ok = kmask[None, :]
         if CAUSAL:
             ok = ok & (kj[None, :] <= qi[:, None] + diag)
-        p = tl.where(ok, p, 0.0)
-    dp = _dot(do, tl.trans(v), None, PREC)  # [BLOCK_M, BLOCK_N]
-    ds = p * (dp - delta[:, None])
+        ds = tl.where(ok, ds, 0.0)
+        k = _zero_rows(k, _nonfinite_rows(k))
     return _dot(ds.to(k.dtype), k, dq, PREC)  # [BLOCK_M, BLOCK_D]
 
 

@@ -116,3 +116,14 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
         if splits > 1:
             return SoftmaxPlan("split", 1, loop_n, splits, chunk, _warps(loop_n, cfg))
     return SoftmaxPlan("two_pass", 1, loop_n, 1, -(-cols // loop_n) * loop_n, _warps(loop_n, cfg))
+
+
+# --- cross-entropy --------------------------------------------------------------------------
+# (BLOCK_V, num_warps) of the forward and backward passes; small tiles under the interpreter
+CE_FWD_TILE = (4096, 8)
+CE_BWD_TILE = (4096, 8)
+CE_TILE_INTERPRET = (16, 1)
+# split a row over several programs while fewer than this many programs per SM would run
+CE_PROGRAMS_PER_SM = 4
+# SM count assumed under the interpreter, so small tests reach the split path
+CE_INTERPRET_SMS = 4

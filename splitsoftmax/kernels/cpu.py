@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..state import NEG_INF, State, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state, to_out_lse
+from ..state import (NEG_INF, State, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state, to_out_lse,
+                     weighted_sum)
 from ..state import merge_out_lse  # noqa: F401  (the torch path of the N-way merge)
 from .configs import CPU_BLOCK_KEYS, CPU_BLOCK_COLS
 
@@ -141,10 +142,10 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     for j in range(0, _visible_keys(sq, k.shape[2], causal, diag), CPU_BLOCK_KEYS):
         kb, vb = k[:, :, j:j + CPU_BLOCK_KEYS].to(dt), v[:, :, j:j + CPU_BLOCK_KEYS].to(dt)
         p = torch.exp(_block_scores(qg, kb, scale, causal, diag, j, sq) - lse_g).masked_fill(empty, 0.0)
-        dv[:, :, j:j + CPU_BLOCK_KEYS] = p.transpose(-1, -2) @ dog
-        ds = p * (dog @ vb.transpose(-1, -2) - delta_g)
-        dq += (ds @ kb) * scale
-        dk[:, :, j:j + CPU_BLOCK_KEYS] = (ds.transpose(-1, -2) @ qg) * scale
+        dv[:, :, j:j + CPU_BLOCK_KEYS] = weighted_sum(p.transpose(-1, -2), dog)
+        ds = torch.where(p != 0, p * (dog @ vb.transpose(-1, -2) - delta_g), 0.0)  # masked keys: exactly 0
+        dq += weighted_sum(ds, kb) * scale
+        dk[:, :, j:j + CPU_BLOCK_KEYS] = weighted_sum(ds.transpose(-1, -2), qg) * scale
     return dq.reshape(b, h, sq, d), dk, dv
 
 

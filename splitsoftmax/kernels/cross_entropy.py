@@ -21,15 +21,7 @@ from torch import Tensor
 from ..local import interpreting
 from .cpu import merge_ce_stats
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
-
-# (BLOCK_V, num_warps) of the forward and backward passes; small tiles under the interpreter
-CE_FWD_TILE = (4096, 8)
-CE_BWD_TILE = (4096, 8)
-CE_TILE_INTERPRET = (16, 1)
-# split a row over several programs while fewer than this many programs per SM would run
-CE_PROGRAMS_PER_SM = 4
-# SM count assumed under the interpreter, so small tests reach the split path
-CE_INTERPRET_SMS = 4
+from .configs import CE_BWD_TILE, CE_FWD_TILE, CE_INTERPRET_SMS, CE_PROGRAMS_PER_SM, CE_TILE_INTERPRET
 
 LOG2E = tl.constexpr(1.4426950408889634)
 

@@ -27,7 +27,6 @@ from torch import Tensor
 
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
-from ..local import interpreting
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 

@@ -47,20 +47,9 @@ def logsumexp_backward(ctx, g: Tensor):
 
 
 def backward_stats(out: Tensor, lse: Tensor, dout: Tensor, dlse) -> tuple[Tensor, Tensor]:
-    """``(lse, delta)`` for the attention backward kernels, rows ``(B, H, Sq)``.
-
-    ``delta = rowsum(dout * out) - dlse`` (a gradient through ``lse`` enters as ``-dlse``, since
-    ``d lse / d s = p``). A row whose cotangents are all zero contributes nothing: its ``lse``
-    becomes ``-inf`` (the kernels' empty row), so a NaN in that row's ``out`` (a visible NaN
-    input) cannot reach other rows' gradients through ``0 * NaN``.
-    """
-    nz = dout != 0
-    delta = torch.where(nz, dout.to(lse.dtype) * out.to(lse.dtype), 0.0).sum(-1)
-    active = nz.any(-1)
-    if dlse is not None:
-        delta = delta - dlse.to(lse.dtype)
-        active = active | (dlse != 0)
-    return torch.where(active, lse, float("-inf")).contiguous(), delta.contiguous()
+    """``(lse, delta)`` rows ``(B, H, Sq)`` for the attention backward kernels (see
+    ``kernels.cpu.attn_bwd_prep``: rows with all-zero cotangents drop out with ``lse = -inf``)."""
+    return _ops().attn_bwd_prep(out, lse, dout.contiguous(), dlse)
 
 
 def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, diag: int):

@@ -21,6 +21,7 @@ _TRITON_MODULE = {
     "logsumexp_bwd": "softmax",
     "attn_fwd": "attention",
     "attn_bwd": "attention",
+    "attn_bwd_prep": "attn_prep",
     "merge_out_lse": "merge",
     "ce_stats": "cross_entropy",
     "ce_bwd": "cross_entropy",

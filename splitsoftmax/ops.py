@@ -11,6 +11,8 @@ Python scalars (``log``, ``scale``, ``causal``, ``diag``) are op arguments.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -101,6 +103,19 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
 @register_fake("splitsoftmax::attn_bwd")
 def _attn_bwd_fake(q, k, v, dout, lse, delta, scale, causal, diag):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@custom_op("splitsoftmax::attn_bwd_prep", mutates_args=())
+def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(lse, delta)`` rows ``(B,H,Sq)`` for ``attn_bwd``: ``delta = rowsum(dout*out) - dlse``;
+    rows with all-zero cotangents get ``lse = -inf`` (they contribute nothing)."""
+    lse2, delta = op("attn_bwd_prep", out)(out, lse, dout, dlse)
+    return _out(lse2, lse.dtype), _out(delta, lse.dtype)
+
+
+@register_fake("splitsoftmax::attn_bwd_prep")
+def _attn_bwd_prep_fake(out, lse, dout, dlse):
+    return lse.new_empty(lse.shape), lse.new_empty(lse.shape)
 
 
 @custom_op("splitsoftmax::merge_fwd", mutates_args=())

@@ -32,6 +32,8 @@ def _opcheck_cases():
         (OPS.attn_fwd, (q, k, v, 0.25, True, 0)), (OPS.attn_fwd, (q, k, v, 0.3, False, 0)),
         (OPS.attn_fwd, (q, k, v, 0.25, True, 4)),
         (OPS.attn_bwd, (q.detach(), k.detach(), v.detach(), torch.randn(2, 4, 9, 8), alse, delta, 0.25, True, 0)),
+        (OPS.attn_bwd_prep, (torch.randn(2, 4, 9, 8), alse, torch.randn(2, 4, 9, 8), None)),
+        (OPS.attn_bwd_prep, (torch.randn(2, 4, 9, 8), alse, torch.randn(2, 4, 9, 8), torch.randn(2, 4, 9))),
         (OPS.merge_fwd, (_rand(3, 2, 5, 8), lses.requires_grad_())),
         (OPS.merge_fwd, (_rand(2, 6, 4, dtype=torch.bfloat16), torch.randn(2, 6))),
     ]
@@ -44,7 +46,8 @@ def test_opcheck(case):
 
 
 def test_every_op_is_registered_with_fake_and_autograd():
-    names = {"softmax_fwd", "softmax_bwd", "logsumexp_fwd", "logsumexp_bwd", "attn_fwd", "attn_bwd", "merge_fwd"}
+    names = {"softmax_fwd", "softmax_bwd", "logsumexp_fwd", "logsumexp_bwd", "attn_fwd", "attn_bwd", "attn_bwd_prep",
+             "merge_fwd"}
     for name in names:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"splitsoftmax::{name}", "Meta"), name
     for name in ("softmax_fwd", "logsumexp_fwd", "attn_fwd", "merge_fwd"):

@@ -212,3 +212,19 @@ def test_merge_noncontiguous_and_public():
     out, lse = ss.merge_states(outs, lses)
     ro, rl = ref_merge(outs, lses)
     assert rel_err(out, ro) < 1e-6 and rel_err(lse, rl) < 1e-6
+
+
+def test_bwd_prep_kernel_matches_torch_path():
+    """The fused (lse, delta) pass against the torch path: NaN in a zero-cotangent row drops out."""
+    from splitsoftmax.kernels import attn_prep, cpu
+    out, dout = torch.randn(2, 3, 17, 24), torch.randn(2, 3, 17, 24)
+    lse, dlse = torch.randn(2, 3, 17), torch.randn(2, 3, 17)
+    out[0, 1, 4] = float("nan")
+    dout[0, 1, 4] = 0.0
+    dlse[0, 1, 4] = 0.0
+    dout[1, 2, 5] = 0.0
+    for d in (None, dlse):
+        got, want = attn_prep.attn_bwd_prep(out, lse, dout, d), cpu.attn_bwd_prep(out, lse, dout, d)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        assert got[0][0, 1, 4] == float("-inf") and got[1][0, 1, 4] == 0.0

@@ -127,3 +127,6 @@ CE_TILE_INTERPRET = (16, 1)
 CE_PROGRAMS_PER_SM = 4
 # SM count assumed under the interpreter, so small tests reach the split path
 CE_INTERPRET_SMS = 4
+
+# attention backward row statistics (attn_prep.py): elements of out/dout per program
+ATTN_PREP_TILE_ELEMS = 4096

@@ -121,6 +121,23 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     return out, lse.reshape(b, h, sq)
 
 
+def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(lse, delta)`` rows ``(B, H, Sq)`` for :func:`attn_bwd` from ``out, dout (B, H, Sq, Dv)``.
+
+    ``delta = rowsum(dout * out) - dlse`` (a gradient through ``lse`` enters as ``-dlse``, since
+    ``d lse / d s = p``). A row whose cotangents are all zero contributes nothing: its ``lse``
+    becomes ``-inf`` (the empty row), so a NaN in that row's ``out`` (a visible NaN input) cannot
+    reach other rows' gradients through ``0 * NaN``.
+    """
+    nz = dout != 0
+    delta = torch.where(nz, dout.to(lse.dtype) * out.to(lse.dtype), 0.0).sum(-1)
+    active = nz.any(-1)
+    if dlse is not None:
+        delta = delta - dlse.to(lse.dtype)
+        active = active | (dlse != 0)
+    return torch.where(active, lse, NEG_INF).contiguous(), delta.contiguous()
+
+
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
              scale: float, causal: bool, diag: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` (float32, float64 for float64 inputs) of one Q/K/V block pair.

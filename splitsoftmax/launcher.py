@@ -37,12 +37,21 @@ def rank_device(local_rank: int, world: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_ranks(kind: str):
-    """Initialise this rank; returns ``(group, device, rank, world)`` (``group`` for the ss.* calls)."""
+def init_ranks(kind: str, device: Optional[str] = None):
+    """Initialise this rank; returns ``(group, device, rank, world)`` (``group`` for the ss.* calls).
+
+    ``device="cuda"`` under MPI puts ranks on GPUs even when they must share one (the MPI
+    communicator stages CUDA tensors through the host).
+    """
     if kind == "mpi":
         from mpi4py import MPI
         comm = MPI.COMM_WORLD
-        return comm, torch.device("cpu"), comm.Get_rank(), comm.Get_size()
+        dev = torch.device("cpu")
+        if device == "cuda":
+            dev = torch.device("cuda", int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", comm.Get_rank()))
+                               % torch.cuda.device_count())
+            torch.cuda.set_device(dev)
+        return comm, dev, comm.Get_rank(), comm.Get_size()
     import torch.distributed as dist
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = rank_device(int(os.environ.get("LOCAL_RANK", rank)), world)

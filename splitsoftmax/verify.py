@@ -157,6 +157,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="launch this many local ranks (Gloo on CPU, NCCL with a GPU per rank)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--deadline", type=float, default=1800.0, help="seconds before --nproc ranks are stopped")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="under mpirun: put ranks on GPUs even when they share one (default: cuda only "
+                             "when every rank has its own GPU)")
     ns = parser.parse_args(argv)
     from . import launcher
     kind = launcher.launched_by()
@@ -166,14 +169,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if kind is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         return run_table(lambda: single_device_rows(device, dtype))
-    return _verify_ranks(kind, dtype)
+    return _verify_ranks(kind, dtype, ns.device)
 
 
-def _verify_ranks(kind: str, dtype: torch.dtype) -> int:
+def _verify_ranks(kind: str, dtype: torch.dtype, device: Optional[str]) -> int:
     """One rank of a job: single-device rows on its device, then the sharded rows; rank 0 prints."""
     from . import launcher
     from .verify_sharded import Job, sharded_rows
-    group, device, rank, world = launcher.init_ranks(kind)
+    group, device, rank, world = launcher.init_ranks(kind, device)
     job = Job(group, device, rank, world, dtype)
     quiet = open(os.devnull, "w") if rank else sys.stdout
     return run_table(lambda: single_device_rows(str(device), dtype) + sharded_rows(job), stream=quiet)

@@ -55,8 +55,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     s = (q @ k.transpose(-1, -2)) * scale
     if causal:
-        i = torch.arange(q.shape[2]).unsqueeze(1)
-        j = torch.arange(k.shape[2]).unsqueeze(0)
+        i = torch.arange(q.shape[2], device=q.device).unsqueeze(1)
+        j = torch.arange(k.shape[2], device=q.device).unsqueeze(0)
         s = s.masked_fill(j > i + diag, NEG_INF)
     lse = logsumexp(s, -1)
     return softmax(s, -1) @ v, lse

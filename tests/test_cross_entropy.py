@@ -205,6 +205,7 @@ def test_sharded_disagreement_raises_on_every_rank():
 def test_gpu_triton_matches_torch(n, v, dtype):
     """The Triton kernels on CUDA (few rows: split rows): error at most 2x torch's, float32 floor."""
     logits, target = make(n, v, dtype, seed=n)
+    target[0] = 1  # with every row ignored the mean is 0/0 = NaN, in torch and here alike
     logits, target = logits.cuda(), target.cuda()
     for eps in (0.0, 0.1):
         want, gwant = torch_ce(logits.double(), target, label_smoothing=eps)
@@ -230,4 +231,6 @@ def test_gpu_sharded_matches_full():
     for r, (loss, g) in enumerate(LoopbackWorld(3).run(rank)):
         torch.testing.assert_close(loss.double(), want, atol=2e-2, rtol=1e-2)
         ref = gwant[:, bounds[r]:bounds[r + 1]]
-        assert (g.double() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item() + 1e-6
+        assert g.shape == ref.shape
+        if ref.numel():  # rank 1 holds an empty slice
+            assert (g.double() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item() + 1e-6

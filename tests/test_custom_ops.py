@@ -141,6 +141,9 @@ def test_gpu_opcheck_and_inductor_fullgraph(dtype):
     got = torch.compile(f, fullgraph=True)(*ins)
     gg = torch.autograd.grad(got, ins)
     tol = {} if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)  # bf16: assert_close's bf16 default
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+    # compiled and eager may pick other kernel plans (strides), so bf16 outputs differ by an ulp
+    # here and there: the sums agree to one bf16 ulp of the total, float32 to 1e-4
+    torch.testing.assert_close(got, want, **(dict(rtol=2 ** -8, atol=0.0) if dtype == torch.bfloat16
+                                             else dict(rtol=1e-4, atol=1e-3)))
     for a, b in zip(gg, gw):
         torch.testing.assert_close(a, b, **tol)

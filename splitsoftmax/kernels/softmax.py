@@ -75,37 +75,47 @@ def _stats(xb, rmask, start, end, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _norm_tile(x, lse, g, LOG: tl.constexpr):
-    """``g * exp(x - lse)`` or ``x - lse`` of ``x [BLOCK_R, BLOCK_N]``; empty rows 0 / -inf."""
+def _norm_tile(x, lse, m, c, LOG: tl.constexpr):
+    """``c * exp(x - m)`` or ``x - lse`` of ``x [BLOCK_R, BLOCK_N]``; empty rows 0 / -inf.
+
+    With the row's state at hand ``m`` is its max and ``c = g / l`` (as exact as torch's
+    two-pass); from ``lse`` alone ``m = lse``, ``c = g`` (one rounding of ``lse`` more).
+    """
     empty = (lse == float("-inf"))[:, None]
     if LOG:
         y = tl.where(empty, float("-inf"), x - lse[:, None])
     else:
-        y = tl.where(empty, 0.0, tl.math.exp2((x - lse[:, None]) * _LOG2E) * g[:, None])
+        y = tl.where(empty, 0.0, tl.math.exp2((x - m[:, None]) * _LOG2E) * c[:, None])
     return y
 
 
 @triton.jit
-def _normalize_range(xb, yb, rmask, lse, g, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
+def _scale(m, l, g):
+    """``(m, g / l)`` for :func:`_norm_tile` from a row state ``(m, l)``; 0 in empty rows."""
+    return _ref(m), tl.where(l == 0.0, 0.0, g / l)
+
+
+@triton.jit
+def _normalize_range(xb, yb, rmask, lse, m, c, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
     """Write the normalised columns ``[start, end)`` of the rows at ``xb``/``yb``, last tile first."""
     cols = tl.arange(0, BLOCK_N)
     n_full = (end - start) // BLOCK_N
     tail = start + n_full * BLOCK_N
-    c = tail + cols
-    cmask = rmask[:, None] & (c < end)[None, :]
-    x = tl.load(xb + c[None, :], mask=cmask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
-    tl.store(yb + c[None, :], _norm_tile(x, lse, g, LOG).to(yb.dtype.element_ty), mask=cmask)
+    cc = tail + cols
+    cmask = rmask[:, None] & (cc < end)[None, :]
+    x = tl.load(xb + cc[None, :], mask=cmask, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+    tl.store(yb + cc[None, :], _norm_tile(x, lse, m, c, LOG).to(yb.dtype.element_ty), mask=cmask)
     for i in range(n_full):
         c0 = tl.multiple_of(tail - (i + 1) * BLOCK_N, BLOCK_N)
         x = tl.load(xb + (c0 + cols)[None, :], mask=rmask[:, None], other=0.0,
                     eviction_policy="evict_first").to(tl.float32)  # [BLOCK_R, BLOCK_N]
-        y = _norm_tile(x, lse, g, LOG).to(yb.dtype.element_ty)
+        y = _norm_tile(x, lse, m, c, LOG).to(yb.dtype.element_ty)
         tl.store(yb + (c0 + cols)[None, :], y, mask=rmask[:, None])
 
 
 @triton.jit
 def _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S: tl.constexpr):
-    """Merged natural ``lse`` [BLOCK_R] of the ``S`` partial ``(m, l)`` of each row (row-major ``(R, S)``)."""
+    """Merged ``(m, l)`` [BLOCK_R] of the ``S`` partial ``(m, l)`` of each row (row-major ``(R, S)``)."""
     s = tl.arange(0, BLOCK_S)
     mask = rmask[:, None] & (s < S)[None, :]
     off = rows[:, None].to(tl.int64) * S + s[None, :]
@@ -113,7 +123,7 @@ def _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S: tl.constexpr):
     pl = tl.load(pl_ptr + off, mask=mask, other=0.0)  # [BLOCK_R, BLOCK_S]
     m = tl.max(pm, axis=1)
     l = tl.sum(pl * tl.math.exp2((pm - _ref(m)[:, None]) * _LOG2E), axis=1)
-    return _lse(m, l)
+    return m, l
 
 
 @triton.jit(do_not_specialize=["R", "chunk"])
@@ -139,7 +149,8 @@ def _lse_merge_fwd_kernel(pm_ptr, pl_ptr, lse_ptr, R, S, BLOCK_R: tl.constexpr, 
     """Grid ``cdiv(R, BLOCK_R)``: the ``lse`` of each row from its ``S`` partial states."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < R
-    tl.store(lse_ptr + rows, _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S), mask=rmask)
+    m, l = _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S)
+    tl.store(lse_ptr + rows, _lse(m, l), mask=rmask)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -166,7 +177,8 @@ def _softmax_fwd_kernel(x_ptr, y_ptr, lse_ptr, R, N, stride_x, stride_y, LOG: tl
     else:
         m, l = _stats(xb, rmask, 0, N, BLOCK_N)
         lse = _lse(m, l)
-        _normalize_range(xb, yb, rmask, lse, tl.full([BLOCK_R], 1.0, tl.float32), 0, N, LOG, BLOCK_N)
+        mr, c = _scale(m, l, 1.0)
+        _normalize_range(xb, yb, rmask, lse, mr, c, 0, N, LOG, BLOCK_N)
     tl.store(lse_ptr + rows, lse, mask=rmask)
 
 
@@ -181,19 +193,22 @@ def _normalize_fwd_kernel(x_ptr, y_ptr, lse_ptr, g_ptr, pm_ptr, pl_ptr, R, N, st
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     rmask = rows < R
     s = tl.num_programs(1) - 1 - tl.program_id(1)
-    if MERGE:
-        lse = _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S)
-        tl.store(lse_ptr + rows, lse, mask=rmask & (s == 0))
-    else:
-        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     if HAS_G:
         g = tl.load(g_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
     else:
         g = tl.full([BLOCK_R], 1.0, tl.float32)
+    if MERGE:
+        m, l = _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S)
+        lse = _lse(m, l)
+        tl.store(lse_ptr + rows, lse, mask=rmask & (s == 0))
+        m, c = _scale(m, l, g)
+    else:
+        lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
+        m, c = _ref(lse), g
     start = s * chunk
     _normalize_range(x_ptr + rows[:, None].to(tl.int64) * stride_x,
                      y_ptr + rows[:, None].to(tl.int64) * stride_y,
-                     rmask, lse, g, start, tl.minimum(start + chunk, N), LOG, BLOCK_N)
+                     rmask, lse, m, c, start, tl.minimum(start + chunk, N), LOG, BLOCK_N)
 
 
 @triton.jit

@@ -2,7 +2,8 @@
 # One GPU call that checks everything a single GPU can: the gpu test lane, `verify` on the GPU in
 # two dtypes, the sharded ops on CUDA tensors through MPI (2 ranks sharing the GPU; the MPI
 # communicator stages through the host), then the benchmarks named in $BENCHES.
-# Usage (repository root, CUDA machine): OUT=dir BENCHES="softmax attention" launch/gpu_check.sh
+# Usage (repository root, CUDA machine):
+#   OUT=dir BENCHES="softmax attention" BENCH_ARGS_softmax=--no-sweep launch/gpu_check.sh
 set -uo pipefail
 out="${OUT:-bench_out}"
 mkdir -p "$out"
@@ -28,8 +29,9 @@ if [ -n "${CHECKS:-1}" ]; then
         summary+=("verify_mpi2_cuda       skipped: no mpirun on this machine")
     fi
 fi
-for b in ${BENCHES:-}; do
-    step "bench_$b" "${BENCH_LIMIT:-200}" python3 -m splitsoftmax bench "$b" --out "$out" ${BENCH_ARGS:-}
+for b in ${BENCHES:-}; do  # extra arguments of bench NAME in $BENCH_ARGS_NAME
+    args_var="BENCH_ARGS_$b"
+    step "bench_$b" "${BENCH_LIMIT:-200}" python3 -m splitsoftmax bench "$b" --out "$out" ${!args_var:-}
 done
 cat "$out/gpu.txt"
 printf '%s\n' "${summary[@]}"

@@ -140,10 +140,18 @@ def test_gpu_opcheck_and_inductor_fullgraph(dtype):
     gw = torch.autograd.grad(want, ins)
     got = torch.compile(f, fullgraph=True)(*ins)
     gg = torch.autograd.grad(got, ins)
-    tol = {} if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-4)  # bf16: assert_close's bf16 default
-    # compiled and eager may pick other kernel plans (strides), so bf16 outputs differ by an ulp
-    # here and there: the sums agree to one bf16 ulp of the total, float32 to 1e-4
-    torch.testing.assert_close(got, want, **(dict(rtol=2 ** -8, atol=0.0) if dtype == torch.bfloat16
-                                             else dict(rtol=1e-4, atol=1e-3)))
-    for a, b in zip(gg, gw):
-        torch.testing.assert_close(a, b, **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-3)
+        for a, b in zip(gg, gw):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        return
+    # bf16: compiled and eager may take other kernel plans (strides) and fuse the float32 tails
+    # differently, so both are held to the float64 result (CPU path): compiled within 2x eager's error
+    ins64 = [t.detach().double().cpu().requires_grad_(True) for t in ins]
+    ref = f(*ins64)
+    gr = torch.autograd.grad(ref, ins64)
+    assert abs(got.double().cpu() - ref) <= 2 * abs(want.double().cpu() - ref) + 1e-3 * abs(ref)
+    for a, b, r in zip(gg, gw, gr):
+        err_c = (a.double().cpu() - r).abs().max().item()
+        err_e = (b.double().cpu() - r).abs().max().item()
+        assert err_c <= 2 * err_e + 1e-6 * r.abs().max().item(), (err_c, err_e)

@@ -283,9 +283,7 @@ def _bwd_kv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, m0, kj, Sq, diag
     q = _load_rows(q_base + qi[:, None] * s_qs + offs_d[None, :], qmask, dmask, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
     do = _load_rows(do_base + qi[:, None] * s_ds + offs_dv[None, :], qmask, dvmask, True, not EVEN_DV)
     lse2 = tl.load(l_base + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
-    empty = lse2 == float("-inf")  # [BLOCK_M] empty or inactive rows contribute nothing
-    lse2 = tl.where(empty, float("inf"), lse2)
-    q = _zero_rows(q, empty)  # so that p = exp2(0 - inf) = 0 even when q holds NaN
+    lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty or inactive row: p = 0
     delta = tl.load(e_base + qi * s_es, mask=qmask, other=0.0)
     qk_t = _dot(k, tl.trans(q), None, PREC)  # [BLOCK_N, BLOCK_M]
     p_t = tl.math.exp2(qk_t * qk_scale - lse2[None, :])

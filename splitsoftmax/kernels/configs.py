@@ -120,8 +120,8 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
 
 # --- cross-entropy --------------------------------------------------------------------------
 # (BLOCK_V, num_warps) of the forward and backward passes; small tiles under the interpreter
-CE_FWD_TILE = (4096, 8)
-CE_BWD_TILE = (4096, 8)
+CE_FWD_TILE = (2048, 4)
+CE_BWD_TILE = (2048, 4)
 CE_TILE_INTERPRET = (16, 1)
 # split a row over several programs while fewer than this many programs per SM would run
 CE_PROGRAMS_PER_SM = 4

@@ -62,6 +62,12 @@ def init_ranks(kind: str, device: Optional[str] = None):
     return None, device, rank, world
 
 
+def default_nproc() -> int:
+    """Ranks to start when none were given: one per GPU when there are several, else 4 CPU ranks."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return gpus if gpus >= 2 else 4
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

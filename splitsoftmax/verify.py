@@ -154,7 +154,8 @@ def run_table(rows_fn: Callable[[], list[Row]], stream=sys.stdout) -> int:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="splitsoftmax verify", description=__doc__)
     parser.add_argument("--nproc", type=int, default=None,
-                        help="launch this many local ranks (Gloo on CPU, NCCL with a GPU per rank)")
+                        help="launch this many local ranks (Gloo on CPU, NCCL with a GPU per rank); default: "
+                             "one per GPU when there are several, else 4 CPU ranks")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--deadline", type=float, default=1800.0, help="seconds before --nproc ranks are stopped")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
@@ -163,13 +164,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ns = parser.parse_args(argv)
     from . import launcher
     kind = launcher.launched_by()
-    if kind is None and ns.nproc:
-        return launcher.spawn(ns.nproc, ["verify", "--dtype", ns.dtype], ns.deadline)
-    dtype = getattr(torch, ns.dtype)
     if kind is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return run_table(lambda: single_device_rows(device, dtype))
-    return _verify_ranks(kind, dtype, ns.device)
+        return launcher.spawn(ns.nproc or launcher.default_nproc(), ["verify", "--dtype", ns.dtype], ns.deadline)
+    return _verify_ranks(kind, getattr(torch, ns.dtype), ns.device)
 
 
 def _verify_ranks(kind: str, dtype: torch.dtype, device: Optional[str]) -> int:

@@ -1,4 +1,4 @@
-"""The command line: trace, env, verify (single device), bench usage."""
+"""The command line: trace, env, verify (its default: 4 CPU ranks), bench usage."""
 import subprocess
 import sys
 
@@ -50,7 +50,10 @@ def test_bench_without_a_name_is_a_usage_error():
 
 
 @pytest.mark.timeout(300)
-def test_verify_single_device_passes():
+def test_verify_default_runs_every_sharded_op_on_cpu_ranks():
     r = run("verify")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "checks passed" in r.stdout and "MISMATCH" not in r.stdout
+    for what in ("sharded_softmax", "sharded_logsumexp", "ring", "allgather", "tree", "zigzag", "contiguous"):
+        assert what in r.stdout, what
+    assert "on 4 ranks (cpu)" in r.stderr  # progress lines

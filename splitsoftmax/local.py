@@ -7,6 +7,7 @@ import importlib
 import os
 from functools import lru_cache
 
+import torch
 from torch import Tensor
 
 from .kernels import cpu
@@ -44,8 +45,10 @@ def interpreting() -> bool:
 
 
 def use_triton(t: Tensor) -> bool:
-    """Triton runs CUDA tensors, and CPU tensors when interpreting."""
-    return triton_available() and (t.is_cuda or interpreting())
+    """Triton runs CUDA tensors, and CPU tensors when interpreting. float64 inputs take the torch
+    path on any device: the kernels keep float32 statistics, float64 callers want float64 math
+    (``gradcheck``, references)."""
+    return triton_available() and (t.is_cuda or interpreting()) and t.dtype != torch.float64
 
 
 def op(name: str, t: Tensor):

@@ -33,7 +33,7 @@ class Row:
     layout: str
     err: float
     tol: float
-    seconds: float
+    seconds: Optional[float]  # forward + backward, on the forward's row
 
     @property
     def ok(self) -> bool:
@@ -41,11 +41,13 @@ class Row:
 
     def render(self) -> str:
         status = "ok" if self.ok else "MISMATCH"
-        return (f"{self.op:<34} {self.schedule:<10} {self.layout:<11} {self.err:>10.2e} "
-                f"{self.tol:>10.2e} {self.seconds:>7.2f}s  {status}")
+        secs = "" if self.seconds is None else f"{self.seconds:.2f}s"
+        return (f"{self.op:<46} {self.schedule:<10} {self.layout:<11} {self.err:>10.2e} "
+                f"{self.tol:>10.2e} {secs:>8}  {status}")
 
 
-HEADER = f"{'operation':<34} {'schedule':<10} {'layout':<11} {'max err':>10} {'tolerance':>10} {'time':>8}"
+HEADER = (f"{'operation':<46} {'schedule':<10} {'layout':<11} {'max err':>10} {'tolerance':>10} "
+          f"{'fwd+bwd':>8}")
 
 
 def rel_err(x: Tensor, want: Tensor, *, skip_nan: bool = False) -> float:
@@ -112,7 +114,7 @@ def compare(name: str, fn: Callable, peer: Callable, oracle: Callable, inputs: S
     tol = widen * max(2 * rel_err(peer_out, want, skip_nan=True), fl)
     tol_g = widen * GRAD_FACTOR * max(max(rel_err(g, w, skip_nan=True) for g, w in zip(peer_grads, grads64)), fl)
     return [Row(f"{name} fwd", schedule, layout, rel_err(out, want), tol, secs),
-            Row(f"{name} bwd", schedule, layout, max(rel_err(g, w) for g, w in zip(grads, grads64)), tol_g, 0.0)]
+            Row(f"{name} bwd", schedule, layout, max(rel_err(g, w) for g, w in zip(grads, grads64)), tol_g, None)]
 
 
 def sdpa(causal: bool, groups: int):

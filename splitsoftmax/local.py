@@ -21,6 +21,7 @@ _TRITON_MODULE = {
     "softmax_bwd": "softmax",
     "logsumexp_bwd": "softmax",
     "attn_fwd": "attention",
+    "attn_fwd_acc": "attention",
     "attn_bwd": "attention",
     "attn_bwd_prep": "attn_prep",
     "merge_out_lse": "merge",

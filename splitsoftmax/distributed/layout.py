@@ -99,7 +99,3 @@ def block_pairs(q_segs: list[Seg], k_segs: list[Seg], causal: bool) -> list[tupl
                 pairs.append((i, qs, ks, kind, diag))
     return pairs
 
-
-def query_segments(q_segs: list[Seg], causal: bool) -> list[Seg]:
-    """The query segments the accumulators are kept for (one per causal segment, else one)."""
-    return q_segs if causal else [Seg(0, 0, sum(s.n for s in q_segs))]

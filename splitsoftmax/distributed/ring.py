@@ -46,9 +46,6 @@ class AttnSpec:
         """Elements of the packed K/V (or dK/dV) buffer of rank ``origin``: ``B*Hkv*n*(D+Dv)``."""
         return self.b * self.hkv * self.k_lens[origin] * (self.d + self.dv)
 
-    def q_segs(self) -> list:
-        return layout.query_segments(layout.segments(self.layout, self.q_lens, self.rank), self.causal)
-
     def pairs(self, origin: int) -> list:
         qs = layout.segments(self.layout, self.q_lens, self.rank)
         return layout.block_pairs(qs, layout.segments(self.layout, self.k_lens, origin), self.causal)
@@ -109,18 +106,20 @@ def ring_loop(comm: Communicator, first: Tensor, numel: Callable[[int], int], vi
 
 
 def _sl(t: Tensor, seg) -> Tensor:
-    return t[:, :, seg.local:seg.local + seg.n].contiguous()
+    """The rows of segment ``seg`` along the sequence (dim 2), as a view (the kernels take strides)."""
+    return t[:, :, seg.local:seg.local + seg.n]
 
 
-def attn_fwd_visit(spec: AttnSpec, q: Tensor, acc: list) -> Callable:
-    """Visit for the forward: merge each block pair's partial ``(out, lse)`` into ``acc`` (states)."""
-    fwd = op("attn_fwd", q)
+def attn_fwd_visit(spec: AttnSpec, q: Tensor, acc: tuple[Tensor, Tensor]) -> Callable:
+    """Visit for the forward: merge each block pair's attention into ``acc = (out, lse)`` in place."""
+    fwd_acc = op("attn_fwd_acc", q)
+    acc_out, acc_lse = acc
 
     def visit(origin: int, buf: Tensor) -> None:
         k, v = unpack(buf, spec, origin)
-        for i, qs, ks, kind, diag in spec.pairs(origin):
-            out, lse = fwd(_sl(q, qs), _sl(k, ks), _sl(v, ks), spec.scale, kind == layout.DIAG, diag)
-            acc[i] = state.merge(acc[i], state.from_out_lse(out, lse))
+        for _, qs, ks, kind, diag in spec.pairs(origin):
+            fwd_acc(_sl(q, qs), _sl(k, ks), _sl(v, ks), spec.scale, kind == layout.DIAG, diag,
+                    _sl(acc_out, qs), acc_lse[:, :, qs.local:qs.local + qs.n])
     return visit
 
 
@@ -134,8 +133,8 @@ def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: 
         dv = torch.zeros(v.shape, dtype=dq.dtype, device=q.device)
         for _, qs, ks, kind, diag in spec.pairs(origin):
             sq = slice(qs.local, qs.local + qs.n)
-            dqp, dkp, dvp = bwd(_sl(q, qs), _sl(k, ks), _sl(v, ks), _sl(dout, qs), lse[:, :, sq].contiguous(),
-                                delta[:, :, sq].contiguous(), spec.scale, kind == layout.DIAG, diag)
+            dqp, dkp, dvp = bwd(_sl(q, qs), _sl(k, ks), _sl(v, ks), _sl(dout, qs), lse[:, :, sq], delta[:, :, sq],
+                                spec.scale, kind == layout.DIAG, diag)
             dq[:, :, sq] += dqp
             dk[:, :, ks.local:ks.local + ks.n] += dkp
             dv[:, :, ks.local:ks.local + ks.n] += dvp
@@ -143,18 +142,17 @@ def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: 
     return visit
 
 
-def empty_acc(spec: AttnSpec, q: Tensor) -> list:
-    """One empty float32 state per query segment."""
+def empty_acc(spec: AttnSpec, q: Tensor) -> tuple[Tensor, Tensor]:
+    """The empty running state ``(out = 0 (B,H,Sq,Dv), lse = -inf (B,H,Sq))`` of this rank's queries,
+    in the accumulation dtype (float32; float64 for float64 inputs)."""
     dt = state.stat_dtype(q.dtype)
-    return [state.empty_state((spec.b, spec.h, s.n), spec.dv, dtype=dt, device=q.device) for s in spec.q_segs()]
+    out = torch.zeros((spec.b, spec.h, q.shape[2], spec.dv), dtype=dt, device=q.device)
+    return out, torch.full((spec.b, spec.h, q.shape[2]), float("-inf"), dtype=dt, device=q.device)
 
 
-def finish_acc(acc: list, out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Concatenate the segments' states as ``(out (B,H,Sq,Dv) out_dtype, lse (B,H,Sq))`` (lse in the
-    accumulation dtype: float32, float64 for float64 inputs)."""
-    parts = [state.to_out_lse(s) for s in acc]
-    out = torch.cat([o for o, _ in parts], dim=2).to(out_dtype)
-    return out, torch.cat([l for _, l in parts], dim=2)
+def finish_acc(acc: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(out in out_dtype, lse)`` from the running state."""
+    return acc[0].to(out_dtype), acc[1]
 
 
 def ring_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor):

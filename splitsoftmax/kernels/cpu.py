@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ..state import (NEG_INF, State, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state, to_out_lse,
                      weighted_sum)
-from ..state import merge_out_lse  # noqa: F401  (the torch path of the N-way merge)
+from ..state import merge_out_lse
 from .configs import CPU_BLOCK_KEYS, CPU_BLOCK_COLS
 
 
@@ -119,6 +119,17 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     out, lse = to_out_lse(s)
     out = out.reshape(b, h, sq, dv).to(out_dtype or dt)
     return out, lse.reshape(b, h, sq)
+
+
+def attn_fwd_acc(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int,
+                 acc_out: Tensor, acc_lse: Tensor) -> None:
+    """Merge this block's attention into the running state ``acc_out (B, H, Sq, Dv)``,
+    ``acc_lse (B, H, Sq)`` in place (any strides): a ring step with no separate merge pass."""
+    out, lse = attn_fwd(q, k, v, scale, causal, diag)
+    merged, merged_lse = merge_out_lse(torch.stack((acc_out, out.to(acc_out.dtype))),
+                                       torch.stack((acc_lse, lse.to(acc_lse.dtype))))
+    acc_out.copy_(merged)
+    acc_lse.copy_(merged_lse)
 
 
 def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:

@@ -5,8 +5,8 @@ which starts the ranks itself; mpirun works too, splitsoftmax methods only). On 
 B=1, H=32, D=128, bf16; per S, causal and not, forward and forward+backward, it times
 
 - ``ss-ring``, ``ss-allgather``: ``sharded_attention`` on zigzag shards;
-- ``ss-ring-nocomm``: the same ring loop with a communicator that moves nothing (compute only;
-  the gap to ``ss-ring`` is the communication the overlap did not hide);
+- ``ss-ring-nocomm``: the same public call with a communicator that drops the K/V and dK/dV
+  messages (compute only; the gap to ``ss-ring`` is the communication the overlap did not hide);
 - ``torch-cp-allgather``, ``torch-cp-alltoall``: torch's ``context_parallel`` over a 1-d
   DeviceMesh (SDPA flash inside), one per rotate method. Non-causal under torch's default
   head-tail balancer is refused by torch (recorded); ``-nolb`` runs it with balancing off;
@@ -153,36 +153,31 @@ def run_method(w: World, name: str, make, opts, collective: bool = True) -> dict
     return rec
 
 
-class NoTransfers(ss.distributed.Communicator):
-    """Same rank and size as the job, but starts no transfer: the ring's compute alone."""
+class NoBulkTransfers(ss.distributed.Communicator):
+    """``inner`` without the ring's K/V and dK/dV messages (the handshake still runs): passed as
+    ``group``, ``ss.sharded_attention`` times the ring's compute alone."""
 
-    def __init__(self, rank: int, size: int):
-        self.rank, self.size = rank, size
+    def __init__(self, inner: ss.distributed.Communicator):
+        self.inner, self.rank, self.size, self.meta_device = inner, inner.rank, inner.size, inner.meta_device
 
     def post(self, sends, recvs, tag):
-        return []
+        from splitsoftmax.distributed.ring import TAG_DKV, TAG_KV
+        return [] if tag in (TAG_KV, TAG_DKV) else self.inner.post(sends, recvs, tag)
+
+    def wait(self, handles, step):
+        self.inner.wait(handles, step)
 
 
 def ss_methods(w: World, local: list, causal: bool, backward: bool, opts) -> list:
     """(name, context manager factory) of splitsoftmax's sharded methods on zigzag shards."""
-    from splitsoftmax.distributed import ring, sharded
-
-    def sharded_call(schedule):
-        f = lambda q, k, v: ss.sharded_attention(q, k, v, causal=causal, group=w.group,  # noqa: E731
+    def sharded_call(schedule, group):
+        f = lambda q, k, v: ss.sharded_attention(q, k, v, causal=causal, group=group,  # noqa: E731
                                                  schedule=schedule, layout="zigzag")
         return contextlib.nullcontext(step(f, local, backward))
 
-    @contextlib.contextmanager
-    def nocomm():
-        spec = sharded._attention_meta(ss.distributed.as_comm(w.group), *local, causal, None, "ring", "zigzag",
-                                       False)
-        null = NoTransfers(w.rank, w.size)
-        if backward:
-            yield step(lambda q, k, v: sharded.ShardedAttentionFn.apply(q, k, v, null, spec, "ring")[0], local, True)
-        else:
-            yield step(lambda q, k, v: ring.ring_attention_fwd(null, spec, q, k, v), local, False)
-    return [("ss-ring", lambda: sharded_call("ring")), ("ss-allgather", lambda: sharded_call("allgather")),
-            ("ss-ring-nocomm", nocomm)]
+    return [("ss-ring", lambda: sharded_call("ring", w.group)),
+            ("ss-allgather", lambda: sharded_call("allgather", w.group)),
+            ("ss-ring-nocomm", lambda: sharded_call("ring", NoBulkTransfers(ss.distributed.as_comm(w.group))))]
 
 
 def torch_cp(w: World, full: Callable, causal: bool, backward: bool, rotate: str, balance: bool):

@@ -18,6 +18,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter lane: set TRITON_INTERPRET=1 before importing triton", allow_module_level=True)
 
 import splitsoftmax as ss  # noqa: E402
+from splitsoftmax import reference as ref  # noqa: E402
+from splitsoftmax import state  # noqa: E402
 from splitsoftmax.kernels import attention as A  # noqa: E402
 from splitsoftmax.kernels import decode, merge  # noqa: E402
 
@@ -25,20 +27,8 @@ NEG_INF = float("-inf")
 
 
 def ref_attention(q, k, v, scale, causal, diag=0):
-    """float64 ``(out, lse, p)``; empty rows ``(0, -inf)`` and p = 0 there (differentiable, no NaN)."""
-    q, k, v = q.double(), k.double(), v.double()
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = (q @ k.transpose(-1, -2)) * scale
-    i = torch.arange(q.shape[2]).unsqueeze(1)
-    j = torch.arange(k.shape[2]).unsqueeze(0)
-    mask = (j <= i + diag) if causal else torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
-    s = s.masked_fill(~mask, NEG_INF)
-    nonempty = mask.any(-1).expand(s.shape[:-1])
-    s_safe = torch.where(nonempty.unsqueeze(-1), s, 0.0)
-    lse = torch.logsumexp(s_safe, -1)
-    p = torch.exp(s_safe - lse.unsqueeze(-1)) * nonempty.unsqueeze(-1)
-    return p @ v, torch.where(nonempty, lse, NEG_INF)
+    """float64 ``(out, lse)`` from the package's oracle; empty rows ``(0, -inf)``."""
+    return ref.attention(q, k, v, causal=causal, scale=scale, diag=diag)
 
 
 def rel_err(x, ref):
@@ -175,14 +165,8 @@ def test_public_attention_autograd_routes_to_triton():
 
 
 def ref_merge(outs, lses):
-    lses = lses.double()
-    m = lses.amax(0)
-    ms = torch.where(m == NEG_INF, 0.0, m)
-    w = torch.exp(lses - ms)
-    o = torch.where(w.unsqueeze(-1) > 0, outs.double(), 0.0)
-    s = w.sum(0)
-    out = (w.unsqueeze(-1) * o).sum(0) / torch.where(s > 0, s, 1.0).unsqueeze(-1)
-    return out, torch.where(s > 0, ms + torch.log(torch.where(s > 0, s, 1.0)), NEG_INF)
+    """float64 N-way merge: the package's torch path (``state.merge_out_lse``) on upcast inputs."""
+    return state.merge_out_lse(outs.double(), lses.double())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -16,6 +16,7 @@ import torch
 from splitsoftmax.distributed import (LoopbackWorld, as_comm, shard, sharded_attention, sharded_log_softmax,
                                       sharded_logsumexp, sharded_softmax, unshard)
 
+from splitsoftmax import reference as ref
 from splitsoftmax.local import use_triton
 
 NEG_INF = float("-inf")
@@ -37,19 +38,12 @@ def uneven_lengths(p: int, seed: int) -> list:
 
 
 def _ref_softmax(x, dy, dim, log):
-    """float64 softmax / log-softmax and its input gradient; all ``-inf`` rows give 0 / -inf, dx 0."""
-    x = x.double()
-    lse = torch.logsumexp(x, dim, keepdim=True)
-    empty = lse == NEG_INF
-    safe = torch.where(empty, 0.0, lse)
-    p = torch.where(empty, 0.0, torch.exp(x - safe))
-    if log:
-        y = torch.where(empty, NEG_INF, x - safe)
-        dx = dy - p * dy.sum(dim, keepdim=True)
-    else:
-        y = p
-        dx = p * (dy - (dy * p).sum(dim, keepdim=True))
-    return y, torch.where(empty, 0.0, dx)
+    """float64 softmax / log-softmax (the package's oracle) and its input gradient by autograd;
+    all ``-inf`` rows give 0 / -inf and dx 0."""
+    x = x.detach().double().requires_grad_()
+    y = (ref.log_softmax if log else ref.softmax)(x, dim)
+    (dx,) = torch.autograd.grad(y, x, dy.double())
+    return y.detach(), dx
 
 
 def _clean(t, dim=1):
@@ -92,13 +86,7 @@ def case_softmax(group):
 
 def ref_attention(q, k, v, scale, causal, offset=0):
     """float64 attention with lse; query ``i`` sits at global ``offset + i``, sees keys ``j <= offset + i``."""
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = q @ kk.transpose(-1, -2) * scale
-    if causal:
-        i = torch.arange(q.shape[2])[:, None] + offset
-        s = s.masked_fill(torch.arange(k.shape[2])[None, :] > i, NEG_INF)
-    return torch.softmax(s, -1) @ vv, torch.logsumexp(s, -1)
+    return ref.attention(q, k, v, causal=causal, scale=scale, diag=offset)
 
 
 def _qkv(seed, sq, sk, dtype=torch.float64, b=2, h=4, hkv=2, d=8, dv=6):
@@ -133,8 +121,8 @@ def _check_sharded(group, schedule, layout, causal, lens, dtype=torch.float64, t
     torch.testing.assert_close(out.double(), mine(out_r), **tol, msg=lambda m: f"{what} out: {m}")
     torch.testing.assert_close(lse.double(), mine(lse_r), **F32, msg=lambda m: f"{what} lse: {m}")
     ((out * mine(wo).to(dtype)).sum() + (lse * mine(wl).float()).sum()).backward()
-    for name, got, ref in (("dq", ql.grad, dq_r), ("dk", kl.grad, dk_r), ("dv", vl.grad, dv_r)):
-        torch.testing.assert_close(got.double(), mine(ref), **tol, msg=lambda m: f"{what} {name}: {m}")
+    for name, got, want in (("dq", ql.grad, dq_r), ("dk", kl.grad, dk_r), ("dv", vl.grad, dv_r)):
+        torch.testing.assert_close(got.double(), mine(want), **tol, msg=lambda m: f"{what} {name}: {m}")
 
 
 def case_attention(group):

@@ -49,10 +49,19 @@ def _args(logits, target, ignore_index, reduction, label_smoothing) -> float:
 
 
 def _check_targets(target: Tensor, ignore_index: int, vocab: int) -> None:
-    """Every target is a class id in ``[0, vocab)`` or ``ignore_index`` (skipped while compiling)."""
+    """Every target is a class id in ``[0, vocab)`` or ``ignore_index`` (skipped while compiling).
+
+    On the CPU a bad target raises ``ValueError`` naming it. On an accelerator the check does not
+    wait for the device: like torch's own cross-entropy there, a bad target fails a device-side
+    assertion (a host synchronisation per call would cost more than the loss itself).
+    """
     if torch.compiler.is_compiling() or target.numel() == 0:
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if target.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"target holds a class outside [0, {vocab}) that is not "
+                                        f"ignore_index={ignore_index}")
+        return
     if bool(bad.any()):
         value = int(target[bad][0])
         raise ValueError(f"target holds class {value}, outside [0, {vocab}) and not ignore_index={ignore_index}")
@@ -90,7 +99,7 @@ class ShardedCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, comm, col0: int, vocab: int, ignore_index: int, eps: float):
         n = logits.shape[0]
-        stats = op("ce_stats", logits)(logits, target, col0).to(stat_dtype(logits.dtype))  # [N, 4]
+        stats = op("ce_stats", logits)(logits, target, col0, eps > 0).to(stat_dtype(logits.dtype))  # [N, 4]
         parts = bruck_allgather(comm, stats.reshape(-1).contiguous(), "sharded_cross_entropy: row statistics")
         loss, lse = row_losses(merge_ce_stats(parts.view(comm.size, n, 4)), target, ignore_index, eps, vocab)
         ctx.save_for_backward(logits, target, lse)

@@ -151,7 +151,7 @@ def row_losses(stats: Tensor, target: Tensor, ignore_index: int, smoothing: floa
 @custom_op("splitsoftmax::ce_fwd", mutates_args=())
 def ce_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
     """Cross-entropy of each row of ``logits (N, V)``: ``(loss (N,), lse (N,))``, statistics dtype."""
-    stats = op("ce_stats", logits)(logits, target, 0).to(stat_dtype(logits.dtype))
+    stats = op("ce_stats", logits)(logits, target, 0, label_smoothing > 0).to(stat_dtype(logits.dtype))
     loss, lse = row_losses(stats, target, ignore_index, label_smoothing, logits.shape[1])
     return loss.contiguous(), lse.contiguous()
 

@@ -234,3 +234,18 @@ def test_gpu_sharded_matches_full():
         assert g.shape == ref.shape
         if ref.numel():  # rank 1 holds an empty slice
             assert (g.double() - ref).abs().max().item() <= 2 ** -7 * ref.abs().max().item() + 1e-6
+
+
+@pytest.mark.gpu
+def test_gpu_bad_target_fails_on_device():
+    """On CUDA a target outside [0, V) fails a device-side assertion (no host sync), like torch's;
+    it poisons the CUDA context, so it runs in a child process."""
+    import subprocess
+    import sys
+    code = ("import torch, splitsoftmax as ss\n"
+            "x = torch.randn(4, 10, device='cuda')\n"
+            "ss.cross_entropy(x, torch.tensor([1, 10, 3, 4], device='cuda'))\n"
+            "torch.cuda.synchronize()\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "assert" in (done.stderr + done.stdout).lower(), done.stderr[-2000:]

@@ -39,15 +39,19 @@ def grad_of(fn, logits, target, **kw):
     return loss, g
 
 
+@pytest.mark.parametrize("with_sum", [True, False])
 @pytest.mark.parametrize("n,v,col0", [(1, 1, 0), (3, 97, 0), (5, 40, 13), (20, 33, -7)])
-def test_stats_match_torch_path(n, v, col0):
-    """Split rows (few rows: several programs per row) and single-program rows, any slice offset."""
+def test_stats_match_torch_path(n, v, col0, with_sum):
+    """Split rows (few rows: several programs per row) and single-program rows, any slice offset;
+    the row-sum column only when asked (0 otherwise)."""
     logits, target = make(n, v, torch.float32, seed=n)
     target = target.clamp(min=0) + max(col0, 0)
     logits[0, : v // 2] = NEG_INF
-    got = tce.ce_stats(logits, target, col0)
-    want = cpu.ce_stats(logits.double(), target, col0)
-    ours = cpu.ce_stats(logits, target, col0)
+    got = tce.ce_stats(logits, target, col0, with_sum)
+    want = cpu.ce_stats(logits.double(), target, col0, with_sum)
+    ours = cpu.ce_stats(logits, target, col0, with_sum)
+    if not with_sum:
+        assert torch.equal(got[:, 3], torch.zeros(n)) and torch.equal(want[:, 3], torch.zeros(n, dtype=torch.float64))
     torch.testing.assert_close(got[:, 0].double(), want[:, 0])  # max: exact
     for c in (1, 2, 3):
         torch.testing.assert_close(got[:, c].double(), want[:, c], atol=1e-5, rtol=1e-5)

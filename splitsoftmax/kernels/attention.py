@@ -115,6 +115,8 @@ def _attn_fwd_kernel(Q, K, V, O, L,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                      PACK: tl.constexpr, ACC: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = (pid_bh // NH).to(tl.int64)
@@ -383,6 +385,8 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
                        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
     pid_m = tl.program_id(0)
+    if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
+        pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)

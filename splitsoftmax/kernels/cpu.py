@@ -177,12 +177,13 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     return dq.reshape(b, h, sq, d), dk, dv
 
 
-def ce_stats(logits: Tensor, target: Tensor, col0: int = 0) -> Tensor:
+def ce_stats(logits: Tensor, target: Tensor, col0: int = 0, with_sum: bool = True) -> Tensor:
     """Cross-entropy row statistics of ``logits (N, V)``: ``(N, 4)`` = ``(m, l, x_t, sum_j x_j)``.
 
     ``(m, l)`` is the row's softmax state (merged block by block over V), ``x_t`` the logit of the
     global class ``target (N,)`` when it falls in this slice ``[col0, col0 + V)`` (else 0), and the
-    last column the sum of the row (for label smoothing). float32 (float64 for float64 logits).
+    last column the sum of the row (label smoothing needs it; 0 unless ``with_sum``). float32
+    (float64 for float64 logits).
     """
     n, v = logits.shape
     dt = stat_dtype(logits.dtype)
@@ -191,7 +192,8 @@ def ce_stats(logits: Tensor, target: Tensor, col0: int = 0) -> Tensor:
     for j in range(0, v, CPU_BLOCK_COLS):
         xb = logits[:, j:j + CPU_BLOCK_COLS].to(dt)  # [N, block]
         s = merge(s, tile_state(xb))
-        total = total + xb.sum(-1)
+        if with_sum:
+            total = total + xb.sum(-1)
     local = target - col0
     own = (local >= 0) & (local < v)
     xt = torch.zeros(n, dtype=dt, device=logits.device)
@@ -206,7 +208,7 @@ def merge_ce_stats(parts: Tensor) -> Tensor:
 
     ``(m, l)`` merge with the state algebra; ``x_t`` (non-zero on one slice only) and the row sums add.
     """
-    from ..state import merge_stack  # appended function: the module's imports stay as they were
+    from ..state import merge_stack
     s = merge_stack(State(parts[..., 0], parts[..., 1]))
     return torch.stack((s.m, s.l, parts[..., 2].sum(0), parts[..., 3].sum(0)), dim=-1)
 

@@ -54,24 +54,38 @@ def _online(m, l, x):
 
 
 @triton.jit
-def _stats(xb, rmask, start, end, BLOCK_N: tl.constexpr):
-    """Online ``(m, l)`` of columns ``[start, end)`` of the rows at ``xb [BLOCK_R, 1]``.
+def _stats(xb, rmask, start, end, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, SUM: tl.constexpr = False):
+    """Online ``(m, l)`` of columns ``[start, end)`` of the rows at ``xb [BLOCK_R, 1]``, and with
+    ``SUM`` their plain sum (else 0), each ``[BLOCK_R]``.
 
-    Full tiles load without a column mask (vector loads); one masked tail tile follows.
+    Full tiles load without a column mask (vector loads), ``STAGES`` deep in flight; a masked
+    tail tile follows if the range has one. The sum accumulates per lane, reduced once at the end.
     """
     cols = tl.arange(0, BLOCK_N)
     m = tl.full([xb.shape[0]], float("-inf"), tl.float32)
     l = tl.zeros([xb.shape[0]], tl.float32)
+    if SUM:  # (a per-lane accumulator costs registers: only when asked; H200, 8192-wide bf16 tiles: -13%)
+        total = tl.zeros([xb.shape[0], BLOCK_N], tl.float32)
     n_full = (end - start) // BLOCK_N
-    for i in range(n_full):
+    for i in tl.range(n_full, num_stages=STAGES):
         c0 = tl.multiple_of(start + i * BLOCK_N, BLOCK_N)
         x = tl.load(xb + (c0 + cols)[None, :], mask=rmask[:, None], other=float("-inf"),
                     eviction_policy="evict_last").to(tl.float32)  # [BLOCK_R, BLOCK_N]
         m, l = _online(m, l, x)
-    c = start + n_full * BLOCK_N + cols
-    x = tl.load(xb + c[None, :], mask=rmask[:, None] & (c < end)[None, :],
-                other=float("-inf")).to(tl.float32)  # [BLOCK_R, BLOCK_N]
-    return _online(m, l, x)
+        if SUM:
+            total += x
+    if start + n_full * BLOCK_N < end:
+        c = start + n_full * BLOCK_N + cols
+        cmask = rmask[:, None] & (c < end)[None, :]
+        x = tl.load(xb + c[None, :], mask=cmask, other=float("-inf")).to(tl.float32)  # [BLOCK_R, BLOCK_N]
+        m, l = _online(m, l, x)
+        if SUM:
+            total += tl.where(cmask, x, 0.0)
+    if SUM:
+        row_sum = tl.sum(total, axis=1)
+    else:
+        row_sum = tl.zeros([xb.shape[0]], tl.float32)
+    return m, l, row_sum
 
 
 @triton.jit
@@ -128,14 +142,14 @@ def _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S: tl.constexpr):
 
 @triton.jit(do_not_specialize=["R", "chunk"])
 def _lse_fwd_kernel(x_ptr, lse_ptr, pm_ptr, pl_ptr, R, N, stride_x, chunk,
-                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr):
+                    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PARTIAL: tl.constexpr, STAGES: tl.constexpr):
     """Grid ``(cdiv(R, BLOCK_R), S)``: ``(m, l)`` of a ``chunk`` of columns; ``lse`` if ``S == 1``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     rmask = rows < R
     s = tl.program_id(1)
     start = s * chunk
     end = tl.minimum(start + chunk, N)
-    m, l = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, start, end, BLOCK_N)
+    m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, start, end, BLOCK_N, STAGES)
     if PARTIAL:
         off = rows.to(tl.int64) * tl.num_programs(1) + s
         tl.store(pm_ptr + off, m, mask=rmask)
@@ -155,7 +169,7 @@ def _lse_merge_fwd_kernel(pm_ptr, pl_ptr, lse_ptr, R, S, BLOCK_R: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["R"])
 def _softmax_fwd_kernel(x_ptr, y_ptr, lse_ptr, R, N, stride_x, stride_y, LOG: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr):
     """Grid ``cdiv(R, BLOCK_R)``: whole rows; one pass if ``BLOCK_N >= N``, else online two-pass."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     rmask = rows < R
@@ -175,7 +189,7 @@ def _softmax_fwd_kernel(x_ptr, y_ptr, lse_ptr, R, N, stride_x, stride_y, LOG: tl
             y = p * tl.where(l == 0.0, 0.0, 1.0 / l)[:, None]
         tl.store(yb + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
     else:
-        m, l = _stats(xb, rmask, 0, N, BLOCK_N)
+        m, l, _ = _stats(xb, rmask, 0, N, BLOCK_N, STAGES)
         lse = _lse(m, l)
         mr, c = _scale(m, l, 1.0)
         _normalize_range(xb, yb, rmask, lse, mr, c, 0, N, LOG, BLOCK_N)
@@ -310,7 +324,8 @@ def _partials(x: Tensor, p: configs.SoftmaxPlan) -> tuple[Tensor, Tensor]:
     pm = torch.empty((x.shape[0], p.splits), dtype=torch.float32, device=x.device)
     pl = torch.empty_like(pm)
     _lse_fwd_kernel[_grid(x, p)](x, pm, pm, pl, x.shape[0], x.shape[1], x.stride(0), p.chunk,
-                                 BLOCK_R=p.block_r, BLOCK_N=p.block_n, PARTIAL=True, num_warps=p.num_warps)
+                                 BLOCK_R=p.block_r, BLOCK_N=p.block_n, PARTIAL=True, STAGES=p.stages,
+                                 num_warps=p.num_warps)
     return pm, pl
 
 
@@ -324,7 +339,7 @@ def lse_rows(x: Tensor) -> Tensor:
     p = _plan(x, stats_only=True)
     if p.splits == 1:
         _lse_fwd_kernel[_grid(x, p)](x, lse, lse, lse, R, N, x.stride(0), p.chunk, BLOCK_R=p.block_r,
-                                     BLOCK_N=p.block_n, PARTIAL=False, num_warps=p.num_warps)
+                                     BLOCK_N=p.block_n, PARTIAL=False, STAGES=p.stages, num_warps=p.num_warps)
         return lse
     pm, pl = _partials(x, p)
     bs = triton.next_power_of_2(p.splits)
@@ -367,7 +382,8 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
         return _normalize(x, lse, None, log, _partials(x, p), p), lse
     y = torch.empty((R, N), dtype=x.dtype, device=x.device)
     _softmax_fwd_kernel[_grid(x, p)](x, y, lse, R, N, x.stride(0), y.stride(0), LOG=log, BLOCK_R=p.block_r,
-                                     BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass", num_warps=p.num_warps)
+                                     BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass", STAGES=p.stages,
+                                     num_warps=p.num_warps)
     return y, lse
 
 

@@ -21,7 +21,7 @@ ATTN_TILES = {
     ("decode", 4, 256): (16, 16, 4, 2),
     # backward: dK/dV programs hold a key block and walk query blocks ...
     ("bwd_kv", 2, 64): (32, 128, 8, 3),
-    ("bwd_kv", 2, 128): (32, 128, 8, 3),  # 15.7 ms bwd at S=8k (16x128: 18.2)
+    ("bwd_kv", 2, 128): (32, 64, 4, 3),   # H200, fwd+bwd TFLOP/s at S=1k/8k full: 299/376 (32x128 w8: 267/339)
     ("bwd_kv", 2, 256): (16, 64, 8, 2),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks

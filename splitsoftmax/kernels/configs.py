@@ -126,11 +126,12 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
 
 
 # --- cross-entropy --------------------------------------------------------------------------
-# (BLOCK_V, num_warps, stages in flight) of the forward and backward passes; small tiles under the
-# interpreter. H200 probe on 8192 x 131072 bf16: the statistics pass at 8192 x 8 warps x 3 stages read
-# 4467 GB/s (2048 x 4: 4225); the gradient pass at 4096 x 16 wrote 4000 GB/s (read + write).
+# (BLOCK_V, num_warps, stages) of the forward and backward passes (stages: tiles in flight in the
+# forward's loop, Triton's num_stages of the backward launch); small tiles under the interpreter.
+# H200 probe on 8192 x 131072 bf16: the statistics pass at 8192 x 8 warps x 3 stages read 4467 GB/s
+# (2048 x 4: 4225); the gradient pass at 4096 x 16 wrote 4000 GB/s (read + write).
 CE_FWD_TILE = (8192, 8, 3)
-CE_BWD_TILE = (4096, 16, 1)
+CE_BWD_TILE = (4096, 16, 3)
 CE_TILE_INTERPRET = (16, 1, 1)
 # split a row over several programs while fewer than this many programs per SM would run
 CE_PROGRAMS_PER_SM = 4

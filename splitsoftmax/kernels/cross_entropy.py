@@ -2,9 +2,9 @@
 
 Forward (``ce_stats``): one read of each row chunk gives the chunk's softmax state ``(m, l)`` (the
 softmax family's online statistics pass), the logit of the target class if the chunk holds it,
-and with label smoothing the chunk's sum. A row
-is split into several chunks (programs) only when there are too few rows to fill the GPU; the
-chunks' states are then merged by ``kernels.cpu.merge_ce_stats`` (the state algebra).
+and with label smoothing the chunk's sum. A row is split into several chunks (programs) only when
+there are too few rows to fill the GPU; the chunks' states are then merged by
+``kernels.cpu.merge_ce_stats`` (the state algebra).
 
 Backward (``ce_bwd``): one read and one write per element,
 ``dx = coef * (exp(x - lse) - eps/V - (1-eps) [j == target])`` in the logits' dtype.
@@ -112,11 +112,12 @@ def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int,
     n, v = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block_v, warps, _ = CE_TILE_INTERPRET if interpreting() else CE_BWD_TILE
+    block_v, warps, stages = CE_TILE_INTERPRET if interpreting() else CE_BWD_TILE
     splits, span = _splits(n, v, block_v, logits.device)
     dx = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
     if n and v:
         _ce_bwd_kernel[(n, splits)](logits, target.contiguous(), lse.float().contiguous(),
                                     coef.float().contiguous(), dx, v, col0, span, logits.stride(0), dx.stride(0),
-                                    smoothing / vocab, 1.0 - smoothing, BLOCK_V=block_v, num_warps=warps)
+                                    smoothing / vocab, 1.0 - smoothing, BLOCK_V=block_v, num_warps=warps,
+                                    num_stages=stages)
     return dx

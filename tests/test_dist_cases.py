@@ -298,3 +298,15 @@ def case_multinode(group):
     assert os.environ["GROUP_WORLD_SIZE"] == "2" and dist.get_world_size() == 4, "2 agents x 2 ranks"
     for case in (case_softmax, case_attention, case_tree):
         case(group)
+
+
+def test_poll_pause_schedule():
+    """A wait polls without sleeping for its first 20 ms (short transfers are not overshot), then
+    sleeps 1% of the time waited, from 50 us to 2 ms (a stalled peer costs little CPU)."""
+    from splitsoftmax.distributed.comm import _poll_pause
+    assert [_poll_pause(t) for t in (0.0, 0.001, 0.0199)] == [0.0, 0.0, 0.0]
+    assert _poll_pause(0.02) == pytest.approx(2e-4)
+    assert _poll_pause(0.1) == pytest.approx(1e-3)
+    assert _poll_pause(300.0) == 2e-3
+    pauses = [_poll_pause(t / 1000) for t in range(0, 1000)]
+    assert pauses == sorted(pauses)

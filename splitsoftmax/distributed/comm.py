@@ -123,9 +123,9 @@ class Communicator:
 
 def _poll_pause(waited: float) -> float:
     """Seconds to sleep between polls after ``waited`` seconds: none for the first 20 ms (a ring
-    step's transfer usually lands within a block's compute, and a sleep would overshoot it),
-    then a tenth of the time waited so far, at most 2 ms."""
-    return 0.0 if waited < 0.02 else min(0.1 * waited, 2e-3)
+    step's transfer usually lands within a block's compute, and a sleep would overshoot it), then
+    1% of the time waited so far (so a late transfer is overshot by about 1%), from 50 us to 2 ms."""
+    return 0.0 if waited < 0.02 else min(2e-3, max(5e-5, 0.01 * waited))
 
 
 class TorchComm(Communicator):

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from _ce_util import loss_and_grad as ours
 from splitsoftmax.distributed import LoopbackWorld, tree
 from splitsoftmax.losses import cross_entropy, sharded_cross_entropy
 
@@ -19,20 +20,8 @@ def make(n, v, dtype, seed=0, ignore_frac=0.25, ignore_index=-100):
 
 
 def torch_ce(logits, target, **kw):
-    """Loss and logits gradient of torch's cross_entropy (projected on ``w`` for reduction='none')."""
-    x = logits.detach().clone().requires_grad_(True)
-    loss = F.cross_entropy(x, target, **kw)
-    w = torch.linspace(0.5, 1.5, loss.numel()).bfloat16().to(loss.dtype).reshape(loss.shape)  # exact in bf16
-    (g,) = torch.autograd.grad((loss * w).sum(), x)
-    return loss, g
-
-
-def ours(fn, logits, target, **kw):
-    x = logits.detach().clone().requires_grad_(True)
-    loss = fn(x, target, **kw)
-    w = torch.linspace(0.5, 1.5, loss.numel()).bfloat16().to(loss.dtype).reshape(loss.shape)  # exact in bf16
-    (g,) = torch.autograd.grad((loss * w).sum(), x)
-    return loss, g
+    """Loss and logits gradient of torch's cross_entropy (projected on a ramp for reduction='none')."""
+    return ours(F.cross_entropy, logits, target, **kw)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)

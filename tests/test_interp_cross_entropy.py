@@ -10,6 +10,7 @@ pytestmark = pytest.mark.interpreter
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter lane: run with TRITON_INTERPRET=1", allow_module_level=True)
 
+from _ce_util import loss_and_grad as grad_of  # noqa: E402
 from splitsoftmax.distributed import LoopbackWorld  # noqa: E402
 from splitsoftmax.kernels import cpu  # noqa: E402
 from splitsoftmax.kernels import cross_entropy as tce  # noqa: E402
@@ -29,14 +30,6 @@ def make(n, v, dtype, seed=0):
 def _locked(lock, fn, *args):
     with lock:
         return fn(*args)
-
-
-def grad_of(fn, logits, target, **kw):
-    x = logits.detach().clone().requires_grad_(True)
-    loss = fn(x, target, **kw)
-    w = torch.linspace(0.5, 1.5, loss.numel()).bfloat16().to(loss.dtype).reshape(loss.shape)  # exact in bf16
-    (g,) = torch.autograd.grad((loss * w).sum(), x)
-    return loss, g
 
 
 @pytest.mark.parametrize("with_sum", [True, False])

@@ -1,7 +1,7 @@
 """Launching distributed test workers: Gloo processes, mpirun, torchrun; deadlines, no leaks.
 
-A worker runs ``python tests/_dist_util.py <gloo|mpi|env> <file.py>:<function>``: it joins the
-group (Gloo from RANK/WORLD_SIZE/MASTER_*; ``mpi``: ``MPI.COMM_WORLD``), calls
+A worker runs ``python tests/_dist_util.py <gloo|nccl|mpi> <file.py>:<function>``: it joins the
+group (Gloo or NCCL from RANK/WORLD_SIZE/MASTER_*; ``mpi``: ``MPI.COMM_WORLD``), calls
 ``function(group)`` and exits 0, or prints the traceback and exits 1. ``spawn`` and ``mpirun``
 start the workers in their own session, wait at most ``timeout`` seconds and kill every process
 group that is left, so a failing test never leaves processes behind.
@@ -67,14 +67,20 @@ def _start(cmd: list, env: dict) -> tuple:
                             start_new_session=True), log
 
 
-def spawn(size: int, target: str, *, timeout: float = 120.0, env: dict | None = None) -> list:
-    """``size`` Gloo workers running ``target`` (``"tests/file.py:function"``)."""
+def spawn(size: int, target: str, *, timeout: float = 120.0, env: dict | None = None,
+          backend: str = "gloo") -> list:
+    """``size`` workers running ``target`` (``"tests/file.py:function"``) in a ``backend`` group.
+
+    ``backend="nccl"``: rank ``r`` on GPU ``r``, and ``SPLITSOFTMAX_TEST_DEVICE=cuda`` so the
+    cases build their tensors there.
+    """
     port = free_port()
+    device = {"SPLITSOFTMAX_TEST_DEVICE": "cuda"} if backend == "nccl" else {}
     procs, logs = [], []
     for r in range(size):
         e = worker_env({"RANK": str(r), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port), **(env or {})})
-        p, log = _start([sys.executable, HERE, "gloo", target], e)
+                        "MASTER_PORT": str(port), **device, **(env or {})})
+        p, log = _start([sys.executable, HERE, backend, target], e)
         procs.append(p)
         logs.append(log)
     return _collect(procs, logs, timeout)
@@ -134,7 +140,9 @@ def _worker(mode: str, target: str) -> None:
         fn(MPI.COMM_WORLD)
         return
     import torch.distributed as dist
-    dist.init_process_group("gloo")
+    if mode == "nccl":
+        torch.cuda.set_device(int(os.environ["RANK"]))
+    dist.init_process_group(mode)
     fn(None)
     dist.barrier()
     sys.stdout.flush()

@@ -23,10 +23,12 @@ NEG_INF = float("-inf")
 F32 = dict(atol=3e-5, rtol=3e-5)
 # float64 inputs: exact to rounding on the torch path; Triton kernels (interpreter lane) compute in float32
 F64 = F32 if use_triton(torch.zeros(0)) else dict(atol=1e-10, rtol=1e-9)
+# where the cases put their tensors: the CPU, or "cuda" (the rank's current GPU) in NCCL workers
+DEVICE = torch.device(os.environ.get("SPLITSOFTMAX_TEST_DEVICE", "cpu"))
 
 
 def _randn(g, *shape, dtype=torch.float64):
-    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE, dtype)
 
 
 def uneven_lengths(p: int, seed: int) -> list:
@@ -178,7 +180,7 @@ def case_shard(group):
             assert torch.equal(full, 2.0 * x), f"unshard {layout} S={s} rank {c.rank}"
             (full * x).sum().backward()
             assert torch.equal(xl.grad, 2.0 * x), f"shard/unshard grad {layout} S={s}"
-    ids = torch.arange(10).view(1, 10)
+    ids = torch.arange(10, device=DEVICE).view(1, 10)
     assert torch.equal(unshard(shard(ids, 1, group=group), 1, group=group), ids)
 
 
@@ -199,7 +201,7 @@ def case_mismatch(group):
     with pytest.raises(ValueError, match=r"schedule='bogus' is not one of|rank\(s\) \[0\] rejected their arguments"):
         sharded_attention(q, k, v, group=group, schedule="bogus" if c.rank == 0 else "ring")
     with pytest.raises(ValueError, match=r"rows differs"):
-        sharded_softmax(torch.randn(2 + (c.rank == last), 3), group=group)
+        sharded_softmax(torch.randn(2 + (c.rank == last), 3, device=DEVICE), group=group)
     q, k, v, _, _ = _qkv(7, 4 + c.rank, 4 + c.rank)
     with pytest.raises(ValueError, match=r"layout='zigzag' but rank\(s\) \[0"):
         sharded_attention(q, k, v, group=group, layout="zigzag")
@@ -259,7 +261,7 @@ def case_groups(group):
         _check_sharded(sub, "ring", "zigzag", True, None)
         case_tree(sub)
     _check_sharded(dist.new_group(list(range(p))), "allgather", "contiguous", True, uneven_lengths(p, 9))
-    _check_sharded(init_device_mesh("cpu", (p,)), "ring", "contiguous", False, uneven_lengths(p, 10))
+    _check_sharded(init_device_mesh(DEVICE.type, (p,)), "ring", "contiguous", False, uneven_lengths(p, 10))
 
 
 def case_all(group):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from _dist_util import assert_ok, spawn
+from test_dist_cases import DEVICE
 from splitsoftmax.distributed import as_comm, sharded_attention
 from splitsoftmax.distributed import ring
 
@@ -23,7 +24,7 @@ HERE = "tests/test_dist_faults.py"
 
 def _inputs():
     g = torch.Generator().manual_seed(0)
-    return [torch.randn(1, 2, 6, 8, generator=g) for _ in range(3)]
+    return [torch.randn(1, 2, 6, 8, generator=g).to(DEVICE) for _ in range(3)]
 
 
 def _fail_in_ring(action):
@@ -76,8 +77,10 @@ def stall_in_ring(group):
     _survive(group, c.size - 1, TIMEOUT + 4, "ring forward step 0", f"did not answer within {TIMEOUT} s")
 
 
-def _run(size, case, timeout):
-    results = spawn(size, f"{HERE}:{case}", timeout=timeout, env={"SPLITSOFTMAX_TIMEOUT": str(TIMEOUT)})
+def run_case(size, case, timeout, backend="gloo"):
+    """``case`` on ``size`` ranks: the victim (last rank) ends as planned, every survivor exits 0."""
+    results = spawn(size, f"{HERE}:{case}", timeout=timeout, env={"SPLITSOFTMAX_TIMEOUT": str(TIMEOUT)},
+                    backend=backend)
     victim_rc = 3 if case.startswith("exit") else 0
     assert results[-1][0] == victim_rc, f"victim rank: rc {results[-1][0]}\n{results[-1][1][-3000:]}"
     assert_ok(results[:-1], f"{case} with {size} ranks")
@@ -86,10 +89,10 @@ def _run(size, case, timeout):
 @pytest.mark.parametrize("case", ["exit_before", "exit_in_ring"])
 def test_peer_exits(case):
     """A peer that exits (before the call / in the middle of the ring) -> RuntimeError, no hang."""
-    _run(2, case, timeout=90)
+    run_case(2, case, timeout=90)
 
 
 @pytest.mark.parametrize("size,case", [(3, "stall_before"), (2, "stall_in_ring")])
 def test_peer_stalls(size, case):
     """A peer that stalls past SPLITSOFTMAX_TIMEOUT=10 -> RuntimeError naming it, within the timeout."""
-    _run(size, case, timeout=120)
+    run_case(size, case, timeout=120)

@@ -140,9 +140,12 @@ def _worker(mode: str, target: str) -> None:
         fn(MPI.COMM_WORLD)
         return
     import torch.distributed as dist
-    if mode == "nccl":
-        torch.cuda.set_device(int(os.environ["RANK"]))
-    dist.init_process_group(mode)
+    if mode == "nccl":  # eager communicator setup (device_id), as README's NCCL launch advises
+        device = torch.device("cuda", int(os.environ["RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group(mode, device_id=device)
+    else:
+        dist.init_process_group(mode)
     fn(None)
     dist.barrier()
     sys.stdout.flush()

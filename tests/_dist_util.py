@@ -8,6 +8,7 @@ group that is left, so a failing test never leaves processes behind.
 """
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import os
 import shutil
@@ -79,7 +80,8 @@ def spawn(size: int, target: str, *, timeout: float = 120.0, env: dict | None = 
     procs, logs = [], []
     for r in range(size):
         e = worker_env({"RANK": str(r), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port), **device, **(env or {})})
+                        "MASTER_PORT": str(port), "SPLITSOFTMAX_TEST_DEADLINE": str(timeout), **device,
+                        **(env or {})})
         p, log = _start([sys.executable, HERE, backend, target], e)
         procs.append(p)
         logs.append(log)
@@ -132,6 +134,9 @@ def _load(target: str):
 
 
 def _worker(mode: str, target: str) -> None:
+    deadline = float(os.environ.get("SPLITSOFTMAX_TEST_DEADLINE", "0"))
+    if deadline > 10:  # a worker still running near its deadline shows where it is stuck
+        faulthandler.dump_traceback_later(deadline - 8, exit=False)
     import torch
     torch.set_num_threads(1)
     fn = _load(target)

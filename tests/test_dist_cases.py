@@ -312,3 +312,25 @@ def test_poll_pause_schedule():
     assert _poll_pause(300.0) == 2e-3
     pauses = [_poll_pause(t / 1000) for t in range(0, 1000)]
     assert pauses == sorted(pauses)
+
+
+def test_post_that_blocks_is_bounded(monkeypatch):
+    """A transfer whose start blocks the host (NCCL's first contact with a dead peer) runs on the
+    poster thread; the wait still ends after SPLITSOFTMAX_TIMEOUT naming the peer and the step."""
+    import threading
+    import time
+    from splitsoftmax.distributed import comm as cm
+    release = threading.Event()
+    started = cm._nccl_poster().submit(release.wait)
+    handle = cm.Handle(3, lambda: started.done() and started.result())
+    monkeypatch.setenv("SPLITSOFTMAX_TIMEOUT", "0.3")
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"step x: rank 0: peer rank\(s\) \[3\] did not answer within 0.3 s"):
+        cm.Communicator.wait(LoopbackWorld(1).comm(0), [handle], "step x")
+    assert time.monotonic() - t0 < 2.0
+    release.set()
+    assert started.result(timeout=5) is True
+    failing = cm._nccl_poster().submit(lambda: 1 / 0)
+    with pytest.raises(RuntimeError, match=r"step y: rank 0: transfer with peer rank 1 failed \(ZeroDivisionError"):
+        cm.Communicator.wait(LoopbackWorld(1).comm(0), [cm.Handle(1, lambda: failing.done() and failing.result())],
+                             "step y")

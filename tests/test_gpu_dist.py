@@ -26,4 +26,4 @@ def test_nccl_all_ops():
 @pytest.mark.parametrize("case", ["exit_before", "exit_in_ring", "stall_before", "stall_in_ring"])
 def test_nccl_faults(case):
     """A peer that exits or stalls (before the call / inside the ring) -> RuntimeError naming it, no hang."""
-    faults.run_case(2, case, timeout=120, backend="nccl")
+    faults.run_case(2, case, timeout=60, backend="nccl")

@@ -19,10 +19,12 @@ process, counting every transfer, for tests).
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
-from datetime import timedelta
 from collections import defaultdict, deque
+from concurrent.futures import Future
+from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -173,16 +175,72 @@ class TorchComm(Communicator):
             return super().post(sends, recvs, tag)
         # NCCL matches by order: one batch per call, identical order on every rank
         p2p = [self.dist.P2POp(f, t, self._global(p), self.group, tag) for f, t, p in ops]
-        works = [w for w in self.dist.batch_isend_irecv(p2p) if w is not None]
-        if len(works) != len(ops):  # one coalesced work for the batch: every transfer waits on it
-            works = works[-1:] * len(ops) if works else []
-        return [self._handle(w, p) for w, (_, _, p) in zip(works, ops)]
+        kinds = {(self.group.group_name, f is self.dist.isend, self._global(p),
+                  (t.numel() * t.element_size()).bit_length()) for f, t, p in ops}
+        if kinds <= _NCCL_WARM:
+            return [self._handle(w, p) for w, (_, _, p) in zip(self._batch(p2p, len(ops)), ops)]
+        # First contact of this kind: NCCL connects to the peer inside the call, on the host, and
+        # waits for it without end if it is gone -- so the call runs off this thread and the
+        # handles (polled against the deadline by wait) report the peer instead.
+        started = _nccl_poster().submit(self._batch, p2p, len(ops), torch.cuda.current_stream())
+
+        def poll(i: int) -> bool:
+            return started.done() and started.result()[i].is_completed()
+
+        def finish(i: int) -> None:
+            started.result()[i].wait()
+            _NCCL_WARM.update(kinds)
+        return [Handle(p, lambda i=i: poll(i), lambda i=i: finish(i)) for i, (_, _, p) in enumerate(ops)]
+
+    def _batch(self, p2p: list, n: int, stream=None) -> list:
+        """Start one NCCL batch, on ``stream`` when given (another thread's); one work per op."""
+        if stream is None:
+            works = self.dist.batch_isend_irecv(p2p)
+        else:
+            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+                works = self.dist.batch_isend_irecv(p2p)
+        works = [w for w in works if w is not None]
+        if len(works) != n:  # one coalesced work for the batch: every transfer waits on it
+            works = works[-1:] * n if works else []
+        return works
 
     def _send(self, t, peer, tag):
         return self._handle(self.dist.isend(t, self._global(peer), self.group, tag), peer)
 
     def _recv(self, t, peer, tag):
         return self._handle(self.dist.irecv(t, self._global(peer), self.group, tag), peer)
+
+
+# (group, send?, peer, log2 bytes) of NCCL transfers that have completed once: connected
+_NCCL_WARM: set = set()
+_POSTER: list = []
+
+
+class _Poster:
+    """One daemon thread running calls that may block the host (a daemon: never holds up exit)."""
+
+    def __init__(self):
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name="splitsoftmax-nccl-post").start()
+
+    def _run(self) -> None:
+        while True:
+            fn, args, fut = self.jobs.get()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # reported through the future to the waiting handles
+                fut.set_exception(e)
+
+    def submit(self, fn: Callable, *args) -> Future:
+        fut: Future = Future()
+        self.jobs.put((fn, args, fut))
+        return fut
+
+
+def _nccl_poster() -> _Poster:
+    if not _POSTER:
+        _POSTER.append(_Poster())
+    return _POSTER[0]
 
 
 class MpiComm(Communicator):

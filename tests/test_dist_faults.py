@@ -1,4 +1,5 @@
-"""Faults on real Gloo groups: a peer that exits, a peer that stalls past SPLITSOFTMAX_TIMEOUT.
+"""Faults on real groups (Gloo here; NCCL in test_gpu_dist.py): a peer that exits, a peer that
+stalls past SPLITSOFTMAX_TIMEOUT.
 
 The surviving ranks must raise RuntimeError naming the peer rank and the step, within the
 timeout (never a hang); the workers assert this themselves and exit 0. Mismatched arguments are
@@ -49,6 +50,14 @@ def _survive(group, victim: int, within: float, step: str, how: str):
     os._exit(0)
 
 
+def _warm_on_nccl(group):
+    """On NCCL, one healthy call first, as in any job past its first step. During a process's first
+    call Triton still loads its kernels, and the CUDA driver's module load waits behind NCCL's
+    kernel, which waits for the lost peer: no host-side timeout can end that (README.md)."""
+    if DEVICE.type == "cuda":
+        sharded_attention(*_inputs(), group=group, schedule="ring")
+
+
 def exit_before(group):
     c = as_comm(group)
     if c.rank == c.size - 1:
@@ -58,6 +67,7 @@ def exit_before(group):
 
 def exit_in_ring(group):
     c = as_comm(group)
+    _warm_on_nccl(group)
     if c.rank == c.size - 1:
         _fail_in_ring(lambda: os._exit(3))
         sharded_attention(*_inputs(), group=group, schedule="ring")
@@ -74,6 +84,7 @@ def stall_before(group):
 
 def stall_in_ring(group):
     c = as_comm(group)
+    _warm_on_nccl(group)
     if c.rank == c.size - 1:
         _fail_in_ring(lambda: (time.sleep(TIMEOUT + 3), os._exit(0)))
         sharded_attention(*_inputs(), group=group, schedule="ring")

@@ -10,7 +10,7 @@ usable after a refused call.
 from __future__ import annotations
 
 import struct
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -37,15 +37,13 @@ def encode_float(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _exchange(comm: Communicator, mine: torch.Tensor, op: str) -> torch.Tensor:
-    """All-gather of the small vector by direct sends: rows in rank order ``(P, META_LEN)``."""
+def _post(comm: Communicator, mine: torch.Tensor) -> tuple[list, list]:
+    """Start the all-gather of the small vector by direct sends: ``(rows in rank order, handles)``."""
     p, r = comm.size, comm.rank
     rows = [torch.zeros_like(mine) for _ in range(p)]
     rows[r] = mine
     peers = [q for q in range(p) if q != r]
-    handles = comm.post([(mine, q) for q in peers], [(rows[q], q) for q in peers], TAG_META)
-    comm.wait(handles, f"{op}: metadata handshake")
-    return torch.stack(rows).cpu()
+    return rows, comm.post([(mine, q) for q in peers], [(rows[q], q) for q in peers], TAG_META)
 
 
 def _describe(name: str, values: list) -> str:
@@ -63,13 +61,30 @@ def handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank: Opti
     ``error``: this rank's argument error, raised here after the exchange (the others raise a
     ``ValueError`` naming this rank). Returns ``{name: [value of rank 0, ..., rank P-1]}``.
     """
+    return start_handshake(comm, op, agree, per_rank, error)()
+
+
+def start_handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank: Optional[dict] = None,
+                    error: Optional[BaseException] = None) -> Callable[[], dict]:
+    """:func:`handshake` in two halves: the exchange starts now; the returned ``finish()`` waits
+    for it and checks (raising as :func:`handshake` does), so local work can run in between."""
     agree, per_rank = dict(agree or {}), dict(per_rank or {})
     names = list(agree) + list(per_rank)
     if len(names) + 2 > META_LEN:
         raise ValueError(f"{op}: too many handshake fields")
     vec = [OPS.index(op), 0 if error is not None else 1] + [int(v) for v in (*agree.values(), *per_rank.values())]
     mine = torch.tensor(vec + [0] * (META_LEN - len(vec)), dtype=torch.int64, device=comm.meta_device)
-    rows = _exchange(comm, mine, op).tolist()
+    rows, handles = _post(comm, mine)
+
+    def finish() -> dict:
+        comm.wait(handles, f"{op}: metadata handshake")
+        return _check(op, torch.stack(rows).cpu().tolist(), agree, names, error)
+    return finish
+
+
+def _check(op: str, rows: list, agree: dict, names: list, error: Optional[BaseException]) -> dict:
+    """Every rank's vector ``rows (P, META_LEN)``: raise on a refused call or a disagreement, else
+    ``{name: [value per rank]}``."""
     ops = [row[0] for row in rows]
     if len(set(ops)) > 1:
         raise ValueError(f"{op}: ranks called different operations: "

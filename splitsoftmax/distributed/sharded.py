@@ -19,9 +19,9 @@ from ..local import op
 from . import layout as lay
 from .allgather import allgather_attention_bwd, allgather_attention_fwd, allgather_var
 from .comm import as_comm
-from .handshake import encode_dtype, encode_float, handshake
+from .handshake import encode_dtype, encode_float, handshake, start_handshake
 from .ring import AttnSpec, ring_attention_bwd, ring_attention_fwd
-from .tree import allreduce_sum, merge_lse, tree_attention_bwd, tree_attention_fwd
+from .tree import allreduce_sum, early_local, merge_lse, tree_attention_bwd, tree_attention_fwd
 
 _FWD = {"ring": ring_attention_fwd, "allgather": allgather_attention_fwd, "tree": tree_attention_fwd}
 _BWD = {"ring": ring_attention_bwd, "allgather": allgather_attention_bwd, "tree": tree_attention_bwd}
@@ -108,8 +108,8 @@ class ShardedAttentionFn(torch.autograd.Function):
     """Attention over a sharded sequence by ``schedule``: ``(out, lse)`` of this rank."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, spec: AttnSpec, schedule: str):
-        out, lse = _FWD[schedule](comm, spec, q, k, v)
+    def forward(ctx, q, k, v, comm, spec: AttnSpec, schedule: str, local):
+        out, lse = _FWD[schedule](comm, spec, q, k, v, *([local] if local is not None else []))
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm, ctx.spec, ctx.schedule = comm, spec, schedule
         return out, lse.float()
@@ -120,12 +120,14 @@ class ShardedAttentionFn(torch.autograd.Function):
         dout = dout.contiguous()
         lse, delta = backward_stats(out, lse, dout, dlse)
         dq, dk, dv = _BWD[ctx.schedule](ctx.comm, ctx.spec, q, k, v, dout, lse, delta)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
 def _attention_meta(comm, q, k, v, causal, scale, schedule, layout, return_lse):
-    """Local checks and the handshake; returns the agreed :class:`AttnSpec`."""
-    agree, per, err = None, None, None
+    """Local checks and the start of the handshake: ``(finish, scale)``; ``finish()`` waits for the
+    handshake and returns the agreed :class:`AttnSpec` (raising as the handshake does). ``scale``
+    is the resolved softmax scale, None when the local checks failed."""
+    agree, per, err, s = None, None, None, None
     try:
         s = _checks.attention_args(q, k, v, scale, causal)
         _checks.flag("return_lse", return_lse)
@@ -141,15 +143,19 @@ def _attention_meta(comm, q, k, v, causal, scale, schedule, layout, return_lse):
             agree["Sq"] = sq
         per = {"Sq_local": sq, "Sk_local": k.shape[2]}
     except (TypeError, ValueError) as e:
-        err = e
-    meta = handshake(comm, "sharded_attention", agree, per, err)
-    if layout == "zigzag":
-        for name in ("Sq_local", "Sk_local"):
-            bad = lay.zigzag_mismatch(meta[name])
-            if bad:
-                raise ValueError(f"sharded_attention: layout='zigzag' but rank(s) {bad} hold {name} not of a "
-                                 f"zigzag split of {sum(meta[name])} positions (lengths {meta[name]})")
-    return AttnSpec(b, h, hkv, d, dv, s, causal, layout, meta["Sq_local"], meta["Sk_local"], comm.rank)
+        err, s = e, None
+    pending = start_handshake(comm, "sharded_attention", agree, per, err)
+
+    def finish() -> AttnSpec:
+        meta = pending()
+        if layout == "zigzag":
+            for name in ("Sq_local", "Sk_local"):
+                bad = lay.zigzag_mismatch(meta[name])
+                if bad:
+                    raise ValueError(f"sharded_attention: layout='zigzag' but rank(s) {bad} hold {name} not of a "
+                                     f"zigzag split of {sum(meta[name])} positions (lengths {meta[name]})")
+        return AttnSpec(b, h, hkv, d, dv, s, causal, layout, meta["Sq_local"], meta["Sk_local"], comm.rank)
+    return finish, s
 
 
 def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
@@ -164,8 +170,10 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     query at global position ``i`` sees keys at ``j <= i``.
     """
     comm = as_comm(group)
-    spec = _attention_meta(comm, q, k, v, causal, scale, schedule, layout, return_lse)
-    out, lse = ShardedAttentionFn.apply(q, k, v, comm, spec, schedule)
+    finish, s = _attention_meta(comm, q, k, v, causal, scale, schedule, layout, return_lse)
+    local = early_local(q, k, v, s, causal) if schedule == "tree" and s is not None else None
+    spec = finish()
+    out, lse = ShardedAttentionFn.apply(q, k, v, comm, spec, schedule, local)
     return (out, lse) if return_lse else out
 
 

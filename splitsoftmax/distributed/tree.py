@@ -11,6 +11,8 @@ over the global key sequence) and for the row statistics of the sharded softmax 
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
@@ -58,18 +60,33 @@ def _tree_block(spec: AttnSpec, sq: int) -> tuple[str, int]:
     return layout.decide(total - sq, sq, off, spec.k_lens[spec.rank], spec.causal)
 
 
-def tree_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor):
-    """``(out (B,H,Sq,Dv) q.dtype, lse (B,H,Sq) accumulation dtype)``, identical on every rank."""
-    kind, diag = _tree_block(spec, q.shape[2])
-    dt = state.stat_dtype(q.dtype)
+def local_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kind: str, diag: int) -> tuple[Tensor, Tensor]:
+    """This rank's partial ``(out (B,H,Sq,Dv), lse (B,H,Sq))`` for the decision ``kind``/``diag``."""
     if kind == layout.SKIP:
-        e = state.empty_state((spec.b, spec.h, q.shape[2]), spec.dv, dtype=dt, device=q.device)
-        out, lse = state.to_out_lse(e)
-    else:
-        out, lse = op("attn_fwd", q)(q, k, v, spec.scale, kind == layout.DIAG, diag)
+        e = state.empty_state(q.shape[:3], v.shape[-1], dtype=state.stat_dtype(q.dtype), device=q.device)
+        return state.to_out_lse(e)
+    return op("attn_fwd", q)(q, k, v, scale, kind == layout.DIAG, diag)
+
+
+def early_local(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Optional[tuple[Tensor, Tensor]]:
+    """The partial state when it needs nothing from the peers (not causal), else None: started
+    before the handshake completes, it hides the handshake's round trip."""
+    if causal:
+        return None
+    with torch.no_grad():
+        return local_attention(q, k, v, scale, *layout.decide(0, q.shape[2], 0, k.shape[2], False))
+
+
+def tree_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor,
+                       local: Optional[tuple[Tensor, Tensor]] = None):
+    """``(out (B,H,Sq,Dv) q.dtype, lse (B,H,Sq) accumulation dtype)``, identical on every rank.
+
+    ``local``: this rank's partial state when already computed (:func:`early_local`)."""
+    out, lse = local if local is not None else local_attention(q, k, v, spec.scale, *_tree_block(spec, q.shape[2]))
+    dt = state.stat_dtype(q.dtype)
     packed = torch.cat((out.to(dt), lse.to(dt).unsqueeze(-1)), dim=-1)  # [B, H, Sq, Dv+1]
     parts = bruck_allgather(comm, packed.reshape(-1), "tree forward").view(comm.size, *packed.shape)
-    out, lse = state.merge_out_lse(parts[..., :-1], parts[..., -1])
+    out, lse = op("merge_out_lse", parts)(parts[..., :-1], parts[..., -1])  # fixed order: same on every rank
     return out.to(q.dtype), lse
 
 

@@ -10,7 +10,9 @@ Every schedule is written against one tiny interface, :class:`Communicator`:
   complete in time raises ``RuntimeError`` naming the peer rank and the step.
 
 Collectives (all-gather, reduce-scatter, all-reduce) are built on top in the schedules, in a
-fixed order, so the three transports behave alike and results are reproducible.
+fixed order, so the three transports behave alike and results are reproducible. One exception:
+``allgather(buf, step)`` returns the transport's own all-gather where it has one (NCCL's, one
+launch instead of Bruck rounds of ``post``; the blocks still arrive in rank order), else None.
 
 Transports: :class:`TorchComm` (``torch.distributed``: Gloo, NCCL), :class:`MpiComm` (mpi4py;
 CUDA tensors are staged through the host) and :class:`LoopbackWorld` (P ranks as threads of one
@@ -100,6 +102,11 @@ class Communicator:
         """Start the transfers (flat contiguous tensors; empty ones are skipped by the callers)."""
         return [_guard(self._send, t, p, tag) for t, p in sends] + [_guard(self._recv, t, p, tag) for t, p in recvs]
 
+    def allgather(self, buf: Tensor, step: str) -> Optional[Tensor]:
+        """The transport's own all-gather of equal flat ``buf``: ``(P, n)`` in rank order, or None
+        where there is none (the schedules then run their Bruck rounds of ``post``)."""
+        return None
+
     def wait(self, handles: Sequence[Handle], step: str) -> None:
         """Block until every handle is done, at most ``SPLITSOFTMAX_TIMEOUT`` seconds."""
         limit = timeout_s()
@@ -175,14 +182,30 @@ class TorchComm(Communicator):
             return super().post(sends, recvs, tag)
         # NCCL matches by order: one batch per call, identical order on every rank
         p2p = [self.dist.P2POp(f, t, self._global(p), self.group, tag) for f, t, p in ops]
-        kinds = {(self.group.group_name, f is self.dist.isend, self._global(p),
-                  (t.numel() * t.element_size()).bit_length()) for f, t, p in ops}
+        kinds = {(self.group.group_name, f is self.dist.isend, self._global(p), _log2_bytes(t)) for f, t, p in ops}
+        return self._start(kinds, lambda: self._batch(p2p, len(ops)), [p for _, _, p in ops])
+
+    def allgather(self, buf: Tensor, step: str) -> Optional[Tensor]:
+        """NCCL: one ``all_gather_into_tensor`` (bounded wait), ``(P, n)`` in rank order."""
+        if not self.nccl:
+            return None
+        out = buf.new_empty((self.size, buf.numel()))
+        peers = [q for q in range(self.size) if q != self.rank]
+        kinds = {(self.group.group_name, "allgather", _log2_bytes(buf))}
+
+        def gather() -> list:
+            return [self.dist.all_gather_into_tensor(out, buf, group=self.group, async_op=True)] * len(peers)
+        self.wait(self._start(kinds, gather, peers), step)
+        return out
+
+    def _start(self, kinds: set, start: Callable[[], list], peers: list) -> list[Handle]:
+        """Handles of ``start()``'s works (one per entry of ``peers``). Once transfers of these
+        ``kinds`` have completed, ``start`` runs here. The first time it runs on the poster thread:
+        NCCL connects to the peers inside that call, on the host, and waits there without end if one
+        is gone -- the handles (polled against the deadline by ``wait``) report it instead."""
         if kinds <= _NCCL_WARM:
-            return [self._handle(w, p) for w, (_, _, p) in zip(self._batch(p2p, len(ops)), ops)]
-        # First contact of this kind: NCCL connects to the peer inside the call, on the host, and
-        # waits for it without end if it is gone -- so the call runs off this thread and the
-        # handles (polled against the deadline by wait) report the peer instead.
-        started = _nccl_poster().submit(self._batch, p2p, len(ops), torch.cuda.current_stream())
+            return [self._handle(w, p) for w, p in zip(start(), peers)]
+        started = _nccl_poster().submit(_on_stream, torch.cuda.current_stream(), start)
 
         def poll(i: int) -> bool:
             return started.done() and started.result()[i].is_completed()
@@ -190,16 +213,11 @@ class TorchComm(Communicator):
         def finish(i: int) -> None:
             started.result()[i].wait()
             _NCCL_WARM.update(kinds)
-        return [Handle(p, lambda i=i: poll(i), lambda i=i: finish(i)) for i, (_, _, p) in enumerate(ops)]
+        return [Handle(p, lambda i=i: poll(i), lambda i=i: finish(i)) for i, p in enumerate(peers)]
 
-    def _batch(self, p2p: list, n: int, stream=None) -> list:
-        """Start one NCCL batch, on ``stream`` when given (another thread's); one work per op."""
-        if stream is None:
-            works = self.dist.batch_isend_irecv(p2p)
-        else:
-            with torch.cuda.device(stream.device), torch.cuda.stream(stream):
-                works = self.dist.batch_isend_irecv(p2p)
-        works = [w for w in works if w is not None]
+    def _batch(self, p2p: list, n: int) -> list:
+        """Start one NCCL batch; one work per op."""
+        works = [w for w in self.dist.batch_isend_irecv(p2p) if w is not None]
         if len(works) != n:  # one coalesced work for the batch: every transfer waits on it
             works = works[-1:] * n if works else []
         return works
@@ -211,9 +229,20 @@ class TorchComm(Communicator):
         return self._handle(self.dist.irecv(t, self._global(peer), self.group, tag), peer)
 
 
-# (group, send?, peer, log2 bytes) of NCCL transfers that have completed once: connected
+# kinds of NCCL transfers that have completed once (connected): (group, send?, peer, log2 bytes)
+# for point-to-point, (group, "allgather", log2 bytes) for the all-gather
 _NCCL_WARM: set = set()
 _POSTER: list = []
+
+
+def _log2_bytes(t: Tensor) -> int:
+    return (t.numel() * t.element_size()).bit_length()
+
+
+def _on_stream(stream, fn: Callable):
+    """``fn()`` with ``stream`` (and its device) current: another thread's stream, on the poster."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        return fn()
 
 
 class _Poster:

@@ -15,7 +15,7 @@ from . import _checks
 from . import ops  # noqa: F401  (registers torch.ops.splitsoftmax.*)
 from .distributed import handshake as hs
 from .distributed.comm import as_comm
-from .distributed.tree import bruck_allgather
+from .distributed.tree import allgather
 from .kernels.cpu import merge_ce_stats
 from .local import op
 from .ops import row_losses
@@ -100,7 +100,7 @@ class ShardedCrossEntropyFn(torch.autograd.Function):
     def forward(ctx, logits, target, comm, col0: int, vocab: int, ignore_index: int, eps: float):
         n = logits.shape[0]
         stats = op("ce_stats", logits)(logits, target, col0, eps > 0).to(stat_dtype(logits.dtype))  # [N, 4]
-        parts = bruck_allgather(comm, stats.reshape(-1).contiguous(), "sharded_cross_entropy: row statistics")
+        parts = allgather(comm, stats.reshape(-1).contiguous(), "sharded_cross_entropy: row statistics")
         loss, lse = row_losses(merge_ce_stats(parts.view(comm.size, n, 4)), target, ignore_index, eps, vocab)
         ctx.save_for_backward(logits, target, lse)
         ctx.args = (col0, vocab, ignore_index, eps)

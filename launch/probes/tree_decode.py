@@ -17,7 +17,7 @@ import splitsoftmax as ss
 from splitsoftmax import state
 from splitsoftmax.distributed.comm import as_comm
 from splitsoftmax.distributed.handshake import handshake
-from splitsoftmax.distributed.tree import bruck_allgather
+from splitsoftmax.distributed.tree import allgather
 
 
 def timed(fn, reps=30):
@@ -49,7 +49,7 @@ def main():
         "tree (whole call)": lambda: ss.sharded_attention(q, k, v, schedule="tree"),
         "handshake only": lambda: handshake(comm, "sharded_attention", {"a": 1, "b": 2}, {"n": sk}),
         "local ss.attention": lambda: ss.attention(q, k, v, return_lse=True),
-        "bruck_allgather packed": lambda: bruck_allgather(comm, packed, "probe"),
+        "allgather packed": lambda: allgather(comm, packed, "probe"),
         "merge_out_lse (eager)": lambda: state.merge_out_lse(torch.stack([out.float()] * p), torch.stack([lse] * p)),
         "all_reduce small": lambda: dist.all_reduce(packed),
     }

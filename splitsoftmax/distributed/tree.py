@@ -4,7 +4,9 @@
 holds (its own and those of ranks ``r+1 ..``, at most ``2^k``) to ``r - 2^k`` and receives as
 many from ``r + 2^k``. Every rank then holds all ``P`` blocks and merges them in rank order with
 ``splitsoftmax.state``: the result is bit-identical on every rank and from run to run. A state
-travels packed, ``(out, lse)`` in one float32 buffer, one message per round.
+travels packed, ``(out, lse)`` in one float32 buffer, one message per round. Where the transport
+has its own all-gather (NCCL), :func:`allgather` uses that one collective instead of the rounds;
+the blocks arrive in the same rank order, so the merge is unchanged.
 
 Used for split-KV attention (q replicated, K/V contiguous shards, causal bottom-right aligned
 over the global key sequence) and for the row statistics of the sharded softmax family.
@@ -25,12 +27,15 @@ from .ring import AttnSpec
 TAG_TREE = 41
 
 
+def allgather(comm: Communicator, mine: Tensor, step: str) -> Tensor:
+    """Equal-sized flat buffers of every rank, ``(P, n)`` in rank order: the transport's own
+    all-gather where it has one (NCCL's), else :func:`bruck_allgather`."""
+    native = comm.allgather(mine, step) if comm.size > 1 and mine.numel() else None
+    return native if native is not None else bruck_allgather(comm, mine, step)
+
+
 def bruck_allgather(comm: Communicator, mine: Tensor, step: str) -> Tensor:
-    """Equal-sized flat buffers of every rank, ``(P, n)`` in rank order, in ``ceil(log2 P)`` rounds
-    (or the transport's own all-gather where it has one: NCCL's)."""
-    native = comm.allgather(mine, step) if comm.size > 1 else None
-    if native is not None:
-        return native
+    """Equal-sized flat buffers of every rank, ``(P, n)`` in rank order, in ``ceil(log2 P)`` rounds."""
     p, r = comm.size, comm.rank
     held = mine.reshape(1, -1)  # held[i] is the block of rank (r + i) % P
     k = 1
@@ -48,12 +53,12 @@ def bruck_allgather(comm: Communicator, mine: Tensor, step: str) -> Tensor:
 
 def allreduce_sum(comm: Communicator, t: Tensor, step: str) -> Tensor:
     """Sum of ``t`` over ranks, added in rank order (identical on every rank)."""
-    return bruck_allgather(comm, t.reshape(-1).contiguous(), step).sum(dim=0).view(t.shape)
+    return allgather(comm, t.reshape(-1).contiguous(), step).sum(dim=0).view(t.shape)
 
 
 def merge_lse(comm: Communicator, lse: Tensor, step: str) -> Tensor:
     """logsumexp over ranks of per-rank row statistics ``lse (R,)``: the merged ``(R,)``."""
-    lses = bruck_allgather(comm, lse.contiguous(), step)  # (P, R)
+    lses = allgather(comm, lse.contiguous(), step)  # (P, R)
     none = lses.new_zeros((*lses.shape, 0))
     return state.lse_of(state.merge_stack(state.from_out_lse(none, lses)))
 
@@ -89,7 +94,7 @@ def tree_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor,
     out, lse = local if local is not None else local_attention(q, k, v, spec.scale, *_tree_block(spec, q.shape[2]))
     dt = state.stat_dtype(q.dtype)
     packed = torch.cat((out.to(dt), lse.to(dt).unsqueeze(-1)), dim=-1)  # [B, H, Sq, Dv+1]
-    parts = bruck_allgather(comm, packed.reshape(-1), "tree forward").view(comm.size, *packed.shape)
+    parts = allgather(comm, packed.reshape(-1), "tree forward").view(comm.size, *packed.shape)
     out, lse = op("merge_out_lse", parts)(parts[..., :-1], parts[..., -1])  # fixed order: same on every rank
     return out.to(q.dtype), lse
 

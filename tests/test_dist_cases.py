@@ -164,6 +164,29 @@ def case_tree(group):
             torch.testing.assert_close(vl.grad, ref[4].split(lens, 2)[c.rank], **F64)
 
 
+def case_nan_key(group):
+    """A NaN key reaches exactly the rows that see it, through every schedule's merges: causal
+    ring / allgather rows at or after it (others match float64), every tree row of its kv head."""
+    c = as_comm(group)
+    q, k, v, _, _ = _qkv(11, 12, 12, torch.float32)
+    k[:, 0, 5, 0] = float("nan")  # kv head 0 = query heads 0 and 1, global key 5
+    out_r = ref_attention(q, k, v, 8 ** -0.5, True)[0]
+    for schedule, layout in (("ring", "zigzag"), ("ring", "contiguous"), ("allgather", "zigzag")):
+        ql, kl, vl = (shard(t, 2, group=group, layout=layout) for t in (q, k, v))
+        out = unshard(sharded_attention(ql, kl, vl, causal=True, group=group, schedule=schedule, layout=layout),
+                      2, group=group, layout=layout)
+        what = f"{schedule} {layout} rank {c.rank}/{c.size}"
+        assert torch.isnan(out[:, :2, 5:]).all(dim=-1).all(), f"{what}: a row that sees the NaN key is not NaN"
+        clean = torch.cat((out[:, :2, :5], out[:, 2:]), 2).double()
+        torch.testing.assert_close(clean, torch.cat((out_r[:, :2, :5], out_r[:, 2:]), 2), **F32,
+                                   msg=lambda m: f"{what}: {m}")
+    lens = [12 // c.size + (r < 12 % c.size) for r in range(c.size)]
+    out, lse = sharded_attention(q[:, :, -1:], k.split(lens, 2)[c.rank], v.split(lens, 2)[c.rank], group=group,
+                                 schedule="tree", return_lse=True)
+    assert torch.isnan(lse[:, :2]).all() and torch.isnan(out[:, :2]).all(), f"tree rank {c.rank}"
+    assert torch.isfinite(out[:, 2:]).all() and torch.isfinite(lse[:, 2:]).all(), f"tree rank {c.rank}"
+
+
 def case_shard(group):
     """shard / unshard as tensor_split (contiguous) and chunks r, 2P-1-r (zigzag); their gradients."""
     c = as_comm(group)
@@ -209,7 +232,7 @@ def case_mismatch(group):
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("case", [case_softmax, case_attention, case_tree, case_shard, case_mismatch],
+@pytest.mark.parametrize("case", [case_softmax, case_attention, case_tree, case_nan_key, case_shard, case_mismatch],
                          ids=lambda f: f.__name__)
 def test_loopback(size, case):
     LoopbackWorld(size).run(case)
@@ -266,7 +289,7 @@ def case_groups(group):
 
 def case_all(group):
     """Every case above, in one worker start (process groups are slow to start)."""
-    for case in (case_softmax, case_attention, case_tree, case_shard, case_mismatch, case_groups):
+    for case in (case_softmax, case_attention, case_tree, case_nan_key, case_shard, case_mismatch, case_groups):
         case(group)
 
 

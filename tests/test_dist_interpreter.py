@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from splitsoftmax.distributed import LoopbackWorld
-from test_dist_cases import F32, _check_sharded, case_softmax, case_tree, uneven_lengths
+from test_dist_cases import F32, _check_sharded, case_nan_key, case_softmax, case_tree, uneven_lengths
 
 pytestmark = pytest.mark.interpreter
 
@@ -25,3 +25,8 @@ def test_tree(size):
 def test_attention(schedule, layout, causal):
     lens = None if layout == "zigzag" else uneven_lengths(3, 4)
     LoopbackWorld(3).run(lambda g: _check_sharded(g, schedule, layout, causal, lens, torch.float32, F32))
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_nan_key(size):
+    LoopbackWorld(size).run(case_nan_key)

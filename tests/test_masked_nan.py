@@ -40,3 +40,21 @@ def test_visible_nan_value_poisons_the_rows_that_see_it(device):
     out = ss.attention(q, k, v, causal=True)
     rows_with_nan = torch.isnan(out[0, 0]).any(-1)
     assert rows_with_nan[10:].all() and not rows_with_nan[:10].any()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sq,sk", [(2, 32), (1, 600)])  # (1, 600): split-KV partials on the GPU too
+def test_a_nan_row_is_not_an_empty_row(sq, sk, device):
+    """A row a NaN key reaches has lse NaN, never -inf (which means empty, and merges skip empty
+    parts): merging it with a clean part keeps the NaN; rows of other kv heads stay clean."""
+    q = torch.randn(1, 4, sq, 16, device=device)
+    k, v = (torch.randn(1, 2, sk, 16, device=device) for _ in range(2))
+    k[0, 0, 3, 0] = float("nan")  # kv head 0: query heads 0 and 1
+    out, lse = ss.attention(q, k, v, return_lse=True)
+    assert torch.isnan(lse[:, :2]).all() and torch.isnan(out[:, :2]).all()
+    assert torch.isfinite(lse[:, 2:]).all() and torch.isfinite(out[:, 2:]).all()
+    parts = [ss.attention(q, k[:, :, a:b], v[:, :, a:b], return_lse=True) for a, b in ((0, sk // 2), (sk // 2, sk))]
+    merged, mlse = ss.merge_states(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    assert torch.isnan(mlse[:, :2]).all() and torch.isnan(merged[:, :2]).all()
+    torch.testing.assert_close(merged[:, 2:], out[:, 2:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mlse[:, 2:], lse[:, 2:], atol=1e-5, rtol=1e-5)

@@ -170,8 +170,9 @@ def _attn_fwd_kernel(Q, K, V, O, L,
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs,
                                   kj, pos, hi, diag, qk_scale, dmask, dvmask, CAUSAL, True,
                                   BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC)
-    # epilogue: (out, lse) of this block; an empty row is (0, -inf)
-    l_ok = l_i > 0
+    # epilogue: (out, lse) of this block; an empty row (l exactly 0) is (0, -inf); a NaN l stays NaN,
+    # never "empty": merges skip empty parts, and a NaN must reach the rows that depend on it
+    l_ok = l_i != 0
     l_safe = tl.where(l_ok, l_i, 1.0)
     out = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_DV]
     lse2 = tl.where(l_ok, m_i + tl.math.log2(l_safe), float("-inf"))
@@ -185,10 +186,11 @@ def _attn_fwd_kernel(Q, K, V, O, L,
         w_old = tl.math.exp2(old2 - m2)
         w_new = tl.math.exp2(lse2 - m2)
         tot = w_old + w_new
-        inv = tl.where(tot > 0, 1.0 / tl.where(tot > 0, tot, 1.0), 0.0)
+        some = tot != 0  # [BLOCK_M] not both empty (NaN counts as not empty)
+        inv = tl.where(some, 1.0 / tl.where(some, tot, 1.0), 0.0)
         o_old = tl.load(o_ptrs, mask=st_mask & (w_old > 0)[:, None], other=0.0)
         out = o_old * (w_old * inv)[:, None] + out * (w_new * inv)[:, None]
-        lse2 = tl.where(tot > 0, m2 + tl.math.log2(tl.where(tot > 0, tot, 1.0)), float("-inf"))
+        lse2 = tl.where(some, m2 + tl.math.log2(tl.where(some, tot, 1.0)), float("-inf"))
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=st_mask)
     tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
 

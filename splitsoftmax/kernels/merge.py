@@ -43,7 +43,8 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
         s = s * tl.math.exp2(m - m_use) + tl.math.exp2(x - m_use)
         m = m_new
     m_use = tl.where(m == float("-inf"), 0.0, m)
-    inv = tl.where(s > 0, 1.0 / tl.where(s > 0, s, 1.0), 0.0)  # [BLOCK_R]
+    some = s != 0  # [BLOCK_R] a non-empty part (a NaN sum is not empty: it must stay NaN)
+    inv = tl.where(some, 1.0 / tl.where(some, s, 1.0), 0.0)
     # pass 2: one read of each part's tile with its final weight
     mask2 = rmask[:, None] & (cols[None, :] < DV)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -55,7 +56,7 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
         acc += w[:, None] * o
     tl.store(OUT + rows64[:, None] * s_outr + cols[None, :] * s_outd, acc.to(OUT.dtype.element_ty), mask=mask2)
     if WRITE_LSE:
-        lse = tl.where(s > 0, (m_use + tl.math.log2(tl.where(s > 0, s, 1.0))) * 0.6931471805599453, float("-inf"))
+        lse = tl.where(some, (m_use + tl.math.log2(tl.where(some, s, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(LSE + rows64 * s_lser, lse, mask=rmask & (pid_d == 0))
 
 

@@ -101,8 +101,26 @@ def tree_rows(job: Job, causal: bool) -> list[Row]:
                    sharding=sh, schedule="tree", layout="contiguous", merges=job.world)
 
 
+def cross_entropy_rows(job: Job) -> list[Row]:
+    """Vocabulary-sharded cross-entropy (uneven slices, label smoothing, an ignored row), per row."""
+    import splitsoftmax as ss
+    n, v = 8, 11 * job.world + 4
+    logits = job.randn(n, v, seed=8, scale=3.0)
+    target = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(9)).to(job.device)
+    target[1] = -100
+    split, gather = job.contiguous(uneven_lengths(v, job.world), 1)
+    replicated = Sharding([split], [gather], lambda t: t, lambda t: t)
+    kw = dict(reduction="none", label_smoothing=0.1)
+
+    def torch_ce(t):
+        return torch.nn.functional.cross_entropy(t, target, **kw)
+    return compare(f"sharded_cross_entropy {n}xV smoothing 0.1",
+                   lambda t: ss.sharded_cross_entropy(t, target, group=job.group, **kw), torch_ce, torch_ce,
+                   [logits], sharding=replicated, layout="contiguous", schedule="tree", merges=job.world)
+
+
 def cases(job: Job) -> list[tuple[str, Callable[[], list[Row]]]]:
-    out = [("softmax family", lambda: softmax_rows(job))]
+    out = [("softmax family", lambda: softmax_rows(job)), ("cross-entropy", lambda: cross_entropy_rows(job))]
     for schedule in ("ring", "allgather"):
         for layout in ("contiguous", "zigzag"):
             for causal in (False, True):

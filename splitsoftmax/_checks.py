@@ -8,6 +8,7 @@ from torch import Tensor
 
 SCHEDULES = ("ring", "allgather", "tree")
 LAYOUTS = ("contiguous", "zigzag")
+REDUCTIONS = ("mean", "sum", "none")
 
 
 def tensor(name: str, x, *, floating: bool = True) -> Tensor:

@@ -21,10 +21,6 @@ from .local import op
 from .ops import row_losses
 from .state import stat_dtype
 
-REDUCTIONS = ("mean", "sum", "none")
-# the handshake's operation code (falls back to the sharded logsumexp code on a handshake that
-# does not list sharded_cross_entropy yet)
-
 
 def _args(logits, target, ignore_index, reduction, label_smoothing) -> float:
     """Check ``logits (N, V)`` floating, ``target (N,)`` integer class ids; return the smoothing."""
@@ -40,7 +36,7 @@ def _args(logits, target, ignore_index, reduction, label_smoothing) -> float:
         raise ValueError(f"target is on {target.device} but logits is on {logits.device}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
-    _checks.choice("reduction", reduction, REDUCTIONS)
+    _checks.choice("reduction", reduction, _checks.REDUCTIONS)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
         raise TypeError(f"label_smoothing must be a float, got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
@@ -136,7 +132,7 @@ def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_
     try:
         eps = _args(logits, target, ignore_index, reduction, label_smoothing)
         agree = {"N": logits.shape[0], "dtype": hs.encode_dtype(logits.dtype), "ignore_index": ignore_index,
-                 "reduction": REDUCTIONS.index(reduction), "label_smoothing": hs.encode_float(eps),
+                 "reduction": _checks.REDUCTIONS.index(reduction), "label_smoothing": hs.encode_float(eps),
                  "target": _fingerprint(target)}
         per = {"V_local": logits.shape[1]}
     except (TypeError, ValueError) as e:

@@ -217,14 +217,18 @@ def case_mismatch(group):
     with pytest.raises(ValueError, match=rf"D differs across ranks.*rank\(s\) \[{last}\]: 16"):
         sharded_attention(q, k, v, group=group)
     q, k, v, _, _ = _qkv(7, 4, 4)
-    with pytest.raises(ValueError, match=r"causal differs"):
-        sharded_attention(q, k, v, causal=c.rank == 0, group=group)
     with pytest.raises(ValueError, match=r"dtype differs"):
         sharded_attention(*(t.float() if c.rank == 0 else t for t in (q, k, v)), group=group)
     with pytest.raises(ValueError, match=r"schedule='bogus' is not one of|rank\(s\) \[0\] rejected their arguments"):
         sharded_attention(q, k, v, group=group, schedule="bogus" if c.rank == 0 else "ring")
     with pytest.raises(ValueError, match=r"rows differs"):
         sharded_softmax(torch.randn(2 + (c.rank == last), 3, device=DEVICE), group=group)
+    with pytest.raises(ValueError, match=rf"causal differs across ranks \(rank\(s\) \[0\]: True; .*{last}\]: False"):
+        sharded_attention(q, k, v, causal=c.rank == 0, group=group)
+    with pytest.raises(ValueError, match=rf"layout differs .*rank\(s\) \[{last}\]: 'zigzag'"):
+        sharded_attention(q, k, v, group=group, layout="zigzag" if c.rank == last else "contiguous")
+    with pytest.raises(ValueError, match=r"x.shape\[0\] differs across ranks"):  # same row count, other rows
+        sharded_softmax(torch.randn(*((2, 6, 3) if c.rank == 0 else (3, 4, 3)), device=DEVICE), group=group)
     q, k, v, _, _ = _qkv(7, 4 + c.rank, 4 + c.rank)
     with pytest.raises(ValueError, match=r"layout='zigzag' but rank\(s\) \[0"):
         sharded_attention(q, k, v, group=group, layout="zigzag")

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import _checks
 from .comm import Communicator
 
 META_LEN = 24
@@ -23,9 +24,20 @@ OPS = ("sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_a
        "sharded_cross_entropy")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+
+
+def _name_of(names: tuple):
+    return lambda c: repr(names[c]) if 0 <= c < len(names) else f"code {c}"
+
+
+def _float_of(c: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", c))[0]
+
+
 # fields whose integer value is a code, shown back to the user decoded
-_DECODE = {"dtype": lambda c: DTYPES[c] if 0 <= c < len(DTYPES) else f"code {c}",
-           "scale": lambda c: struct.unpack("<d", struct.pack("<q", c))[0]}
+_DECODE = {"dtype": lambda c: DTYPES[c] if 0 <= c < len(DTYPES) else f"code {c}", "scale": _float_of,
+           "label_smoothing": _float_of, "causal": bool, "schedule": _name_of(_checks.SCHEDULES),
+           "layout": _name_of(_checks.LAYOUTS), "reduction": _name_of(_checks.REDUCTIONS)}
 
 
 def encode_dtype(dtype: torch.dtype) -> int:

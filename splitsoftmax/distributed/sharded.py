@@ -61,6 +61,11 @@ class ShardedLogSumExpFn(torch.autograd.Function):
         return op("logsumexp_bwd", x)(x, lse, g.contiguous()), None
 
 
+def _other_sizes(shape: list, d: int) -> dict:
+    """Handshake fields for the sizes of every dim but the sharded ``d`` (the first 12 such)."""
+    return dict([(f"x.shape[{i}]", s) for i, s in enumerate(shape) if i != d][:12])
+
+
 def _row_shards(name: str, x, dim, group, log: Optional[bool]):
     """Checks, handshake and the ``(R, n_r)`` view shared by the softmax family."""
     comm = as_comm(group)
@@ -72,7 +77,7 @@ def _row_shards(name: str, x, dim, group, log: Optional[bool]):
         rows = 1
         for i, s in enumerate(shape):
             rows *= s if i != d else 1
-        agree = {"ndim": x.dim(), "dim": d, "rows": rows, "dtype": encode_dtype(x.dtype)}
+        agree = {"ndim": x.dim(), "dim": d, "rows": rows, "dtype": encode_dtype(x.dtype), **_other_sizes(shape, d)}
         per = {"length": shape[d]}
     except (TypeError, ValueError) as e:
         err = e
@@ -230,9 +235,8 @@ def _seq_meta(name: str, x, dim, group, layout):
             raise ValueError(f"x must have at least one dimension to {name}, got a 0-d tensor")
         d = _checks.dim("dim", dim, x.dim())
         _checks.choice("layout", layout, _checks.LAYOUTS)
-        rest = [s for i, s in enumerate(x.shape) if i != d]
-        agree = {"ndim": x.dim(), "dim": d, "dtype": encode_dtype(x.dtype), "layout": _checks.LAYOUTS.index(layout)}
-        agree.update({f"size[{i}]": s for i, s in enumerate(rest[:12])})
+        agree = {"ndim": x.dim(), "dim": d, "dtype": encode_dtype(x.dtype), "layout": _checks.LAYOUTS.index(layout),
+                 **_other_sizes(list(x.shape), d)}
         per = {"length": x.shape[d]}
     except (TypeError, ValueError) as e:
         err = e

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 from torch import Tensor
@@ -21,8 +22,9 @@ def tensor(name: str, x, *, floating: bool = True) -> Tensor:
 
 def dim(name: str, d, ndim: int) -> int:
     """Normalise ``d`` into ``[0, ndim)`` (a 0-d tensor counts as 1-d)."""
-    if isinstance(d, bool) or not isinstance(d, int):
+    if isinstance(d, bool) or not isinstance(d, numbers.Integral):  # numpy integers too, as torch
         raise TypeError(f"{name} must be an int, got {type(d).__name__} {d!r}")
+    d = int(d)
     n = max(ndim, 1)
     if not -n <= d < n:
         raise ValueError(f"{name}={d} is out of range for a tensor with {ndim} dimensions")
@@ -32,7 +34,7 @@ def dim(name: str, d, ndim: int) -> int:
 def scale(s, head_dim: int) -> float:
     if s is None:
         return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
-    if isinstance(s, bool) or not isinstance(s, (int, float)):
+    if isinstance(s, bool) or not isinstance(s, numbers.Real):  # numpy floats too, as torch
         raise TypeError(f"scale must be a float or None, got {type(s).__name__} {s!r}")
     if not math.isfinite(s):
         raise ValueError(f"scale must be finite, got {s}")

@@ -216,3 +216,13 @@ def test_softmax_bad_arguments(fn):
         fn([1.0, 2.0])
     with pytest.raises(TypeError, match="floating"):
         fn(torch.arange(4))
+
+
+def test_numpy_scalars_are_accepted_like_torch():
+    """``dim`` may be any integer (numpy's too) and ``scale`` any real number, as in torch."""
+    np = pytest.importorskip("numpy")
+    x = torch.randn(3, 5)
+    torch.testing.assert_close(ss.softmax(x, np.int64(0)), torch.softmax(x, 0))
+    torch.testing.assert_close(ss.logsumexp(x, np.int32(-1)), torch.logsumexp(x, -1))
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    torch.testing.assert_close(ss.attention(q, k, v, scale=np.float32(0.5)), ss.attention(q, k, v, scale=0.5))

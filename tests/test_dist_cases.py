@@ -219,7 +219,8 @@ def case_mismatch(group):
     q, k, v, _, _ = _qkv(7, 4, 4)
     with pytest.raises(ValueError, match=r"dtype differs"):
         sharded_attention(*(t.float() if c.rank == 0 else t for t in (q, k, v)), group=group)
-    with pytest.raises(ValueError, match=r"schedule='bogus' is not one of|rank\(s\) \[0\] rejected their arguments"):
+    with pytest.raises(ValueError, match=r"schedule='bogus' is not one of|rank\(s\) \[0\] rejected their arguments "
+                                         r"\(rank 0: schedule; see"):
         sharded_attention(q, k, v, group=group, schedule="bogus" if c.rank == 0 else "ring")
     with pytest.raises(ValueError, match=r"rows differs"):
         sharded_softmax(torch.randn(2 + (c.rank == last), 3, device=DEVICE), group=group)

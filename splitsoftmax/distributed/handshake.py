@@ -9,6 +9,7 @@ usable after a refused call.
 """
 from __future__ import annotations
 
+import re
 import struct
 from typing import Callable, Optional
 
@@ -19,6 +20,10 @@ from .comm import Communicator
 
 META_LEN = 24
 TAG_META = 11
+OK = 1
+# arguments a rank's refusal can name to the other ranks
+ARGS = ("x", "dim", "q", "k", "v", "causal", "scale", "return_lse", "schedule", "layout", "logits", "target",
+        "ignore_index", "reduction", "label_smoothing")
 
 OPS = ("sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
        "sharded_cross_entropy")
@@ -58,6 +63,15 @@ def _post(comm: Communicator, mine: torch.Tensor) -> tuple[list, list]:
     return rows, comm.post([(mine, q) for q in peers], [(rows[q], q) for q in peers], TAG_META)
 
 
+def _status(error: Optional[BaseException]) -> int:
+    """The handshake's status code: OK, or the argument this rank's error names (2 + its index in
+    ``ARGS``; the library's argument errors start with the argument's name), or 0 for another."""
+    if error is None:
+        return OK
+    word = re.match(r"[A-Za-z_]\w*", str(error))
+    return 2 + ARGS.index(word.group()) if word and word.group() in ARGS else 0
+
+
 def _describe(name: str, values: list) -> str:
     decode = _DECODE.get(name, lambda c: c)
     groups: dict = {}
@@ -84,7 +98,7 @@ def start_handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank
     names = list(agree) + list(per_rank)
     if len(names) + 2 > META_LEN:
         raise ValueError(f"{op}: too many handshake fields")
-    vec = [OPS.index(op), 0 if error is not None else 1] + [int(v) for v in (*agree.values(), *per_rank.values())]
+    vec = [OPS.index(op), _status(error)] + [int(v) for v in (*agree.values(), *per_rank.values())]
     mine = torch.tensor(vec + [0] * (META_LEN - len(vec)), dtype=torch.int64, device=comm.meta_device)
     rows, handles = _post(comm, mine)
 
@@ -103,9 +117,11 @@ def _check(op: str, rows: list, agree: dict, names: list, error: Optional[BaseEx
                          + "; ".join(f"rank {i}: {OPS[c] if 0 <= c < len(OPS) else c}" for i, c in enumerate(ops)))
     if error is not None:
         raise error
-    bad = [i for i, row in enumerate(rows) if row[1] != 1]
+    bad = [i for i, row in enumerate(rows) if row[1] != OK]
     if bad:
-        raise ValueError(f"{op}: rank(s) {bad} rejected their arguments (see the error on those ranks)")
+        which = "; ".join(f"rank {i}: {ARGS[rows[i][1] - 2]}" for i in bad if 2 <= rows[i][1] < 2 + len(ARGS))
+        raise ValueError(f"{op}: rank(s) {bad} rejected their arguments ({which + '; ' if which else ''}"
+                         f"see the error on those ranks)")
     out = {name: [row[2 + j] for row in rows] for j, name in enumerate(names)}
     for name in agree:
         if len(set(out[name])) > 1:

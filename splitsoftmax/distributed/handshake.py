@@ -85,7 +85,7 @@ def handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank: Opti
     """Exchange ``agree`` (must be equal on every rank) and ``per_rank`` fields (name -> int).
 
     ``error``: this rank's argument error, raised here after the exchange (the others raise a
-    ``ValueError`` naming this rank). Returns ``{name: [value of rank 0, ..., rank P-1]}``.
+    ``ValueError`` naming this rank and the argument). Returns ``{name: [value of rank 0, ..., rank P-1]}``.
     """
     return start_handshake(comm, op, agree, per_rank, error)()
 

@@ -59,15 +59,15 @@ def _load_rows(ptrs, rmask, cmask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.conste
 
 
 @triton.jit
-def _nonfinite_rows(x):
-    """``[N]`` mask of the rows of tile ``x [N, D]`` that hold a NaN or an Inf."""
-    return tl.max(tl.where(tl.abs(x.to(tl.float32)) < float("inf"), 0, 1), 1) > 0
+def _nonfinite(x):
+    """``[N, D]`` int mask (1 where NaN or Inf) of tile ``x [N, D]``."""
+    return tl.where(tl.abs(x.to(tl.float32)) < float("inf"), 0, 1)
 
 
 @triton.jit
-def _zero_rows(x, rows):
-    """Tile ``x [N, D]`` with the rows where ``rows [N]`` is set replaced by 0."""
-    return tl.where(rows[:, None], 0.0, x).to(x.dtype)
+def _finite_or_zero(x):
+    """Tile ``x [N, D]`` with every NaN/Inf element replaced by 0 (one elementwise pass)."""
+    return tl.where(tl.abs(x.to(tl.float32)) < float("inf"), x, 0.0).to(x.dtype)
 
 
 @triton.jit
@@ -96,13 +96,17 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, kj, pos, hi, diag, qk_scale, dma
     alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_rows(v_ptrs, kmask, dvmask, MASKED, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
+    acc = acc * alpha[:, None]
     if MASKED and CAUSAL:  # a NaN/Inf value a row cannot see must not reach it through 0 * NaN
-        bad = _nonfinite_rows(v)  # [BLOCK_N]
-        hit = tl.max(tl.where((p > 0) & bad[None, :], 1, 0), 1) > 0  # [BLOCK_M] rows that see one
-        acc = _dot(p.to(v.dtype), _zero_rows(v, bad), acc * alpha[:, None], PREC)
-        acc = tl.where(hit[:, None], float("nan"), acc)
+        if tl.max(_nonfinite(v)) > 0:  # rare: one scalar test keeps the diagonal tile cheap
+            bad = tl.max(_nonfinite(v), 1) > 0  # [BLOCK_N] keys with a NaN/Inf value
+            hit = tl.max(tl.where((p > 0) & bad[None, :], 1, 0), 1) > 0  # [BLOCK_M] rows that see one
+            acc = _dot(p.to(v.dtype), tl.where(bad[:, None], 0.0, v).to(v.dtype), acc, PREC)
+            acc = tl.where(hit[:, None], float("nan"), acc)
+        else:
+            acc = _dot(p.to(v.dtype), v, acc, PREC)
     else:
-        acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PREC)
+        acc = _dot(p.to(v.dtype), v, acc, PREC)
     return acc, l_i, m_new
 
 
@@ -294,13 +298,13 @@ def _bwd_kv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, m0, kj, Sq, diag
     if MASKED:
         seen = kj[:, None] <= qi[None, :] + diag  # [BLOCK_N, BLOCK_M]
         p_t = tl.where(seen, p_t, 0.0)
-        do = _zero_rows(do, _nonfinite_rows(do))  # hidden pairs must give exact zeros, never 0 * NaN
+        do = _finite_or_zero(do)  # hidden pairs must give exact zeros, never 0 * NaN
     dv = _dot(p_t.to(do.dtype), do, dv, PREC)  # [BLOCK_N, BLOCK_DV]
     dp_t = _dot(v, tl.trans(do), None, PREC)  # [BLOCK_N, BLOCK_M]
     ds_t = p_t * (dp_t - delta[None, :])
     if MASKED:
         ds_t = tl.where(seen, ds_t, 0.0)
-        q = _zero_rows(q, _nonfinite_rows(q))
+        q = _finite_or_zero(q)
     dk = _dot(ds_t.to(q.dtype), q, dk, PREC)  # [BLOCK_N, BLOCK_D]
     return dk, dv
 
@@ -374,7 +378,7 @@ def _bwd_q_tile(dq, q, do, lse2, delta, k_base, v_base, kj, qi, Sk, diag, qk_sca
         if CAUSAL:
             ok = ok & (kj[None, :] <= qi[:, None] + diag)
         ds = tl.where(ok, ds, 0.0)
-        k = _zero_rows(k, _nonfinite_rows(k))
+        k = _finite_or_zero(k)
     return _dot(ds.to(k.dtype), k, dq, PREC)  # [BLOCK_M, BLOCK_D]
 
 

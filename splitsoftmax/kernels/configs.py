@@ -66,19 +66,26 @@ class SoftmaxConfig:
     split_programs_per_sm: int = 4    # programs the split path aims for, per SM
     split_min_tiles: int = 8          # each split program takes at least this many loop tiles
     split_max_chunks: int = 2048      # at most this many partial states per row
+    # resident path: rows longer than one tile but small enough that the rows in flight fit in L2
+    resident_programs_per_sm: int = 2  # persistent grid size per SM; 0 turns the path off
+    resident_chunk_bytes: int = 65536  # a row's columns per sibling program (S = row bytes / this)
+    resident_l2_bytes: int = 24 << 20  # rows in flight (lag + 1 per group) must fit in this much L2
+    resident_lag: int = 1              # a group normalises row t - lag after the statistics of row t
+    resident_spin: int = 1 << 16       # polls for the siblings before a program reads the row itself
     sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)
 
 
 SOFTMAX = SoftmaxConfig()
 SOFTMAX_INTERPRET_SMS = 4
+SOFTMAX_INTERPRET_SPIN = 4  # the interpreter runs programs one by one: siblings never arrive mid-program
 
 
 @dataclass(frozen=True)
 class SoftmaxPlan:
-    """How one launch covers ``(R, N)``: ``path`` in one_pass / two_pass / split; a program
-    covers ``block_r`` rows and ``chunk`` columns in ``[block_r, block_n]`` tiles; ``splits``
-    programs per row (``splits * chunk >= N``, ``chunk % block_n == 0``); looped tiles are
-    ``stages`` deep in flight."""
+    """How one launch covers ``(R, N)``: ``path`` in one_pass / two_pass / resident / split; a
+    program covers ``block_r`` rows and ``chunk`` columns in ``[block_r, block_n]`` tiles;
+    ``splits`` programs per row (``splits * chunk >= N``, ``chunk % block_n == 0``); looped tiles
+    are ``stages`` deep in flight; the resident path runs ``groups * splits`` persistent programs."""
 
     path: str
     block_r: int
@@ -87,6 +94,7 @@ class SoftmaxPlan:
     chunk: int
     num_warps: int
     stages: int = 1
+    groups: int = 0  # resident path: sibling groups of the persistent grid (rows in flight)
 
 
 def _pow2(n: int) -> int:
@@ -102,6 +110,23 @@ def softmax_is_split(rows: int, cols: int, sms: int, cfg: SoftmaxConfig) -> bool
     return cols > cfg.one_pass_max_cols and rows < sms * cfg.split_rows_per_sm
 
 
+def _resident_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig, loop_n: int,
+                   warps: int, stages: int) -> Optional[SoftmaxPlan]:
+    """The resident plan, or None where its rows in flight would not fit in L2: ``S`` sibling
+    programs per row, ``groups`` rows at a time, all programs resident at once."""
+    if cfg.resident_programs_per_sm <= 0:
+        return None
+    tiles = -(-cols // loop_n)
+    splits = max(1, -(-cols * elem_bytes // cfg.resident_chunk_bytes))
+    chunk = -(-tiles // splits) * loop_n
+    splits = -(-cols // chunk)
+    row_bytes = cols * elem_bytes * (cfg.resident_lag + 1)
+    groups = min(rows, (sms * cfg.resident_programs_per_sm) // splits, cfg.resident_l2_bytes // row_bytes)
+    if groups < 1:
+        return None
+    return SoftmaxPlan("resident", 1, loop_n, splits, chunk, warps, stages, groups)
+
+
 def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig = SOFTMAX,
                  stats_only: bool = False) -> SoftmaxPlan:
     """The launch plan of a softmax-family op over ``(rows, cols)``; ``stats_only``: a pass that
@@ -114,6 +139,10 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
         return SoftmaxPlan("one_pass", block_r, block_n, 1, block_n, _warps(block_r * block_n, per_warp, cfg))
     loop_warps = _warps(loop_n, cfg.loop_elems_per_warp, cfg)
     stages = cfg.loop_stages if cols >= 2 * loop_n else 1
+    if not stats_only and not softmax_is_split(rows, cols, sms, cfg):
+        p = _resident_plan(rows, cols, elem_bytes, sms, cfg, loop_n, loop_warps, stages)
+        if p is not None:
+            return p
     if softmax_is_split(rows, cols, sms, cfg):
         tiles = -(-cols // loop_n)
         want = max(1, (sms * cfg.split_programs_per_sm) // max(rows, 1))

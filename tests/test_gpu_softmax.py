@@ -105,12 +105,10 @@ def test_empty_nan_and_strided_rows():
     _close(ss.softmax(v), torch.softmax(v.double(), -1), torch.float32, "strided rows", peer=torch.softmax(v, -1))
 
 
-@pytest.mark.parametrize("path", ["two_pass", "resident", "split"])
+@pytest.mark.parametrize("path", ["two_pass", "split"])
 def test_forced_paths_at_real_sizes(path, monkeypatch):
     monkeypatch.setattr(configs.SOFTMAX, "one_pass_max_cols", 1024)
-    monkeypatch.setattr(configs.SOFTMAX, "split_rows_per_sm", 1e9 if path == "split" else 0.0)
-    if path == "two_pass":
-        monkeypatch.setattr(configs.SOFTMAX, "resident_programs_per_sm", 0)
+    monkeypatch.setattr(configs.SOFTMAX, "split_rows_per_sm", 0.0 if path == "two_pass" else 1e9)
     k = _k()
     x = torch.randn(37, 123457, device="cuda", dtype=torch.bfloat16)
     assert k._plan(x).path == path
@@ -121,29 +119,6 @@ def test_forced_paths_at_real_sizes(path, monkeypatch):
         _close(y, ref, torch.bfloat16, f"{path} log={log}", peer=peer)
         _close(lse, torch.logsumexp(x.double(), -1), torch.float32, f"{path} lse",
                peer=torch.logsumexp(x.float(), -1))
-
-
-@pytest.mark.parametrize("spin", [None, 0])
-def test_resident_many_rows_per_group(spin, monkeypatch):
-    """~14 rows per sibling group; ``spin=0``: programs that find a sibling missing read the row."""
-    if spin is not None:
-        monkeypatch.setattr(configs.SOFTMAX, "resident_spin", spin)
-    k = _k()
-    x = torch.randn(600, 70000, device="cuda") * 4
-    x[7] = float("-inf")
-    p = k._plan(x)
-    assert p.path == "resident" and x.shape[0] > 10 * p.groups, p
-    for log in (False, True):
-        y = torch.full_like(x, float("nan"))
-        lse = torch.full((x.shape[0],), float("nan"), device="cuda")
-        k._resident(x, y, lse, log, p)
-        keep = torch.arange(x.shape[0], device="cuda") != 7
-        ref = (torch.log_softmax if log else torch.softmax)(x[keep].double(), -1)
-        _close(y[keep], ref, torch.float32, f"resident log={log}",
-               peer=(torch.log_softmax if log else torch.softmax)(x[keep], -1))
-        _close(lse[keep], torch.logsumexp(x[keep].double(), -1), torch.float32, "resident lse",
-               peer=torch.logsumexp(x[keep], -1))
-        assert lse[7] == float("-inf") and (y[7] == (float("-inf") if log else 0.0)).all()
 
 
 def test_no_recompile_per_length():

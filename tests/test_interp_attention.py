@@ -21,7 +21,7 @@ import splitsoftmax as ss  # noqa: E402
 from splitsoftmax import reference as ref  # noqa: E402
 from splitsoftmax import state  # noqa: E402
 from splitsoftmax.kernels import attention as A  # noqa: E402
-from splitsoftmax.kernels import decode, merge  # noqa: E402
+from splitsoftmax.kernels import configs, decode, merge  # noqa: E402
 
 NEG_INF = float("-inf")
 
@@ -169,9 +169,31 @@ def ref_merge(outs, lses):
     return state.merge_out_lse(outs.double(), lses.double())
 
 
+class _Launches:
+    """Stands in for a Triton kernel: records each launch, then launches the real one."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+@pytest.fixture(params=["_merge_fwd_kernel", "_merge_parts_kernel"])
+def merge_kernel(request, monkeypatch):
+    """Force the row-tiled merge kernel or the all-parts-at-once one; check that it ran."""
+    monkeypatch.setattr(configs, "MERGE_PARTS_PROGRAMS_PER_SM", 1 << 20 if "parts" in request.param else 0)
+    log = []
+    for name in ("_merge_fwd_kernel", "_merge_parts_kernel"):
+        monkeypatch.setattr(merge, name, _Launches(getattr(merge, name), name, log))
+    yield request.param
+    assert log and set(log) == {request.param}, log
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,rows,dv", [(1, (5,), 8), (3, (2, 7), 24), (8, (3, 11), 40)])
-def test_merge(n, rows, dv, dtype):
+def test_merge(n, rows, dv, dtype, merge_kernel):
     outs = torch.randn(n, *rows, dv).to(dtype)
     lses = torch.randn(n, *rows) * 3
     lses[0, 0] = NEG_INF           # an empty partial with NaN inside
@@ -190,7 +212,7 @@ def test_merge(n, rows, dv, dtype):
         assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
-def test_merge_noncontiguous_and_public():
+def test_merge_noncontiguous_and_public(merge_kernel):
     outs = torch.randn(4, 16, 3, 8).transpose(1, 2)  # (N, 3, 16, 8) strided
     lses = torch.randn(4, 16, 3).transpose(1, 2)
     out, lse = ss.merge_states(outs, lses)

@@ -15,9 +15,7 @@ softmax_k = pytest.importorskip("splitsoftmax.kernels.softmax")
 # Config overrides that force each path at test sizes (loop tiles of 16 columns).
 PATHS = {
     "one_pass": {},
-    "two_pass": dict(one_pass_max_cols=16, loop_tile_bytes=32, split_rows_per_sm=0.0, resident_programs_per_sm=0),
-    "resident": dict(one_pass_max_cols=16, loop_tile_bytes=32, split_rows_per_sm=0.0, resident_programs_per_sm=64,
-                     resident_chunk_bytes=64),
+    "two_pass": dict(one_pass_max_cols=16, loop_tile_bytes=32, split_rows_per_sm=0.0),
     "split": dict(one_pass_max_cols=16, loop_tile_bytes=32, split_rows_per_sm=1e9,
                   split_min_tiles=1, split_programs_per_sm=4),
 }
@@ -197,37 +195,11 @@ def test_split_merges_many_partials(monkeypatch):
     _close(lse, ref_lse, torch.float32, "many partials lse")
 
 
-@pytest.mark.parametrize("lag", [0, 1])
-def test_resident_groups_take_many_rows(monkeypatch, lag):
-    """More rows than groups: each sibling group walks several rows (the last sibling of a group
-    merges the published partials; earlier ones, run first by the interpreter, read the row)."""
-    for k, v in PATHS["resident"].items():
-        monkeypatch.setattr(configs.SOFTMAX, k, v)
-    monkeypatch.setattr(configs.SOFTMAX, "resident_lag", lag)
-    monkeypatch.setattr(configs.SOFTMAX, "resident_l2_bytes", 3 * (lag + 1) * 4 * 90)  # 3 groups of 90 fp32 columns
-    x = torch.randn(8, 90) * 5
-    x[3] = float("-inf")
-    x[5, 40] = float("nan")
-    p = softmax_k._plan(x)
-    assert p.path == "resident" and p.groups == 3 and p.splits > 1, p
-    for log in (False, True):
-        y, lse = softmax_k.softmax_fwd(x, log)
-        keep = [0, 1, 2, 4, 6, 7]
-        ref_y, ref_lse = _ref_fwd(x[keep], log)
-        _close(y[keep], ref_y, torch.float32, f"resident lag={lag} log={log}")
-        _close(lse[keep], ref_lse, torch.float32, f"resident lse lag={lag}")
-        assert lse[3] == float("-inf") and (y[3] == (float("-inf") if log else 0.0)).all()
-        assert torch.isnan(lse[5]) and torch.isnan(y[5]).all()
-
-
 def test_plan_predicate():
     cfg = configs.SoftmaxConfig()
     assert configs.softmax_plan(16384, 4096, 4, 132, cfg).path == "one_pass"
     assert configs.softmax_plan(4096, 32768, 4, 132, cfg).path == "one_pass"
-    p = configs.softmax_plan(512, 262144, 2, 132, cfg)  # 512 KB rows: 8 siblings, 24 rows in flight
-    assert p.path == "resident" and p.splits == 8 and p.groups == 24 and p.chunk % p.block_n == 0
-    assert configs.softmax_plan(512, 262144, 2, 132, cfg, stats_only=True).path == "two_pass"
-    assert configs.softmax_plan(512, 1 << 24, 4, 132, cfg).path == "two_pass"  # 64 MB rows: beyond L2
+    assert configs.softmax_plan(512, 262144, 2, 132, cfg).path == "two_pass"
     for rows, cols in ((8, 1 << 24), (1, 1 << 28)):
         p = configs.softmax_plan(rows, cols, 4, 132, cfg)
         assert p.path == "split" and p.splits * p.chunk >= cols and p.chunk % p.block_n == 0

@@ -226,3 +226,17 @@ def test_numpy_scalars_are_accepted_like_torch():
     torch.testing.assert_close(ss.logsumexp(x, np.int32(-1)), torch.logsumexp(x, -1))
     q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
     torch.testing.assert_close(ss.attention(q, k, v, scale=np.float32(0.5)), ss.attention(q, k, v, scale=0.5))
+
+
+def test_forward_tiles_follow_the_configs():
+    """Causal forwards over few queries take their own tile; head dims beyond its entries fall back to "fwd"."""
+    from splitsoftmax.kernels import configs, decode
+
+    def tile(s, causal, d=128):
+        q = torch.empty(32, 16, s, d, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(32, 16, s, d, dtype=torch.bfloat16, device="meta")
+        return decode.plan(q, k, k, causal, 0).tile
+
+    assert tile(1024, True) == tile(configs.ATTN_SHORT_CAUSAL_SQ, True) == configs.ATTN_TILES[("fwd_causal_short", 2, 128)]
+    assert tile(1024, False) == tile(4096, True) == configs.ATTN_TILES[("fwd", 2, 128)]
+    assert tile(1024, True, d=256) == configs.ATTN_TILES[("fwd", 2, 256)]

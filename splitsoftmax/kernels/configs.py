@@ -15,6 +15,9 @@ ATTN_TILES = {
     ("fwd", 2, 256): (64, 64, 8, 2),
     ("fwd", 4, 64): (16, 32, 4, 2),
     ("fwd", 4, 256): (16, 16, 4, 2),     # float32 runs exact (no tf32) FMA products: small tiles
+    # causal forward over at most ATTN_SHORT_CAUSAL_SQ queries: short programs, a diagonal tile
+    # in each (H200, S=1k / 2k causal: 304 / 359 TFLOP/s; the 128x128 tile: 258 / 348)
+    ("fwd_causal_short", 2, 128): (64, 64, 4, 3),
     # decode: few query rows (GQA heads packed into BLOCK_M), long key streams
     ("decode", 2, 128): (16, 64, 4, 4),   # 4483 GB/s at 1M keys (BLOCK_N 128: 4467)
     ("decode", 2, 256): (16, 64, 4, 3),
@@ -31,6 +34,7 @@ ATTN_TILES = {
     ("bwd_q", 4, 256): (16, 16, 4, 2),
 }
 ATTN_TILE_DEFAULT = (16, 16, 4, 2)
+ATTN_SHORT_CAUSAL_SQ = 2048
 # Under TRITON_INTERPRET=1 small tiles, so tiny test shapes still cross several tiles.
 ATTN_TILE_INTERPRET = (16, 16, 4, 1)
 # Split-KV: split the keys when fewer programs than this many per SM would run (H200 sweep at
@@ -45,6 +49,11 @@ ATTN_PACK_MAX_SQ = 16
 # Fused merge: rows per program, head-dim columns per program, num_warps.
 MERGE_TILE = (32, 128, 4)
 MERGE_TILE_INTERPRET = (8, 16, 1)
+# ... and when that tiling gives fewer programs than this per SM (decode's tens of rows), one
+# program per row loads every part at once, if the parts x columns tile has at most this many
+# elements (H200, 128k-key decode: 33 partials x 32 rows merged in 23.5 us by the row-tiled kernel)
+MERGE_PARTS_PROGRAMS_PER_SM = 2
+MERGE_PARTS_MAX_ELEMS = 8192
 
 # ---- softmax (issue 3): Triton softmax / log-softmax / logsumexp, forward and backward ----
 from dataclasses import dataclass  # noqa: E402
@@ -66,26 +75,19 @@ class SoftmaxConfig:
     split_programs_per_sm: int = 4    # programs the split path aims for, per SM
     split_min_tiles: int = 8          # each split program takes at least this many loop tiles
     split_max_chunks: int = 2048      # at most this many partial states per row
-    # resident path: rows longer than one tile but small enough that the rows in flight fit in L2
-    resident_programs_per_sm: int = 2  # persistent grid size per SM; 0 turns the path off
-    resident_chunk_bytes: int = 65536  # a row's columns per sibling program (S = row bytes / this)
-    resident_l2_bytes: int = 24 << 20  # rows in flight (lag + 1 per group) must fit in this much L2
-    resident_lag: int = 1              # a group normalises row t - lag after the statistics of row t
-    resident_spin: int = 1 << 16       # polls for the siblings before a program reads the row itself
     sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)
 
 
 SOFTMAX = SoftmaxConfig()
 SOFTMAX_INTERPRET_SMS = 4
-SOFTMAX_INTERPRET_SPIN = 4  # the interpreter runs programs one by one: siblings never arrive mid-program
 
 
 @dataclass(frozen=True)
 class SoftmaxPlan:
-    """How one launch covers ``(R, N)``: ``path`` in one_pass / two_pass / resident / split; a
-    program covers ``block_r`` rows and ``chunk`` columns in ``[block_r, block_n]`` tiles;
-    ``splits`` programs per row (``splits * chunk >= N``, ``chunk % block_n == 0``); looped tiles
-    are ``stages`` deep in flight; the resident path runs ``groups * splits`` persistent programs."""
+    """How one launch covers ``(R, N)``: ``path`` in one_pass / two_pass / split; a program
+    covers ``block_r`` rows and ``chunk`` columns in ``[block_r, block_n]`` tiles; ``splits``
+    programs per row (``splits * chunk >= N``, ``chunk % block_n == 0``); looped tiles are
+    ``stages`` deep in flight."""
 
     path: str
     block_r: int
@@ -94,7 +96,6 @@ class SoftmaxPlan:
     chunk: int
     num_warps: int
     stages: int = 1
-    groups: int = 0  # resident path: sibling groups of the persistent grid (rows in flight)
 
 
 def _pow2(n: int) -> int:
@@ -110,23 +111,6 @@ def softmax_is_split(rows: int, cols: int, sms: int, cfg: SoftmaxConfig) -> bool
     return cols > cfg.one_pass_max_cols and rows < sms * cfg.split_rows_per_sm
 
 
-def _resident_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig, loop_n: int,
-                   warps: int, stages: int) -> Optional[SoftmaxPlan]:
-    """The resident plan, or None where its rows in flight would not fit in L2: ``S`` sibling
-    programs per row, ``groups`` rows at a time, all programs resident at once."""
-    if cfg.resident_programs_per_sm <= 0:
-        return None
-    tiles = -(-cols // loop_n)
-    splits = max(1, -(-cols * elem_bytes // cfg.resident_chunk_bytes))
-    chunk = -(-tiles // splits) * loop_n
-    splits = -(-cols // chunk)
-    row_bytes = cols * elem_bytes * (cfg.resident_lag + 1)
-    groups = min(rows, (sms * cfg.resident_programs_per_sm) // splits, cfg.resident_l2_bytes // row_bytes)
-    if groups < 1:
-        return None
-    return SoftmaxPlan("resident", 1, loop_n, splits, chunk, warps, stages, groups)
-
-
 def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig = SOFTMAX,
                  stats_only: bool = False) -> SoftmaxPlan:
     """The launch plan of a softmax-family op over ``(rows, cols)``; ``stats_only``: a pass that
@@ -139,10 +123,6 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
         return SoftmaxPlan("one_pass", block_r, block_n, 1, block_n, _warps(block_r * block_n, per_warp, cfg))
     loop_warps = _warps(loop_n, cfg.loop_elems_per_warp, cfg)
     stages = cfg.loop_stages if cols >= 2 * loop_n else 1
-    if not stats_only and not softmax_is_split(rows, cols, sms, cfg):
-        p = _resident_plan(rows, cols, elem_bytes, sms, cfg, loop_n, loop_warps, stages)
-        if p is not None:
-            return p
     if softmax_is_split(rows, cols, sms, cfg):
         tiles = -(-cols // loop_n)
         want = max(1, (sms * cfg.split_programs_per_sm) // max(rows, 1))

@@ -8,7 +8,7 @@ writes a float32 partial ``(out, lse)`` and the fused merge kernel combines them
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -39,14 +39,17 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def attn_tile(kind: str, dtype: torch.dtype, d: int, dv: int) -> tuple:
-    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kind`` for these inputs (configs.ATTN_TILES)."""
+def attn_tile(kind: str, dtype: torch.dtype, d: int, dv: int, fallback: Optional[str] = None) -> tuple:
+    """``(BLOCK_M, BLOCK_N, num_warps, num_stages)`` of ``kind`` for these inputs (configs.ATTN_TILES),
+    else of ``fallback`` if given, else ATTN_TILE_DEFAULT."""
     if interpreting():
         return ATTN_TILE_INTERPRET
     size = 2 if dtype.itemsize <= 2 else 4
     want = pad_dim(max(d, dv))
     dims = sorted(hd for (kd, sz, hd) in ATTN_TILES if kd == kind and sz == size and hd >= want)
-    return ATTN_TILES[(kind, size, dims[0])] if dims else ATTN_TILE_DEFAULT
+    if dims:
+        return ATTN_TILES[(kind, size, dims[0])]
+    return attn_tile(fallback, dtype, d, dv) if fallback else ATTN_TILE_DEFAULT
 
 
 @lru_cache(maxsize=None)
@@ -70,7 +73,12 @@ def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int) -> Plan:
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     pack = sq <= ATTN_PACK_MAX_SQ
     rows = (h // hkv) * sq if pack else sq
-    bm, bn, warps, stages = attn_tile("decode" if pack else "fwd", q.dtype, d, dv)
+    if pack:
+        bm, bn, warps, stages = attn_tile("decode", q.dtype, d, dv)
+    elif causal and sq <= configs.ATTN_SHORT_CAUSAL_SQ:
+        bm, bn, warps, stages = attn_tile("fwd_causal_short", q.dtype, d, dv, fallback="fwd")
+    else:
+        bm, bn, warps, stages = attn_tile("fwd", q.dtype, d, dv)
     if pack and not interpreting():
         bm = min(64, max(16, triton.next_power_of_2(rows)))
     tile = (bm, bn, warps, stages)

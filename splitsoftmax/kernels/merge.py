@@ -5,9 +5,12 @@ is empty), ``w_i = exp(lse_i - M)``, ``out = sum_i w_i out_i / sum_i w_i`` and
 ``lse = M + log(sum_i w_i)``. A part with ``lse_i = -inf`` has ``w_i = 0`` and its ``out_i`` is
 never multiplied in (NaN there stays out); a row where every part is empty gives ``(0, -inf)``.
 
-One program owns ``BLOCK_R`` rows and ``BLOCK_D`` columns. It first reads only the ``lse`` column
-of every part (small) to fix ``M`` and ``sum w``, then streams each part's ``out`` tile once with
-its final weight, so the partials are read exactly once and nothing is rescaled.
+Two kernels, one math. Many rows (a ring's or a gathered merge): a program owns ``BLOCK_R`` rows
+and ``BLOCK_D`` columns; it first reads only the ``lse`` column of every part (small) to fix ``M``
+and ``sum w``, then streams each part's ``out`` tile once with its final weight, so the partials
+are read exactly once and nothing is rescaled. Few rows and few parts (split-KV decode: tens of
+rows, tens of splits): one program per row and column block loads every part at once, so the
+merge costs one memory round trip instead of two per part.
 """
 from __future__ import annotations
 
@@ -20,7 +23,9 @@ from torch import Tensor
 
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ..local import interpreting
+from . import configs
 from .configs import MERGE_TILE, MERGE_TILE_INTERPRET
+from .decode import sm_count
 
 
 @triton.jit(do_not_specialize=["N", "R"])
@@ -60,6 +65,32 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
         tl.store(LSE + rows64 * s_lser, lse, mask=rmask & (pid_d == 0))
 
 
+@triton.jit(do_not_specialize=["N", "R"])
+def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
+                        s_on, s_or, s_od, s_ln, s_lr, s_outr, s_outd, s_lser,
+                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid ``(R, cdiv(DV, BLOCK_D))``: one row, every part (``N <= BLOCK_P``) loaded at once."""
+    row = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    parts = tl.arange(0, BLOCK_P)  # [BLOCK_P]
+    pmask = parts < N
+    x = tl.load(LSES + parts * s_ln + row * s_lr, mask=pmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    m = tl.max(x, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(x - m_use)  # [BLOCK_P]; 0 for empty parts, NaN for NaN ones
+    s = tl.sum(w, 0)
+    some = s != 0  # not every part empty (a NaN sum is not empty: it must stay NaN)
+    w = w * tl.where(some, 1.0 / tl.where(some, s, 1.0), 0.0)
+    omask = (pmask & (w > 0))[:, None] & (cols < DV)[None, :]
+    o = tl.load(OUTS + parts[:, None] * s_on + row * s_or + cols[None, :] * s_od, mask=omask,
+                other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_D]
+    acc = tl.sum(w[:, None] * o, 0)  # [BLOCK_D]
+    tl.store(OUT + row * s_outr + cols * s_outd, acc.to(OUT.dtype.element_ty), mask=cols < DV)
+    lse = tl.where(some, (m_use + tl.math.log2(tl.where(some, s, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + row * s_lser, lse, mask=pid_d == 0)
+
+
 def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
     """Merge ``outs (N, R, Dv)``, ``lses (N, R)`` into ``out (R, Dv)`` (any float dtype), ``lse (R,)`` fp32.
 
@@ -71,9 +102,19 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
     block_r, block_d, warps = MERGE_TILE_INTERPRET if interpreting() else MERGE_TILE
     block_d = min(block_d, triton.next_power_of_2(max(dv, 1)))
     grid = (triton.cdiv(r, block_r), max(1, triton.cdiv(dv, block_d)))
-    _merge_fwd_kernel[grid](outs, lses, out, lse, n, r, dv,
-                            *outs.stride(), *lses.stride(), *out.stride(), lse.stride(0),
+    strides = (*outs.stride(), *lses.stride(), *out.stride(), lse.stride(0))
+    if _few_rows(outs, grid[0] * grid[1], block_d):
+        _merge_parts_kernel[(r, grid[1])](outs, lses, out, lse, n, r, dv, *strides,
+                                          BLOCK_P=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=warps)
+        return
+    _merge_fwd_kernel[grid](outs, lses, out, lse, n, r, dv, *strides,
                             BLOCK_R=block_r, BLOCK_D=block_d, WRITE_LSE=True, num_warps=warps)
+
+
+def _few_rows(outs: Tensor, programs: int, block_d: int) -> bool:
+    """Whether the row-tiled kernel would leave the GPU idle and every part fits one tile."""
+    return (triton.next_power_of_2(outs.shape[0]) * block_d <= configs.MERGE_PARTS_MAX_ELEMS
+            and programs < configs.MERGE_PARTS_PROGRAMS_PER_SM * sm_count(outs))
 
 
 def merge_out_lse(outs: Tensor, lses: Tensor, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:

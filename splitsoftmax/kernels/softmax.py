@@ -6,9 +6,6 @@ signature of its torch twin in ``kernels/cpu.py``. Paths (chosen by ``configs.so
 - one pass: a ``[BLOCK_R, BLOCK_N]`` tile holds whole rows; read once, write once (2N traffic);
 - two pass: one program per row, online ``(m, l)`` over tiles, then the normalising pass walks the
   tiles backwards so the most recently read ones come from L2 (3N, less what L2 keeps);
-- resident: long rows, many of them, a few rows in flight fitting in L2: ``S`` sibling programs per
-  row in one persistent launch share their partial ``(m, l)`` through global memory and normalise
-  their chunks while still in L2 (2N from DRAM; see ``_resident_fwd_kernel``);
 - split: few very long rows; ``S`` programs per row each write a partial ``(m, l)``, the
   normalising launch merges a row's partials (``m' = max m_i``, ``l' = sum exp(m_i - m') l_i``,
   reference 0 where ``m' = -inf``) and normalises its chunk, last chunk first.
@@ -136,9 +133,8 @@ def _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S: tl.constexpr):
     s = tl.arange(0, BLOCK_S)
     mask = rmask[:, None] & (s < S)[None, :]
     off = rows[:, None].to(tl.int64) * S + s[None, :]
-    # (".cv": written by other programs of the same launch on the resident path, never from L1)
-    pm = tl.load(pm_ptr + off, mask=mask, other=float("-inf"), cache_modifier=".cv")  # [BLOCK_R, BLOCK_S]
-    pl = tl.load(pl_ptr + off, mask=mask, other=0.0, cache_modifier=".cv")  # [BLOCK_R, BLOCK_S]
+    pm = tl.load(pm_ptr + off, mask=mask, other=float("-inf"))  # [BLOCK_R, BLOCK_S]
+    pl = tl.load(pl_ptr + off, mask=mask, other=0.0)  # [BLOCK_R, BLOCK_S]
     m = tl.max(pm, axis=1)
     l = tl.sum(pl * tl.math.exp2((pm - _ref(m)[:, None]) * _LOG2E), axis=1)
     return m, l
@@ -227,54 +223,6 @@ def _normalize_fwd_kernel(x_ptr, y_ptr, lse_ptr, g_ptr, pm_ptr, pl_ptr, R, N, st
     _normalize_range(x_ptr + rows[:, None].to(tl.int64) * stride_x,
                      y_ptr + rows[:, None].to(tl.int64) * stride_y,
                      rmask, lse, m, c, start, tl.minimum(start + chunk, N), LOG, BLOCK_N)
-
-
-@triton.jit(do_not_specialize=["R", "chunk", "spin"])
-def _resident_fwd_kernel(x_ptr, y_ptr, lse_ptr, pm_ptr, pl_ptr, cnt_ptr, R, N, stride_x, stride_y, chunk, spin,
-                         LOG: tl.constexpr, S: tl.constexpr, LAG: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_S: tl.constexpr, STAGES: tl.constexpr):
-    """Persistent grid ``(G * S,)``: sibling programs ``g * S .. g * S + S - 1`` take rows ``g, g + G, ...``,
-    each one ``chunk`` of columns of the row.
-
-    A program publishes its chunk's ``(m, l)`` (``pm, pl (R, S)``) and counts itself in at
-    ``cnt[row]``; ``LAG`` rows later (after the next statistics, so siblings are rarely waited for)
-    it merges the row's ``S`` partials and normalises its chunk, which the group's few rows in
-    flight keep in L2: 2N from DRAM. A program whose siblings have not all arrived after ``spin``
-    polls (one not resident, or the interpreter running programs one by one) reads the whole row's
-    statistics itself, so no program depends on another being scheduled.
-    """
-    pid = tl.program_id(0)
-    sp = pid % S
-    G = tl.num_programs(0) // S
-    start = sp * chunk
-    end = tl.minimum(start + chunk, N)
-    mine = tl.cdiv(R - pid // S, G)  # rows of this group
-    for t in range(mine + LAG):
-        rows = pid // S + t * G + tl.arange(0, 1)  # [1] the row of the statistics step
-        if t < mine:
-            m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rows < R, start, end, BLOCK_N, STAGES)
-            tl.store(pm_ptr + rows.to(tl.int64) * S + sp, m)
-            tl.store(pl_ptr + rows.to(tl.int64) * S + sp, l)
-            tl.debug_barrier()  # every thread's stores before the count
-            tl.atomic_add(cnt_ptr + rows, 1, sem="release")
-        if t >= LAG:
-            rows -= LAG * G  # the row of the normalising step
-            rmask = rows < R
-            xb = x_ptr + rows[:, None].to(tl.int64) * stride_x
-            arrived = tl.atomic_add(cnt_ptr + rows, 0, sem="acquire")
-            polls = 0
-            while (tl.min(arrived, 0) < S) & (polls < spin):
-                arrived = tl.atomic_add(cnt_ptr + rows, 0, sem="acquire")
-                polls += 1
-            if tl.min(arrived, 0) >= S:
-                m, l = _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S)
-            else:
-                m, l, _ = _stats(xb, rmask, 0, N, BLOCK_N, STAGES)
-            lse = _lse(m, l)
-            tl.store(lse_ptr + rows, lse, mask=rmask & (sp == 0))
-            mr, c = _scale(m, l, 1.0)
-            _normalize_range(xb, y_ptr + rows[:, None].to(tl.int64) * stride_y, rmask, lse, mr, c, start, end,
-                             LOG, BLOCK_N)
 
 
 @triton.jit
@@ -422,20 +370,6 @@ def normalize(x: Tensor, lse: Tensor, log: bool) -> Tensor:
     return _normalize(x, lse.contiguous(), None, log)
 
 
-def _resident(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) -> None:
-    """Launch the resident path's persistent grid over ``x (R, N)`` into ``y``, ``lse``."""
-    R, N = x.shape
-    pm = torch.empty((R, p.splits), dtype=torch.float32, device=x.device)
-    pl = torch.empty_like(pm)
-    cnt = torch.zeros(R, dtype=torch.int32, device=x.device)
-    cfg = configs.SOFTMAX
-    spin = cfg.resident_spin if x.is_cuda else configs.SOFTMAX_INTERPRET_SPIN
-    _resident_fwd_kernel[(p.groups * p.splits,)](
-        x, y, lse, pm, pl, cnt, R, N, x.stride(0), y.stride(0), p.chunk, spin, LOG=log, S=p.splits,
-        LAG=cfg.resident_lag, BLOCK_N=p.block_n, BLOCK_S=triton.next_power_of_2(p.splits), STAGES=p.stages,
-        num_warps=p.num_warps)
-
-
 def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     """Softmax or log-softmax of each row of ``x (R, N)``: ``(y (R, N) x.dtype, lse (R,) float32)``."""
     x = _unit_cols(x)
@@ -447,9 +381,6 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     if p.path == "split":
         return _normalize(x, lse, None, log, _partials(x, p), p), lse
     y = torch.empty((R, N), dtype=x.dtype, device=x.device)
-    if p.path == "resident":
-        _resident(x, y, lse, log, p)
-        return y, lse
     _softmax_fwd_kernel[_grid(x, p)](x, y, lse, R, N, x.stride(0), y.stride(0), LOG=log, BLOCK_R=p.block_r,
                                      BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass", STAGES=p.stages,
                                      num_warps=p.num_warps)

@@ -1,18 +1,22 @@
 """Probe (tuning data, not part of the library): session 4's kernel changes against the ones before,
 one GPU, one call.
 
-    PYTHONPATH=. python3 launch/probes/resident.py OUTDIR [SECTIONS]
+    PYTHONPATH=. python3 launch/probes/session4.py OUTDIR [SECTIONS]
 
-SECTIONS (comma-separated, default all): softmax (the resident path's grid, chunk, lag and L2
-budget against the two-pass path and torch), attn (forward and forward+backward at S=1k/2k with the
-causal diagonal guard as it is against the one before, ``kernels/_old_attention.py`` = the previous
-commit's ``kernels/attention.py`` if present, beside SDPA flash; forward tiles), decode (profile of
-split-KV decode at 128k keys beside cuDNN). Writes OUTDIR/probe.json.
+SECTIONS (comma-separated, default all):
+- softmax: 512x262144 bf16 logsumexp and two-pass softmax under loop tiles, warps, stages and a
+  forced split of the statistics pass;
+- attn: forward tiles and forward+backward at S=1k/2k/4k beside SDPA flash, the kernels as they are
+  against ``kernels/_old_attention.py`` when present (a copy of an earlier ``kernels/attention.py``,
+  never committed);
+- decode: profile of split-KV decode at 128k and 1M keys beside cuDNN, host time of each layer.
+Writes OUTDIR/probe.json.
 """
 import importlib
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -49,40 +53,39 @@ def guard(group, name, f):
 
 
 def sec_softmax():
+    """512x262144 bf16: the statistics pass (logsumexp) and the two-pass softmax under config
+    variants (loop tile, warps, stages; a forced split of the statistics pass)."""
     from splitsoftmax.kernels import configs
     from splitsoftmax.kernels import softmax as K
     cfg = configs.SOFTMAX
     saved = dict(vars(cfg))
-    for R, N, dt in ((512, 262144, torch.bfloat16), (1024, 131072, torch.float32), (2048, 65536, torch.float32),
-                     (4096, 65536, torch.bfloat16)):
-        x = torch.randn(R, N, device="cuda", dtype=dt) * 3
-        idx = torch.tensor([0, 1, R // 2, R - 1], device="cuda")
-        ref = torch.softmax(x[idx].double(), 1)
-        grp = f"softmax {R}x{N} {str(dt)[6:]}"
-        nb = 2 * x.numel() * x.element_size()
+    R, N = 512, 262144
+    x = torch.randn(R, N, device="cuda", dtype=torch.bfloat16) * 3
+    ref_lse = torch.logsumexp(x.double(), 1)
+    nb = x.numel() * 2
+    rec("lse 512x262144", "torch.logsumexp", bench(lambda: torch.logsumexp(x, 1)), nb)
+    rec("softmax 512x262144", "torch.softmax", bench(lambda: torch.softmax(x, 1)), 2 * nb)
+    for tile, per_warp, stages in ((16384, 1024, 3), (16384, 1024, 4), (16384, 2048, 3), (32768, 2048, 3),
+                                   (32768, 4096, 3), (32768, 2048, 2), (8192, 512, 4)):
+        for split_pps in (0, 4, 8, 16):
+            vars(cfg).update(saved)
+            cfg.loop_tile_bytes, cfg.loop_elems_per_warp, cfg.loop_stages = tile, per_warp, stages
+            if split_pps:
+                cfg.split_rows_per_sm, cfg.split_programs_per_sm, cfg.split_min_tiles = 1e9, split_pps, 2
+            p = K._plan(x, stats_only=True)
+            name = f"tile{tile >> 10}K pw{per_warp} st{stages} S{p.splits} w{p.num_warps}"
 
-        def run(name):
-            y, _ = K.softmax_fwd(x, False)  # outputs NaN-free only if every element was written
-            err = ((y[idx].double() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
-            bad = int(torch.isnan(y).sum())
-            rec(grp, f"{name} [{K._plan(x).path}]", bench(lambda: K.softmax_fwd(x, False)), nb,
-                err=f"{err:.1e}" + (f" {bad} NaN" if bad else ""))
-
-        rec(grp, "torch.softmax", bench(lambda: torch.softmax(x, 1)), nb)
-        cfg.resident_programs_per_sm = 0
-        guard(grp, "two_pass", lambda: run("two_pass"))
-        for per_sm in (1, 2, 4):
-            for chunk in (32768, 65536, 131072):
-                for lag in (0, 1):
-                    for l2 in (16 << 20, 32 << 20):
-                        cfg.resident_programs_per_sm, cfg.resident_chunk_bytes = per_sm, chunk
-                        cfg.resident_lag, cfg.resident_l2_bytes = lag, l2
-                        p = K._plan(x)
-                        name = f"pps{per_sm} chunk{chunk >> 10}K lag{lag} l2 {l2 >> 20}M S{p.splits} G{p.groups}"
-                        guard(grp, name, lambda: run(name))
-        vars(cfg).update(saved)
-        del x
-        torch.cuda.empty_cache()
+            def lse_run():
+                got = K.lse_rows(x)
+                err = (got.double() - ref_lse).abs().max().item()
+                rec("lse 512x262144", name, bench(lambda: K.lse_rows(x)), nb, err=f"{err:.1e}")
+            guard("lse 512x262144", name, lse_run)
+            if not split_pps:
+                guard("softmax 512x262144", name, lambda: rec("softmax 512x262144", name,
+                                                              bench(lambda: K.softmax_fwd(x, False)), 2 * nb))
+    vars(cfg).update(saved)
+    del x
+    torch.cuda.empty_cache()
 
 
 def _attn_modules():
@@ -96,7 +99,7 @@ def _attn_modules():
 
 def sec_attn():
     from splitsoftmax.kernels import configs
-    saved = configs.ATTN_TILES[("fwd", 2, 128)]
+    saved = configs.ATTN_TILES[("fwd", 2, 128)], configs.ATTN_TILES[("fwd_causal_short", 2, 128)]
     mods = _attn_modules()
     for S in (1024, 2048, 4096):
         B = 32768 // S
@@ -114,13 +117,13 @@ def sec_attn():
                     qq.grad = kk.grad = vv.grad = None
                     F.scaled_dot_product_attention(qq, kk, vv, is_causal=causal).backward(do)
                 rec(grp, "flash fwd+bwd", bench(fb), flops=3.5 * f1)
-            tiles = ((128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)) if S <= 2048 else (saved,)
+            tiles = ((128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3)) if S <= 2048 else saved[:1]
             for tile in tiles:
-                configs.ATTN_TILES[("fwd", 2, 128)] = tile
+                configs.ATTN_TILES[("fwd", 2, 128)] = configs.ATTN_TILES[("fwd_causal_short", 2, 128)] = tile
                 for name, A in mods:
                     guard(grp, f"{name} fwd {tile}", lambda: rec(grp, f"{name} fwd {tile}", bench(
                         lambda: A.attn_fwd(q, k, v, scale, causal, out_dtype=torch.bfloat16)), flops=f1))
-            configs.ATTN_TILES[("fwd", 2, 128)] = saved
+            configs.ATTN_TILES[("fwd", 2, 128)], configs.ATTN_TILES[("fwd_causal_short", 2, 128)] = saved
             for name, A in mods:
                 def fwdbwd(A=A):
                     o, lse = A.attn_fwd(q, k, v, scale, causal, out_dtype=torch.bfloat16)
@@ -152,6 +155,32 @@ def sec_decode():
                 torch.cuda.synchronize()
             print(f"==== decode {keys} {name}: 20 calls ====")
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6, max_name_column_width=50))
+        _host_times(q, k, v)
+
+
+def _host_times(q, k, v):
+    """Host time per call of each layer of the decode path (the GPU runs behind, asynchronously)."""
+    import splitsoftmax as ss
+    from splitsoftmax import _checks
+    from splitsoftmax.kernels import attention as A, decode as P
+    scale = 128 ** -0.5
+    parts = {"ss.attention": lambda: ss.attention(q, k, v),
+             "kernels.attn_fwd": lambda: A.attn_fwd(q, k, v, scale, False, out_dtype=torch.bfloat16),
+             "plan": lambda: P.plan(q, k, v, False, 0),
+             "checks": lambda: _checks.attention_args(q, k, v, None, False),
+             "2x torch.empty": lambda: (torch.empty(33, 1, 32, 1, 128, device="cuda"),
+                                        torch.empty(33, 1, 32, 1, device="cuda"))}
+    for name, fn in parts.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        host = (time.perf_counter() - t0) / 200 * 1e6
+        torch.cuda.synchronize()
+        print(f"decode {k.shape[2]} host: {name:18s} {host:7.1f} us per call", flush=True)
+        ROWS.append({"group": f"decode {k.shape[2]} host", "name": name, "us": host})
 
 
 SECTIONS = {"softmax": sec_softmax, "attn": sec_attn, "decode": sec_decode}

@@ -33,9 +33,9 @@ VARIANTS = {
     "two_pass": dict(one_pass_max_cols=8192, split_rows_per_sm=0.0),
     "split": dict(one_pass_max_cols=8192, split_rows_per_sm=1e9),
     "tile32k": dict(loop_tile_bytes=32768),
+    "warp1024": dict(loop_elems_per_warp=1024),
     "warp512": dict(loop_elems_per_warp=512),
     "stages1": dict(loop_stages=1),
-    "warp512_stages1": dict(loop_elems_per_warp=512, loop_stages=1),
 }
 
 

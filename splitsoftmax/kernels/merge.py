@@ -69,23 +69,23 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
 def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
                         s_on, s_or, s_od, s_ln, s_lr, s_outr, s_outd, s_lser,
                         BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid ``(R, cdiv(DV, BLOCK_D))``: one row, every part (``N <= BLOCK_P``) loaded at once."""
+    """Grid ``(R, cdiv(DV, BLOCK_D))``: one row, every part (``N <= BLOCK_P``) loaded at once; the
+    ``lse`` and ``out`` loads are independent, so the merge waits for memory once."""
     row = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     parts = tl.arange(0, BLOCK_P)  # [BLOCK_P]
     pmask = parts < N
     x = tl.load(LSES + parts * s_ln + row * s_lr, mask=pmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    o = tl.load(OUTS + parts[:, None] * s_on + row * s_or + cols[None, :] * s_od,
+                mask=pmask[:, None] & (cols < DV)[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_D]
     m = tl.max(x, 0)
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(x - m_use)  # [BLOCK_P]; 0 for empty parts, NaN for NaN ones
     s = tl.sum(w, 0)
     some = s != 0  # not every part empty (a NaN sum is not empty: it must stay NaN)
     w = w * tl.where(some, 1.0 / tl.where(some, s, 1.0), 0.0)
-    omask = (pmask & (w > 0))[:, None] & (cols < DV)[None, :]
-    o = tl.load(OUTS + parts[:, None] * s_on + row * s_or + cols[None, :] * s_od, mask=omask,
-                other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_D]
-    acc = tl.sum(w[:, None] * o, 0)  # [BLOCK_D]
+    acc = tl.sum(tl.where((w != 0)[:, None], w[:, None] * o, 0.0), 0)  # [BLOCK_D]; empty parts (w = 0) skipped, NaN kept
     tl.store(OUT + row * s_outr + cols * s_outd, acc.to(OUT.dtype.element_ty), mask=cols < DV)
     lse = tl.where(some, (m_use + tl.math.log2(tl.where(some, s, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + row * s_lser, lse, mask=pid_d == 0)
@@ -103,18 +103,16 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
     block_d = min(block_d, triton.next_power_of_2(max(dv, 1)))
     grid = (triton.cdiv(r, block_r), max(1, triton.cdiv(dv, block_d)))
     strides = (*outs.stride(), *lses.stride(), *out.stride(), lse.stride(0))
-    if _few_rows(outs, grid[0] * grid[1], block_d):
-        _merge_parts_kernel[(r, grid[1])](outs, lses, out, lse, n, r, dv, *strides,
-                                          BLOCK_P=triton.next_power_of_2(n), BLOCK_D=block_d, num_warps=warps)
+    target = configs.MERGE_PARTS_PROGRAMS_PER_SM * sm_count(outs)
+    if grid[0] * grid[1] < target and triton.next_power_of_2(n) * block_d <= configs.MERGE_PARTS_MAX_ELEMS:
+        while block_d > 16 and r * triton.cdiv(dv, block_d) < target:  # narrower columns, more programs
+            block_d //= 2
+        _merge_parts_kernel[(r, triton.cdiv(dv, block_d))](outs, lses, out, lse, n, r, dv, *strides,
+                                                           BLOCK_P=triton.next_power_of_2(n), BLOCK_D=block_d,
+                                                           num_warps=warps)
         return
     _merge_fwd_kernel[grid](outs, lses, out, lse, n, r, dv, *strides,
                             BLOCK_R=block_r, BLOCK_D=block_d, WRITE_LSE=True, num_warps=warps)
-
-
-def _few_rows(outs: Tensor, programs: int, block_d: int) -> bool:
-    """Whether the row-tiled kernel would leave the GPU idle and every part fits one tile."""
-    return (triton.next_power_of_2(outs.shape[0]) * block_d <= configs.MERGE_PARTS_MAX_ELEMS
-            and programs < configs.MERGE_PARTS_PROGRAMS_PER_SM * sm_count(outs))
 
 
 def merge_out_lse(outs: Tensor, lses: Tensor, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:

@@ -237,6 +237,7 @@ def test_forward_tiles_follow_the_configs():
         k = torch.empty(32, 16, s, d, dtype=torch.bfloat16, device="meta")
         return decode.plan(q, k, k, causal, 0).tile
 
-    assert tile(1024, True) == tile(configs.ATTN_SHORT_CAUSAL_SQ, True) == configs.ATTN_TILES[("fwd_causal_short", 2, 128)]
+    short = configs.ATTN_TILES[("fwd_causal_short", 2, 128)]
+    assert tile(1024, True) == tile(configs.ATTN_SHORT_CAUSAL_SQ, True) == short
     assert tile(1024, False) == tile(4096, True) == configs.ATTN_TILES[("fwd", 2, 128)]
     assert tile(1024, True, d=256) == configs.ATTN_TILES[("fwd", 2, 256)]

@@ -85,7 +85,8 @@ def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
     s = tl.sum(w, 0)
     some = s != 0  # not every part empty (a NaN sum is not empty: it must stay NaN)
     w = w * tl.where(some, 1.0 / tl.where(some, s, 1.0), 0.0)
-    acc = tl.sum(tl.where((w != 0)[:, None], w[:, None] * o, 0.0), 0)  # [BLOCK_D]; empty parts (w = 0) skipped, NaN kept
+    # [BLOCK_D]; an empty part (w = 0) is skipped whatever its out holds, a NaN weight is kept
+    acc = tl.sum(tl.where((w != 0)[:, None], w[:, None] * o, 0.0), 0)
     tl.store(OUT + row * s_outr + cols * s_outd, acc.to(OUT.dtype.element_ty), mask=cols < DV)
     lse = tl.where(some, (m_use + tl.math.log2(tl.where(some, s, 1.0))) * 0.6931471805599453, float("-inf"))
     tl.store(LSE + row * s_lser, lse, mask=pid_d == 0)

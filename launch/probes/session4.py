@@ -9,7 +9,9 @@ SECTIONS (comma-separated, default all):
 - attn: forward tiles and forward+backward at S=1k/2k/4k beside SDPA flash, the kernels as they are
   against ``kernels/_old_attention.py`` when present (a copy of an earlier ``kernels/attention.py``,
   never committed);
-- decode: profile of split-KV decode at 128k and 1M keys beside cuDNN, host time of each layer.
+- decode: profile of split-KV decode at 128k and 1M keys beside cuDNN, host time of each layer;
+- short: short rows (N = 128, 512, 2048 fp32): one-pass tile size and warps beside torch;
+- causal: the short-causal forward tile at S=1k/2k beside SDPA flash.
 Writes OUTDIR/probe.json.
 """
 import importlib
@@ -183,7 +185,60 @@ def _host_times(q, k, v):
         ROWS.append({"group": f"decode {k.shape[2]} host", "name": name, "us": host})
 
 
-SECTIONS = {"softmax": sec_softmax, "attn": sec_attn, "decode": sec_decode}
+def sec_short():
+    """Short rows (fp32, R*N = 2^27): the one-pass tile size and warps against torch, (log-)softmax."""
+    from splitsoftmax.kernels import configs
+    from splitsoftmax.kernels import softmax as K
+    cfg = configs.SOFTMAX
+    saved = dict(vars(cfg))
+    for n in (128, 512, 2048):
+        x = torch.randn((1 << 27) // n, n, device="cuda")
+        nb = 2 * x.numel() * 4
+        for log in (False, True):
+            grp = f"short N={n} {'log_softmax' if log else 'softmax'}"
+            tfn = torch.log_softmax if log else torch.softmax
+            rec(grp, "torch", bench(lambda: tfn(x, -1)), nb)
+            ref = tfn(x[:64].double(), -1)
+            for tile in (4096, 8192, 16384):
+                for per_warp in (256, 512, 1024):
+                    vars(cfg).update(saved)
+                    cfg.one_pass_tile_elems, cfg.elems_per_warp = tile, per_warp
+                    p = K._plan(x)
+                    name = f"tile{tile} pw{per_warp} rows{p.block_r} w{p.num_warps}"
+
+                    def run():
+                        err = (K.softmax_fwd(x, log)[0][:64].double() - ref).abs().max().item()
+                        rec(grp, name, bench(lambda: K.softmax_fwd(x, log)), nb, err=f"{err:.1e}")
+                    guard(grp, name, run)
+        del x
+    vars(cfg).update(saved)
+    torch.cuda.empty_cache()
+
+
+def sec_causal():
+    """Causal forward at S=1k/2k (H=16, D=128, bf16, B*S=32k): short-causal tile variants beside flash."""
+    from splitsoftmax.kernels import attention as A
+    from splitsoftmax.kernels import configs
+    key = ("fwd_causal_short", 2, 128)
+    saved = configs.ATTN_TILES[key]
+    for S in (1024, 2048):
+        B = 32768 // S
+        q, k, v = (torch.randn(B, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        f1 = 4 * B * 16 * S * S * 128 / 2
+        grp = f"causal fwd S{S}"
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rec(grp, "flash", bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=f1)
+        for tile in ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (32, 64, 4, 3),
+                     (64, 64, 8, 3), (128, 32, 8, 3), (64, 128, 8, 3)):
+            configs.ATTN_TILES[key] = tile
+            guard(grp, str(tile), lambda: rec(grp, str(tile), bench(
+                lambda: A.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=torch.bfloat16)), flops=f1))
+        configs.ATTN_TILES[key] = saved
+        del q, k, v
+    torch.cuda.empty_cache()
+
+
+SECTIONS = {"softmax": sec_softmax, "attn": sec_attn, "decode": sec_decode, "short": sec_short, "causal": sec_causal}
 
 if __name__ == "__main__":
     out = sys.argv[1]

@@ -62,6 +62,16 @@ def init_ranks(kind: str, device: Optional[str] = None):
     return None, device, rank, world
 
 
+def finish_ranks(kind: str) -> None:
+    """End this rank's part of a torchrun job: every rank arrives, then the process group is taken
+    down before exit (a Gloo group left to the interpreter's exit can abort the process when its
+    peer is already gone: "terminate called without an active exception")."""
+    import torch.distributed as dist
+    if kind == "torchrun" and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def default_nproc() -> int:
     """Ranks to start when none were given: one per GPU when there are several, else 4 CPU ranks."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -178,4 +178,7 @@ def _verify_ranks(kind: str, dtype: torch.dtype, device: Optional[str]) -> int:
     group, device, rank, world = launcher.init_ranks(kind, device)
     job = Job(group, device, rank, world, dtype)
     quiet = open(os.devnull, "w") if rank else sys.stdout
-    return run_table(lambda: single_device_rows(str(device), dtype) + sharded_rows(job), stream=quiet)
+    try:
+        return run_table(lambda: single_device_rows(str(device), dtype) + sharded_rows(job), stream=quiet)
+    finally:
+        launcher.finish_ranks(kind)

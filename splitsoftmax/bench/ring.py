@@ -529,4 +529,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         n = opts.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
         return launcher.spawn(n, ["bench", "ring", *without_nproc(argv)], opts.deadline)
     w = World(kind)
-    return run(w, defaults(opts, w.cuda), argv)
+    try:
+        return run(w, defaults(opts, w.cuda), argv)
+    finally:
+        launcher.finish_ranks(kind)

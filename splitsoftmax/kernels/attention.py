@@ -26,7 +26,7 @@ from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any 
 from ..state import stat_dtype
 from .decode import Plan, attn_tile, dot_precision, pad_dim, plan
 from ..local import interpreting
-from .merge import merge_into
+from .merge import inv_or_zero, lse2_of, merge_into
 
 LOG2E = 1.4426950408889634
 # Triton 3.6's interpreter multiplies bf16 tiles as raw integers: there, tl.dot runs on float32
@@ -67,7 +67,7 @@ def _nonfinite(x):
 @triton.jit
 def _finite_or_zero(x):
     """Tile ``x [N, D]`` with every NaN/Inf element replaced by 0 (one elementwise pass)."""
-    return tl.where(tl.abs(x.to(tl.float32)) < float("inf"), x, 0.0).to(x.dtype)
+    return tl.where(_nonfinite(x) == 0, x, 0.0).to(x.dtype)
 
 
 @triton.jit
@@ -98,8 +98,9 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, kj, pos, hi, diag, qk_scale, dma
     v = _load_rows(v_ptrs, kmask, dvmask, MASKED, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
     acc = acc * alpha[:, None]
     if MASKED and CAUSAL:  # a NaN/Inf value a row cannot see must not reach it through 0 * NaN
-        if tl.max(_nonfinite(v)) > 0:  # rare: one scalar test keeps the diagonal tile cheap
-            bad = tl.max(_nonfinite(v), 1) > 0  # [BLOCK_N] keys with a NaN/Inf value
+        nonfinite = _nonfinite(v)  # [BLOCK_N, BLOCK_DV]
+        if tl.max(nonfinite) > 0:  # rare: one scalar test keeps the diagonal tile cheap
+            bad = tl.max(nonfinite, 1) > 0  # [BLOCK_N] keys with a NaN/Inf value
             hit = tl.max(tl.where((p > 0) & bad[None, :], 1, 0), 1) > 0  # [BLOCK_M] rows that see one
             acc = _dot(p.to(v.dtype), tl.where(bad[:, None], 0.0, v).to(v.dtype), acc, PREC)
             acc = tl.where(hit[:, None], float("nan"), acc)
@@ -176,10 +177,8 @@ def _attn_fwd_kernel(Q, K, V, O, L,
                                   BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC)
     # epilogue: (out, lse) of this block; an empty row (l exactly 0) is (0, -inf); a NaN l stays NaN,
     # never "empty": merges skip empty parts, and a NaN must reach the rows that depend on it
-    l_ok = l_i != 0
-    l_safe = tl.where(l_ok, l_i, 1.0)
-    out = acc / l_safe[:, None]  # [BLOCK_M, BLOCK_DV]
-    lse2 = tl.where(l_ok, m_i + tl.math.log2(l_safe), float("-inf"))
+    out = acc / tl.where(l_i != 0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_DV]
+    lse2 = lse2_of(m_i, l_i)
     o_ptrs = O + pid_s * s_osplit + b * s_ob + head[:, None] * s_oh + pos[:, None] * s_os + offs_dv[None, :] * s_od
     l_ptrs = L + pid_s * s_lsplit + b * s_lb + head * s_lh + pos * s_ls
     st_mask = row_ok[:, None] & dvmask[None, :]
@@ -190,11 +189,10 @@ def _attn_fwd_kernel(Q, K, V, O, L,
         w_old = tl.math.exp2(old2 - m2)
         w_new = tl.math.exp2(lse2 - m2)
         tot = w_old + w_new
-        some = tot != 0  # [BLOCK_M] not both empty (NaN counts as not empty)
-        inv = tl.where(some, 1.0 / tl.where(some, tot, 1.0), 0.0)
+        inv = inv_or_zero(tot)  # [BLOCK_M]
         o_old = tl.load(o_ptrs, mask=st_mask & (w_old > 0)[:, None], other=0.0)
         out = o_old * (w_old * inv)[:, None] + out * (w_new * inv)[:, None]
-        lse2 = tl.where(some, m2 + tl.math.log2(tl.where(some, tot, 1.0)), float("-inf"))
+        lse2 = lse2_of(m2, tot)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=st_mask)
     tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
 

@@ -24,8 +24,22 @@ from torch import Tensor
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ..local import interpreting
 from . import configs
-from .configs import MERGE_TILE, MERGE_TILE_INTERPRET
 from .decode import sm_count
+
+
+@triton.jit
+def inv_or_zero(s):
+    """``1 / s`` of a weight sum, 0 where it is exactly 0 (every part empty); NaN stays NaN."""
+    some = s != 0
+    return tl.where(some, 1.0 / tl.where(some, s, 1.0), 0.0)
+
+
+@triton.jit
+def lse2_of(m, s):
+    """``lse`` in the log2 domain from a max ``m`` (0 where every part is empty) and the weight
+    sum ``s`` relative to it: ``m + log2(s)``, ``-inf`` where ``s`` is exactly 0, NaN stays NaN."""
+    some = s != 0
+    return tl.where(some, m + tl.math.log2(tl.where(some, s, 1.0)), float("-inf"))
 
 
 @triton.jit(do_not_specialize=["N", "R"])
@@ -48,8 +62,7 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
         s = s * tl.math.exp2(m - m_use) + tl.math.exp2(x - m_use)
         m = m_new
     m_use = tl.where(m == float("-inf"), 0.0, m)
-    some = s != 0  # [BLOCK_R] a non-empty part (a NaN sum is not empty: it must stay NaN)
-    inv = tl.where(some, 1.0 / tl.where(some, s, 1.0), 0.0)
+    inv = inv_or_zero(s)  # [BLOCK_R]
     # pass 2: one read of each part's tile with its final weight
     mask2 = rmask[:, None] & (cols[None, :] < DV)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -61,8 +74,7 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
         acc += w[:, None] * o
     tl.store(OUT + rows64[:, None] * s_outr + cols[None, :] * s_outd, acc.to(OUT.dtype.element_ty), mask=mask2)
     if WRITE_LSE:
-        lse = tl.where(some, (m_use + tl.math.log2(tl.where(some, s, 1.0))) * 0.6931471805599453, float("-inf"))
-        tl.store(LSE + rows64 * s_lser, lse, mask=rmask & (pid_d == 0))
+        tl.store(LSE + rows64 * s_lser, lse2_of(m_use, s) * 0.6931471805599453, mask=rmask & (pid_d == 0))
 
 
 @triton.jit(do_not_specialize=["N", "R"])
@@ -83,13 +95,11 @@ def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
     m_use = tl.where(m == float("-inf"), 0.0, m)
     w = tl.math.exp2(x - m_use)  # [BLOCK_P]; 0 for empty parts, NaN for NaN ones
     s = tl.sum(w, 0)
-    some = s != 0  # not every part empty (a NaN sum is not empty: it must stay NaN)
-    w = w * tl.where(some, 1.0 / tl.where(some, s, 1.0), 0.0)
+    w = w * inv_or_zero(s)
     # [BLOCK_D]; an empty part (w = 0) is skipped whatever its out holds, a NaN weight is kept
     acc = tl.sum(tl.where((w != 0)[:, None], w[:, None] * o, 0.0), 0)
     tl.store(OUT + row * s_outr + cols * s_outd, acc.to(OUT.dtype.element_ty), mask=cols < DV)
-    lse = tl.where(some, (m_use + tl.math.log2(tl.where(some, s, 1.0))) * 0.6931471805599453, float("-inf"))
-    tl.store(LSE + row * s_lser, lse, mask=pid_d == 0)
+    tl.store(LSE + row * s_lser, lse2_of(m_use, s) * 0.6931471805599453, mask=pid_d == 0)
 
 
 def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
@@ -100,7 +110,7 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
     n, r, dv = outs.shape
     if r == 0:
         return
-    block_r, block_d, warps = MERGE_TILE_INTERPRET if interpreting() else MERGE_TILE
+    block_r, block_d, warps = configs.MERGE_TILE_INTERPRET if interpreting() else configs.MERGE_TILE
     block_d = min(block_d, triton.next_power_of_2(max(dv, 1)))
     grid = (triton.cdiv(r, block_r), max(1, triton.cdiv(dv, block_d)))
     strides = (*outs.stride(), *lses.stride(), *out.stride(), lse.stride(0))

@@ -8,9 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from . import ops  # noqa: F401  (registers torch.ops.splitsoftmax.*)
-
-_OPS = torch.ops.splitsoftmax
+from .ops import call
 
 
 def _rows(x: Tensor, dim: int) -> tuple[Tensor, tuple]:
@@ -23,7 +21,7 @@ def _softmax(x: Tensor, dim: int, log: bool) -> Tensor:
     _checks.tensor("x", x)
     d = _checks.dim("dim", dim, x.dim())
     x2, shape = _rows(x, d)
-    y = _OPS.softmax_fwd(x2, log)[0].reshape(shape)
+    y = call("softmax_fwd", x2, log)[0].reshape(shape)
     return y.reshape(()) if x.dim() == 0 else y.movedim(-1, d)
 
 
@@ -45,7 +43,7 @@ def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
     _checks.tensor("x", x)
     d = _checks.dim("dim", dim, x.dim())
     x2, shape = _rows(x, d)
-    return _OPS.logsumexp_fwd(x2).float().reshape(shape[:-1])
+    return call("logsumexp_fwd", x2).float().reshape(shape[:-1])
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
@@ -64,7 +62,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     """
     s = _checks.attention_args(q, k, v, scale, causal)
     _checks.flag("return_lse", return_lse)
-    out, lse = _OPS.attn_fwd(q, k, v, s, causal, 0)
+    out, lse = call("attn_fwd", q, k, v, s, causal, 0)
     return (out, lse.float()) if return_lse else out
 
 
@@ -82,5 +80,5 @@ def merge_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     if outs.shape[0] == 0:
         rows = tuple(outs.shape[1:-1])
         return outs.new_zeros(outs.shape[1:]), torch.full(rows, float("-inf"), device=outs.device)
-    out, lse = _OPS.merge_fwd(outs, lses)
+    out, lse = call("merge_fwd", outs, lses)
     return out.to(outs.dtype), lse.float()

@@ -12,13 +12,12 @@ import torch
 from torch import Tensor
 
 from . import _checks
-from . import ops  # noqa: F401  (registers torch.ops.splitsoftmax.*)
 from .distributed import handshake as hs
 from .distributed.comm import as_comm
 from .distributed.tree import allgather
 from .kernels.cpu import merge_ce_stats
 from .local import op
-from .ops import row_losses
+from .ops import call, row_losses
 from .state import stat_dtype
 
 
@@ -85,7 +84,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
     """
     eps = _args(logits, target, ignore_index, reduction, label_smoothing)
     _check_targets(target, ignore_index, logits.shape[1])
-    loss, _ = torch.ops.splitsoftmax.ce_fwd(logits, target, ignore_index, eps)
+    loss, _ = call("ce_fwd", logits, target, ignore_index, eps)
     return _reduce(loss, target, ignore_index, reduction, logits.dtype)
 
 

@@ -22,8 +22,39 @@ from . import state
 from .local import op
 from .state import stat_dtype
 
-custom_op, register_fake, register_autograd = (torch.library.custom_op, torch.library.register_fake,
-                                               torch.library.register_autograd)
+register_fake, register_autograd = torch.library.register_fake, torch.library.register_autograd
+
+# op name -> its implementation, the function the op's CPU/CUDA kernel runs
+IMPLS: dict = {}
+
+
+def _op(name: str):
+    """Register the decorated function as ``torch.ops.splitsoftmax.<name>`` (no mutated arguments)
+    and keep it, undecorated, in ``IMPLS`` for :func:`call`."""
+    def register(fn):
+        torch.library.custom_op(f"splitsoftmax::{name}", fn, mutates_args=())
+        IMPLS[name] = fn
+        return fn
+    return register
+
+
+def plain_eager(*tensors: Tensor) -> bool:
+    """Whether running an op's implementation directly does exactly what the op would: no autograd
+    to record (reverse or forward mode), no functorch transform, no tracing or compiling, no torch
+    function or dispatch mode, and plain ``torch.Tensor`` inputs."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return False  # (compiling first: Dynamo folds it, and traces none of the checks below)
+    return (all(type(t) is Tensor for t in tensors) and torch.autograd.forward_ad._current_level < 0
+            and not torch._C._are_functorch_transforms_active() and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._len_torch_function_stack() == 0)
+
+
+def call(name: str, *args):
+    """``torch.ops.splitsoftmax.<name>(*args)``, skipping the dispatcher's per-call cost (tens of
+    microseconds of host time) when :func:`plain_eager` holds for the tensor arguments."""
+    if plain_eager(*(a for a in args if isinstance(a, Tensor))):
+        return IMPLS[name](*args)
+    return getattr(torch.ops.splitsoftmax, name)(*args)
 
 
 def _out(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -31,7 +62,7 @@ def _out(t: Tensor, dtype: torch.dtype) -> Tensor:
     return t.to(dtype).contiguous()
 
 
-@custom_op("splitsoftmax::softmax_fwd", mutates_args=())
+@_op("softmax_fwd")
 def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     """(Log-)softmax of each row of ``x (R, N)``: ``(y (R, N) x.dtype, lse (R,))``."""
     y, lse = op("softmax_fwd", x)(x, log)
@@ -43,7 +74,7 @@ def _softmax_fwd_fake(x, log):
     return x.new_empty(x.shape), x.new_empty(x.shape[:1], dtype=stat_dtype(x.dtype))
 
 
-@custom_op("splitsoftmax::softmax_bwd", mutates_args=())
+@_op("softmax_bwd")
 def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool) -> Tensor:
     """``dx (R, N)`` in ``y.dtype`` from the output ``y``, its gradient ``dy`` and ``lse (R,)``."""
     return _out(op("softmax_bwd", y)(y, dy, lse, log), y.dtype)
@@ -54,7 +85,7 @@ def _softmax_bwd_fake(y, dy, lse, log):
     return y.new_empty(y.shape)
 
 
-@custom_op("splitsoftmax::logsumexp_fwd", mutates_args=())
+@_op("logsumexp_fwd")
 def logsumexp_fwd(x: Tensor) -> Tensor:
     """Logsumexp of each row of ``x (R, N)``: ``(R,)``, natural log."""
     return _out(op("lse_rows", x)(x), stat_dtype(x.dtype))
@@ -65,7 +96,7 @@ def _logsumexp_fwd_fake(x):
     return x.new_empty(x.shape[:1], dtype=stat_dtype(x.dtype))
 
 
-@custom_op("splitsoftmax::logsumexp_bwd", mutates_args=())
+@_op("logsumexp_bwd")
 def logsumexp_bwd(x: Tensor, lse: Tensor, g: Tensor) -> Tensor:
     """``dx = g * exp(x - lse)``, ``(R, N)`` in ``x.dtype``; 0 in empty rows."""
     return _out(op("logsumexp_bwd", x)(x, lse, g), x.dtype)
@@ -76,7 +107,7 @@ def _logsumexp_bwd_fake(x, lse, g):
     return x.new_empty(x.shape)
 
 
-@custom_op("splitsoftmax::attn_fwd", mutates_args=())
+@_op("attn_fwd")
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int) -> tuple[Tensor, Tensor]:
     """Attention of ``q (B,H,Sq,D)`` over ``k (B,Hkv,Sk,D)``, ``v (B,Hkv,Sk,Dv)``.
 
@@ -92,7 +123,7 @@ def _attn_fwd_fake(q, k, v, scale, causal, diag):
     return q.new_empty((b, h, sq, v.shape[-1])), q.new_empty((b, h, sq), dtype=stat_dtype(q.dtype))
 
 
-@custom_op("splitsoftmax::attn_bwd", mutates_args=())
+@_op("attn_bwd")
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
              scale: float, causal: bool, diag: int) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` in the dtypes of ``q, k, v``; ``lse``, ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``."""
@@ -105,7 +136,7 @@ def _attn_bwd_fake(q, k, v, dout, lse, delta, scale, causal, diag):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
-@custom_op("splitsoftmax::attn_bwd_prep", mutates_args=())
+@_op("attn_bwd_prep")
 def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """``(lse, delta)`` rows ``(B,H,Sq)`` for ``attn_bwd``: ``delta = rowsum(dout*out) - dlse``;
     rows with all-zero cotangents get ``lse = -inf`` (they contribute nothing)."""
@@ -118,7 +149,7 @@ def _attn_bwd_prep_fake(out, lse, dout, dlse):
     return lse.new_empty(lse.shape), lse.new_empty(lse.shape)
 
 
-@custom_op("splitsoftmax::merge_fwd", mutates_args=())
+@_op("merge_fwd")
 def merge_fwd(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     """N-way merge of ``outs (N, *rows, Dv)``, ``lses (N, *rows)``, N >= 1.
 
@@ -148,7 +179,7 @@ def row_losses(stats: Tensor, target: Tensor, ignore_index: int, smoothing: floa
     return torch.where(target == ignore_index, 0.0, loss), lse
 
 
-@custom_op("splitsoftmax::ce_fwd", mutates_args=())
+@_op("ce_fwd")
 def ce_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
     """Cross-entropy of each row of ``logits (N, V)``: ``(loss (N,), lse (N,))``, statistics dtype."""
     stats = op("ce_stats", logits)(logits, target, 0, label_smoothing > 0).to(stat_dtype(logits.dtype))
@@ -162,7 +193,7 @@ def _ce_fwd_fake(logits, target, ignore_index, label_smoothing):
     return logits.new_empty(logits.shape[:1], dtype=dt), logits.new_empty(logits.shape[:1], dtype=dt)
 
 
-@custom_op("splitsoftmax::ce_bwd", mutates_args=())
+@_op("ce_bwd")
 def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int, smoothing: float,
            vocab: int) -> Tensor:
     """``dlogits (N, V)`` in ``logits.dtype`` for the row-loss gradients ``coef (N,)`` (0: ignored row)."""

@@ -155,3 +155,53 @@ def test_gpu_opcheck_and_inductor_fullgraph(dtype):
         err_c = (a.double().cpu() - r).abs().max().item()
         err_e = (b.double().cpu() - r).abs().max().item()
         assert err_c <= 2 * err_e + 1e-6 * r.abs().max().item(), (err_c, err_e)
+
+class _SeenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ``splitsoftmax::`` ops that reach the dispatcher."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "splitsoftmax":
+            self.seen.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+def _public_calls(q, k, v, x, outs, lses):
+    return [ss.attention(q, k, v, causal=True), ss.softmax(x), ss.log_softmax(x, dim=0), ss.logsumexp(x),
+            *ss.merge_states(outs, lses)]
+
+
+def test_plain_eager_calls_skip_the_dispatcher_with_the_same_result(monkeypatch):
+    """Without autograd, modes or tracing, the public calls run the ops' implementations directly
+    (no dispatcher cost) and return exactly what the ops return."""
+    from splitsoftmax import ops
+    ins = [t.detach() for t in _inputs()]
+    real = torch.ops.splitsoftmax
+    monkeypatch.setattr(torch.ops, "splitsoftmax", None)  # any dispatch through the namespace fails
+    direct = _public_calls(*ins)
+    monkeypatch.setattr(torch.ops, "splitsoftmax", real)
+    with _SeenOps() as mode:  # a dispatch mode is active: every call goes through the op
+        via_op = _public_calls(*ins)
+    assert mode.seen == ["attn_fwd", "softmax_fwd", "softmax_fwd", "logsumexp_fwd", "merge_fwd"]
+    for a, b in zip(direct, via_op):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    assert not ops.plain_eager(torch.ones(2, requires_grad=True))
+    with torch.no_grad():
+        assert ops.plain_eager(torch.ones(2, requires_grad=True))
+
+
+def test_calls_needing_autograd_take_the_op():
+    """Gradients (reverse and forward mode) and functorch transforms still see the registered op."""
+    import torch.autograd.forward_ad as fwAD
+    x = torch.randn(3, 7)
+    assert ss.softmax(x.requires_grad_()).grad_fn is not None
+    with _SeenOps() as mode, torch.no_grad():
+        ss.softmax(x)
+    assert mode.seen == ["softmax_fwd"]
+    from splitsoftmax import ops
+    with fwAD.dual_level():
+        assert not ops.plain_eager(x.detach())
+    assert not torch.func.vmap(lambda r: torch.tensor(ops.plain_eager(r)))(x.detach()).any()

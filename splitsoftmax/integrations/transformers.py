@@ -23,6 +23,7 @@ from .. import _checks
 from ..distributed import layout as lay
 from ..distributed import shard, sharded_attention
 from ..functional import attention
+from ..ops import call
 
 NAME = "splitsoftmax"
 _CONFIG = {"group": None, "sequence_parallel": True}
@@ -103,7 +104,7 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
     if causal and sk != sq:
         # a KV cache: query i sits at key position sk - sq + i (bottom-right alignment)
         s = _checks.attention_args(query, key, value, scaling, causal)
-        out, _ = torch.ops.splitsoftmax.attn_fwd(query, key, value, s, True, sk - sq)
+        out, _ = call("attn_fwd", query, key, value, s, True, sk - sq)
     else:
         out = attention(query, key, value, causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -1,0 +1,224 @@
+"""Probe (tuning data, not part of the library): session 5's host-path and kernel questions, one GPU.
+
+    PYTHONPATH=. python3 launch/probes/session5.py OUTDIR [SECTIONS]
+
+SECTIONS (comma-separated, default all):
+- host: host time per call of each layer of a 128k-key decode, and a cProfile of the public call;
+- decode: 128k / 1M-key decode, eager and CUDA-graph replay, the split merge fused into the split
+  kernel or run by the merge kernel, beside cuDNN; at 1M also the split programs per SM;
+- causal: S=1k / 2k causal forward, the kernel as it is against copies of it patched for timing only
+  (no NaN guard on the diagonal tile; the diagonal tile unmasked, wrong results; a sum-based
+  guard), beside SDPA flash.
+Writes OUTDIR/probe.json.
+"""
+import cProfile
+import importlib
+import io
+import json
+import os
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
+
+ROWS = []
+
+
+def bench(fn):
+    fn()
+    torch.cuda.synchronize()
+    return min(do_bench(fn, warmup=25, rep=120, return_mode="median") for _ in range(2))
+
+
+def graph_ms(fn):
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay)
+
+
+def rec(group, name, ms, nbytes=None, flops=None, **extra):
+    r = {"group": group, "name": name, "ms": ms, **extra}
+    if nbytes:
+        r["gbps"] = nbytes / ms / 1e6
+    if flops:
+        r["tflops"] = flops / ms / 1e9
+    ROWS.append(r)
+    rate = f"{r['gbps']:7.0f} GB/s" if nbytes else f"{r['tflops']:6.0f} TFLOP/s"
+    print(f"{group:24s} {name:44s} {ms:8.4f} ms {rate} {extra or ''}", flush=True)
+
+
+def guard(group, name, f):
+    try:
+        f()
+    except Exception as e:  # noqa: BLE001  (a variant that fails is recorded, the rest go on)
+        print(f"{group:24s} {name:44s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        ROWS.append({"group": group, "name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+
+
+def decode_inputs(keys):
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, keys, 128, device="cuda", dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)
+
+
+def host_us(fn, n=300):
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def sec_host():
+    import triton
+    import triton.language as tl
+    import splitsoftmax as ss
+    from splitsoftmax import _checks
+    from splitsoftmax.kernels import attention as A, configs, decode as P
+
+    @triton.jit
+    def _touch(X, n):
+        tl.store(X + tl.arange(0, 16), tl.zeros([16], tl.float32), mask=tl.arange(0, 16) < n)
+
+    q, k, v = decode_inputs(131072)
+    scale = 128 ** -0.5
+    buf = torch.empty(16, device="cuda")
+    parts = {"ss.attention no_grad (direct)": lambda: ss.attention(q, k, v),
+             "ss.attention via op": lambda: torch.ops.splitsoftmax.attn_fwd(q, k, v, scale, False, 0),
+             "kernels.attn_fwd": lambda: A.attn_fwd(q, k, v, scale, False, out_dtype=torch.bfloat16),
+             "plan": lambda: P.plan(q, k, v, False, 0),
+             "checks": lambda: _checks.attention_args(q, k, v, None, False),
+             "torch.zeros(8, int32)": lambda: torch.zeros(8, dtype=torch.int32, device="cuda"),
+             "2x torch.empty": lambda: (torch.empty(33, 1, 32, 1, 128, device="cuda"),
+                                        torch.empty(33, 1, 32, 1, device="cuda")),
+             "triton launch, 2 args": lambda: _touch[(1,)](buf, 16)}
+    for fused in (True, False):
+        configs.ATTN_SPLIT_FUSED_MERGE = fused
+        with torch.no_grad():
+            for name, fn in parts.items():
+                if not fused and "attn" not in name:
+                    continue
+                us = host_us(fn)
+                print(f"host fused={fused} {name:34s} {us:7.1f} us per call", flush=True)
+                ROWS.append({"group": "host", "name": name, "fused": fused, "us": us})
+    configs.ATTN_SPLIT_FUSED_MERGE = True
+    with torch.no_grad():
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            ss.attention(q, k, v)
+        prof.disable()
+        torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+    print(s.getvalue())
+    ROWS.append({"group": "host", "name": "cprofile", "text": s.getvalue()})
+
+
+def sec_decode():
+    import splitsoftmax as ss
+    from splitsoftmax.kernels import configs
+    for keys in (131072, 1048576):
+        q, k, v = decode_inputs(keys)
+        nb = 2 * k.numel() * 2
+        grp = f"decode {keys}"
+        with torch.no_grad():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                def cudnn():
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                want = cudnn().float()
+                rec(grp, "cudnn eager", bench(cudnn), nb)
+                rec(grp, "cudnn graph", graph_ms(cudnn), nb)
+            pps_list = (2, 3, 4) if keys > 131072 else (2,)
+            for fused in (True, False):
+                for pps in pps_list:
+                    configs.ATTN_SPLIT_FUSED_MERGE, configs.ATTN_SPLIT_PROGRAMS_PER_SM = fused, pps
+                    name = f"ss fused={int(fused)} pps={pps}"
+
+                    def one(name=name):
+                        diff = (ss.attention(q, k, v).float() - want).abs().max().item()
+                        rec(grp, name + " eager", bench(lambda: ss.attention(q, k, v)), nb, diff_vs_cudnn=diff)
+                        rec(grp, name + " graph", graph_ms(lambda: ss.attention(q, k, v)), nb)
+                    guard(grp, name, one)
+        configs.ATTN_SPLIT_FUSED_MERGE, configs.ATTN_SPLIT_PROGRAMS_PER_SM = True, 2
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+GUARD = "        if tl.max(nonfinite) > 0:  # rare: one scalar test keeps the diagonal tile cheap\n"
+PATCHES = {
+    "noguard": [(GUARD, "        if False:\n")],
+    "sumguard": [("        nonfinite = _nonfinite(v)  # [BLOCK_N, BLOCK_DV]\n" + GUARD,
+                  "        total = tl.sum(tl.sum(v.to(tl.float32), 1), 0)\n"
+                  "        if (tl.abs(total) < float('inf')) == 0:\n"
+                  "            nonfinite = _nonfinite(v)\n")],
+    "unmasked(wrong)": [("kj, pos, hi, diag, qk_scale, dmask, dvmask, CAUSAL, True,",
+                         "kj, pos, hi, diag, qk_scale, dmask, dvmask, CAUSAL, False,")],
+}
+
+
+def _patched(tag, patches):
+    src = open("splitsoftmax/kernels/attention.py").read()
+    for old, new in patches:
+        assert old in src, (tag, old)
+        src = src.replace(old, new)
+    name = f"_probe_{''.join(c for c in tag if c.isalnum())}"
+    with open(f"splitsoftmax/kernels/{name}.py", "w") as f:
+        f.write(src)
+    return importlib.import_module(f"splitsoftmax.kernels.{name}")
+
+
+def sec_causal():
+    from splitsoftmax.kernels import attention as A0, configs
+    mods = [("as is", A0)] + [(tag, _patched(tag, p)) for tag, p in PATCHES.items()]
+    key = ("fwd_causal_short", 2, 128)
+    saved = configs.ATTN_TILES[key]
+    for S in (1024, 2048):
+        B = 32768 // S
+        q, k, v = (torch.randn(B, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        scale = 128 ** -0.5
+        f1 = 4 * B * 16 * S * S * 128 / 2
+        grp = f"causal S{S}"
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rec(grp, "flash fwd", bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=f1)
+        want = A0.attn_fwd(q, k, v, scale, True, out_dtype=torch.bfloat16)[0]
+        for tile in ((64, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3)):
+            configs.ATTN_TILES[key] = tile
+            for tag, A in mods:
+                def run(A=A):
+                    fn = lambda: A.attn_fwd(q, k, v, scale, True, out_dtype=torch.bfloat16)  # noqa: E731
+                    diff = (fn()[0].float() - want.float()).abs().max().item()
+                    rec(grp, f"{tag} {tile}", bench(fn), flops=f1, diff=diff)
+                guard(grp, f"{tag} {tile}", run)
+        configs.ATTN_TILES[key] = saved
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+SECTIONS = {"host": sec_host, "decode": sec_decode, "causal": sec_causal}
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    try:
+        for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else list(SECTIONS)):
+            guard(s, "section", SECTIONS[s])
+    finally:
+        with open(os.path.join(out, "probe.json"), "w") as f:
+            json.dump(ROWS, f, indent=1)

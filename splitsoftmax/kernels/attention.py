@@ -24,10 +24,9 @@ from torch import Tensor
 
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ..state import stat_dtype
-from . import configs
 from .decode import Plan, attn_tile, dot_precision, pad_dim, plan
 from ..local import interpreting
-from .merge import inv_or_zero, lse2_of, merge_into, merge_parts
+from .merge import inv_or_zero, lse2_of, merge_into
 
 LOG2E = 1.4426950408889634
 # Triton 3.6's interpreter multiplies bf16 tiles as raw integers: there, tl.dot runs on float32
@@ -113,14 +112,13 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, kj, pos, hi, diag, qk_scale, dma
 
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "diag", "chunk"])
-def _attn_fwd_kernel(Q, K, V, O, L, FO, FL, CNT,
+def _attn_fwd_kernel(Q, K, V, O, L,
                      s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                      s_ob, s_oh, s_os, s_od, s_osplit, s_lb, s_lh, s_ls, s_lsplit,
                      NH, G, Sq, Sk, diag, chunk, qk_scale,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                     PACK: tl.constexpr, ACC: tl.constexpr, FUSE: tl.constexpr, POS_SCALE: tl.constexpr,
-                     PREC: tl.constexpr):
+                     PACK: tl.constexpr, ACC: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -197,27 +195,14 @@ def _attn_fwd_kernel(Q, K, V, O, L, FO, FL, CNT,
         lse2 = lse2_of(m2, tot)
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=st_mask)
     tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
-    if FUSE:  # split-KV: the last split of these rows to finish merges every split into FO, FL
-        tl.debug_barrier()  # every thread's partial stored before the count
-        arrived = tl.atomic_add(CNT + pid_bh * tl.num_programs(0) + pid_m, 1, sem="acq_rel")
-        if arrived == tl.num_programs(2) - 1:
-            o_off = b * s_ob + head[:, None] * s_oh + pos[:, None] * s_os + offs_dv[None, :] * s_od
-            out, lse2 = merge_parts(O, L, o_off, b * s_lb + head * s_lh + pos * s_ls, row_ok, dvmask,
-                                    tl.num_programs(2), s_osplit, s_lsplit)
-            f_row = (b * (NH * G if PACK else NH) + head) * Sq + pos  # [BLOCK_M] rows of (B, H, Sq)
-            tl.store(FO + f_row[:, None] * DV + offs_dv[None, :], out.to(FO.dtype.element_ty), mask=st_mask)
-            tl.store(FL + f_row, lse2 * 0.6931471805599453, mask=row_ok)
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
-               diag: int, p: Plan, *, acc: bool = False, split_dim: bool = False,
-               final: Optional[tuple[Tensor, Tensor]] = None) -> None:
+               diag: int, p: Plan, *, acc: bool = False, split_dim: bool = False) -> None:
     """Run the forward kernel into ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)`` (any strides).
 
     ``split_dim``: both carry a leading dim of ``p.nsplit`` partials, split ``s`` covering keys
     ``[s * p.chunk, (s + 1) * p.chunk)``. ``acc``: merge into the state already in ``out``/``lse``.
-    ``final``: contiguous ``(out (B, H, Sq, Dv), lse (B, H, Sq))`` the partials are merged into by
-    the last split of each row block to finish (split-KV in one launch).
     """
     b, h, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -226,33 +211,26 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     so = out.stride() if split_dim else (0, *out.stride())
     sl = lse.stride() if split_dim else (0, *lse.stride())
     grid = (triton.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
-    fo, fl = final if final is not None else (out, lse)
-    count = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=q.device) if final is not None else lse
-    _attn_fwd_kernel[grid](q, k, v, out, lse, fo, fl, count, *q.stride(), *k.stride(), *v.stride(),
+    _attn_fwd_kernel[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(),
                            *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g, sq, sk, diag, p.chunk,
                            scale * LOG2E, D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm,
-                           BLOCK_N=bn, CAUSAL=causal, PACK=p.pack, ACC=acc, FUSE=final is not None,
-                           POS_SCALE=scale > 0, PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+                           BLOCK_N=bn, CAUSAL=causal, PACK=p.pack, ACC=acc, POS_SCALE=scale > 0,
+                           PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
 
 
 def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                diag: int, p: Plan, acc: bool) -> None:
-    """Flash-decoding: ``p.nsplit`` float32 partials (plus the running state when ``acc``), merged
-    by the last split to finish (``configs.ATTN_SPLIT_FUSED_MERGE``, contiguous ``out``/``lse``, no
-    running state) or else by the merge kernel."""
+    """Flash-decoding: ``p.nsplit`` float32 partials (plus the running state when ``acc``), merged."""
     b, h, sq, _ = q.shape
     dv, extra = v.shape[-1], int(acc)
     outs = torch.empty((p.nsplit + extra, b, h, sq, dv), dtype=torch.float32, device=q.device)
     lses = torch.empty((p.nsplit + extra, b, h, sq), dtype=torch.float32, device=q.device)
-    direct = out.is_contiguous() and lse.is_contiguous()
-    if configs.ATTN_SPLIT_FUSED_MERGE and direct and not acc:
-        launch_fwd(q, k, v, outs, lses, scale, causal, diag, p, split_dim=True, final=(out, lse))
-        return
     if acc:
         outs[0].copy_(out)
         lses[0].copy_(lse)
     launch_fwd(q, k, v, outs[extra:], lses[extra:], scale, causal, diag, p, split_dim=True)
     r = b * h * sq
+    direct = out.is_contiguous() and lse.is_contiguous()
     dst_o = out.view(r, dv) if direct else torch.empty((r, dv), dtype=out.dtype, device=q.device)
     dst_l = lse.view(r) if direct else torch.empty((r,), dtype=lse.dtype, device=q.device)
     merge_into(outs.view(-1, r, dv), lses.view(-1, r), dst_o, dst_l)

@@ -42,8 +42,6 @@ ATTN_TILE_INTERPRET = (16, 16, 4, 1)
 ATTN_SPLIT_PROGRAMS_PER_SM = 2
 # ... and give each split at least this many key tiles.
 ATTN_SPLIT_MIN_TILES = 4
-# The last split of a row block to finish merges the partials (one launch, no merge kernel).
-ATTN_SPLIT_FUSED_MERGE = True
 # SM count assumed under the interpreter (no device to ask), so tests reach the split path.
 ATTN_INTERPRET_SMS = 4
 # Queries per head at or under which GQA heads are packed into one program's rows.

@@ -42,51 +42,39 @@ def lse2_of(m, s):
     return tl.where(some, m + tl.math.log2(tl.where(some, s, 1.0)), float("-inf"))
 
 
-@triton.jit
-def merge_parts(OUTS, LSES, o_off, l_off, rmask, cmask, N, s_on, s_ln):
-    """Merge ``N`` parts of a ``[R, D]`` tile: part ``i`` of the rows holds ``lse`` (natural log) at
-    ``LSES + i * s_ln + l_off [R]`` and ``out`` at ``OUTS + i * s_on + o_off [R, D]``. Reads every
-    ``lse`` once to fix the weights, then each part's ``out`` once with its final weight.
-
-    Returns ``(out [R, D] float32, lse [R] in the log2 domain)``. Loads bypass L1 (``.cg``): the
-    parts may have just been written by other programs (split-KV's last arriver).
-    """
-    m = tl.full(l_off.shape, float("-inf"), tl.float32)
-    s = tl.zeros(l_off.shape, tl.float32)
-    for i in range(N):  # running max and normaliser of the weights
-        x = tl.load(LSES + i * s_ln + l_off, mask=rmask, other=float("-inf"), cache_modifier=".cg")
-        x = x.to(tl.float32) * 1.4426950408889634
+@triton.jit(do_not_specialize=["N", "R"])
+def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
+                      s_on, s_or, s_od, s_ln, s_lr, s_outr, s_outd, s_lser,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
+    rmask = rows < R
+    rows64 = rows.to(tl.int64)
+    # pass 1: running max and normaliser of the weights, in the log2 domain
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_R], tl.float32)
+    for i in range(N):
+        x = tl.load(LSES + i * s_ln + rows64 * s_lr, mask=rmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
         m_new = tl.maximum(m, x)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         s = s * tl.math.exp2(m - m_use) + tl.math.exp2(x - m_use)
         m = m_new
     m_use = tl.where(m == float("-inf"), 0.0, m)
-    inv = inv_or_zero(s)  # [R]
-    mask2 = rmask[:, None] & cmask[None, :]
-    acc = tl.zeros(o_off.shape, tl.float32)
+    inv = inv_or_zero(s)  # [BLOCK_R]
+    # pass 2: one read of each part's tile with its final weight
+    mask2 = rmask[:, None] & (cols[None, :] < DV)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    optr = OUTS + rows64[:, None] * s_or + cols[None, :] * s_od  # [BLOCK_R, BLOCK_D]
     for i in range(N):
-        x = tl.load(LSES + i * s_ln + l_off, mask=rmask, other=float("-inf"), cache_modifier=".cg")
-        w = tl.math.exp2(x.to(tl.float32) * 1.4426950408889634 - m_use) * inv  # [R]; 0 for empty parts
-        o = tl.load(OUTS + i * s_on + o_off, mask=mask2 & (w > 0)[:, None], other=0.0, cache_modifier=".cg")
-        acc += w[:, None] * o.to(tl.float32)
-    return acc, lse2_of(m_use, s)
-
-
-@triton.jit(do_not_specialize=["N", "R"])
-def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
-                      s_on, s_or, s_od, s_ln, s_lr, s_outr, s_outd, s_lser,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    pid_r = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)  # [BLOCK_R]
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
-    rmask = rows < R
-    cmask = cols < DV
-    acc, lse2 = merge_parts(OUTS, LSES, rows[:, None] * s_or + cols[None, :] * s_od, rows * s_lr, rmask, cmask,
-                            N, s_on, s_ln)
-    tl.store(OUT + rows[:, None] * s_outr + cols[None, :] * s_outd, acc.to(OUT.dtype.element_ty),
-             mask=rmask[:, None] & cmask[None, :])
-    tl.store(LSE + rows * s_lser, lse2 * 0.6931471805599453, mask=rmask & (pid_d == 0))
+        x = tl.load(LSES + i * s_ln + rows64 * s_lr, mask=rmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        w = tl.math.exp2(x - m_use) * inv  # [BLOCK_R]; 0 for empty parts
+        o = tl.load(optr + i * s_on, mask=mask2 & (w > 0)[:, None], other=0.0).to(tl.float32)
+        acc += w[:, None] * o
+    tl.store(OUT + rows64[:, None] * s_outr + cols[None, :] * s_outd, acc.to(OUT.dtype.element_ty), mask=mask2)
+    if WRITE_LSE:
+        tl.store(LSE + rows64 * s_lser, lse2_of(m_use, s) * 0.6931471805599453, mask=rmask & (pid_d == 0))
 
 
 @triton.jit(do_not_specialize=["N", "R"])
@@ -135,7 +123,7 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
                                                            num_warps=warps)
         return
     _merge_fwd_kernel[grid](outs, lses, out, lse, n, r, dv, *strides,
-                            BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+                            BLOCK_R=block_r, BLOCK_D=block_d, WRITE_LSE=True, num_warps=warps)
 
 
 def merge_out_lse(outs: Tensor, lses: Tensor, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:

@@ -105,13 +105,17 @@ def test_empty_nan_and_strided_rows():
     _close(ss.softmax(v), torch.softmax(v.double(), -1), torch.float32, "strided rows", peer=torch.softmax(v, -1))
 
 
-@pytest.mark.parametrize("path", ["two_pass", "split"])
+@pytest.mark.parametrize("path", ["two_pass", "split", "coop", "coop, siblings never waited for"])
 def test_forced_paths_at_real_sizes(path, monkeypatch):
     monkeypatch.setattr(configs.SOFTMAX, "one_pass_max_cols", 1024)
     monkeypatch.setattr(configs.SOFTMAX, "split_rows_per_sm", 0.0 if path == "two_pass" else 1e9)
+    if not path.startswith("coop"):
+        monkeypatch.setattr(configs.SOFTMAX, "coop_max_chunks", 0)
+    if path != "coop":  # every coop program short of siblings computes the row's state from x itself
+        monkeypatch.setattr(configs.SOFTMAX, "coop_spin", 0)
     k = _k()
     x = torch.randn(37, 123457, device="cuda", dtype=torch.bfloat16)
-    assert k._plan(x).path == path
+    assert k._plan(x).path == path.split(",")[0]
     for log in (False, True):
         y, lse = k.softmax_fwd(x, log)
         ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
@@ -125,10 +129,11 @@ def test_no_recompile_per_length():
     k = _k()
     x = torch.randn(8, 200000, device="cuda")
     k.softmax_fwd(x[:, :100000], False)
-    before = _cache_size(k._normalize_fwd_kernel) + _cache_size(k._lse_fwd_kernel)
+    kernels = (k._normalize_fwd_kernel, k._lse_fwd_kernel, k._softmax_coop_kernel)
+    before = sum(map(_cache_size, kernels))
     for n in (100016, 100032, 100048, 100000 + 4096):
         k.softmax_fwd(x[:, :n], False)
-    after = _cache_size(k._normalize_fwd_kernel) + _cache_size(k._lse_fwd_kernel)
+    after = sum(map(_cache_size, kernels))
     assert after == before, f"{after - before} recompiles for lengths of one bucket"
 
 

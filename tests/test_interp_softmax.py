@@ -15,9 +15,14 @@ softmax_k = pytest.importorskip("splitsoftmax.kernels.softmax")
 # Config overrides that force each path at test sizes (loop tiles of 16 columns).
 PATHS = {
     "one_pass": {},
-    "two_pass": dict(one_pass_max_cols=16, loop_tile_bytes=32, split_rows_per_sm=0.0),
+    "two_pass": dict(one_pass_max_cols=16, loop_tile_bytes=32, split_rows_per_sm=0.0, coop_max_chunks=0),
     "split": dict(one_pass_max_cols=16, loop_tile_bytes=32, split_rows_per_sm=1e9,
-                  split_min_tiles=1, split_programs_per_sm=4),
+                  split_min_tiles=1, split_programs_per_sm=4, coop_max_chunks=0),
+    # (the interpreter runs programs one after another: any grid is "resident")
+    "coop": dict(one_pass_max_cols=16, loop_tile_bytes=32, coop_chunk_elems=32, coop_elems_per_warp=16,
+                 coop_programs_per_sm=64),
+    "coop, few programs": dict(one_pass_max_cols=16, loop_tile_bytes=32, coop_chunk_elems=32,
+                               coop_elems_per_warp=16, coop_programs_per_sm=8),
 }
 # (atol, rtol): one unit in the last place of the output dtype (the interpreter truncates to
 # bf16/fp16 rather than rounding), float32 statistics.
@@ -36,6 +41,7 @@ def path(request, monkeypatch):
 
 def _expect_path(x: torch.Tensor, path: str) -> None:
     got = softmax_k._plan(x).path
+    path = path.split(",")[0]
     if x.shape[1] > 16 or path == "one_pass":
         assert got == path, f"plan for {tuple(x.shape)} is {got}, wanted {path}"
 
@@ -182,24 +188,39 @@ def test_zero_sized():
     assert y.shape == (3, 0) and (lse == float("-inf")).all()
 
 
-def test_split_merges_many_partials(monkeypatch):
-    for k, v in PATHS["split"].items():
+@pytest.mark.parametrize("path", ["split", "coop", "coop, few programs"])
+def test_many_partials(path, monkeypatch):
+    """Rows of many partial states, most of them empty; a row of all ``-inf``; a NaN in a row."""
+    for k, v in PATHS[path].items():
         monkeypatch.setattr(configs.SOFTMAX, k, v)
-    monkeypatch.setattr(configs.SOFTMAX, "split_programs_per_sm", 64)
-    x = torch.randn(1, 2000) * 10
+    monkeypatch.setattr(configs.SOFTMAX, "split_programs_per_sm", 256)
+    if path.startswith("coop"):  # (wide loop tiles: the interpreter's waiting programs re-read the row)
+        monkeypatch.setattr(configs.SOFTMAX, "coop_chunk_elems", 16)
+        monkeypatch.setattr(configs.SOFTMAX, "coop_max_chunks", 200)
+        monkeypatch.setattr(configs.SOFTMAX, "loop_tile_bytes", 4096)
+        monkeypatch.setattr(configs.SOFTMAX, "coop_programs_per_sm", 64 if path == "coop" else 32)
+    x = torch.randn(4, 2000) * 10
     x[0, :1500] = float("-inf")  # most partials are empty states
-    assert softmax_k._plan(x).splits > 100
-    y, lse = softmax_k.softmax_fwd(x, False)
-    ref_y, ref_lse = _ref_fwd(x, False)
-    _close(y, ref_y, torch.float32, "many partials y")
-    _close(lse, ref_lse, torch.float32, "many partials lse")
+    x[2] = float("-inf")
+    x[3, 1234] = float("nan")
+    p = softmax_k._plan(x)
+    assert p.path == path.split(",")[0] and p.splits > 100
+    for log in (False, True):
+        y, lse = softmax_k.softmax_fwd(x, log)
+        ref_y, ref_lse = _ref_fwd(x, log)
+        assert torch.isnan(y[3]).all() and torch.isnan(lse[3])
+        assert (y[2] == (float("-inf") if log else 0.0)).all() and lse[2] == float("-inf")
+        _close(y[:2], ref_y[:2], torch.float32, f"{path} many partials y")
+        _close(lse[:2], ref_lse[:2], torch.float32, f"{path} many partials lse")
 
 
 def test_plan_predicate():
     cfg = configs.SoftmaxConfig()
     assert configs.softmax_plan(16384, 4096, 4, 132, cfg).path == "one_pass"
     assert configs.softmax_plan(4096, 32768, 4, 132, cfg).path == "one_pass"
-    assert configs.softmax_plan(512, 262144, 2, 132, cfg).path == "two_pass"
+    p = configs.softmax_plan(512, 262144, 2, 132, cfg)
+    assert p.path == "coop" and p.splits * p.chunk >= 262144 and p.splits <= cfg.coop_max_chunks
+    assert configs.softmax_plan(512, 262144, 2, 132, cfg, stats_only=True).path == "two_pass"
     for rows, cols in ((8, 1 << 24), (1, 1 << 28)):
         p = configs.softmax_plan(rows, cols, 4, 132, cfg)
         assert p.path == "split" and p.splits * p.chunk >= cols and p.chunk % p.block_n == 0

@@ -5,7 +5,10 @@
 SECTIONS (comma-separated, default all):
 - host: host time per call of each layer of a 128k-key decode, and a cProfile of the public call;
 - decode: 128k / 1M-key decode, eager and CUDA-graph replay, the split merge fused into the split
-  kernel or run by the merge kernel, beside cuDNN; at 1M also the split programs per SM;
+  kernel or run by the merge kernel (the fused variant exists at commit 853e5c9 only; later the
+  switch is a no-op), beside cuDNN; at 1M also the split programs per SM;
+- coop: long rows held on chip by sibling programs against the two-pass / split paths and torch,
+  chunk sizes, warps, persistent grids, and a copy without the exchange (timing only);
 - causal: S=1k / 2k causal forward, the kernel as it is against copies of it patched for timing only
   (no NaN guard on the diagonal tile; the diagonal tile unmasked, wrong results; a sum-based
   guard), beside SDPA flash.
@@ -210,7 +213,65 @@ def sec_causal():
         torch.cuda.empty_cache()
 
 
-SECTIONS = {"host": sec_host, "decode": sec_decode, "causal": sec_causal}
+WAIT = ("        arrived = tl.atomic_add(cnt_ptr + rows, 0, sem=\"acquire\")  # [1]\n",
+        "            m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, 0, N, LOOP_N, 1)\n")
+LOCAL = """        xx = cur.to(tl.float32)
+        m = tl.max(xx, axis=1)
+        l = tl.sum(tl.math.exp2((xx - _ref(m)[:, None]) * _LOG2E), axis=1)
+"""
+
+
+def _local_only():
+    """A copy of kernels/softmax.py whose coop programs normalise with their own chunk's state
+    instead of waiting for and merging their siblings' (timing only: wrong results)."""
+    src = open("splitsoftmax/kernels/softmax.py").read()
+    a, b = src.index(WAIT[0]), src.index(WAIT[1]) + len(WAIT[1])
+    with open("splitsoftmax/kernels/_probe_coop_local.py", "w") as f:
+        f.write(src[:a] + LOCAL + src[b:])
+    return importlib.import_module("splitsoftmax.kernels._probe_coop_local")
+
+
+def sec_coop():
+    """Long rows held on chip by sibling programs (the coop path) against the two-pass / split paths
+    and torch, under chunk sizes, warps and persistent grids; GB/s of 2N (read + write)."""
+    from splitsoftmax.kernels import configs
+    from splitsoftmax.kernels import softmax as K
+    local = _local_only()
+    cfg = configs.SOFTMAX
+    saved = dict(vars(cfg))
+    variants = [(None, None, 1, K)]
+    for chunk, per_warp in ((16384, 2048), (16384, 1024), (8192, 1024), (8192, 512), (32768, 2048)):
+        for pps in (1, 2):
+            variants.append((chunk, per_warp, pps, K))
+    variants += [(16384, 1024, 1, local), (8192, 512, 1, local)]
+    for R, N, dt in ((512, 262144, torch.bfloat16), (256, 131072, torch.float32), (64, 1 << 20, torch.float32),
+                     (2048, 65536, torch.bfloat16)):
+        x = torch.randn(R, N, device="cuda", dtype=dt) * 3
+        nb = 2 * x.numel() * x.element_size()
+        grp = f"coop {R}x{N} {str(dt)[6:]}"
+        rows = torch.arange(0, R, max(1, R // 16), device="cuda")
+        ref = torch.softmax(x[rows].double(), -1)
+        rec(grp, "torch.softmax", bench(lambda: torch.softmax(x, -1)), nb)
+        for chunk, per_warp, pps, mod in variants:
+            vars(cfg).update(saved)
+            if chunk is None:
+                cfg.coop_max_chunks = 0
+            else:
+                cfg.coop_chunk_elems, cfg.coop_elems_per_warp, cfg.coop_programs_per_sm = chunk, per_warp, pps
+            p = K._plan(x)
+            name = f"{p.path} chunk={p.chunk} w{p.num_warps} S{p.splits} pps{pps}" + (" LOCAL" if mod is local else "")
+
+            def run(name=name, mod=mod):
+                y = mod.softmax_fwd(x, False)[0]
+                err = ((y[rows].double() - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
+                rec(grp, name, bench(lambda: mod.softmax_fwd(x, False)), nb, max_rel_err=err)
+            guard(grp, name, run)
+        vars(cfg).update(saved)
+        del x
+        torch.cuda.empty_cache()
+
+
+SECTIONS = {"host": sec_host, "decode": sec_decode, "causal": sec_causal, "coop": sec_coop}
 
 if __name__ == "__main__":
     out = sys.argv[1]

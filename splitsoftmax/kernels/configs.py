@@ -76,6 +76,13 @@ class SoftmaxConfig:
     split_programs_per_sm: int = 4    # programs the split path aims for, per SM
     split_min_tiles: int = 8          # each split program takes at least this many loop tiles
     split_max_chunks: int = 2048      # at most this many partial states per row
+    coop_chunk_elems: int = 16384     # coop: a row too long for one program is held on chip by C sibling
+    coop_elems_per_warp: int = 2048   # programs of a chunk each (2N traffic); num_warps = chunk / this
+    coop_max_chunks: int = 64         # rows of more chunks than this (or than resident programs) take
+                                      # the two-pass or split path
+    coop_programs_per_sm: float = 1   # coop grid: this many programs per SM, all resident, each walking rows
+    coop_spin: int = 100000           # polls a coop program waits for its siblings' states before it
+                                      # computes the row's state from the input itself
     sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)
 
 
@@ -85,7 +92,7 @@ SOFTMAX_INTERPRET_SMS = 4
 
 @dataclass(frozen=True)
 class SoftmaxPlan:
-    """How one launch covers ``(R, N)``: ``path`` in one_pass / two_pass / split; a program
+    """How one launch covers ``(R, N)``: ``path`` in one_pass / coop / two_pass / split; a program
     covers ``block_r`` rows and ``chunk`` columns in ``[block_r, block_n]`` tiles; ``splits``
     programs per row (``splits * chunk >= N``, ``chunk % block_n == 0``); looped tiles are
     ``stages`` deep in flight."""
@@ -122,6 +129,10 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
         block_r = min(_pow2(rows), max(1, cfg.one_pass_tile_elems // block_n))
         per_warp = cfg.loop_elems_per_warp if stats_only else cfg.elems_per_warp
         return SoftmaxPlan("one_pass", block_r, block_n, 1, block_n, _warps(block_r * block_n, per_warp, cfg))
+    coop_n = _pow2(cfg.coop_chunk_elems)
+    coop_max = min(cfg.coop_max_chunks, int(sms * cfg.coop_programs_per_sm))  # a row's siblings all resident
+    if not stats_only and cols > cfg.one_pass_max_cols and -(-cols // coop_n) <= coop_max:
+        return SoftmaxPlan("coop", 1, coop_n, -(-cols // coop_n), coop_n, _warps(coop_n, cfg.coop_elems_per_warp, cfg))
     loop_warps = _warps(loop_n, cfg.loop_elems_per_warp, cfg)
     stages = cfg.loop_stages if cols >= 2 * loop_n else 1
     if softmax_is_split(rows, cols, sms, cfg):

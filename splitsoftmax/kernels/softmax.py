@@ -4,6 +4,9 @@ Every launcher takes a 2-D view ``x (R, N)`` with unit column stride (any row st
 signature of its torch twin in ``kernels/cpu.py``. Paths (chosen by ``configs.softmax_plan``):
 
 - one pass: a ``[BLOCK_R, BLOCK_N]`` tile holds whole rows; read once, write once (2N traffic);
+- coop: a row too long for one program but short enough for ``C`` co-resident programs: each
+  holds one chunk on chip, publishes its partial ``(m, l)``, waits (bounded) for its siblings',
+  merges them and normalises the chunk it holds (2N traffic, like one pass);
 - two pass: one program per row, online ``(m, l)`` over tiles, then the normalising pass walks the
   tiles backwards so the most recently read ones come from L2 (3N, less what L2 keeps);
 - split: few very long rows; ``S`` programs per row each write a partial ``(m, l)``, the
@@ -133,8 +136,9 @@ def _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S: tl.constexpr):
     s = tl.arange(0, BLOCK_S)
     mask = rmask[:, None] & (s < S)[None, :]
     off = rows[:, None].to(tl.int64) * S + s[None, :]
-    pm = tl.load(pm_ptr + off, mask=mask, other=float("-inf"))  # [BLOCK_R, BLOCK_S]
-    pl = tl.load(pl_ptr + off, mask=mask, other=0.0)  # [BLOCK_R, BLOCK_S]
+    # (L2 loads: in the coop path the partials were just written by programs on other SMs)
+    pm = tl.load(pm_ptr + off, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [BLOCK_R, BLOCK_S]
+    pl = tl.load(pl_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")  # [BLOCK_R, BLOCK_S]
     m = tl.max(pm, axis=1)
     l = tl.sum(pl * tl.math.exp2((pm - _ref(m)[:, None]) * _LOG2E), axis=1)
     return m, l
@@ -194,6 +198,78 @@ def _softmax_fwd_kernel(x_ptr, y_ptr, lse_ptr, R, N, stride_x, stride_y, LOG: tl
         mr, c = _scale(m, l, 1.0)
         _normalize_range(xb, yb, rmask, lse, mr, c, 0, N, LOG, BLOCK_N)
     tl.store(lse_ptr + rows, lse, mask=rmask)
+
+
+@triton.jit
+def _row_chunk(x_ptr, row, R, N, stride_x, cols):
+    """Columns ``cols [BLOCK_N]`` of ``row`` as a ``[1, BLOCK_N]`` tile in x's dtype; ``-inf`` past
+    ``N``, and no load at all for ``row >= R``."""
+    rows = row + tl.arange(0, 1)  # [1]
+    mask = (rows < R)[:, None] & (cols < N)[None, :]
+    return tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=float("-inf"))
+
+
+@triton.jit
+def _publish(xr, row, R, c, C, pm_ptr, pl_ptr, cnt_ptr):
+    """Store the ``(m, l)`` of chunk ``xr [1, BLOCK_N]`` as partial ``c`` of ``row`` and count it in."""
+    x = xr.to(tl.float32)
+    m = tl.max(x, axis=1)  # [1]
+    l = tl.sum(tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E), axis=1)
+    rows = row + tl.arange(0, 1)  # [1]
+    ok = rows < R
+    tl.store(pm_ptr + rows.to(tl.int64) * C + c, m, mask=ok)
+    tl.store(pl_ptr + rows.to(tl.int64) * C + c, l, mask=ok)
+    tl.debug_barrier()  # every thread's stores before the count
+    tl.atomic_add(cnt_ptr + rows, 1, mask=ok, sem="release")
+
+
+@triton.jit(do_not_specialize=["R", "C", "spin"])
+def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, pm_ptr, pl_ptr, cnt_ptr, R, N, C, stride_x, stride_y, spin,
+                         LOG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, LOOP_N: tl.constexpr):
+    """Grid ``G * C`` (co-resident): ``G`` groups of ``C`` siblings; program ``g * C + c`` holds
+    columns ``[c * BLOCK_N, (c + 1) * BLOCK_N)`` of rows ``g, g + G, ...`` on chip.
+
+    Software-pipelined over its rows: it publishes the ``(m, l)`` of row ``r + G``'s chunk (at
+    ``pm, pl (R, C)``, counted in at ``cnt (R,)``) and has row ``r + 2G``'s chunk in flight before
+    it waits for row ``r``'s siblings, whose states went out an iteration earlier; then it merges
+    the ``C`` states of row ``r`` and normalises the chunk it holds (one read, one write: 2N). A
+    program still short of siblings after ``spin`` polls (not co-resident) computes the row's state
+    from ``x`` itself: slower, never stuck, the same result.
+    """
+    pid = tl.program_id(0)
+    c = pid % C
+    G = tl.num_programs(0) // C
+    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = (cols < N)[None, :]
+    row0 = pid // C
+    cur = _row_chunk(x_ptr, row0, R, N, stride_x, cols)  # [1, BLOCK_N], x.dtype
+    _publish(cur, row0, R, c, C, pm_ptr, pl_ptr, cnt_ptr)
+    nxt = _row_chunk(x_ptr, row0 + G, R, N, stride_x, cols)
+    for row in range(row0, R, G):
+        _publish(nxt, row + G, R, c, C, pm_ptr, pl_ptr, cnt_ptr)
+        after = _row_chunk(x_ptr, row + 2 * G, R, N, stride_x, cols)
+        rows = row + tl.arange(0, 1)  # [1]
+        rmask = rows < R
+        arrived = tl.atomic_add(cnt_ptr + rows, 0, sem="acquire")  # [1]
+        polls = 0
+        while (tl.min(arrived, 0) < C) & (polls < spin):
+            arrived = tl.atomic_add(cnt_ptr + rows, 0, sem="acquire")
+            polls += 1
+        if tl.min(arrived, 0) >= C:
+            m, l = _merge_partials(pm_ptr, pl_ptr, rows, rmask, C, BLOCK_C)
+        else:
+            m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, 0, N, LOOP_N, 1)
+        lse = _lse(m, l)
+        x = cur.to(tl.float32)
+        if LOG:
+            y = tl.where((l == 0.0)[:, None], float("-inf"), x - lse[:, None])
+        else:
+            y = tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E) * tl.where(l == 0.0, 0.0, 1.0 / l)[:, None]
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & cmask)
+        tl.store(lse_ptr + rows, lse, mask=rmask & (c == 0))
+        cur = nxt
+        nxt = after
 
 
 @triton.jit(do_not_specialize=["R", "chunk", "S"])
@@ -381,10 +457,28 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     if p.path == "split":
         return _normalize(x, lse, None, log, _partials(x, p), p), lse
     y = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    if p.path == "coop":
+        _coop(x, y, lse, log, p)
+        return y, lse
     _softmax_fwd_kernel[_grid(x, p)](x, y, lse, R, N, x.stride(0), y.stride(0), LOG=log, BLOCK_R=p.block_r,
                                      BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass", STAGES=p.stages,
                                      num_warps=p.num_warps)
     return y, lse
+
+
+def _coop(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) -> None:
+    """Launch the coop path (``p.splits`` programs per row) into ``y (R, N)``, ``lse (R,)``."""
+    R, N = x.shape
+    cfg = configs.SOFTMAX
+    pm = torch.empty((R, p.splits), dtype=torch.float32, device=x.device)
+    pl = torch.empty_like(pm)
+    count = torch.zeros(R, dtype=torch.int32, device=x.device)
+    # under the interpreter programs run one after another: a sibling never arrives while one waits
+    spin = cfg.coop_spin if x.is_cuda else min(cfg.coop_spin, 2)
+    groups = max(1, min(R, int(_sms(x) * cfg.coop_programs_per_sm) // p.splits))
+    _softmax_coop_kernel[(groups * p.splits,)](
+        x, y, lse, pm, pl, count, R, N, p.splits, x.stride(0), y.stride(0), spin, LOG=log, BLOCK_N=p.block_n,
+        BLOCK_C=triton.next_power_of_2(p.splits), LOOP_N=_plan(x, stats_only=True).block_n, num_warps=p.num_warps)
 
 
 def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:

@@ -213,7 +213,7 @@ def sec_causal():
         torch.cuda.empty_cache()
 
 
-WAIT = ("        arrived = tl.atomic_add(cnt_ptr + rows, 0, sem=\"acquire\")  # [1]\n",
+WAIT = ("        pm, pl, complete = _gather_states(st_ptr, rows, C, spin, BLOCK_C)\n",
         "            m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, 0, N, LOOP_N, 1)\n")
 LOCAL = """        xx = cur.to(tl.float32)
         m = tl.max(xx, axis=1)
@@ -240,12 +240,11 @@ def sec_coop():
     cfg = configs.SOFTMAX
     saved = dict(vars(cfg))
     variants = [(None, None, 1, K)]
-    for chunk, per_warp in ((16384, 2048), (16384, 1024), (8192, 1024), (8192, 512), (32768, 2048)):
-        for pps in (1, 2):
-            variants.append((chunk, per_warp, pps, K))
-    variants += [(16384, 1024, 1, local), (8192, 512, 1, local)]
+    for chunk, per_warp in ((16384, 2048), (16384, 1024), (8192, 1024), (8192, 512), (4096, 512)):
+        variants.append((chunk, per_warp, 1, K))
+    variants += [(16384, 1024, 1, local), (8192, 512, 1, local), (16384, 2048, 2, K), (8192, 1024, 2, K)]
     for R, N, dt in ((512, 262144, torch.bfloat16), (256, 131072, torch.float32), (64, 1 << 20, torch.float32),
-                     (2048, 65536, torch.bfloat16)):
+                     (2048, 65536, torch.bfloat16), (8, 262144, torch.bfloat16)):
         x = torch.randn(R, N, device="cuda", dtype=dt) * 3
         nb = 2 * x.numel() * x.element_size()
         grp = f"coop {R}x{N} {str(dt)[6:]}"

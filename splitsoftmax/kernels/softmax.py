@@ -131,17 +131,23 @@ def _normalize_range(xb, yb, rmask, lse, m, c, start, end, LOG: tl.constexpr, BL
 
 
 @triton.jit
+def _merge_states(pm, pl):
+    """Merged ``(m, l)`` [BLOCK_R] of the partial states ``pm, pl [BLOCK_R, BLOCK_S]`` (absent ones
+    ``(-inf, 0)``)."""
+    m = tl.max(pm, axis=1)
+    l = tl.sum(pl * tl.math.exp2((pm - _ref(m)[:, None]) * _LOG2E), axis=1)
+    return m, l
+
+
+@triton.jit
 def _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S: tl.constexpr):
     """Merged ``(m, l)`` [BLOCK_R] of the ``S`` partial ``(m, l)`` of each row (row-major ``(R, S)``)."""
     s = tl.arange(0, BLOCK_S)
     mask = rmask[:, None] & (s < S)[None, :]
     off = rows[:, None].to(tl.int64) * S + s[None, :]
-    # (L2 loads: in the coop path the partials were just written by programs on other SMs)
-    pm = tl.load(pm_ptr + off, mask=mask, other=float("-inf"), cache_modifier=".cg")  # [BLOCK_R, BLOCK_S]
-    pl = tl.load(pl_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")  # [BLOCK_R, BLOCK_S]
-    m = tl.max(pm, axis=1)
-    l = tl.sum(pl * tl.math.exp2((pm - _ref(m)[:, None]) * _LOG2E), axis=1)
-    return m, l
+    pm = tl.load(pm_ptr + off, mask=mask, other=float("-inf"))  # [BLOCK_R, BLOCK_S]
+    pl = tl.load(pl_ptr + off, mask=mask, other=0.0)  # [BLOCK_R, BLOCK_S]
+    return _merge_states(pm, pl)
 
 
 @triton.jit(do_not_specialize=["R", "chunk"])
@@ -210,31 +216,47 @@ def _row_chunk(x_ptr, row, R, N, stride_x, cols):
 
 
 @triton.jit
-def _publish(xr, row, R, c, C, pm_ptr, pl_ptr, cnt_ptr):
-    """Store the ``(m, l)`` of chunk ``xr [1, BLOCK_N]`` as partial ``c`` of ``row`` and count it in."""
+def _publish(xr, row, R, c, C, st_ptr):
+    """Publish the ``(m, l)`` of chunk ``xr [1, BLOCK_N]`` as state ``c`` of ``row``: both float32
+    bit patterns in one int64 (``m`` high, ``l`` low), swapped in with a relaxed atomic, so the
+    word is its own arrival flag and no fence waits for the program's outstanding stores."""
     x = xr.to(tl.float32)
     m = tl.max(x, axis=1)  # [1]
     l = tl.sum(tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E), axis=1)
+    word = (m.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (l.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
     rows = row + tl.arange(0, 1)  # [1]
-    ok = rows < R
-    tl.store(pm_ptr + rows.to(tl.int64) * C + c, m, mask=ok)
-    tl.store(pl_ptr + rows.to(tl.int64) * C + c, l, mask=ok)
-    tl.debug_barrier()  # every thread's stores before the count
-    tl.atomic_add(cnt_ptr + rows, 1, mask=ok, sem="release")
+    tl.atomic_xchg(st_ptr + rows.to(tl.int64) * C + c, word, mask=rows < R, sem="relaxed")
+
+
+@triton.jit
+def _gather_states(st_ptr, rows, C, spin, BLOCK_C: tl.constexpr):
+    """Poll (at most ``spin`` times) for the ``C`` published states of ``rows [1]``. Returns
+    ``(pm, pl [1, BLOCK_C], complete)``; an unpublished word is all ones (an ``l`` computed by the
+    kernels is never that NaN pattern)."""
+    s = tl.arange(0, BLOCK_C)[None, :]
+    ptrs = st_ptr + rows[:, None].to(tl.int64) * C + s  # [1, BLOCK_C]
+    word = tl.load(ptrs, mask=s < C, other=0, volatile=True)
+    polls = 0
+    while (tl.sum((word == -1).to(tl.int32)) > 0) & (polls < spin):
+        word = tl.load(ptrs, mask=s < C, other=0, volatile=True)
+        polls += 1
+    pm = tl.where(s < C, (word >> 32).to(tl.int32).to(tl.float32, bitcast=True), float("-inf"))
+    pl = tl.where(s < C, word.to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    return pm, pl, tl.sum((word == -1).to(tl.int32)) == 0
 
 
 @triton.jit(do_not_specialize=["R", "C", "spin"])
-def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, pm_ptr, pl_ptr, cnt_ptr, R, N, C, stride_x, stride_y, spin,
+def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, st_ptr, R, N, C, stride_x, stride_y, spin,
                          LOG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, LOOP_N: tl.constexpr):
     """Grid ``G * C`` (co-resident): ``G`` groups of ``C`` siblings; program ``g * C + c`` holds
     columns ``[c * BLOCK_N, (c + 1) * BLOCK_N)`` of rows ``g, g + G, ...`` on chip.
 
-    Software-pipelined over its rows: it publishes the ``(m, l)`` of row ``r + G``'s chunk (at
-    ``pm, pl (R, C)``, counted in at ``cnt (R,)``) and has row ``r + 2G``'s chunk in flight before
-    it waits for row ``r``'s siblings, whose states went out an iteration earlier; then it merges
-    the ``C`` states of row ``r`` and normalises the chunk it holds (one read, one write: 2N). A
-    program still short of siblings after ``spin`` polls (not co-resident) computes the row's state
-    from ``x`` itself: slower, never stuck, the same result.
+    Software-pipelined over its rows: it publishes the state of row ``r + G``'s chunk (into
+    ``st (R, C)``, all ones until published) and has row ``r + 2G``'s chunk in flight before it
+    waits for row ``r``'s siblings, whose states went out an iteration earlier; then it merges the
+    ``C`` states of row ``r`` and normalises the chunk it holds (one read, one write: 2N). A program
+    still short of siblings after ``spin`` polls (not co-resident) computes the row's state from
+    ``x`` itself: slower, never stuck, the same result.
     """
     pid = tl.program_id(0)
     c = pid % C
@@ -243,20 +265,16 @@ def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, pm_ptr, pl_ptr, cnt_ptr, R, N, C
     cmask = (cols < N)[None, :]
     row0 = pid // C
     cur = _row_chunk(x_ptr, row0, R, N, stride_x, cols)  # [1, BLOCK_N], x.dtype
-    _publish(cur, row0, R, c, C, pm_ptr, pl_ptr, cnt_ptr)
+    _publish(cur, row0, R, c, C, st_ptr)
     nxt = _row_chunk(x_ptr, row0 + G, R, N, stride_x, cols)
     for row in range(row0, R, G):
-        _publish(nxt, row + G, R, c, C, pm_ptr, pl_ptr, cnt_ptr)
+        _publish(nxt, row + G, R, c, C, st_ptr)
         after = _row_chunk(x_ptr, row + 2 * G, R, N, stride_x, cols)
         rows = row + tl.arange(0, 1)  # [1]
         rmask = rows < R
-        arrived = tl.atomic_add(cnt_ptr + rows, 0, sem="acquire")  # [1]
-        polls = 0
-        while (tl.min(arrived, 0) < C) & (polls < spin):
-            arrived = tl.atomic_add(cnt_ptr + rows, 0, sem="acquire")
-            polls += 1
-        if tl.min(arrived, 0) >= C:
-            m, l = _merge_partials(pm_ptr, pl_ptr, rows, rmask, C, BLOCK_C)
+        pm, pl, complete = _gather_states(st_ptr, rows, C, spin, BLOCK_C)
+        if complete:
+            m, l = _merge_states(pm, pl)
         else:
             m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, 0, N, LOOP_N, 1)
         lse = _lse(m, l)
@@ -470,14 +488,12 @@ def _coop(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) 
     """Launch the coop path (``p.splits`` programs per row) into ``y (R, N)``, ``lse (R,)``."""
     R, N = x.shape
     cfg = configs.SOFTMAX
-    pm = torch.empty((R, p.splits), dtype=torch.float32, device=x.device)
-    pl = torch.empty_like(pm)
-    count = torch.zeros(R, dtype=torch.int32, device=x.device)
+    states = torch.full((R, p.splits), -1, dtype=torch.int64, device=x.device)  # all ones: unpublished
     # under the interpreter programs run one after another: a sibling never arrives while one waits
     spin = cfg.coop_spin if x.is_cuda else min(cfg.coop_spin, 2)
     groups = max(1, min(R, int(_sms(x) * cfg.coop_programs_per_sm) // p.splits))
     _softmax_coop_kernel[(groups * p.splits,)](
-        x, y, lse, pm, pl, count, R, N, p.splits, x.stride(0), y.stride(0), spin, LOG=log, BLOCK_N=p.block_n,
+        x, y, lse, states, R, N, p.splits, x.stride(0), y.stride(0), spin, LOG=log, BLOCK_N=p.block_n,
         BLOCK_C=triton.next_power_of_2(p.splits), LOOP_N=_plan(x, stats_only=True).block_n, num_warps=p.num_warps)
 
 

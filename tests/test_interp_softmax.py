@@ -218,9 +218,11 @@ def test_plan_predicate():
     cfg = configs.SoftmaxConfig()
     assert configs.softmax_plan(16384, 4096, 4, 132, cfg).path == "one_pass"
     assert configs.softmax_plan(4096, 32768, 4, 132, cfg).path == "one_pass"
-    p = configs.softmax_plan(512, 262144, 2, 132, cfg)
-    assert p.path == "coop" and p.splits * p.chunk >= 262144 and p.splits <= cfg.coop_max_chunks
-    assert configs.softmax_plan(512, 262144, 2, 132, cfg, stats_only=True).path == "two_pass"
+    assert configs.softmax_plan(512, 262144, 2, 132, cfg).path == "two_pass"
+    for rows, cols, size in ((256, 131072, 4), (64, 1 << 20, 4), (8, 262144, 2)):
+        p = configs.softmax_plan(rows, cols, size, 132, cfg)
+        assert p.path == "coop" and p.splits * p.chunk >= cols and p.splits <= min(cfg.coop_max_chunks, 132)
+        assert configs.softmax_plan(rows, cols, size, 132, cfg, stats_only=True).path != "coop"
     for rows, cols in ((8, 1 << 24), (1, 1 << 28)):
         p = configs.softmax_plan(rows, cols, 4, 132, cfg)
         assert p.path == "split" and p.splits * p.chunk >= cols and p.chunk % p.block_n == 0

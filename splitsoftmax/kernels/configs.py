@@ -81,6 +81,9 @@ class SoftmaxConfig:
     coop_max_chunks: int = 64         # rows of more chunks than this (or than resident programs) take
                                       # the two-pass or split path
     coop_programs_per_sm: float = 1   # coop grid: this many programs per SM, all resident, each walking rows
+    coop_min_elem_bytes: int = 4      # narrower inputs take coop only where the split path would run (H200:
+                                      # fp32 256x131072 3253 GB/s against two-pass 2353, bf16 512x262144
+                                      # 1913 against 2505, bf16 8x262144 430 against split 61)
     coop_spin: int = 100000           # polls a coop program waits for its siblings' states before it
                                       # computes the row's state from the input itself
     sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)
@@ -131,7 +134,8 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
         return SoftmaxPlan("one_pass", block_r, block_n, 1, block_n, _warps(block_r * block_n, per_warp, cfg))
     coop_n = _pow2(cfg.coop_chunk_elems)
     coop_max = min(cfg.coop_max_chunks, int(sms * cfg.coop_programs_per_sm))  # a row's siblings all resident
-    if not stats_only and cols > cfg.one_pass_max_cols and -(-cols // coop_n) <= coop_max:
+    coop_ok = elem_bytes >= cfg.coop_min_elem_bytes or softmax_is_split(rows, cols, sms, cfg)
+    if not stats_only and cols > cfg.one_pass_max_cols and -(-cols // coop_n) <= coop_max and coop_ok:
         return SoftmaxPlan("coop", 1, coop_n, -(-cols // coop_n), coop_n, _warps(coop_n, cfg.coop_elems_per_warp, cfg))
     loop_warps = _warps(loop_n, cfg.loop_elems_per_warp, cfg)
     stages = cfg.loop_stages if cols >= 2 * loop_n else 1

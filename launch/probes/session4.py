@@ -35,15 +35,16 @@ def bench(fn):
 ROWS = []
 
 
-def rec(group, name, ms, nbytes=None, flops=None, err=None):
-    r = {"group": group, "name": name, "ms": ms, "err": err}
+def rec(group, name, ms, nbytes=None, flops=None, **extra):
+    """Record and print one timing; ``extra`` (an error, a difference) goes along."""
+    r = {"group": group, "name": name, "ms": ms, **extra}
     if nbytes:
         r["gbps"] = nbytes / ms / 1e6
     if flops:
         r["tflops"] = flops / ms / 1e9
     ROWS.append(r)
     rate = f"{r['gbps']:7.0f} GB/s" if nbytes else f"{r['tflops']:6.0f} TFLOP/s"
-    print(f"{group:26s} {name:44s} {ms:8.4f} ms {rate} err={err}", flush=True)
+    print(f"{group:26s} {name:44s} {ms:8.4f} ms {rate} {extra or ''}", flush=True)
 
 
 def guard(group, name, f):

@@ -4,9 +4,9 @@
 
 SECTIONS (comma-separated, default all):
 - host: host time per call of each layer of a 128k-key decode, and a cProfile of the public call;
-- decode: 128k / 1M-key decode, eager and CUDA-graph replay, the split merge fused into the split
-  kernel or run by the merge kernel (the fused variant exists at commit 853e5c9 only; later the
-  switch is a no-op), beside cuDNN; at 1M also the split programs per SM;
+- decode: 128k / 1M-key decode, eager and CUDA-graph replay, beside cuDNN; at 1M also the split
+  programs per SM (the copy of this file at commit 853e5c9 also timed the split merge fused into
+  the split kernel, which that commit had);
 - coop: long rows held on chip by sibling programs against the two-pass / split paths and torch,
   chunk sizes, warps, persistent grids, and a copy without the exchange (timing only);
 - causal: S=1k / 2k causal forward, the kernel as it is against copies of it patched for timing only
@@ -26,47 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
 
-ROWS = []
-
-
-def bench(fn):
-    fn()
-    torch.cuda.synchronize()
-    return min(do_bench(fn, warmup=25, rep=120, return_mode="median") for _ in range(2))
-
-
-def graph_ms(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay)
-
-
-def rec(group, name, ms, nbytes=None, flops=None, **extra):
-    r = {"group": group, "name": name, "ms": ms, **extra}
-    if nbytes:
-        r["gbps"] = nbytes / ms / 1e6
-    if flops:
-        r["tflops"] = flops / ms / 1e9
-    ROWS.append(r)
-    rate = f"{r['gbps']:7.0f} GB/s" if nbytes else f"{r['tflops']:6.0f} TFLOP/s"
-    print(f"{group:24s} {name:44s} {ms:8.4f} ms {rate} {extra or ''}", flush=True)
-
-
-def guard(group, name, f):
-    try:
-        f()
-    except Exception as e:  # noqa: BLE001  (a variant that fails is recorded, the rest go on)
-        print(f"{group:24s} {name:44s} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        ROWS.append({"group": group, "name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+from session4 import ROWS, bench, guard, rec  # the probe helpers, beside this file
+from splitsoftmax.bench.attention import _graph_ms as graph_ms
 
 
 def decode_inputs(keys):
@@ -92,7 +54,7 @@ def sec_host():
     import triton.language as tl
     import splitsoftmax as ss
     from splitsoftmax import _checks
-    from splitsoftmax.kernels import attention as A, configs, decode as P
+    from splitsoftmax.kernels import attention as A, decode as P
 
     @triton.jit
     def _touch(X, n):
@@ -110,16 +72,11 @@ def sec_host():
              "2x torch.empty": lambda: (torch.empty(33, 1, 32, 1, 128, device="cuda"),
                                         torch.empty(33, 1, 32, 1, device="cuda")),
              "triton launch, 2 args": lambda: _touch[(1,)](buf, 16)}
-    for fused in (True, False):
-        configs.ATTN_SPLIT_FUSED_MERGE = fused
-        with torch.no_grad():
-            for name, fn in parts.items():
-                if not fused and "attn" not in name:
-                    continue
-                us = host_us(fn)
-                print(f"host fused={fused} {name:34s} {us:7.1f} us per call", flush=True)
-                ROWS.append({"group": "host", "name": name, "fused": fused, "us": us})
-    configs.ATTN_SPLIT_FUSED_MERGE = True
+    with torch.no_grad():
+        for name, fn in parts.items():
+            us = host_us(fn)
+            print(f"host {name:34s} {us:7.1f} us per call", flush=True)
+            ROWS.append({"group": "host", "name": name, "us": us})
     with torch.no_grad():
         prof = cProfile.Profile()
         prof.enable()
@@ -148,17 +105,16 @@ def sec_decode():
                 rec(grp, "cudnn eager", bench(cudnn), nb)
                 rec(grp, "cudnn graph", graph_ms(cudnn), nb)
             pps_list = (2, 3, 4) if keys > 131072 else (2,)
-            for fused in (True, False):
-                for pps in pps_list:
-                    configs.ATTN_SPLIT_FUSED_MERGE, configs.ATTN_SPLIT_PROGRAMS_PER_SM = fused, pps
-                    name = f"ss fused={int(fused)} pps={pps}"
+            for pps in pps_list:
+                configs.ATTN_SPLIT_PROGRAMS_PER_SM = pps
+                name = f"ss pps={pps}"
 
-                    def one(name=name):
-                        diff = (ss.attention(q, k, v).float() - want).abs().max().item()
-                        rec(grp, name + " eager", bench(lambda: ss.attention(q, k, v)), nb, diff_vs_cudnn=diff)
-                        rec(grp, name + " graph", graph_ms(lambda: ss.attention(q, k, v)), nb)
-                    guard(grp, name, one)
-        configs.ATTN_SPLIT_FUSED_MERGE, configs.ATTN_SPLIT_PROGRAMS_PER_SM = True, 2
+                def one(name=name):
+                    diff = (ss.attention(q, k, v).float() - want).abs().max().item()
+                    rec(grp, name + " eager", bench(lambda: ss.attention(q, k, v)), nb, diff_vs_cudnn=diff)
+                    rec(grp, name + " graph", graph_ms(lambda: ss.attention(q, k, v)), nb)
+                guard(grp, name, one)
+        configs.ATTN_SPLIT_PROGRAMS_PER_SM = 2
         del q, k, v
         torch.cuda.empty_cache()
 

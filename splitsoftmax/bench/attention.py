@@ -30,6 +30,8 @@ from splitsoftmax import state
 from splitsoftmax.kernels import attention as A
 from splitsoftmax.kernels import configs, decode, merge
 
+from . import best_ms
+
 TOKENS, HEADS, DIM = 32768, 16, 128
 SEQS = [1024, 2048, 4096, 8192, 16384, 32768]
 FLEX_SEQS = [2048, 8192, 32768]
@@ -44,8 +46,7 @@ SWEEP = {
 
 
 def _ms(fn, grad_to_none=None) -> float:
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=25, rep=200, grad_to_none=grad_to_none, return_mode="median")
+    return best_ms(fn, rep=200, grad_to_none=grad_to_none)
 
 
 def _graph_ms(fn) -> float:

@@ -19,6 +19,8 @@ import torch
 import splitsoftmax as ss
 from splitsoftmax.kernels import configs
 
+from . import best_ms
+
 PERF_SHAPES = [("4096x32768 fp32", 4096, 32768, torch.float32), ("16384x4096 fp32", 16384, 4096, torch.float32),
                ("512x262144 bf16", 512, 262144, torch.bfloat16), ("8x16M fp32", 8, 1 << 24, torch.float32),
                ("1x268M fp32", 1, 1 << 28, torch.float32)]
@@ -39,20 +41,13 @@ VARIANTS = {
 }
 
 
-def _time_ms(fn) -> float:
-    """The better of two medians of ``triton.testing.do_bench`` (the first timing of a shape has been
-    seen to read up to 25% slow on the H200, for torch and splitsoftmax alike)."""
-    import triton.testing
-    return min(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") for _ in range(2))
-
-
 def copy_rates() -> dict:
     """Device copy (read + write) and read-only (sum) rates in GB/s on 1 GiB of float32."""
     src = torch.randn(1 << 28, device="cuda")
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
-    copy = 2 * nbytes / _time_ms(lambda: dst.copy_(src)) / 1e6
-    read = nbytes / _time_ms(lambda: src.sum()) / 1e6
+    copy = 2 * nbytes / best_ms(lambda: dst.copy_(src)) / 1e6
+    read = nbytes / best_ms(lambda: src.sum()) / 1e6
     return {"copy_gbs": copy, "read_gbs": read}
 
 
@@ -77,14 +72,14 @@ def measure(label: str, rows: int, cols: int, dtype, variants: bool) -> list[dic
     for name, (tfn, sfn, moved) in OPS.items():
         gb = moved * x.numel() * x.element_size() / 1e9
         rec = {"shape": label, "rows": rows, "cols": cols, "dtype": str(dtype).split(".")[-1], "op": name,
-               "max_err": check(x, name), "torch_gbs": gb / _time_ms(lambda: tfn(x)) * 1e3,
-               "ss_gbs": gb / _time_ms(lambda: sfn(x)) * 1e3}
+               "max_err": check(x, name), "torch_gbs": gb / best_ms(lambda: tfn(x)) * 1e3,
+               "ss_gbs": gb / best_ms(lambda: sfn(x)) * 1e3}
         if variants and name != "log_softmax":
             for vname, over in VARIANTS.items():
                 saved = configs.SOFTMAX
                 configs.SOFTMAX = replace(saved, **over)
                 try:
-                    rec[f"ss_{vname}_gbs"] = gb / _time_ms(lambda: sfn(x)) * 1e3
+                    rec[f"ss_{vname}_gbs"] = gb / best_ms(lambda: sfn(x)) * 1e3
                 finally:
                     configs.SOFTMAX = saved
         out.append(rec)

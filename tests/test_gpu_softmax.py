@@ -142,3 +142,34 @@ def _cache_size(kernel) -> int:
     if caches is None:
         pytest.skip("this Triton has no device_caches")
     return sum(len(c[0]) for c in caches.values())
+
+
+def _check_special_rows(x, y, lse, log):
+    """Rows 7 (all ``-inf``), 8 (a NaN) and 9 (``-inf`` but for its last 5000 columns) of
+    :func:`test_coop_walks_many_rows_with_special_rows`, then every other row against float64."""
+    empty = float("-inf") if log else 0.0
+    assert (y[7] == empty).all() and lse[7] == float("-inf")
+    assert torch.isnan(y[8]).all() and torch.isnan(lse[8])
+    assert (y[9, :35000] == empty).all()
+    fn = torch.log_softmax if log else torch.softmax
+    _close(y[9, 35000:], fn(x[9, 35000:].double(), -1), torch.float32, "row 9", peer=fn(x[9, 35000:], -1))
+    keep = torch.tensor([i for i in range(x.shape[0]) if i not in (7, 8, 9)], device=x.device)
+    xd = x[keep].double()
+    _close(y[keep], fn(xd, -1), torch.float32, f"coop log={log}", peer=fn(x[keep], -1))
+    _close(lse[keep], torch.logsumexp(xd, -1), torch.float32, "coop lse", peer=torch.logsumexp(x[keep], -1))
+    _close(lse[9:10], torch.logsumexp(x[9:10].double(), -1), torch.float32, "row 9 lse",
+           peer=torch.logsumexp(x[9:10], -1))
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_coop_walks_many_rows_with_special_rows(log):
+    """fp32 rows of 3 coop chunks, ~9 rows per program (the software pipeline over rows), with an
+    all ``-inf`` row, a NaN row and a row whose first chunks are all ``-inf`` (empty states)."""
+    k = _k()
+    x = torch.randn(400, 40000, device="cuda") * 4
+    x[7] = float("-inf")
+    x[8, 12345] = float("nan")
+    x[9, :35000] = float("-inf")
+    p = k._plan(x)
+    assert p.path == "coop" and p.splits == 3
+    _check_special_rows(x, *k.softmax_fwd(x, log), log)

@@ -1,8 +1,11 @@
-"""The custom ops behind the public functions: opcheck, and torch.compile(fullgraph=True) with no break."""
+"""The custom ops behind the public functions: opcheck, torch.compile(fullgraph=True) with no break, and
+the direct path of plain eager calls."""
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import splitsoftmax as ss
+from splitsoftmax import ops
 from splitsoftmax import reference as ref
 
 OPS = torch.ops.splitsoftmax
@@ -156,6 +159,7 @@ def test_gpu_opcheck_and_inductor_fullgraph(dtype):
         err_e = (b.double().cpu() - r).abs().max().item()
         assert err_c <= 2 * err_e + 1e-6 * r.abs().max().item(), (err_c, err_e)
 
+
 class _SeenOps(torch.utils._python_dispatch.TorchDispatchMode):
     """Records the ``splitsoftmax::`` ops that reach the dispatcher."""
 
@@ -177,7 +181,6 @@ def _public_calls(q, k, v, x, outs, lses):
 def test_plain_eager_calls_skip_the_dispatcher_with_the_same_result(monkeypatch):
     """Without autograd, modes or tracing, the public calls run the ops' implementations directly
     (no dispatcher cost) and return exactly what the ops return."""
-    from splitsoftmax import ops
     ins = [t.detach() for t in _inputs()]
     real = torch.ops.splitsoftmax
     monkeypatch.setattr(torch.ops, "splitsoftmax", None)  # any dispatch through the namespace fails
@@ -195,13 +198,11 @@ def test_plain_eager_calls_skip_the_dispatcher_with_the_same_result(monkeypatch)
 
 def test_calls_needing_autograd_take_the_op():
     """Gradients (reverse and forward mode) and functorch transforms still see the registered op."""
-    import torch.autograd.forward_ad as fwAD
     x = torch.randn(3, 7)
     assert ss.softmax(x.requires_grad_()).grad_fn is not None
     with _SeenOps() as mode, torch.no_grad():
         ss.softmax(x)
     assert mode.seen == ["softmax_fwd"]
-    from splitsoftmax import ops
     with fwAD.dual_level():
         assert not ops.plain_eager(x.detach())
     assert not torch.func.vmap(lambda r: torch.tensor(ops.plain_eager(r)))(x.detach()).any()

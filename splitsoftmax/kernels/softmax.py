@@ -220,9 +220,7 @@ def _publish(xr, row, R, c, C, st_ptr):
     """Publish the ``(m, l)`` of chunk ``xr [1, BLOCK_N]`` as state ``c`` of ``row``: both float32
     bit patterns in one int64 (``m`` high, ``l`` low), swapped in with a relaxed atomic, so the
     word is its own arrival flag and no fence waits for the program's outstanding stores."""
-    x = xr.to(tl.float32)
-    m = tl.max(x, axis=1)  # [1]
-    l = tl.sum(tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E), axis=1)
+    m, l = _online(tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32), xr.to(tl.float32))
     word = (m.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (l.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
     rows = row + tl.arange(0, 1)  # [1]
     tl.atomic_xchg(st_ptr + rows.to(tl.int64) * C + c, word, mask=rows < R, sem="relaxed")
@@ -278,11 +276,8 @@ def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, st_ptr, R, N, C, stride_x, strid
         else:
             m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, 0, N, LOOP_N, 1)
         lse = _lse(m, l)
-        x = cur.to(tl.float32)
-        if LOG:
-            y = tl.where((l == 0.0)[:, None], float("-inf"), x - lse[:, None])
-        else:
-            y = tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E) * tl.where(l == 0.0, 0.0, 1.0 / l)[:, None]
+        mr, inv = _scale(m, l, 1.0)
+        y = _norm_tile(cur.to(tl.float32), lse, mr, inv, LOG)  # [1, BLOCK_N]
         tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=rmask[:, None] & cmask)
         tl.store(lse_ptr + rows, lse, mask=rmask & (c == 0))

@@ -84,6 +84,10 @@ class SoftmaxConfig:
     coop_min_elem_bytes: int = 4      # narrower inputs take coop only where the split path would run (H200:
                                       # fp32 256x131072 3253 GB/s against two-pass 2353, bf16 512x262144
                                       # 1913 against 2505, bf16 8x262144 430 against split 61)
+    coop_hold_min_elem_bytes: int = 4  # inputs this wide hold their chunk in registers; narrower ones (whose
+                                      # held chunk spills) stream it twice in loop tiles, the second read from L2:
+    coop_reread_chunk_bytes: int = 65536      # ... a chunk of this many bytes per program,
+    coop_reread_programs_per_sm: float = 2    # ... this many programs resident per SM
     coop_spin: int = 100000           # polls a coop program waits for its siblings' states before it
                                       # computes the row's state from the input itself
     sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)
@@ -98,7 +102,8 @@ class SoftmaxPlan:
     """How one launch covers ``(R, N)``: ``path`` in one_pass / coop / two_pass / split; a program
     covers ``block_r`` rows and ``chunk`` columns in ``[block_r, block_n]`` tiles; ``splits``
     programs per row (``splits * chunk >= N``, ``chunk % block_n == 0``); looped tiles are
-    ``stages`` deep in flight."""
+    ``stages`` deep in flight. Coop: ``resident`` programs at once (the persistent grid), each
+    holding its chunk on chip if ``block_n == chunk``, else reading it twice in ``block_n`` tiles."""
 
     path: str
     block_r: int
@@ -107,6 +112,7 @@ class SoftmaxPlan:
     chunk: int
     num_warps: int
     stages: int = 1
+    resident: int = 0
 
 
 def _pow2(n: int) -> int:
@@ -122,6 +128,28 @@ def softmax_is_split(rows: int, cols: int, sms: int, cfg: SoftmaxConfig) -> bool
     return cols > cfg.one_pass_max_cols and rows < sms * cfg.split_rows_per_sm
 
 
+def _coop_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig,
+               loop_n: int) -> Optional[SoftmaxPlan]:
+    """The coop plan of a row too long for one program, or None where coop does not apply: too
+    many chunks for the resident programs, or a narrow input outside the split predicate."""
+    if cols <= cfg.one_pass_max_cols:
+        return None
+    if elem_bytes < cfg.coop_min_elem_bytes and not softmax_is_split(rows, cols, sms, cfg):
+        return None
+    if elem_bytes >= cfg.coop_hold_min_elem_bytes:
+        chunk, block_n, pps = _pow2(cfg.coop_chunk_elems), _pow2(cfg.coop_chunk_elems), cfg.coop_programs_per_sm
+        warps, stages = _warps(chunk, cfg.coop_elems_per_warp, cfg), 1
+    else:
+        chunk = max(loop_n, _pow2(cfg.coop_reread_chunk_bytes // elem_bytes))
+        block_n, pps = loop_n, cfg.coop_reread_programs_per_sm
+        warps, stages = _warps(loop_n, cfg.loop_elems_per_warp, cfg), cfg.loop_stages
+    resident = int(sms * pps)
+    splits = -(-cols // chunk)
+    if splits > min(cfg.coop_max_chunks, resident):  # a row's siblings must all be resident
+        return None
+    return SoftmaxPlan("coop", 1, block_n, splits, chunk, warps, stages, resident)
+
+
 def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig = SOFTMAX,
                  stats_only: bool = False) -> SoftmaxPlan:
     """The launch plan of a softmax-family op over ``(rows, cols)``; ``stats_only``: a pass that
@@ -132,11 +160,9 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
         block_r = min(_pow2(rows), max(1, cfg.one_pass_tile_elems // block_n))
         per_warp = cfg.loop_elems_per_warp if stats_only else cfg.elems_per_warp
         return SoftmaxPlan("one_pass", block_r, block_n, 1, block_n, _warps(block_r * block_n, per_warp, cfg))
-    coop_n = _pow2(cfg.coop_chunk_elems)
-    coop_max = min(cfg.coop_max_chunks, int(sms * cfg.coop_programs_per_sm))  # a row's siblings all resident
-    coop_ok = elem_bytes >= cfg.coop_min_elem_bytes or softmax_is_split(rows, cols, sms, cfg)
-    if not stats_only and cols > cfg.one_pass_max_cols and -(-cols // coop_n) <= coop_max and coop_ok:
-        return SoftmaxPlan("coop", 1, coop_n, -(-cols // coop_n), coop_n, _warps(coop_n, cfg.coop_elems_per_warp, cfg))
+    coop = None if stats_only else _coop_plan(rows, cols, elem_bytes, sms, cfg, loop_n)
+    if coop is not None:
+        return coop
     loop_warps = _warps(loop_n, cfg.loop_elems_per_warp, cfg)
     stages = cfg.loop_stages if cols >= 2 * loop_n else 1
     if softmax_is_split(rows, cols, sms, cfg):

@@ -216,11 +216,10 @@ def _row_chunk(x_ptr, row, R, N, stride_x, cols):
 
 
 @triton.jit
-def _publish(xr, row, R, c, C, st_ptr):
-    """Publish the ``(m, l)`` of chunk ``xr [1, BLOCK_N]`` as state ``c`` of ``row``: both float32
-    bit patterns in one int64 (``m`` high, ``l`` low), swapped in with a relaxed atomic, so the
-    word is its own arrival flag and no fence waits for the program's outstanding stores."""
-    m, l = _online(tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32), xr.to(tl.float32))
+def _publish(m, l, row, R, c, C, st_ptr):
+    """Publish ``(m, l)`` ([1] each) as state ``c`` of ``row``: both float32 bit patterns in one
+    int64 (``m`` high, ``l`` low), swapped in with a relaxed atomic, so the word is its own arrival
+    flag and no fence waits for the program's outstanding stores."""
     word = (m.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (l.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF)
     rows = row + tl.arange(0, 1)  # [1]
     tl.atomic_xchg(st_ptr + rows.to(tl.int64) * C + c, word, mask=rows < R, sem="relaxed")
@@ -243,46 +242,72 @@ def _gather_states(st_ptr, rows, C, spin, BLOCK_C: tl.constexpr):
     return pm, pl, tl.sum((word == -1).to(tl.int32)) == 0
 
 
+@triton.jit
+def _row_state(st_ptr, x_ptr, rows, rmask, N, C, stride_x, spin, BLOCK_C: tl.constexpr, LOOP_N: tl.constexpr):
+    """``(lse, m, 1 / l)`` of ``rows [1]`` (see :func:`_scale`) merged from the ``C`` states its
+    siblings publish, or computed from ``x`` itself if they are not all there after ``spin`` polls."""
+    pm, pl, complete = _gather_states(st_ptr, rows, C, spin, BLOCK_C)
+    if complete:
+        m, l = _merge_states(pm, pl)
+    else:
+        m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, 0, N, LOOP_N, 1)
+    mr, inv = _scale(m, l, 1.0)
+    return _lse(m, l), mr, inv
+
+
 @triton.jit(do_not_specialize=["R", "C", "spin"])
 def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, st_ptr, R, N, C, stride_x, stride_y, spin,
-                         LOG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, LOOP_N: tl.constexpr):
-    """Grid ``G * C`` (co-resident): ``G`` groups of ``C`` siblings; program ``g * C + c`` holds
-    columns ``[c * BLOCK_N, (c + 1) * BLOCK_N)`` of rows ``g, g + G, ...`` on chip.
+                         LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
+                         LOOP_N: tl.constexpr, STAGES: tl.constexpr):
+    """Grid ``G * C`` (co-resident): ``G`` groups of ``C`` siblings; program ``g * C + c`` covers
+    columns ``[c * CHUNK, (c + 1) * CHUNK)`` of rows ``g, g + G, ...``.
 
     Software-pipelined over its rows: it publishes the state of row ``r + G``'s chunk (into
-    ``st (R, C)``, all ones until published) and has row ``r + 2G``'s chunk in flight before it
-    waits for row ``r``'s siblings, whose states went out an iteration earlier; then it merges the
-    ``C`` states of row ``r`` and normalises the chunk it holds (one read, one write: 2N). A program
-    still short of siblings after ``spin`` polls (not co-resident) computes the row's state from
-    ``x`` itself: slower, never stuck, the same result.
+    ``st (R, C)``, all ones until published) before it waits for row ``r``'s siblings, whose states
+    went out an iteration earlier; then it merges the ``C`` states of row ``r`` and normalises its
+    chunk. With ``BLOCK_N == CHUNK`` it holds the chunk on chip (one read, one write: 2N) and has
+    row ``r + 2G``'s chunk in flight while it waits; else it streams the chunk in ``BLOCK_N``
+    tiles twice, ``STAGES`` deep, the second time last tile first, from L2. A program still short
+    of siblings after ``spin`` polls (not co-resident) computes the row's state from ``x`` itself:
+    slower, never stuck, the same result.
     """
     pid = tl.program_id(0)
     c = pid % C
     G = tl.num_programs(0) // C
-    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-    cmask = (cols < N)[None, :]
     row0 = pid // C
-    cur = _row_chunk(x_ptr, row0, R, N, stride_x, cols)  # [1, BLOCK_N], x.dtype
-    _publish(cur, row0, R, c, C, st_ptr)
-    nxt = _row_chunk(x_ptr, row0 + G, R, N, stride_x, cols)
+    start = c * CHUNK
+    end = tl.minimum(start + CHUNK, N)
+    if BLOCK_N == CHUNK:
+        cols = start + tl.arange(0, BLOCK_N)
+        cur = _row_chunk(x_ptr, row0, R, N, stride_x, cols)  # [1, BLOCK_N], x.dtype
+        m, l = _online(tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32), cur.to(tl.float32))
+        _publish(m, l, row0, R, c, C, st_ptr)
+        nxt = _row_chunk(x_ptr, row0 + G, R, N, stride_x, cols)
+    else:
+        rows = row0 + tl.arange(0, 1)  # [1]
+        m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rows < R, start, end, BLOCK_N, STAGES)
+        _publish(m, l, row0, R, c, C, st_ptr)
     for row in range(row0, R, G):
-        _publish(nxt, row + G, R, c, C, st_ptr)
-        after = _row_chunk(x_ptr, row + 2 * G, R, N, stride_x, cols)
         rows = row + tl.arange(0, 1)  # [1]
         rmask = rows < R
-        pm, pl, complete = _gather_states(st_ptr, rows, C, spin, BLOCK_C)
-        if complete:
-            m, l = _merge_states(pm, pl)
+        yb = y_ptr + rows[:, None].to(tl.int64) * stride_y
+        if BLOCK_N == CHUNK:
+            m, l = _online(tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32), nxt.to(tl.float32))
+            _publish(m, l, row + G, R, c, C, st_ptr)
+            after = _row_chunk(x_ptr, row + 2 * G, R, N, stride_x, cols)
+            lse, mr, inv = _row_state(st_ptr, x_ptr, rows, rmask, N, C, stride_x, spin, BLOCK_C, LOOP_N)
+            y = _norm_tile(cur.to(tl.float32), lse, mr, inv, LOG)  # [1, BLOCK_N]
+            tl.store(yb + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
+            cur = nxt
+            nxt = after
         else:
-            m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rmask, 0, N, LOOP_N, 1)
-        lse = _lse(m, l)
-        mr, inv = _scale(m, l, 1.0)
-        y = _norm_tile(cur.to(tl.float32), lse, mr, inv, LOG)  # [1, BLOCK_N]
-        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & cmask)
+            nrows = rows + G
+            m, l, _ = _stats(x_ptr + nrows[:, None].to(tl.int64) * stride_x, nrows < R, start, end, BLOCK_N, STAGES)
+            _publish(m, l, row + G, R, c, C, st_ptr)
+            lse, mr, inv = _row_state(st_ptr, x_ptr, rows, rmask, N, C, stride_x, spin, BLOCK_C, LOOP_N)
+            _normalize_range(x_ptr + rows[:, None].to(tl.int64) * stride_x, yb, rmask, lse, mr, inv, start, end,
+                             LOG, BLOCK_N)
         tl.store(lse_ptr + rows, lse, mask=rmask & (c == 0))
-        cur = nxt
-        nxt = after
 
 
 @triton.jit(do_not_specialize=["R", "chunk", "S"])
@@ -482,14 +507,14 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
 def _coop(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) -> None:
     """Launch the coop path (``p.splits`` programs per row) into ``y (R, N)``, ``lse (R,)``."""
     R, N = x.shape
-    cfg = configs.SOFTMAX
     states = torch.full((R, p.splits), -1, dtype=torch.int64, device=x.device)  # all ones: unpublished
     # under the interpreter programs run one after another: a sibling never arrives while one waits
-    spin = cfg.coop_spin if x.is_cuda else min(cfg.coop_spin, 2)
-    groups = max(1, min(R, int(_sms(x) * cfg.coop_programs_per_sm) // p.splits))
+    spin = configs.SOFTMAX.coop_spin if x.is_cuda else min(configs.SOFTMAX.coop_spin, 2)
+    groups = max(1, min(R, p.resident // p.splits))
     _softmax_coop_kernel[(groups * p.splits,)](
         x, y, lse, states, R, N, p.splits, x.stride(0), y.stride(0), spin, LOG=log, BLOCK_N=p.block_n,
-        BLOCK_C=triton.next_power_of_2(p.splits), LOOP_N=_plan(x, stats_only=True).block_n, num_warps=p.num_warps)
+        CHUNK=p.chunk, BLOCK_C=triton.next_power_of_2(p.splits), LOOP_N=_plan(x, stats_only=True).block_n,
+        STAGES=p.stages, num_warps=p.num_warps)
 
 
 def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:

@@ -191,13 +191,13 @@ def test_zero_sized():
     assert y.shape == (3, 0) and (lse == float("-inf")).all()
 
 
-@pytest.mark.parametrize("path", ["split", "coop", "coop, few programs", "coop, re-read"])
+@pytest.mark.parametrize("path", ["split", "coop", "coop, few programs"])
 def test_many_partials(path, monkeypatch):
     """Rows of many partial states, most of them empty; a row of all ``-inf``; a NaN in a row."""
     for k, v in PATHS[path].items():
         monkeypatch.setattr(configs.SOFTMAX, k, v)
     monkeypatch.setattr(configs.SOFTMAX, "split_programs_per_sm", 256)
-    if path in ("coop", "coop, few programs"):  # (wide loop tiles: the interpreter's waiting programs re-read the row)
+    if path.startswith("coop"):  # (wide loop tiles: the interpreter's waiting programs re-read the row)
         monkeypatch.setattr(configs.SOFTMAX, "coop_chunk_elems", 16)
         monkeypatch.setattr(configs.SOFTMAX, "coop_max_chunks", 200)
         monkeypatch.setattr(configs.SOFTMAX, "loop_tile_bytes", 4096)
@@ -207,7 +207,7 @@ def test_many_partials(path, monkeypatch):
     x[2] = float("-inf")
     x[3, 1234] = float("nan")
     p = softmax_k._plan(x)
-    assert p.path == path.split(",")[0] and p.splits > 60
+    assert p.path == path.split(",")[0] and p.splits > 100
     for log in (False, True):
         y, lse = softmax_k.softmax_fwd(x, log)
         ref_y, ref_lse = _ref_fwd(x, log)

@@ -6,7 +6,8 @@ signature of its torch twin in ``kernels/cpu.py``. Paths (chosen by ``configs.so
 - one pass: a ``[BLOCK_R, BLOCK_N]`` tile holds whole rows; read once, write once (2N traffic);
 - coop: a row too long for one program but short enough for ``C`` co-resident programs: each
   holds one chunk on chip, publishes its partial ``(m, l)``, waits (bounded) for its siblings',
-  merges them and normalises the chunk it holds (2N traffic, like one pass);
+  merges them and normalises the chunk it holds (2N traffic, like one pass); for narrow inputs
+  each streams its chunk twice instead, the second time from L2;
 - two pass: one program per row, online ``(m, l)`` over tiles, then the normalising pass walks the
   tiles backwards so the most recently read ones come from L2 (3N, less what L2 keeps);
 - split: few very long rows; ``S`` programs per row each write a partial ``(m, l)``, the
@@ -216,6 +217,16 @@ def _row_chunk(x_ptr, row, R, N, stride_x, cols):
 
 
 @triton.jit
+def _held_state(xr, LOG: tl.constexpr):
+    """What a coop program keeps of a held chunk ``xr [1, BLOCK_N]``: ``exp(x - m)`` (softmax) or
+    ``x`` (log-softmax) as float32 ``[1, BLOCK_N]``, and the chunk's state ``(m, l)`` ([1] each)."""
+    x = xr.to(tl.float32)
+    m = tl.max(x, axis=1)
+    p = tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E)  # [1, BLOCK_N]
+    return (x if LOG else p), m, tl.sum(p, axis=1)
+
+
+@triton.jit
 def _publish(m, l, row, R, c, C, st_ptr):
     """Publish ``(m, l)`` ([1] each) as state ``c`` of ``row``: both float32 bit patterns in one
     int64 (``m`` high, ``l`` low), swapped in with a relaxed atomic, so the word is its own arrival
@@ -265,8 +276,9 @@ def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, st_ptr, R, N, C, stride_x, strid
     Software-pipelined over its rows: it publishes the state of row ``r + G``'s chunk (into
     ``st (R, C)``, all ones until published) before it waits for row ``r``'s siblings, whose states
     went out an iteration earlier; then it merges the ``C`` states of row ``r`` and normalises its
-    chunk. With ``BLOCK_N == CHUNK`` it holds the chunk on chip (one read, one write: 2N) and has
-    row ``r + 2G``'s chunk in flight while it waits; else it streams the chunk in ``BLOCK_N``
+    chunk. With ``BLOCK_N == CHUNK`` it holds the chunk on chip (one read, one write: 2N; for
+    softmax as ``exp(x - m_chunk)``, so one exp per element) and has row ``r + 2G``'s chunk in
+    flight while it waits; else it streams the chunk in ``BLOCK_N``
     tiles twice, ``STAGES`` deep, the second time last tile first, from L2. A program still short
     of siblings after ``spin`` polls (not co-resident) computes the row's state from ``x`` itself:
     slower, never stuck, the same result.
@@ -279,9 +291,8 @@ def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, st_ptr, R, N, C, stride_x, strid
     end = tl.minimum(start + CHUNK, N)
     if BLOCK_N == CHUNK:
         cols = start + tl.arange(0, BLOCK_N)
-        cur = _row_chunk(x_ptr, row0, R, N, stride_x, cols)  # [1, BLOCK_N], x.dtype
-        m, l = _online(tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32), cur.to(tl.float32))
-        _publish(m, l, row0, R, c, C, st_ptr)
+        cur, cur_m, l = _held_state(_row_chunk(x_ptr, row0, R, N, stride_x, cols), LOG)  # [1, BLOCK_N], [1], [1]
+        _publish(cur_m, l, row0, R, c, C, st_ptr)
         nxt = _row_chunk(x_ptr, row0 + G, R, N, stride_x, cols)
     else:
         rows = row0 + tl.arange(0, 1)  # [1]
@@ -292,13 +303,16 @@ def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, st_ptr, R, N, C, stride_x, strid
         rmask = rows < R
         yb = y_ptr + rows[:, None].to(tl.int64) * stride_y
         if BLOCK_N == CHUNK:
-            m, l = _online(tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32), nxt.to(tl.float32))
-            _publish(m, l, row + G, R, c, C, st_ptr)
+            held, held_m, l = _held_state(nxt, LOG)
+            _publish(held_m, l, row + G, R, c, C, st_ptr)
             after = _row_chunk(x_ptr, row + 2 * G, R, N, stride_x, cols)
             lse, mr, inv = _row_state(st_ptr, x_ptr, rows, rmask, N, C, stride_x, spin, BLOCK_C, LOOP_N)
-            y = _norm_tile(cur.to(tl.float32), lse, mr, inv, LOG)  # [1, BLOCK_N]
+            if LOG:
+                y = _norm_tile(cur, lse, mr, inv, True)  # [1, BLOCK_N]
+            else:  # exp(x - m) = exp(x - m_chunk) * exp(m_chunk - m): one exp per element
+                y = cur * (tl.math.exp2((cur_m - mr) * _LOG2E) * inv)[:, None]
             tl.store(yb + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
-            cur = nxt
+            cur, cur_m = held, held_m
             nxt = after
         else:
             nrows = rows + G

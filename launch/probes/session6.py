@@ -1,0 +1,135 @@
+"""Probe (tuning data, not part of the library): session 6's softmax questions, one GPU.
+
+    PYTHONPATH=. python3 launch/probes/session6.py OUTDIR [SECTIONS]
+
+SECTIONS (comma-separated, default all):
+- coop: long rows on the coop path, chunks held in registers (softmax keeps exp(x - m_chunk): one
+  exp per element) or streamed twice (the second read from L2), under chunk sizes, warps and
+  programs per SM, against the two-pass / split paths and torch; where
+  ``kernels/_probe_old_softmax.py`` is present (``git show 3d378cd:splitsoftmax/kernels/softmax.py``,
+  carried to the GPU machine, never committed) also the held kernel as it was (two exps per element);
+- lse: the statistics pass (logsumexp) of 512x262144 bf16 under loop tiles, warps, stages, and a
+  copy whose loads do not ask L2 to keep the row (``evict_first``; timing and results).
+Writes OUTDIR/probe.json.
+"""
+import importlib
+import json
+import os
+import sys
+
+import torch
+
+from session4 import ROWS, bench, guard, rec  # the probe helpers, beside this file
+
+HELD = dict(coop_hold_min_elem_bytes=1, coop_min_elem_bytes=1)
+REREAD = dict(coop_hold_min_elem_bytes=16, coop_min_elem_bytes=1)
+
+
+def _variants():
+    """(name, config overrides, use the old kernel copy) of the coop section."""
+    v = [("default", {}, False), ("no coop", dict(coop_max_chunks=0), False)]
+    for chunk, per_warp, pps in ((16384, 2048, 1), (8192, 1024, 1), (8192, 1024, 2), (16384, 1024, 1)):
+        over = dict(HELD, coop_chunk_elems=chunk, coop_elems_per_warp=per_warp, coop_programs_per_sm=pps)
+        v.append((f"held {chunk} pw{per_warp} pps{pps}", over, False))
+    v.append(("OLD held 16384 pw2048 pps1", dict(HELD), True))
+    for cb in (32768, 65536, 131072):
+        for pps in (1, 2, 4):
+            v.append((f"re-read {cb >> 10}KB pps{pps}", dict(REREAD, coop_reread_chunk_bytes=cb,
+                                                             coop_reread_programs_per_sm=pps), False))
+    for stages in (2, 4):
+        v.append((f"re-read 64KB pps2 st{stages}", dict(REREAD, loop_stages=stages), False))
+    v.append(("re-read 64KB pps2 tile32K", dict(REREAD, loop_tile_bytes=32768), False))
+    return v
+
+
+def sec_coop():
+    from splitsoftmax.kernels import configs
+    from splitsoftmax.kernels import softmax as K
+    old = None
+    if os.path.exists("splitsoftmax/kernels/_probe_old_softmax.py"):
+        old = importlib.import_module("splitsoftmax.kernels._probe_old_softmax")
+    cfg = configs.SOFTMAX
+    saved = dict(vars(cfg))
+    for R, N, dt in ((512, 262144, torch.bfloat16), (2048, 65536, torch.bfloat16), (128, 1 << 20, torch.bfloat16),
+                     (8, 262144, torch.bfloat16), (256, 131072, torch.float32), (64, 1 << 20, torch.float32)):
+        x = torch.randn(R, N, device="cuda", dtype=dt) * 3
+        nb = 2 * x.numel() * x.element_size()
+        grp = f"coop {R}x{N} {str(dt)[6:]}"
+        rows = torch.arange(0, R, max(1, R // 16), device="cuda")
+        rec(grp, "torch.softmax", bench(lambda: torch.softmax(x, -1)), nb)
+        for log in (False, True):
+            fn = torch.log_softmax if log else torch.softmax
+            ref = fn(x[rows].double(), -1)
+            for name, over, use_old in _variants():
+                if use_old and old is None:
+                    continue
+                vars(cfg).update(saved)
+                vars(cfg).update(over)
+                mod = old if use_old else K
+                p = K._plan(x)
+                if use_old and not (p.path == "coop" and p.block_n == p.chunk):
+                    continue
+                if log and not (name.startswith("default") or name.startswith("no coop") or "OLD" in name
+                                or name == "held 16384 pw2048 pps1" or name == "re-read 64KB pps2"):
+                    continue
+                label = f"{'log ' if log else ''}{name}: {p.path} C{p.splits} tile{p.block_n} w{p.num_warps}"
+
+                def run(label=label, mod=mod):
+                    y = mod.softmax_fwd(x, log)[0]
+                    err = ((y[rows].double() - ref).abs() / (ref.abs() + 1)).max().item()
+                    rec(grp, label, bench(lambda: mod.softmax_fwd(x, log)), nb, err=f"{err:.1e}")
+                guard(grp, label, run)
+        vars(cfg).update(saved)
+        del x
+        torch.cuda.empty_cache()
+
+
+def _evict_first_copy():
+    src = open("splitsoftmax/kernels/softmax.py").read()
+    assert src.count('eviction_policy="evict_last"') == 1
+    with open("splitsoftmax/kernels/_probe_evict.py", "w") as f:
+        f.write(src.replace('eviction_policy="evict_last"', 'eviction_policy="evict_first"'))
+    return importlib.import_module("splitsoftmax.kernels._probe_evict")
+
+
+def sec_lse():
+    from splitsoftmax.kernels import configs
+    from splitsoftmax.kernels import softmax as K
+    ev = _evict_first_copy()
+    cfg = configs.SOFTMAX
+    saved = dict(vars(cfg))
+    x = torch.randn(512, 262144, device="cuda", dtype=torch.bfloat16) * 3
+    ref = torch.logsumexp(x.double(), 1)
+    nb = x.numel() * 2
+    grp = "lse 512x262144 bf16"
+    rec(grp, "torch.logsumexp", bench(lambda: torch.logsumexp(x, 1)), nb)
+    src = torch.randn(1 << 28, device="cuda")
+    rec(grp, "read rate (torch sum, 1 GiB fp32)", bench(lambda: src.sum()), src.numel() * 4)
+    del src
+    for tile, per_warp, stages in ((16384, 2048, 3), (16384, 2048, 4), (16384, 2048, 2), (32768, 2048, 3),
+                                   (32768, 4096, 3), (16384, 4096, 3), (8192, 1024, 4)):
+        for mod, tag in ((K, ""), (ev, " evict_first")):
+            vars(cfg).update(saved)
+            cfg.loop_tile_bytes, cfg.loop_elems_per_warp, cfg.loop_stages = tile, per_warp, stages
+            p = K._plan(x, stats_only=True)
+            name = f"tile{tile >> 10}KB w{p.num_warps} st{stages}{tag}"
+
+            def run(name=name, mod=mod):
+                err = (mod.lse_rows(x).double() - ref).abs().max().item()
+                rec(grp, name, bench(lambda: mod.lse_rows(x)), nb, err=f"{err:.1e}")
+            guard(grp, name, run)
+    vars(cfg).update(saved)
+
+
+SECTIONS = {"coop": sec_coop, "lse": sec_lse}
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    try:
+        for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else list(SECTIONS)):
+            guard(s, "section", SECTIONS[s])
+    finally:
+        with open(os.path.join(out, "probe.json"), "w") as f:
+            json.dump(ROWS, f, indent=1)

@@ -105,12 +105,9 @@ def test_empty_nan_and_strided_rows():
     _close(ss.softmax(v), torch.softmax(v.double(), -1), torch.float32, "strided rows", peer=torch.softmax(v, -1))
 
 
-@pytest.mark.parametrize("path", ["two_pass", "split", "coop", "coop, held", "coop, siblings never waited for"])
+@pytest.mark.parametrize("path", ["two_pass", "split", "coop", "coop, siblings never waited for"])
 def test_forced_paths_at_real_sizes(path, monkeypatch):
-    """bf16: the coop path re-reads its chunk, or (``held``) holds it in registers."""
     monkeypatch.setattr(configs.SOFTMAX, "one_pass_max_cols", 1024)
-    if path == "coop, held":
-        monkeypatch.setattr(configs.SOFTMAX, "coop_hold_min_elem_bytes", 2)
     monkeypatch.setattr(configs.SOFTMAX, "split_rows_per_sm", 0.0 if path == "two_pass" else 1e9)
     if not path.startswith("coop"):
         monkeypatch.setattr(configs.SOFTMAX, "coop_max_chunks", 0)
@@ -118,8 +115,7 @@ def test_forced_paths_at_real_sizes(path, monkeypatch):
         monkeypatch.setattr(configs.SOFTMAX, "coop_spin", 0)
     k = _k()
     x = torch.randn(37, 123457, device="cuda", dtype=torch.bfloat16)
-    p = k._plan(x)
-    assert p.path == path.split(",")[0] and (p.block_n == p.chunk) == (path == "coop, held")
+    assert k._plan(x).path == path.split(",")[0]
     for log in (False, True):
         y, lse = k.softmax_fwd(x, log)
         ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
@@ -165,19 +161,15 @@ def _check_special_rows(x, y, lse, log):
            peer=torch.logsumexp(x[9:10], -1))
 
 
-@pytest.mark.parametrize("held", [True, False])
 @pytest.mark.parametrize("log", [False, True])
-def test_coop_walks_many_rows_with_special_rows(log, held, monkeypatch):
+def test_coop_walks_many_rows_with_special_rows(log):
     """fp32 rows of 3 coop chunks, ~9 rows per program (the software pipeline over rows), with an
-    all ``-inf`` row, a NaN row and a row whose first chunks are all ``-inf`` (empty states);
-    the chunks held in registers, or read twice."""
-    if not held:
-        monkeypatch.setattr(configs.SOFTMAX, "coop_hold_min_elem_bytes", 8)
+    all ``-inf`` row, a NaN row and a row whose first chunks are all ``-inf`` (empty states)."""
     k = _k()
     x = torch.randn(400, 40000, device="cuda") * 4
     x[7] = float("-inf")
     x[8, 12345] = float("nan")
     x[9, :35000] = float("-inf")
     p = k._plan(x)
-    assert p.path == "coop" and p.splits == 3 and (p.block_n == p.chunk) == held
+    assert p.path == "coop" and p.splits == 3
     _check_special_rows(x, *k.softmax_fwd(x, log), log)

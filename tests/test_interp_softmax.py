@@ -23,9 +23,6 @@ PATHS = {
                  coop_programs_per_sm=64),
     "coop, few programs": dict(one_pass_max_cols=16, loop_tile_bytes=32, coop_chunk_elems=32,
                                coop_elems_per_warp=16, coop_programs_per_sm=8),
-    # chunks of 2 (4 for 2-byte inputs) loop tiles, read twice
-    "coop, re-read": dict(one_pass_max_cols=16, loop_tile_bytes=32, coop_hold_min_elem_bytes=16,
-                          coop_min_elem_bytes=1, coop_reread_chunk_bytes=128, coop_reread_programs_per_sm=16),
 }
 # (atol, rtol): one unit in the last place of the output dtype (the interpreter truncates to
 # bf16/fp16 rather than rounding), float32 statistics.
@@ -221,8 +218,8 @@ def test_plan_predicate():
     cfg = configs.SoftmaxConfig()
     assert configs.softmax_plan(16384, 4096, 4, 132, cfg).path == "one_pass"
     assert configs.softmax_plan(4096, 32768, 4, 132, cfg).path == "one_pass"
-    assert configs.softmax_plan(512, 262144, 2, 132, cfg).path == "two_pass"
-    for rows, cols, size in ((256, 131072, 4), (64, 1 << 20, 4), (8, 262144, 2)):
+    assert configs.softmax_plan(512, 262144, 1, 132, cfg).path == "two_pass"
+    for rows, cols, size in ((256, 131072, 4), (64, 1 << 20, 4), (8, 262144, 2), (512, 262144, 2)):
         p = configs.softmax_plan(rows, cols, size, 132, cfg)
         assert p.path == "coop" and p.splits * p.chunk >= cols and p.splits <= min(cfg.coop_max_chunks, 132)
         assert configs.softmax_plan(rows, cols, size, 132, cfg, stats_only=True).path != "coop"

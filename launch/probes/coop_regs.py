@@ -18,15 +18,12 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 ALIGNED = (0, 1, 3, 5, 7, 8)  # pointers and ints divisible by 16, as a launch would specialise them
 
 
-def ptxas_report(dt: str, block_n: int, warps: int, log: bool = False, chunk: int = 0) -> str:
-    """ptxas's registers and spills; ``chunk > block_n``: the re-read mode (``block_n`` loop tiles)."""
+def ptxas_report(dt: str, block_n: int, warps: int, log: bool = False) -> str:
     sig = {"x_ptr": f"*{dt}", "y_ptr": f"*{dt}", "lse_ptr": "*fp32", "st_ptr": "*i64", "R": "i32", "N": "i32",
            "C": "i32", "stride_x": "i32", "stride_y": "i32", "spin": "i32", "LOG": "constexpr",
-           "BLOCK_N": "constexpr", "CHUNK": "constexpr", "BLOCK_C": "constexpr", "LOOP_N": "constexpr",
-           "STAGES": "constexpr"}
+           "BLOCK_N": "constexpr", "BLOCK_C": "constexpr", "LOOP_N": "constexpr"}
     # LOOP_N: the fallback's loop tile, 16 KB (configs.SOFTMAX.loop_tile_bytes)
-    consts = {"LOG": log, "BLOCK_N": block_n, "CHUNK": chunk or block_n, "BLOCK_C": 16,
-              "LOOP_N": 16384 // (2 if dt == "bf16" else 4), "STAGES": 3}
+    consts = {"LOG": log, "BLOCK_N": block_n, "BLOCK_C": 16, "LOOP_N": 16384 // (2 if dt == "bf16" else 4)}
     attrs = {(i,): [["tt.divisibility", 16]] for i in ALIGNED}
     src = ASTSource(fn=K._softmax_coop_kernel, signature=sig, constexprs=consts, attrs=attrs)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps}).asm["ptx"]
@@ -45,8 +42,5 @@ if __name__ == "__main__":
     for dt, block_n, warps in (("fp32", 16384, 8), ("bf16", 16384, 8), ("bf16", 8192, 8), ("bf16", 16384, 16),
                                ("bf16", 32768, 16)):
         for log in (False, True):
-            print(f"{dt} held chunk {block_n} warps {warps} log={log}: {ptxas_report(dt, block_n, warps, log)}",
+            print(f"{dt} chunk {block_n} warps {warps} log={log}: {ptxas_report(dt, block_n, warps, log)}",
                   flush=True)
-    for dt, tile, warps in (("bf16", 8192, 4), ("fp32", 4096, 4)):
-        print(f"{dt} re-read, tiles {tile} warps {warps}: {ptxas_report(dt, tile, warps, chunk=4 * tile)}",
-              flush=True)

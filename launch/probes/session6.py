@@ -3,11 +3,14 @@
     PYTHONPATH=. python3 launch/probes/session6.py OUTDIR [SECTIONS]
 
 SECTIONS (comma-separated, default all):
-- coop: long rows on the coop path, chunks held in registers (softmax keeps exp(x - m_chunk): one
-  exp per element) or streamed twice (the second read from L2), under chunk sizes, warps and
-  programs per SM, against the two-pass / split paths and torch; where
+- coop: long rows on the coop path (softmax keeps exp(x - m_chunk): one exp per element) under
+  chunk sizes, warps and programs per SM, against the two-pass / split paths and torch; where
   ``kernels/_probe_old_softmax.py`` is present (``git show 3d378cd:splitsoftmax/kernels/softmax.py``,
-  carried to the GPU machine, never committed) also the held kernel as it was (two exps per element);
+  carried to the GPU machine, never committed) also the kernel as it was (two exps per element).
+  The copy of this file at commit 992b783 also timed a coop mode, removed since, that streamed
+  its chunk twice (the second read from L2) instead of holding it;
+- acc: the error of the looped paths (two-pass, split, coop) on fp32 rows of 40000 scaled by 4
+  (rows a few elements dominate), against float64 and beside torch's own error;
 - lse: the statistics pass (logsumexp) of 512x262144 bf16 under loop tiles, warps, stages, and a
   copy whose loads do not ask L2 to keep the row (``evict_first``; timing and results).
 Writes OUTDIR/probe.json.
@@ -21,8 +24,7 @@ import torch
 
 from session4 import ROWS, bench, guard, rec  # the probe helpers, beside this file
 
-HELD = dict(coop_hold_min_elem_bytes=1, coop_min_elem_bytes=1)
-REREAD = dict(coop_hold_min_elem_bytes=16, coop_min_elem_bytes=1)
+HELD = dict(coop_min_elem_bytes=1)
 
 
 def _variants():
@@ -32,13 +34,6 @@ def _variants():
         over = dict(HELD, coop_chunk_elems=chunk, coop_elems_per_warp=per_warp, coop_programs_per_sm=pps)
         v.append((f"held {chunk} pw{per_warp} pps{pps}", over, False))
     v.append(("OLD held 16384 pw2048 pps1", dict(HELD), True))
-    for cb in (32768, 65536, 131072):
-        for pps in (1, 2, 4):
-            v.append((f"re-read {cb >> 10}KB pps{pps}", dict(REREAD, coop_reread_chunk_bytes=cb,
-                                                             coop_reread_programs_per_sm=pps), False))
-    for stages in (2, 4):
-        v.append((f"re-read 64KB pps2 st{stages}", dict(REREAD, loop_stages=stages), False))
-    v.append(("re-read 64KB pps2 tile32K", dict(REREAD, loop_tile_bytes=32768), False))
     return v
 
 
@@ -67,10 +62,9 @@ def sec_coop():
                 vars(cfg).update(over)
                 mod = old if use_old else K
                 p = K._plan(x)
-                if use_old and not (p.path == "coop" and p.block_n == p.chunk):
+                if use_old and p.path != "coop":
                     continue
-                if log and not (name.startswith("default") or name.startswith("no coop") or "OLD" in name
-                                or name == "held 16384 pw2048 pps1" or name == "re-read 64KB pps2"):
+                if log and not (name.startswith("default") or name.startswith("no coop") or "OLD" in name):
                     continue
                 label = f"{'log ' if log else ''}{name}: {p.path} C{p.splits} tile{p.block_n} w{p.num_warps}"
 
@@ -121,7 +115,28 @@ def sec_lse():
     vars(cfg).update(saved)
 
 
-SECTIONS = {"coop": sec_coop, "lse": sec_lse}
+def sec_acc():
+    from splitsoftmax.kernels import configs
+    from splitsoftmax.kernels import softmax as K
+    cfg = configs.SOFTMAX
+    saved = dict(vars(cfg))
+    x = torch.randn(400, 40000, device="cuda") * 4
+    for log in (False, True):
+        fn = torch.log_softmax if log else torch.softmax
+        ref = fn(x.double(), -1)
+        torch_err = (fn(x, -1).double() - ref).abs().max().item()
+        for name, over in (("coop", {}), ("two_pass", dict(coop_max_chunks=0, split_rows_per_sm=0.0)),
+                           ("split", dict(coop_max_chunks=0, split_rows_per_sm=1e9))):
+            vars(cfg).update(saved)
+            vars(cfg).update(over)
+            err = (K.softmax_fwd(x, log)[0].double() - ref).abs().max().item()
+            ROWS.append({"group": "acc", "name": name, "log": log, "err": err, "torch_err": torch_err})
+            print(f"acc log={log} {name:9s} {K._plan(x).path:9s} err {err:.3e} torch {torch_err:.3e} "
+                  f"ratio {err / torch_err:.2f}", flush=True)
+    vars(cfg).update(saved)
+
+
+SECTIONS = {"coop": sec_coop, "lse": sec_lse, "acc": sec_acc}
 
 if __name__ == "__main__":
     out = sys.argv[1]

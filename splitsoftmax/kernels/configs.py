@@ -81,13 +81,10 @@ class SoftmaxConfig:
     coop_max_chunks: int = 64         # rows of more chunks than this (or than resident programs) take
                                       # the two-pass or split path
     coop_programs_per_sm: float = 1   # coop grid: this many programs per SM, all resident, each walking rows
-    coop_min_elem_bytes: int = 4      # narrower inputs take coop only where the split path would run (H200:
-                                      # fp32 256x131072 3253 GB/s against two-pass 2353, bf16 512x262144
-                                      # 1913 against 2505, bf16 8x262144 430 against split 61)
-    coop_hold_min_elem_bytes: int = 4  # inputs this wide hold their chunk in registers; narrower ones (whose
-                                      # held chunk spills) stream it twice in loop tiles, the second read from L2:
-    coop_reread_chunk_bytes: int = 65536      # ... a chunk of this many bytes per program,
-    coop_reread_programs_per_sm: float = 2    # ... this many programs resident per SM
+    coop_min_elem_bytes: int = 2      # narrower inputs take coop only where the split path would run (H200,
+                                      # softmax / log_softmax GB/s, coop against two-pass: bf16 512x262144
+                                      # 2562 / 2969 against 2497 / 2522; 2048x65536 2708 / 2986 against
+                                      # 2636 / 2668; fp32 256x131072 3305 against 2317)
     coop_spin: int = 100000           # polls a coop program waits for its siblings' states before it
                                       # computes the row's state from the input itself
     sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)
@@ -102,8 +99,7 @@ class SoftmaxPlan:
     """How one launch covers ``(R, N)``: ``path`` in one_pass / coop / two_pass / split; a program
     covers ``block_r`` rows and ``chunk`` columns in ``[block_r, block_n]`` tiles; ``splits``
     programs per row (``splits * chunk >= N``, ``chunk % block_n == 0``); looped tiles are
-    ``stages`` deep in flight. Coop: ``resident`` programs at once (the persistent grid), each
-    holding its chunk on chip if ``block_n == chunk``, else reading it twice in ``block_n`` tiles."""
+    ``stages`` deep in flight; coop runs ``resident`` programs at once (its persistent grid)."""
 
     path: str
     block_r: int
@@ -128,26 +124,19 @@ def softmax_is_split(rows: int, cols: int, sms: int, cfg: SoftmaxConfig) -> bool
     return cols > cfg.one_pass_max_cols and rows < sms * cfg.split_rows_per_sm
 
 
-def _coop_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig,
-               loop_n: int) -> Optional[SoftmaxPlan]:
+def _coop_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig) -> Optional[SoftmaxPlan]:
     """The coop plan of a row too long for one program, or None where coop does not apply: too
     many chunks for the resident programs, or a narrow input outside the split predicate."""
     if cols <= cfg.one_pass_max_cols:
         return None
     if elem_bytes < cfg.coop_min_elem_bytes and not softmax_is_split(rows, cols, sms, cfg):
         return None
-    if elem_bytes >= cfg.coop_hold_min_elem_bytes:
-        chunk, block_n, pps = _pow2(cfg.coop_chunk_elems), _pow2(cfg.coop_chunk_elems), cfg.coop_programs_per_sm
-        warps, stages = _warps(chunk, cfg.coop_elems_per_warp, cfg), 1
-    else:
-        chunk = max(loop_n, _pow2(cfg.coop_reread_chunk_bytes // elem_bytes))
-        block_n, pps = loop_n, cfg.coop_reread_programs_per_sm
-        warps, stages = _warps(loop_n, cfg.loop_elems_per_warp, cfg), cfg.loop_stages
-    resident = int(sms * pps)
+    chunk = _pow2(cfg.coop_chunk_elems)
+    resident = int(sms * cfg.coop_programs_per_sm)
     splits = -(-cols // chunk)
     if splits > min(cfg.coop_max_chunks, resident):  # a row's siblings must all be resident
         return None
-    return SoftmaxPlan("coop", 1, block_n, splits, chunk, warps, stages, resident)
+    return SoftmaxPlan("coop", 1, chunk, splits, chunk, _warps(chunk, cfg.coop_elems_per_warp, cfg), 1, resident)
 
 
 def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConfig = SOFTMAX,
@@ -160,7 +149,7 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
         block_r = min(_pow2(rows), max(1, cfg.one_pass_tile_elems // block_n))
         per_warp = cfg.loop_elems_per_warp if stats_only else cfg.elems_per_warp
         return SoftmaxPlan("one_pass", block_r, block_n, 1, block_n, _warps(block_r * block_n, per_warp, cfg))
-    coop = None if stats_only else _coop_plan(rows, cols, elem_bytes, sms, cfg, loop_n)
+    coop = None if stats_only else _coop_plan(rows, cols, elem_bytes, sms, cfg)
     if coop is not None:
         return coop
     loop_warps = _warps(loop_n, cfg.loop_elems_per_warp, cfg)

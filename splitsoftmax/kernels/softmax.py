@@ -6,8 +6,7 @@ signature of its torch twin in ``kernels/cpu.py``. Paths (chosen by ``configs.so
 - one pass: a ``[BLOCK_R, BLOCK_N]`` tile holds whole rows; read once, write once (2N traffic);
 - coop: a row too long for one program but short enough for ``C`` co-resident programs: each
   holds one chunk on chip, publishes its partial ``(m, l)``, waits (bounded) for its siblings',
-  merges them and normalises the chunk it holds (2N traffic, like one pass); for narrow inputs
-  each streams its chunk twice instead, the second time from L2;
+  merges them and normalises the chunk it holds (2N traffic, like one pass);
 - two pass: one program per row, online ``(m, l)`` over tiles, then the normalising pass walks the
   tiles backwards so the most recently read ones come from L2 (3N, less what L2 keeps);
 - split: few very long rows; ``S`` programs per row each write a partial ``(m, l)``, the
@@ -268,60 +267,42 @@ def _row_state(st_ptr, x_ptr, rows, rmask, N, C, stride_x, spin, BLOCK_C: tl.con
 
 @triton.jit(do_not_specialize=["R", "C", "spin"])
 def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, st_ptr, R, N, C, stride_x, stride_y, spin,
-                         LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr,
-                         LOOP_N: tl.constexpr, STAGES: tl.constexpr):
-    """Grid ``G * C`` (co-resident): ``G`` groups of ``C`` siblings; program ``g * C + c`` covers
-    columns ``[c * CHUNK, (c + 1) * CHUNK)`` of rows ``g, g + G, ...``.
+                         LOG: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, LOOP_N: tl.constexpr):
+    """Grid ``G * C`` (co-resident): ``G`` groups of ``C`` siblings; program ``g * C + c`` holds
+    columns ``[c * BLOCK_N, (c + 1) * BLOCK_N)`` of rows ``g, g + G, ...`` on chip (for softmax as
+    ``exp(x - m_chunk)``, so one exp per element).
 
     Software-pipelined over its rows: it publishes the state of row ``r + G``'s chunk (into
-    ``st (R, C)``, all ones until published) before it waits for row ``r``'s siblings, whose states
-    went out an iteration earlier; then it merges the ``C`` states of row ``r`` and normalises its
-    chunk. With ``BLOCK_N == CHUNK`` it holds the chunk on chip (one read, one write: 2N; for
-    softmax as ``exp(x - m_chunk)``, so one exp per element) and has row ``r + 2G``'s chunk in
-    flight while it waits; else it streams the chunk in ``BLOCK_N``
-    tiles twice, ``STAGES`` deep, the second time last tile first, from L2. A program still short
-    of siblings after ``spin`` polls (not co-resident) computes the row's state from ``x`` itself:
-    slower, never stuck, the same result.
+    ``st (R, C)``, all ones until published) and has row ``r + 2G``'s chunk in flight before it
+    waits for row ``r``'s siblings, whose states went out an iteration earlier; then it merges the
+    ``C`` states of row ``r`` and normalises the chunk it holds (one read, one write: 2N). A program
+    still short of siblings after ``spin`` polls (not co-resident) computes the row's state from
+    ``x`` itself: slower, never stuck, the same result.
     """
     pid = tl.program_id(0)
     c = pid % C
     G = tl.num_programs(0) // C
+    cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
     row0 = pid // C
-    start = c * CHUNK
-    end = tl.minimum(start + CHUNK, N)
-    if BLOCK_N == CHUNK:
-        cols = start + tl.arange(0, BLOCK_N)
-        cur, cur_m, l = _held_state(_row_chunk(x_ptr, row0, R, N, stride_x, cols), LOG)  # [1, BLOCK_N], [1], [1]
-        _publish(cur_m, l, row0, R, c, C, st_ptr)
-        nxt = _row_chunk(x_ptr, row0 + G, R, N, stride_x, cols)
-    else:
-        rows = row0 + tl.arange(0, 1)  # [1]
-        m, l, _ = _stats(x_ptr + rows[:, None].to(tl.int64) * stride_x, rows < R, start, end, BLOCK_N, STAGES)
-        _publish(m, l, row0, R, c, C, st_ptr)
+    cur, cur_m, l = _held_state(_row_chunk(x_ptr, row0, R, N, stride_x, cols), LOG)  # [1, BLOCK_N], [1], [1]
+    _publish(cur_m, l, row0, R, c, C, st_ptr)
+    nxt = _row_chunk(x_ptr, row0 + G, R, N, stride_x, cols)  # [1, BLOCK_N], x.dtype
     for row in range(row0, R, G):
+        held, held_m, l = _held_state(nxt, LOG)
+        _publish(held_m, l, row + G, R, c, C, st_ptr)
+        after = _row_chunk(x_ptr, row + 2 * G, R, N, stride_x, cols)
         rows = row + tl.arange(0, 1)  # [1]
         rmask = rows < R
-        yb = y_ptr + rows[:, None].to(tl.int64) * stride_y
-        if BLOCK_N == CHUNK:
-            held, held_m, l = _held_state(nxt, LOG)
-            _publish(held_m, l, row + G, R, c, C, st_ptr)
-            after = _row_chunk(x_ptr, row + 2 * G, R, N, stride_x, cols)
-            lse, mr, inv = _row_state(st_ptr, x_ptr, rows, rmask, N, C, stride_x, spin, BLOCK_C, LOOP_N)
-            if LOG:
-                y = _norm_tile(cur, lse, mr, inv, True)  # [1, BLOCK_N]
-            else:  # exp(x - m) = exp(x - m_chunk) * exp(m_chunk - m): one exp per element
-                y = cur * (tl.math.exp2((cur_m - mr) * _LOG2E) * inv)[:, None]
-            tl.store(yb + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < N)[None, :])
-            cur, cur_m = held, held_m
-            nxt = after
-        else:
-            nrows = rows + G
-            m, l, _ = _stats(x_ptr + nrows[:, None].to(tl.int64) * stride_x, nrows < R, start, end, BLOCK_N, STAGES)
-            _publish(m, l, row + G, R, c, C, st_ptr)
-            lse, mr, inv = _row_state(st_ptr, x_ptr, rows, rmask, N, C, stride_x, spin, BLOCK_C, LOOP_N)
-            _normalize_range(x_ptr + rows[:, None].to(tl.int64) * stride_x, yb, rmask, lse, mr, inv, start, end,
-                             LOG, BLOCK_N)
+        lse, mr, inv = _row_state(st_ptr, x_ptr, rows, rmask, N, C, stride_x, spin, BLOCK_C, LOOP_N)
+        if LOG:
+            y = _norm_tile(cur, lse, mr, inv, True)  # [1, BLOCK_N]
+        else:  # exp(x - m) = exp(x - m_chunk) * exp(m_chunk - m)
+            y = cur * (tl.math.exp2((cur_m - mr) * _LOG2E) * inv)[:, None]
+        tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & (cols < N)[None, :])
         tl.store(lse_ptr + rows, lse, mask=rmask & (c == 0))
+        cur, cur_m = held, held_m
+        nxt = after
 
 
 @triton.jit(do_not_specialize=["R", "chunk", "S"])
@@ -527,8 +508,7 @@ def _coop(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) 
     groups = max(1, min(R, p.resident // p.splits))
     _softmax_coop_kernel[(groups * p.splits,)](
         x, y, lse, states, R, N, p.splits, x.stride(0), y.stride(0), spin, LOG=log, BLOCK_N=p.block_n,
-        CHUNK=p.chunk, BLOCK_C=triton.next_power_of_2(p.splits), LOOP_N=_plan(x, stats_only=True).block_n,
-        STAGES=p.stages, num_warps=p.num_warps)
+        BLOCK_C=triton.next_power_of_2(p.splits), LOOP_N=_plan(x, stats_only=True).block_n, num_warps=p.num_warps)
 
 
 def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:

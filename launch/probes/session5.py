@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from session4 import ROWS, bench, guard, rec  # the probe helpers, beside this file
-from splitsoftmax.bench.attention import _graph_ms as graph_ms
+from splitsoftmax.bench import graph_ms
 
 
 def decode_inputs(keys):

@@ -30,7 +30,7 @@ from splitsoftmax import state
 from splitsoftmax.kernels import attention as A
 from splitsoftmax.kernels import configs, decode, merge
 
-from . import best_ms
+from . import best_ms, graph_ms
 
 TOKENS, HEADS, DIM = 32768, 16, 128
 SEQS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -50,17 +50,7 @@ def _ms(fn, grad_to_none=None) -> float:
 
 
 def _graph_ms(fn) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph (no host launch cost), after a warm-up."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return _ms(graph.replay)
+    return graph_ms(fn, rep=200)
 
 
 def _sdpa(backend):

@@ -2,7 +2,8 @@
 
 ``python -m splitsoftmax bench softmax --out DIR``: PERF.md's shapes and a sweep of row lengths,
 correctness against float64 first (a few rows of every shape), then medians of
-``triton.testing.do_bench``. GB/s counts the 2N elements softmax must move (N for logsumexp);
+``triton.testing.do_bench``, through the public calls and (PERF.md's shapes) replayed from a
+CUDA graph, which leaves out the host's launch cost. GB/s counts the 2N elements softmax must move (N for logsumexp);
 the device copy rate (read + write) is measured in the same run as the ceiling. Writes
 ``softmax.json`` and ``softmax.png`` (GB/s vs row length) to ``--out``, and prints a table.
 """
@@ -19,7 +20,7 @@ import torch
 import splitsoftmax as ss
 from splitsoftmax.kernels import configs
 
-from . import best_ms
+from . import best_ms, graph_ms
 
 PERF_SHAPES = [("4096x32768 fp32", 4096, 32768, torch.float32), ("16384x4096 fp32", 16384, 4096, torch.float32),
                ("512x262144 bf16", 512, 262144, torch.bfloat16), ("8x16M fp32", 8, 1 << 24, torch.float32),
@@ -65,8 +66,9 @@ def check(x: torch.Tensor, name: str) -> float:
 TOL = {"float32": 1e-5, "bfloat16": 2 ** -7}  # one ulp of the output dtype
 
 
-def measure(label: str, rows: int, cols: int, dtype, variants: bool) -> list[dict]:
-    """Rows of results (one per op) for one shape: torch and splitsoftmax GB/s, error, variants."""
+def measure(label: str, rows: int, cols: int, dtype, variants: bool, graphs: bool = False) -> list[dict]:
+    """Rows of results (one per op) for one shape: torch and splitsoftmax GB/s, error, variants;
+    with ``graphs`` also both replayed from CUDA graphs."""
     x = torch.randn(rows, cols, device="cuda", dtype=dtype)
     out = []
     for name, (tfn, sfn, moved) in OPS.items():
@@ -74,6 +76,9 @@ def measure(label: str, rows: int, cols: int, dtype, variants: bool) -> list[dic
         rec = {"shape": label, "rows": rows, "cols": cols, "dtype": str(dtype).split(".")[-1], "op": name,
                "max_err": check(x, name), "torch_gbs": gb / best_ms(lambda: tfn(x)) * 1e3,
                "ss_gbs": gb / best_ms(lambda: sfn(x)) * 1e3}
+        if graphs:
+            rec["torch_graph_gbs"] = gb / graph_ms(lambda: tfn(x)) * 1e3
+            rec["ss_graph_gbs"] = gb / graph_ms(lambda: sfn(x)) * 1e3
         if variants and name != "log_softmax":
             for vname, over in VARIANTS.items():
                 saved = configs.SOFTMAX
@@ -115,10 +120,11 @@ def plot(results: list[dict], rates: dict, path: str) -> bool:
 
 
 def table(results: list[dict]) -> str:
-    lines = [f"{'shape':18} {'op':11} {'torch':>7} {'ss':>7} {'ratio':>6} {'err':>8}"]
+    lines = [f"{'shape':18} {'op':11} {'torch':>7} {'ss':>7} {'ratio':>6} {'err':>8} | graph: {'torch':>7} {'ss':>7}"]
     for r in results:
+        graph = f" | graph: {r['torch_graph_gbs']:7.0f} {r['ss_graph_gbs']:7.0f}" if "ss_graph_gbs" in r else ""
         lines.append(f"{r['shape']:18} {r['op']:11} {r['torch_gbs']:7.0f} {r['ss_gbs']:7.0f} "
-                     f"{r['ss_gbs'] / r['torch_gbs']:6.2f} {r['max_err']:8.1e}")
+                     f"{r['ss_gbs'] / r['torch_gbs']:6.2f} {r['max_err']:8.1e}{graph}")
     return "\n".join(lines)
 
 
@@ -135,7 +141,7 @@ def main(argv=None) -> int:
     rates = copy_rates()
     results = []
     for label, rows, cols, dtype in PERF_SHAPES:
-        results += measure(label, rows, cols, dtype, args.variants)
+        results += measure(label, rows, cols, dtype, args.variants, graphs=True)
     if not args.no_sweep:
         for k in range(7, 25, 2):
             results += measure(f"sweep N=2^{k}", SWEEP_ELEMS >> k, 1 << k, torch.float32, False)

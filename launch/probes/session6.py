@@ -9,6 +9,9 @@ SECTIONS (comma-separated, default all):
   carried to the GPU machine, never committed) also the kernel as it was (two exps per element).
   The copy of this file at commit 992b783 also timed a coop mode, removed since, that streamed
   its chunk twice (the second read from L2) instead of holding it;
+- keepx: the coop kernel as it is against a copy whose softmax holds ``x`` (as log-softmax does) and
+  takes a second exp per element at the output (the H200 read log-softmax 16% faster than softmax
+  on 512x262144 bf16 in this session's first call);
 - acc: the error of the looped paths (two-pass, split, coop) on fp32 rows of 40000 scaled by 4
   (rows a few elements dominate), against float64 and beside torch's own error;
 - lse: the statistics pass (logsumexp) of 512x262144 bf16 under loop tiles, warps, stages, and a
@@ -115,6 +118,43 @@ def sec_lse():
     vars(cfg).update(saved)
 
 
+KEEP_P = ("return (x if LOG else p), m, tl.sum(p, axis=1)", """        if LOG:
+            y = _norm_tile(cur, lse, mr, inv, True)  # [1, BLOCK_N]
+        else:  # exp(x - m) = exp(x - m_chunk) * exp(m_chunk - m)
+            y = cur * (tl.math.exp2((cur_m - mr) * _LOG2E) * inv)[:, None]
+""")
+KEEP_X = ("return x, m, tl.sum(p, axis=1)", """        y = _norm_tile(cur, lse, mr, inv, LOG)
+""")
+
+
+def sec_keepx():
+    from splitsoftmax.kernels import softmax as K
+    src = open("splitsoftmax/kernels/softmax.py").read()
+    for a, b in zip(KEEP_P, KEEP_X):
+        assert src.count(a) == 1, a
+        src = src.replace(a, b)
+    with open("splitsoftmax/kernels/_probe_keepx.py", "w") as f:
+        f.write(src)
+    kx = importlib.import_module("splitsoftmax.kernels._probe_keepx")
+    for R, N, dt in ((512, 262144, torch.bfloat16), (2048, 65536, torch.bfloat16), (256, 131072, torch.float32)):
+        x = torch.randn(R, N, device="cuda", dtype=dt) * 3
+        nb = 2 * x.numel() * x.element_size()
+        grp = f"keepx {R}x{N} {str(dt)[6:]}"
+        rows = torch.arange(0, R, max(1, R // 16), device="cuda")
+        for log in (False, True):
+            ref = (torch.log_softmax if log else torch.softmax)(x[rows].double(), -1)
+            for mod, name in ((K, "as is"), (kx, "keep x")):
+                label = f"{'log ' if log else ''}{name}: {K._plan(x).path}"
+
+                def run(label=label, mod=mod, log=log, ref=ref):
+                    y = mod.softmax_fwd(x, log)[0]
+                    err = ((y[rows].double() - ref).abs() / (ref.abs() + 1)).max().item()
+                    rec(grp, label, bench(lambda: mod.softmax_fwd(x, log)), nb, err=f"{err:.1e}")
+                guard(grp, label, run)
+        del x
+        torch.cuda.empty_cache()
+
+
 def sec_acc():
     from splitsoftmax.kernels import configs
     from splitsoftmax.kernels import softmax as K
@@ -136,7 +176,7 @@ def sec_acc():
     vars(cfg).update(saved)
 
 
-SECTIONS = {"coop": sec_coop, "lse": sec_lse, "acc": sec_acc}
+SECTIONS = {"coop": sec_coop, "lse": sec_lse, "keepx": sec_keepx, "acc": sec_acc}
 
 if __name__ == "__main__":
     out = sys.argv[1]

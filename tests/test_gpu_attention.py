@@ -16,6 +16,7 @@ pytestmark = pytest.mark.gpu
 
 import splitsoftmax as ss  # noqa: E402
 from splitsoftmax import reference as ref  # noqa: E402
+from splitsoftmax.kernels import configs, decode  # noqa: E402
 
 NEG_INF = float("-inf")
 DEV = "cuda"
@@ -57,17 +58,24 @@ FWD = [
 ]
 
 
+@pytest.mark.parametrize("tma", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("case", FWD)
-def test_forward_flash_rule(case, dtype):
+def test_forward_flash_rule(case, dtype, tma, monkeypatch):
+    """16-bit inputs with unpadded head dims read through TMA descriptors, or (``tma=False``) pointers."""
     b, h, hkv, sq, sk, d, dv, causal, diag = case
     if dv != d and dtype == torch.float32:
         pytest.skip("covered in 16-bit")
+    if not tma and (dtype == torch.float32 or d & (d - 1)):
+        pytest.skip("the pointer path either way")
+    monkeypatch.setattr(configs, "ATTN_TMA", tma)
     q = torch.randn(b, h, sq, d, device=DEV, dtype=dtype)
     k = torch.randn(b, hkv, sk, d, device=DEV, dtype=dtype)
     v = torch.randn(b, hkv, sk, dv, device=DEV, dtype=dtype)
     scale = 1 / math.sqrt(d)
     from splitsoftmax.kernels import attention as A
+    p = decode.plan(q, k, v, causal, diag)
+    assert (A._tma_operands(q, k, v, p) is not None) == (tma and dtype != torch.float32 and not d & (d - 1))
     out, lse = A.attn_fwd(q, k, v, scale, causal, diag, out_dtype=dtype)
     ro, rl = ref_attention(q, k, v, scale, causal, diag)
     peer = sdpa(q, k, v, scale, causal, diag)

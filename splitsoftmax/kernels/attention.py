@@ -15,15 +15,18 @@ by the fused merge kernel (flash-decoding); see ``splitsoftmax.kernels.decode``.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ..state import stat_dtype
+from . import configs
 from .decode import Plan, attn_tile, dot_precision, pad_dim, plan
 from ..local import interpreting
 from .merge import inv_or_zero, lse2_of, merge_into
@@ -59,6 +62,21 @@ def _load_rows(ptrs, rmask, cmask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.conste
 
 
 @triton.jit
+def _load_tile(src, b, h, start, rmask, cmask, ROWS: tl.constexpr, COLS: tl.constexpr, MASK_ROWS: tl.constexpr,
+               MASK_COLS: tl.constexpr, TMA: tl.constexpr):
+    """Tile ``[ROWS, COLS]`` of rows ``start ..`` of head ``(b, h)``: with ``TMA`` through the
+    ``(B, H, S, D)`` descriptor ``src`` (zeros past S, and past ``rmask`` where ``MASK_ROWS``),
+    else through the pointers ``src`` (see :func:`_load_rows`)."""
+    if TMA:
+        x = src.load([b, h, start, 0]).reshape(ROWS, COLS)
+        if MASK_ROWS:
+            x = tl.where(rmask[:, None], x, 0.0).to(x.dtype)
+    else:
+        x = _load_rows(src, rmask, cmask, MASK_ROWS, MASK_COLS)
+    return x
+
+
+@triton.jit
 def _nonfinite(x):
     """``[N, D]`` int mask (1 where NaN or Inf) of tile ``x [N, D]``."""
     return tl.where(tl.abs(x.to(tl.float32)) < float("inf"), 0, 1)
@@ -71,12 +89,14 @@ def _finite_or_zero(x):
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, kj, pos, hi, diag, qk_scale, dmask, dvmask,
+def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, start, kj, pos, hi, diag, qk_scale, dmask, dvmask,
               CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-              POS_SCALE: tl.constexpr, PREC: tl.constexpr):
-    """One K/V tile of the online recurrence; ``MASKED`` tiles mask keys >= hi and the diagonal."""
+              POS_SCALE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+    """One K/V tile of the online recurrence; ``MASKED`` tiles mask keys >= hi and the diagonal.
+    ``k_src, v_src``: the tile's pointers, or with ``TMA`` descriptors read at ``(kb, kvh, start)``;
+    ``kj = start + arange(BLOCK_N)``."""
     kmask = kj < hi  # [BLOCK_N]
-    k = _load_rows(k_ptrs, kmask, dmask, MASKED, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+    k = _load_tile(k_src, kb, kvh, start, kmask, dmask, kj.shape[0], q.shape[1], MASKED, not EVEN_D, TMA)
     qk = _dot(q, tl.trans(k), None, PREC)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         ok = kmask[None, :]
@@ -95,7 +115,8 @@ def _fwd_tile(acc, l_i, m_i, q, k_ptrs, v_ptrs, kj, pos, hi, diag, qk_scale, dma
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(v_ptrs, kmask, dvmask, MASKED, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
+    v = _load_tile(v_src, kb, kvh, start, kmask, dvmask, kj.shape[0], acc.shape[1], MASKED, not EVEN_DV,
+                   TMA)  # [BLOCK_N, BLOCK_DV]
     acc = acc * alpha[:, None]
     if MASKED and CAUSAL:  # a NaN/Inf value a row cannot see must not reach it through 0 * NaN
         nonfinite = _nonfinite(v)  # [BLOCK_N, BLOCK_DV]
@@ -118,7 +139,10 @@ def _attn_fwd_kernel(Q, K, V, O, L,
                      NH, G, Sq, Sk, diag, chunk, qk_scale,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                     PACK: tl.constexpr, ACC: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr):
+                     PACK: tl.constexpr, ACC: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr,
+                     TMA: tl.constexpr = False):
+    """Grid ``(row blocks, B * NH, splits)``. ``TMA`` (not with ``PACK``; ``BLOCK_D == D``,
+    ``BLOCK_DV == DV``): ``Q, K, V`` are ``(B, H, S, D)`` tensor descriptors, else pointers."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -149,8 +173,11 @@ def _attn_fwd_kernel(Q, K, V, O, L,
     offs_dv = tl.arange(0, BLOCK_DV)
     dmask = offs_d < D
     dvmask = offs_dv < DV
-    q_ptrs = Q + b * s_qb + head[:, None] * s_qh + pos[:, None] * s_qs + offs_d[None, :] * s_qd
-    q = _load_rows(q_ptrs, row_ok, dmask, True, BLOCK_D != D)  # [BLOCK_M, BLOCK_D]
+    if TMA:
+        q = Q.load([b.to(tl.int32), hh, r0, 0]).reshape(BLOCK_M, BLOCK_D)  # zeros past Sq
+    else:
+        q_ptrs = Q + b * s_qb + head[:, None] * s_qh + pos[:, None] * s_qs + offs_d[None, :] * s_qd
+        q = _load_rows(q_ptrs, row_ok, dmask, True, BLOCK_D != D)  # [BLOCK_M, BLOCK_D]
     # key range of this program: its split, cut at the last key any of its rows may see
     lo = pid_s * chunk
     hi = tl.minimum(Sk, lo + chunk)
@@ -160,21 +187,30 @@ def _attn_fwd_kernel(Q, K, V, O, L,
         full_hi = tl.minimum(hi, pos_lo + diag + 1)
     mid = lo + (tl.maximum(full_hi - lo, 0) // BLOCK_N) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
-    k_base = K + b * s_kb + kvh.to(tl.int64) * s_kh + offs_d[None, :] * s_kd
-    v_base = V + b * s_vb + kvh.to(tl.int64) * s_vh + offs_dv[None, :] * s_vd
+    if not TMA:
+        k_base = K + b * s_kb + kvh.to(tl.int64) * s_kh + offs_d[None, :] * s_kd
+        v_base = V + b * s_vb + kvh.to(tl.int64) * s_vh + offs_dv[None, :] * s_vd
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for start in range(lo, mid, BLOCK_N):  # tiles every row sees whole
         kj = start + offs_n  # [BLOCK_N]
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs,
-                                  kj, pos, hi, diag, qk_scale, dmask, dvmask, CAUSAL, False,
-                                  BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC)
+        if TMA:
+            k_src, v_src = K, V
+        else:
+            k_src, v_src = k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b.to(tl.int32), kvh, start, kj, pos, hi, diag,
+                                  qk_scale, dmask, dvmask, CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE,
+                                  PREC, TMA)
     for start in range(mid, hi, BLOCK_N):  # tiles crossing the diagonal or the range end
         kj = start + offs_n
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs,
-                                  kj, pos, hi, diag, qk_scale, dmask, dvmask, CAUSAL, True,
-                                  BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC)
+        if TMA:
+            k_src, v_src = K, V
+        else:
+            k_src, v_src = k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b.to(tl.int32), kvh, start, kj, pos, hi, diag,
+                                  qk_scale, dmask, dvmask, CAUSAL, True, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE,
+                                  PREC, TMA)
     # epilogue: (out, lse) of this block; an empty row (l exactly 0) is (0, -inf); a NaN l stays NaN,
     # never "empty": merges skip empty parts, and a NaN must reach the rows that depend on it
     out = acc / tl.where(l_i != 0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_DV]
@@ -197,6 +233,28 @@ def _attn_fwd_kernel(Q, K, V, O, L,
     tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
 
 
+@lru_cache(maxsize=None)
+def _has_tma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _tma_operands(q: Tensor, k: Tensor, v: Tensor, p: Plan) -> Optional[tuple]:
+    """``(q, k, v)`` as ``(B, H, S, D)`` TMA descriptors of the forward's tiles, or None where the
+    pointer path runs: packed rows, float32, padded head dims, strides or bases TMA cannot address
+    (16-byte units), a GPU before Hopper, or ``configs.ATTN_TMA`` off."""
+    if not configs.ATTN_TMA or p.pack or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if q.is_cuda and not _has_tma(q.device.index or 0):
+        return None
+    for t in (q, k, v):
+        if (t.shape[-1] != pad_dim(t.shape[-1]) or t.stride(-1) != 1 or t.data_ptr() % 16
+                or any(st * t.element_size() % 16 for st in t.stride()[:-1])):
+            return None
+    bm, bn = p.tile[:2]
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
+                 for t, rows in ((q, bm), (k, bn), (v, bn)))
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                diag: int, p: Plan, *, acc: bool = False, split_dim: bool = False) -> None:
     """Run the forward kernel into ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)`` (any strides).
@@ -211,11 +269,12 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     so = out.stride() if split_dim else (0, *out.stride())
     sl = lse.stride() if split_dim else (0, *lse.stride())
     grid = (triton.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
-    _attn_fwd_kernel[grid](q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(),
+    tma = _tma_operands(q, k, v, p)
+    _attn_fwd_kernel[grid](*(tma or (q, k, v)), out, lse, *q.stride(), *k.stride(), *v.stride(),
                            *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g, sq, sk, diag, p.chunk,
                            scale * LOG2E, D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm,
                            BLOCK_N=bn, CAUSAL=causal, PACK=p.pack, ACC=acc, POS_SCALE=scale > 0,
-                           PREC=dot_precision(q.dtype), num_warps=warps, num_stages=stages)
+                           PREC=dot_precision(q.dtype), TMA=tma is not None, num_warps=warps, num_stages=stages)
 
 
 def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,

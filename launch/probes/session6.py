@@ -12,6 +12,8 @@ SECTIONS (comma-separated, default all):
 - keepx: the coop kernel as it is against a copy whose softmax holds ``x`` (as log-softmax does) and
   takes a second exp per element at the output (the H200 read log-softmax 16% faster than softmax
   on 512x262144 bf16 in this session's first call);
+- causal: causal attention forward at S = 1k..8k (B*S = 32k, H=16, D=128, bf16), TMA or pointer
+  loads, under the short-causal tile (64x64) or the long one (128x128), beside SDPA flash;
 - acc: the error of the looped paths (two-pass, split, coop) on fp32 rows of 40000 scaled by 4
   (rows a few elements dominate), against float64 and beside torch's own error;
 - lse: the statistics pass (logsumexp) of 512x262144 bf16 under loop tiles, warps, stages, and a
@@ -176,7 +178,31 @@ def sec_acc():
     vars(cfg).update(saved)
 
 
-SECTIONS = {"coop": sec_coop, "lse": sec_lse, "keepx": sec_keepx, "acc": sec_acc}
+def sec_causal():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import splitsoftmax as ss
+    from splitsoftmax.kernels import configs
+    saved = (configs.ATTN_TMA, configs.ATTN_SHORT_CAUSAL_SQ)
+    for S in (1024, 2048, 4096, 8192):
+        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        grp = f"causal fwd S={S}"
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rec(grp, "sdpa flash", bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+        for tma in (True, False):
+            for short in (True, False):
+                configs.ATTN_TMA, configs.ATTN_SHORT_CAUSAL_SQ = tma, (S if short else 0)
+                name = f"{'tma' if tma else 'pointers'} {'64x64' if short else '128x128'}"
+                with torch.no_grad():
+                    guard(grp, name, lambda: rec(grp, name, bench(lambda: ss.attention(q, k, v, causal=True)),
+                                                 flops=flops))
+        configs.ATTN_TMA, configs.ATTN_SHORT_CAUSAL_SQ = saved
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+SECTIONS = {"coop": sec_coop, "lse": sec_lse, "keepx": sec_keepx, "causal": sec_causal, "acc": sec_acc}
 
 if __name__ == "__main__":
     out = sys.argv[1]

@@ -96,7 +96,9 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, start, kj, pos, hi, diag,
     ``k_src, v_src``: the tile's pointers, or with ``TMA`` descriptors read at ``(kb, kvh, start)``;
     ``kj = start + arange(BLOCK_N)``."""
     kmask = kj < hi  # [BLOCK_N]
-    k = _load_tile(k_src, kb, kvh, start, kmask, dmask, kj.shape[0], q.shape[1], MASKED, not EVEN_D, TMA)
+    # (TMA reads zeros past Sk; keys past hi need no zeros in K, whose scores are masked, nor in V
+    # when causal, where the NaN guard below zeroes the non-finite values no row may see)
+    k = _load_tile(k_src, kb, kvh, start, kmask, dmask, kj.shape[0], q.shape[1], MASKED and not TMA, not EVEN_D, TMA)
     qk = _dot(q, tl.trans(k), None, PREC)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         ok = kmask[None, :]
@@ -115,8 +117,8 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, start, kj, pos, hi, diag,
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_src, kb, kvh, start, kmask, dvmask, kj.shape[0], acc.shape[1], MASKED, not EVEN_DV,
-                   TMA)  # [BLOCK_N, BLOCK_DV]
+    v = _load_tile(v_src, kb, kvh, start, kmask, dvmask, kj.shape[0], acc.shape[1], MASKED and not (TMA and CAUSAL),
+                   not EVEN_DV, TMA)  # [BLOCK_N, BLOCK_DV]
     acc = acc * alpha[:, None]
     if MASKED and CAUSAL:  # a NaN/Inf value a row cannot see must not reach it through 0 * NaN
         nonfinite = _nonfinite(v)  # [BLOCK_N, BLOCK_DV]

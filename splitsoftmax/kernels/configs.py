@@ -34,7 +34,7 @@ ATTN_TILES = {
     ("bwd_q", 4, 256): (16, 16, 4, 2),
 }
 ATTN_TILE_DEFAULT = (16, 16, 4, 2)
-ATTN_SHORT_CAUSAL_SQ = 1024  # (H200, through TMA at S=2k causal: 128x128 417 TFLOP/s, 64x64 400)
+ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, TFLOP/s at S=1k/2k causal, pointer
 # loads -> TMA: 297 -> 358 / 355 -> 417 (launch/probes/attn_tma.py, session 6).

@@ -86,9 +86,10 @@ class SoftmaxConfig:
                                       # the two-pass or split path
     coop_programs_per_sm: float = 1   # coop grid: this many programs per SM, all resident, each walking rows
     coop_min_elem_bytes: int = 2      # narrower inputs take coop only where the split path would run (H200,
-                                      # softmax / log_softmax GB/s, coop against two-pass: bf16 512x262144
-                                      # 2562 / 2969 against 2497 / 2522; 2048x65536 2708 / 2986 against
-                                      # 2636 / 2668; fp32 256x131072 3305 against 2317)
+                                      # one call, coop against two-pass, softmax GB/s: bf16 512x262144 2562
+                                      # against 2497, 2048x65536 2708 against 2636; fp32 256x131072 3305
+                                      # against 2317. bf16 log_softmax: 2969 / 2986 in that call, 2517 / 2666
+                                      # in a later one, about the two-pass path's)
     coop_spin: int = 100000           # polls a coop program waits for its siblings' states before it
                                       # computes the row's state from the input itself
     sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)

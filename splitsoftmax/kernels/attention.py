@@ -77,6 +77,16 @@ def _load_tile(src, b, h, start, rmask, cmask, ROWS: tl.constexpr, COLS: tl.cons
 
 
 @triton.jit
+def _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA: tl.constexpr):
+    """What :func:`_fwd_tile` reads key tile ``kj`` from: the descriptors, or the tile's pointers."""
+    if TMA:
+        src = k_base, v_base
+    else:
+        src = k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs
+    return src
+
+
+@triton.jit
 def _nonfinite(x):
     """``[N, D]`` int mask (1 where NaN or Inf) of tile ``x [N, D]``."""
     return tl.where(tl.abs(x.to(tl.float32)) < float("inf"), 0, 1)
@@ -189,7 +199,9 @@ def _attn_fwd_kernel(Q, K, V, O, L,
         full_hi = tl.minimum(hi, pos_lo + diag + 1)
     mid = lo + (tl.maximum(full_hi - lo, 0) // BLOCK_N) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
-    if not TMA:
+    if TMA:
+        k_base, v_base = K, V
+    else:
         k_base = K + b * s_kb + kvh.to(tl.int64) * s_kh + offs_d[None, :] * s_kd
         v_base = V + b * s_vb + kvh.to(tl.int64) * s_vh + offs_dv[None, :] * s_vd
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -197,19 +209,13 @@ def _attn_fwd_kernel(Q, K, V, O, L,
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     for start in range(lo, mid, BLOCK_N):  # tiles every row sees whole
         kj = start + offs_n  # [BLOCK_N]
-        if TMA:
-            k_src, v_src = K, V
-        else:
-            k_src, v_src = k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs
+        k_src, v_src = _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b.to(tl.int32), kvh, start, kj, pos, hi, diag,
                                   qk_scale, dmask, dvmask, CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE,
                                   PREC, TMA)
     for start in range(mid, hi, BLOCK_N):  # tiles crossing the diagonal or the range end
         kj = start + offs_n
-        if TMA:
-            k_src, v_src = K, V
-        else:
-            k_src, v_src = k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs
+        k_src, v_src = _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b.to(tl.int32), kvh, start, kj, pos, hi, diag,
                                   qk_scale, dmask, dvmask, CAUSAL, True, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE,
                                   PREC, TMA)

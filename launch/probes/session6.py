@@ -14,6 +14,11 @@ SECTIONS (comma-separated, default all):
   on 512x262144 bf16 in this session's first call);
 - causal: causal attention forward at S = 1k..8k (B*S = 32k, H=16, D=128, bf16), TMA or pointer
   loads, under the short-causal tile (64x64) or the long one (128x128), beside SDPA flash;
+- short: S = 1k / 2k causal forward through the public call under short-causal tiles (block sizes,
+  warps, stages) beside SDPA flash, and the TMA prototype of ``launch/probes/attn_tma.py`` where its
+  git-ignored kernel file is present (results checked against the configured tile's);
+- guard: S = 1k / 2k causal forward, the attention launcher as it is against a copy without the NaN
+  guard of the diagonal tiles (timing only), beside the TMA prototype;
 - acc: the error of the looped paths (two-pass, split, coop) on fp32 rows of 40000 scaled by 4
   (rows a few elements dominate), against float64 and beside torch's own error;
 - lse: the statistics pass (logsumexp) of 512x262144 bf16 under loop tiles, warps, stages, and a
@@ -202,7 +207,64 @@ def sec_causal():
         torch.cuda.empty_cache()
 
 
-SECTIONS = {"coop": sec_coop, "lse": sec_lse, "keepx": sec_keepx, "causal": sec_causal, "acc": sec_acc}
+def sec_short():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import splitsoftmax as ss
+    from splitsoftmax.kernels import configs
+    key = ("fwd_causal_short", 2, 128)
+    saved = configs.ATTN_TILES[key]
+    proto = None
+    if os.path.exists("splitsoftmax/kernels/_probe_attn_tma.py"):
+        proto = importlib.import_module("splitsoftmax.kernels._probe_attn_tma")
+    for S in (1024, 2048):
+        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        grp = f"short causal S={S}"
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rec(grp, "sdpa flash", bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+        with torch.no_grad():
+            want = ss.attention(q, k, v, causal=True).float()
+            for tile in ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (32, 64, 4, 3),
+                         (64, 64, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2)):
+                configs.ATTN_TILES[key] = tile
+                name = f"ss {tile}"
+
+                def run(name=name):
+                    diff = (ss.attention(q, k, v, causal=True).float() - want).abs().max().item()
+                    rec(grp, name, bench(lambda: ss.attention(q, k, v, causal=True)), flops=flops, diff=diff)
+                guard(grp, name, run)
+            configs.ATTN_TILES[key] = saved
+            if proto is not None:
+                guard(grp, "prototype tma (64, 64, 4, 3)", lambda: rec(
+                    grp, "prototype tma (64, 64, 4, 3)",
+                    bench(lambda: proto.attn_fwd_tma(q, k, v, True, 64, 64, 4, 3)), flops=flops))
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def sec_guard():
+    from splitsoftmax.kernels import attention as A
+    src = open("splitsoftmax/kernels/attention.py").read()
+    old = "    if MASKED and CAUSAL:  # a NaN/Inf value"
+    assert src.count(old) == 1
+    with open("splitsoftmax/kernels/_probe_noguard.py", "w") as f:
+        f.write(src.replace(old, "    if MASKED and CAUSAL and False:  # a NaN/Inf value"))
+    ng = importlib.import_module("splitsoftmax.kernels._probe_noguard")
+    proto = importlib.import_module("splitsoftmax.kernels._probe_attn_tma")
+    for S in (1024, 2048):
+        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        grp = f"guard causal S={S}"
+        for name, fn in (("as is", lambda: A.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)),
+                         ("no guard", lambda: ng.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)),
+                         ("prototype", lambda: proto.attn_fwd_tma(q, k, v, True, 64, 64, 4, 3))):
+            guard(grp, name, lambda: rec(grp, name, bench(fn), flops=flops))
+        del q, k, v
+
+
+SECTIONS = {"coop": sec_coop, "lse": sec_lse, "keepx": sec_keepx, "causal": sec_causal, "short": sec_short,
+            "guard": sec_guard, "acc": sec_acc}
 
 if __name__ == "__main__":
     out = sys.argv[1]

@@ -243,7 +243,8 @@ def _attn_fwd_kernel(Q, K, V, O, L,
 
 @lru_cache(maxsize=None)
 def _has_tma(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= (9, 0)
+    """Whether CUDA device ``index`` has the Tensor Memory Accelerator (Hopper and later)."""
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def _tma_operands(q: Tensor, k: Tensor, v: Tensor, p: Plan) -> Optional[tuple]:

@@ -36,8 +36,8 @@ ATTN_TILES = {
 ATTN_TILE_DEFAULT = (16, 16, 4, 2)
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
-# dims, 16-byte strides, Hopper on), rows not packed. H200, TFLOP/s at S=1k/2k causal, pointer
-# loads -> TMA: 297 -> 358 / 355 -> 417 (launch/probes/attn_tma.py, session 6).
+# dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,
+# pointer loads -> TMA: 312 -> 334 / 360 -> 398 / 414 -> 415 (launch/probes/session6.py causal).
 ATTN_TMA = True
 # Under TRITON_INTERPRET=1 small tiles, so tiny test shapes still cross several tiles.
 ATTN_TILE_INTERPRET = (16, 16, 4, 1)

@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 launch/probes/attn_tma.py OUTDIR      # GPU: correctness + TFLOP/s, OUTDIR/attn_tma.json
     PYTHONPATH=. python3 launch/probes/attn_tma.py --regs      # no GPU: sm_90 ptxas registers/spills per tile
 
-The prototype kernel is ``splitsoftmax/kernels/_probe_attn_tma.py`` (git-ignored). For S in
+The prototype kernel is ``attn_tma_kernel.py`` beside this file. For S in
 (1024, 2048, 4096), causal and not, B = 32768 // S, H = 16, D = 128, bf16: every variant and tile is
 checked against a float64 reference (SDPA math backend for ``out``, logsumexp of the scores for
 ``lse``), then timed with ``do_bench`` (better of two medians) beside ours and SDPA flash.
@@ -21,7 +21,7 @@ import time
 import torch
 import triton
 
-from splitsoftmax.kernels import _probe_attn_tma as P
+import attn_tma_kernel as P  # beside this file
 
 H, D = 16, 128
 SEQS = (1024, 2048, 4096)

@@ -6,7 +6,7 @@ SECTIONS (comma-separated, default all):
 - coop: long rows on the coop path (softmax keeps exp(x - m_chunk): one exp per element) under
   chunk sizes, warps and programs per SM, against the two-pass / split paths and torch; where
   ``kernels/_probe_old_softmax.py`` is present (``git show 3d378cd:splitsoftmax/kernels/softmax.py``,
-  carried to the GPU machine, never committed) also the kernel as it was (two exps per element).
+  git-ignored: pass it in the device call's ``carry``) also the kernel as it was (two exps per element).
   The copy of this file at commit 992b783 also timed a coop mode, removed since, that streamed
   its chunk twice (the second read from L2) instead of holding it;
 - keepx: the coop kernel as it is against a copy whose softmax holds ``x`` (as log-softmax does) and
@@ -15,8 +15,8 @@ SECTIONS (comma-separated, default all):
 - causal: causal attention forward at S = 1k..8k (B*S = 32k, H=16, D=128, bf16), TMA or pointer
   loads, under the short-causal tile (64x64) or the long one (128x128), beside SDPA flash;
 - short: S = 1k / 2k causal forward through the public call under short-causal tiles (block sizes,
-  warps, stages) beside SDPA flash, and the TMA prototype of ``launch/probes/attn_tma.py`` where its
-  git-ignored kernel file is present (results checked against the configured tile's);
+  warps, stages) beside SDPA flash and the TMA prototype (``attn_tma_kernel.py``, beside this file;
+  results checked against the configured tile's);
 - guard: S = 1k / 2k causal forward, the attention launcher as it is against a copy without the NaN
   guard of the diagonal tiles (timing only), beside the TMA prototype;
 - acc: the error of the looped paths (two-pass, split, coop) on fp32 rows of 40000 scaled by 4
@@ -214,9 +214,7 @@ def sec_short():
     from splitsoftmax.kernels import configs
     key = ("fwd_causal_short", 2, 128)
     saved = configs.ATTN_TILES[key]
-    proto = None
-    if os.path.exists("splitsoftmax/kernels/_probe_attn_tma.py"):
-        proto = importlib.import_module("splitsoftmax.kernels._probe_attn_tma")
+    import attn_tma_kernel as proto  # beside this file
     for S in (1024, 2048):
         q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
@@ -235,10 +233,9 @@ def sec_short():
                     rec(grp, name, bench(lambda: ss.attention(q, k, v, causal=True)), flops=flops, diff=diff)
                 guard(grp, name, run)
             configs.ATTN_TILES[key] = saved
-            if proto is not None:
-                guard(grp, "prototype tma (64, 64, 4, 3)", lambda: rec(
-                    grp, "prototype tma (64, 64, 4, 3)",
-                    bench(lambda: proto.attn_fwd_tma(q, k, v, True, 64, 64, 4, 3)), flops=flops))
+            guard(grp, "prototype tma (64, 64, 4, 3)", lambda: rec(
+                grp, "prototype tma (64, 64, 4, 3)",
+                bench(lambda: proto.attn_fwd_tma(q, k, v, True, 64, 64, 4, 3)), flops=flops))
         del q, k, v
         torch.cuda.empty_cache()
 
@@ -251,7 +248,7 @@ def sec_guard():
     with open("splitsoftmax/kernels/_probe_noguard.py", "w") as f:
         f.write(src.replace(old, "    if MASKED and CAUSAL and False:  # a NaN/Inf value"))
     ng = importlib.import_module("splitsoftmax.kernels._probe_noguard")
-    proto = importlib.import_module("splitsoftmax.kernels._probe_attn_tma")
+    import attn_tma_kernel as proto  # beside this file
     for S in (1024, 2048):
         q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4 * q.shape[0] * 16 * S * S * 128 / 2

@@ -55,6 +55,20 @@ def guard(group, name, f):
         ROWS.append({"group": group, "name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
 
 
+def run_sections(sections, argv):
+    """``argv = [script, OUTDIR, [SECTIONS]]``: run the named sections (default all), each guarded,
+    and write every recorded row to ``OUTDIR/probe.json`` even when one fails."""
+    out = argv[1]
+    os.makedirs(out, exist_ok=True)
+    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
+    try:
+        for s in (argv[2].split(",") if len(argv) > 2 else list(sections)):
+            guard(s, "section", sections[s])
+    finally:
+        with open(os.path.join(out, "probe.json"), "w") as f:
+            json.dump(ROWS, f, indent=1)
+
+
 def sec_softmax():
     """512x262144 bf16: the statistics pass (logsumexp) and the two-pass softmax under config
     variants (loop tile, warps, stages; a forced split of the statistics pass)."""

@@ -17,8 +17,6 @@ Writes OUTDIR/probe.json.
 import cProfile
 import importlib
 import io
-import json
-import os
 import pstats
 import sys
 import time
@@ -27,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from session4 import ROWS, bench, guard, rec  # the probe helpers, beside this file
+from session4 import ROWS, bench, guard, rec, run_sections  # the probe helpers, beside this file
 from splitsoftmax.bench import graph_ms
 
 
@@ -229,12 +227,4 @@ def sec_coop():
 SECTIONS = {"host": sec_host, "decode": sec_decode, "causal": sec_causal, "coop": sec_coop}
 
 if __name__ == "__main__":
-    out = sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    try:
-        for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else list(SECTIONS)):
-            guard(s, "section", SECTIONS[s])
-    finally:
-        with open(os.path.join(out, "probe.json"), "w") as f:
-            json.dump(ROWS, f, indent=1)
+    run_sections(SECTIONS, sys.argv)

@@ -26,13 +26,12 @@ SECTIONS (comma-separated, default all):
 Writes OUTDIR/probe.json.
 """
 import importlib
-import json
 import os
 import sys
 
 import torch
 
-from session4 import ROWS, bench, guard, rec  # the probe helpers, beside this file
+from session4 import ROWS, bench, guard, rec, run_sections  # the probe helpers, beside this file
 
 HELD = dict(coop_min_elem_bytes=1)
 
@@ -264,12 +263,4 @@ SECTIONS = {"coop": sec_coop, "lse": sec_lse, "keepx": sec_keepx, "causal": sec_
             "guard": sec_guard, "acc": sec_acc}
 
 if __name__ == "__main__":
-    out = sys.argv[1]
-    os.makedirs(out, exist_ok=True)
-    print(torch.cuda.get_device_name(), torch.__version__, flush=True)
-    try:
-        for s in (sys.argv[2].split(",") if len(sys.argv) > 2 else list(SECTIONS)):
-            guard(s, "section", SECTIONS[s])
-    finally:
-        with open(os.path.join(out, "probe.json"), "w") as f:
-            json.dump(ROWS, f, indent=1)
+    run_sections(SECTIONS, sys.argv)

@@ -19,6 +19,9 @@ SECTIONS (comma-separated, default all):
   results checked against the configured tile's);
 - guard: S = 1k / 2k causal forward, the attention launcher as it is against a copy without the NaN
   guard of the diagonal tiles (timing only), beside the TMA prototype;
+- host: public calls whose GPU time is short (S=1k causal forward, 128k-key decode, 16384x4096
+  logsumexp) with the host helpers ``configs.next_pow2`` / ``configs.cdiv`` as they are, and patched
+  back to Triton's constexpr functions ``triton.next_power_of_2`` / ``triton.cdiv``, beside the peers;
 - acc: the error of the looped paths (two-pass, split, coop) on fp32 rows of 40000 scaled by 4
   (rows a few elements dominate), against float64 and beside torch's own error;
 - lse: the statistics pass (logsumexp) of 512x262144 bf16 under loop tiles, warps, stages, and a
@@ -259,8 +262,37 @@ def sec_guard():
         del q, k, v
 
 
+def sec_host():
+    import triton
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import splitsoftmax as ss
+    from splitsoftmax.kernels import configs
+    mine = (configs.next_pow2, configs.cdiv)
+    q, k, v = (torch.randn(32, 16, 1024, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    qd = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    kd, vd = (torch.randn(1, 8, 131072, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    x = torch.randn(16384, 4096, device="cuda")
+    cases = [("fwd S=1k causal", lambda: ss.attention(q, k, v, causal=True), 4 * 32 * 16 * 1024 ** 2 * 128 / 2, None),
+             ("decode 128k", lambda: ss.attention(qd, kd, vd), None, 2 * kd.numel() * 2),
+             ("logsumexp 16384x4096", lambda: ss.logsumexp(x), None, x.numel() * 4)]
+    peers = [lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+             lambda: F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True), lambda: torch.logsumexp(x, -1)]
+    with torch.no_grad():
+        for (name, fn, flops, nb), peer in zip(cases, peers):
+            grp = f"host {name}"
+            backend = SDPBackend.CUDNN_ATTENTION if name.startswith("decode") else SDPBackend.FLASH_ATTENTION
+            with sdpa_kernel(backend):
+                guard(grp, "peer", lambda: rec(grp, "peer", bench(peer), nb, flops))
+            for tag, helpers in (("host helpers", mine), ("triton constexpr helpers", (triton.next_power_of_2,
+                                                                                        triton.cdiv))):
+                configs.next_pow2, configs.cdiv = helpers
+                rec(grp, tag, bench(fn), nb, flops)
+            configs.next_pow2, configs.cdiv = mine
+
+
 SECTIONS = {"coop": sec_coop, "lse": sec_lse, "keepx": sec_keepx, "causal": sec_causal, "short": sec_short,
-            "guard": sec_guard, "acc": sec_acc}
+            "guard": sec_guard, "host": sec_host, "acc": sec_acc}
 
 if __name__ == "__main__":
     run_sections(SECTIONS, sys.argv)

@@ -277,7 +277,7 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     bm, bn, warps, stages = p.tile
     so = out.stride() if split_dim else (0, *out.stride())
     sl = lse.stride() if split_dim else (0, *lse.stride())
-    grid = (triton.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
+    grid = (configs.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
     tma = _tma_operands(q, k, v, p)
     _attn_fwd_kernel[grid](*(tma or (q, k, v)), out, lse, *q.stride(), *k.stride(), *v.stride(),
                            *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g, sq, sk, diag, p.chunk,
@@ -520,13 +520,13 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
     if dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
-        _attn_bwd_kv_kernel[(triton.cdiv(sk, bn), b * hkv)](
+        _attn_bwd_kv_kernel[(configs.cdiv(sk, bn), b * hkv)](
             q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
             hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     if dq.numel():
         bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
-        _attn_bwd_q_kernel[(triton.cdiv(sq, bm), b * h)](
+        _attn_bwd_q_kernel[(configs.cdiv(sq, bm), b * h)](
             q, k, v, dout, lse, delta, dq, *strides, *dq.stride(),
             h, h // hkv, sq, sk, diag, scale * LOG2E, scale,
             BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)

@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
+from . import configs
 from .configs import ATTN_PREP_TILE_ELEMS
 
 
@@ -47,9 +48,9 @@ def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]
     lse_out, delta = torch.empty_like(lse1), torch.empty_like(lse1)
     rows = lse1.numel()
     if rows:
-        block_dv = triton.next_power_of_2(max(dv, 1))
-        block_r = max(1, min(triton.next_power_of_2(rows), ATTN_PREP_TILE_ELEMS // block_dv))
+        block_dv = configs.next_pow2(max(dv, 1))
+        block_r = max(1, min(configs.next_pow2(rows), ATTN_PREP_TILE_ELEMS // block_dv))
         dl = lse1 if dlse is None else dlse.float().contiguous().view(-1)
-        _attn_bwd_prep_kernel[(triton.cdiv(rows, block_r),)](
+        _attn_bwd_prep_kernel[(configs.cdiv(rows, block_r),)](
             o2, do2, lse1, dl, lse_out, delta, rows, dv, dlse is not None, block_r, block_dv)
     return lse_out.view(lse.shape), delta.view(lse.shape)

@@ -116,8 +116,15 @@ class SoftmaxPlan:
     resident: int = 0
 
 
-def _pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``), for host code: ``triton.next_power_of_2``
+    and ``triton.cdiv`` are constexpr functions, a few microseconds of host time per call."""
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host code (see :func:`next_pow2`)."""
+    return -(-a // b)
 
 
 def _warps(tile_elems: int, per_warp: int, cfg: SoftmaxConfig) -> int:
@@ -136,7 +143,7 @@ def _coop_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxConf
         return None
     if elem_bytes < cfg.coop_min_elem_bytes and not softmax_is_split(rows, cols, sms, cfg):
         return None
-    chunk = _pow2(cfg.coop_chunk_elems)
+    chunk = next_pow2(cfg.coop_chunk_elems)
     resident = int(sms * cfg.coop_programs_per_sm)
     splits = -(-cols // chunk)
     if splits > min(cfg.coop_max_chunks, resident):  # a row's siblings must all be resident
@@ -150,8 +157,8 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
     need not hold the row (logsumexp, row sums, normalising) keeps to loop-sized tiles."""
     loop_n = max(16, 1 << (max(1, cfg.loop_tile_bytes // elem_bytes).bit_length() - 1))
     if cols <= cfg.one_pass_max_cols and not (stats_only and cols > loop_n):
-        block_n = max(16, _pow2(cols))
-        block_r = min(_pow2(rows), max(1, cfg.one_pass_tile_elems // block_n))
+        block_n = max(16, next_pow2(cols))
+        block_r = min(next_pow2(rows), max(1, cfg.one_pass_tile_elems // block_n))
         per_warp = cfg.loop_elems_per_warp if stats_only else cfg.elems_per_warp
         return SoftmaxPlan("one_pass", block_r, block_n, 1, block_n, _warps(block_r * block_n, per_warp, cfg))
     coop = None if stats_only else _coop_plan(rows, cols, elem_bytes, sms, cfg)

@@ -21,6 +21,7 @@ from torch import Tensor
 from ..local import interpreting
 from .cpu import merge_ce_stats
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
+from . import configs
 from .configs import CE_BWD_TILE, CE_FWD_TILE, CE_INTERPRET_SMS, CE_PROGRAMS_PER_SM, CE_TILE_INTERPRET
 from .softmax import _stats
 
@@ -82,10 +83,10 @@ def _ce_bwd_kernel(X, T, LSE, COEF, DX, V, col0, span, s_xn, s_dn, smooth_v, one
 def _splits(n: int, v: int, block_v: int, device: torch.device) -> tuple[int, int]:
     """``(splits, span)``: programs per row and the columns each covers (a multiple of ``block_v``)."""
     sms = CE_INTERPRET_SMS if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(CE_PROGRAMS_PER_SM * sms, max(n, 1))
-    splits = max(1, min(want, triton.cdiv(max(v, 1), block_v)))
-    span = triton.cdiv(triton.cdiv(max(v, 1), splits), block_v) * block_v
-    return triton.cdiv(max(v, 1), span), span
+    want = configs.cdiv(CE_PROGRAMS_PER_SM * sms, max(n, 1))
+    splits = max(1, min(want, configs.cdiv(max(v, 1), block_v)))
+    span = configs.cdiv(configs.cdiv(max(v, 1), splits), block_v) * block_v
+    return configs.cdiv(max(v, 1), span), span
 
 
 def ce_stats(logits: Tensor, target: Tensor, col0: int = 0, with_sum: bool = True) -> Tensor:

@@ -11,7 +11,6 @@ from functools import lru_cache
 from typing import NamedTuple, Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from ..local import interpreting
@@ -31,7 +30,7 @@ class Plan(NamedTuple):
 
 def pad_dim(d: int) -> int:
     """Head dim padded to the power of two a tile holds (at least 16, for ``tl.dot``)."""
-    return max(16, triton.next_power_of_2(d))
+    return max(16, configs.next_pow2(d))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -80,16 +79,16 @@ def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int) -> Plan:
     else:
         bm, bn, warps, stages = attn_tile("fwd", q.dtype, d, dv)
     if pack and not interpreting():
-        bm = min(64, max(16, triton.next_power_of_2(rows)))
+        bm = min(64, max(16, configs.next_pow2(rows)))
     tile = (bm, bn, warps, stages)
-    programs = triton.cdiv(rows, bm) * b * (hkv if pack else h)
+    programs = configs.cdiv(rows, bm) * b * (hkv if pack else h)
     target = configs.ATTN_SPLIT_PROGRAMS_PER_SM * sm_count(q)
     keys = visible_keys(sq, sk, causal, diag)
     nsplit = 1
     if programs < target:
-        nsplit = max(1, min(triton.cdiv(target, programs), keys // (bn * configs.ATTN_SPLIT_MIN_TILES)))
-    chunk = triton.cdiv(max(sk, 1), bn) * bn
+        nsplit = max(1, min(configs.cdiv(target, programs), keys // (bn * configs.ATTN_SPLIT_MIN_TILES)))
+    chunk = configs.cdiv(max(sk, 1), bn) * bn
     if nsplit > 1:
-        chunk = triton.cdiv(triton.cdiv(keys, nsplit), bn) * bn
-        nsplit = triton.cdiv(keys, chunk)
+        chunk = configs.cdiv(configs.cdiv(keys, nsplit), bn) * bn
+        nsplit = configs.cdiv(keys, chunk)
     return Plan(tile, pack, nsplit, chunk)

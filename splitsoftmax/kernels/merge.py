@@ -111,15 +111,15 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
     if r == 0:
         return
     block_r, block_d, warps = configs.MERGE_TILE_INTERPRET if interpreting() else configs.MERGE_TILE
-    block_d = min(block_d, triton.next_power_of_2(max(dv, 1)))
-    grid = (triton.cdiv(r, block_r), max(1, triton.cdiv(dv, block_d)))
+    block_d = min(block_d, configs.next_pow2(max(dv, 1)))
+    grid = (configs.cdiv(r, block_r), max(1, configs.cdiv(dv, block_d)))
     strides = (*outs.stride(), *lses.stride(), *out.stride(), lse.stride(0))
     target = configs.MERGE_PARTS_PROGRAMS_PER_SM * sm_count(outs)
-    if grid[0] * grid[1] < target and triton.next_power_of_2(n) * block_d <= configs.MERGE_PARTS_MAX_ELEMS:
-        while block_d > 16 and r * triton.cdiv(dv, block_d) < target:  # narrower columns, more programs
+    if grid[0] * grid[1] < target and configs.next_pow2(n) * block_d <= configs.MERGE_PARTS_MAX_ELEMS:
+        while block_d > 16 and r * configs.cdiv(dv, block_d) < target:  # narrower columns, more programs
             block_d //= 2
-        _merge_parts_kernel[(r, triton.cdiv(dv, block_d))](outs, lses, out, lse, n, r, dv, *strides,
-                                                           BLOCK_P=triton.next_power_of_2(n), BLOCK_D=block_d,
+        _merge_parts_kernel[(r, configs.cdiv(dv, block_d))](outs, lses, out, lse, n, r, dv, *strides,
+                                                           BLOCK_P=configs.next_pow2(n), BLOCK_D=block_d,
                                                            num_warps=warps)
         return
     _merge_fwd_kernel[grid](outs, lses, out, lse, n, r, dv, *strides,

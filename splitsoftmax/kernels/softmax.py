@@ -425,7 +425,7 @@ def _unit_cols(x: Tensor) -> Tensor:
 
 
 def _grid(x: Tensor, p: configs.SoftmaxPlan) -> tuple[int, int]:
-    return triton.cdiv(x.shape[0], p.block_r), p.splits
+    return configs.cdiv(x.shape[0], p.block_r), p.splits
 
 
 def _partials(x: Tensor, p: configs.SoftmaxPlan) -> tuple[Tensor, Tensor]:
@@ -451,9 +451,9 @@ def lse_rows(x: Tensor) -> Tensor:
                                      BLOCK_N=p.block_n, PARTIAL=False, STAGES=p.stages, num_warps=p.num_warps)
         return lse
     pm, pl = _partials(x, p)
-    bs = triton.next_power_of_2(p.splits)
-    br = max(1, min(triton.next_power_of_2(R), 4096 // bs))
-    _lse_merge_fwd_kernel[(triton.cdiv(R, br),)](pm, pl, lse, R, p.splits, BLOCK_R=br, BLOCK_S=bs)
+    bs = configs.next_pow2(p.splits)
+    br = max(1, min(configs.next_pow2(R), 4096 // bs))
+    _lse_merge_fwd_kernel[(configs.cdiv(R, br),)](pm, pl, lse, R, p.splits, BLOCK_R=br, BLOCK_S=bs)
     return lse
 
 
@@ -467,7 +467,7 @@ def _normalize(x: Tensor, lse: Optional[Tensor], g: Optional[Tensor], log: bool,
     _normalize_fwd_kernel[_grid(x, p)](
         x, y, lse, g if g is not None else y, pm, pl, R, N, x.stride(0), y.stride(0), p.chunk, p.splits,
         LOG=log, HAS_G=g is not None, MERGE=partials is not None, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
-        BLOCK_S=triton.next_power_of_2(p.splits) if partials is not None else 1, num_warps=p.num_warps)
+        BLOCK_S=configs.next_pow2(p.splits) if partials is not None else 1, num_warps=p.num_warps)
     return y
 
 
@@ -508,7 +508,7 @@ def _coop(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) 
     groups = max(1, min(R, p.resident // p.splits))
     _softmax_coop_kernel[(groups * p.splits,)](
         x, y, lse, states, R, N, p.splits, x.stride(0), y.stride(0), spin, LOG=log, BLOCK_N=p.block_n,
-        BLOCK_C=triton.next_power_of_2(p.splits), LOOP_N=_plan(x, stats_only=True).block_n, num_warps=p.num_warps)
+        BLOCK_C=configs.next_pow2(p.splits), LOOP_N=_plan(x, stats_only=True).block_n, num_warps=p.num_warps)
 
 
 def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:

@@ -241,3 +241,13 @@ def test_forward_tiles_follow_the_configs():
     assert tile(1024, True) == tile(configs.ATTN_SHORT_CAUSAL_SQ, True) == short
     assert tile(1024, False) == tile(4096, True) == configs.ATTN_TILES[("fwd", 2, 128)]
     assert tile(1024, True, d=256) == configs.ATTN_TILES[("fwd", 2, 256)]
+
+
+def test_host_size_helpers_match_triton():
+    """``configs.next_pow2`` / ``configs.cdiv`` (launch code) give Triton's values for every size
+    a launch can see (``n >= 1``)."""
+    triton = pytest.importorskip("triton")
+    for n in list(range(1, 4100)) + [2 ** 20 - 1, 2 ** 20, 2 ** 20 + 1, 2 ** 31 - 1]:
+        assert configs.next_pow2(n) == triton.next_power_of_2(n)
+        for d in (1, 3, 16, 64, 1000):
+            assert configs.cdiv(n, d) == triton.cdiv(n, d)

@@ -11,7 +11,10 @@ visible to every row run unmasked; only the tiles crossing the diagonal or the e
 are masked; tiles wholly above the diagonal are never visited. With few query rows (decode) the
 G query heads of a kv head are packed into one program's rows (``PACK``), and when too few
 programs would run the keys are split across programs whose partial ``(out, lse)`` are merged
-by the fused merge kernel (flash-decoding); see ``splitsoftmax.kernels.decode``.
+by the fused merge kernel (flash-decoding); see ``splitsoftmax.kernels.decode``. Where TMA can
+address the inputs (``_tma_operands``: 2-byte dtypes, unpadded head dims, 16-byte strides, Hopper
+or later, rows not packed) the forward reads its Q/K/V tiles through ``(B, H, S, D)`` tensor
+descriptors (zeros past S) instead of pointers; the results are the same bit for bit.
 """
 from __future__ import annotations
 

@@ -127,12 +127,12 @@ def sec_lse():
     vars(cfg).update(saved)
 
 
-KEEP_P = ("return (x if LOG else p), m, tl.sum(p, axis=1)", """        if LOG:
-            y = _norm_tile(cur, lse, mr, inv, True)  # [1, BLOCK_N]
-        else:  # exp(x - m) = exp(x - m_chunk) * exp(m_chunk - m)
-            y = cur * (tl.math.exp2((cur_m - mr) * _LOG2E) * inv)[:, None]
+KEEP_P = ("return (x if LOG else p), m, tl.sum(p, axis=1)", """    if LOG:
+        y = _norm_tile(t, lse, m, inv, True)
+    else:
+        y = t * (tl.math.exp2((m_tile - m) * _LOG2E) * inv)[:, None]
 """)
-KEEP_X = ("return x, m, tl.sum(p, axis=1)", """        y = _norm_tile(cur, lse, mr, inv, LOG)
+KEEP_X = ("return x, m, tl.sum(p, axis=1)", """    y = _norm_tile(t, lse, m, inv, LOG)
 """)
 
 

@@ -113,6 +113,28 @@ def _scale(m, l, g):
 
 
 @triton.jit
+def _tile_state(x, LOG: tl.constexpr):
+    """The state ``(m, l)`` ([BLOCK_R] each) of a tile ``x [BLOCK_R, BLOCK_N]`` (float32) that is
+    held on chip, and what its output is made from (:func:`_tile_out`): ``exp(x - m)`` for softmax,
+    so one exp per element, or ``x`` for log-softmax."""
+    m = tl.max(x, axis=1)
+    p = tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E)  # [BLOCK_R, BLOCK_N]
+    return (x if LOG else p), m, tl.sum(p, axis=1)
+
+
+@triton.jit
+def _tile_out(t, m_tile, lse, m, inv, LOG: tl.constexpr):
+    """The output of a held tile from :func:`_tile_state`'s ``t`` and ``m_tile`` and its rows' state
+    (``lse``, and ``m, inv`` from :func:`_scale`): ``exp(x - m_tile) * exp(m_tile - m) / l``, or
+    ``x - lse``; empty rows 0 / -inf."""
+    if LOG:
+        y = _norm_tile(t, lse, m, inv, True)
+    else:
+        y = t * (tl.math.exp2((m_tile - m) * _LOG2E) * inv)[:, None]
+    return y
+
+
+@triton.jit
 def _normalize_range(xb, yb, rmask, lse, m, c, start, end, LOG: tl.constexpr, BLOCK_N: tl.constexpr):
     """Write the normalised columns ``[start, end)`` of the rows at ``xb``/``yb``, last tile first."""
     cols = tl.arange(0, BLOCK_N)
@@ -189,15 +211,10 @@ def _softmax_fwd_kernel(x_ptr, y_ptr, lse_ptr, R, N, stride_x, stride_y, LOG: tl
         cols = tl.arange(0, BLOCK_N)
         mask = rmask[:, None] & (cols < N)[None, :]
         x = tl.load(xb + cols[None, :], mask=mask, other=float("-inf")).to(tl.float32)  # [BLOCK_R, BLOCK_N]
-        m = tl.max(x, axis=1)
-        p = tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E)  # [BLOCK_R, BLOCK_N]
-        l = tl.sum(p, axis=1)
+        t, m, l = _tile_state(x, LOG)
         lse = _lse(m, l)
-        if LOG:
-            y = tl.where((l == 0.0)[:, None], float("-inf"), x - lse[:, None])
-        else:
-            y = p * tl.where(l == 0.0, 0.0, 1.0 / l)[:, None]
-        tl.store(yb + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+        mr, inv = _scale(m, l, 1.0)
+        tl.store(yb + cols[None, :], _tile_out(t, m, lse, mr, inv, LOG).to(y_ptr.dtype.element_ty), mask=mask)
     else:
         m, l, _ = _stats(xb, rmask, 0, N, BLOCK_N, STAGES)
         lse = _lse(m, l)
@@ -213,16 +230,6 @@ def _row_chunk(x_ptr, row, R, N, stride_x, cols):
     rows = row + tl.arange(0, 1)  # [1]
     mask = (rows < R)[:, None] & (cols < N)[None, :]
     return tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + cols[None, :], mask=mask, other=float("-inf"))
-
-
-@triton.jit
-def _held_state(xr, LOG: tl.constexpr):
-    """What a coop program keeps of a held chunk ``xr [1, BLOCK_N]``: ``exp(x - m)`` (softmax) or
-    ``x`` (log-softmax) as float32 ``[1, BLOCK_N]``, and the chunk's state ``(m, l)`` ([1] each)."""
-    x = xr.to(tl.float32)
-    m = tl.max(x, axis=1)
-    p = tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E)  # [1, BLOCK_N]
-    return (x if LOG else p), m, tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -284,20 +291,17 @@ def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, st_ptr, R, N, C, stride_x, strid
     G = tl.num_programs(0) // C
     cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
     row0 = pid // C
-    cur, cur_m, l = _held_state(_row_chunk(x_ptr, row0, R, N, stride_x, cols), LOG)  # [1, BLOCK_N], [1], [1]
+    cur, cur_m, l = _tile_state(_row_chunk(x_ptr, row0, R, N, stride_x, cols).to(tl.float32), LOG)  # [1, BLOCK_N]
     _publish(cur_m, l, row0, R, c, C, st_ptr)
     nxt = _row_chunk(x_ptr, row0 + G, R, N, stride_x, cols)  # [1, BLOCK_N], x.dtype
     for row in range(row0, R, G):
-        held, held_m, l = _held_state(nxt, LOG)
+        held, held_m, l = _tile_state(nxt.to(tl.float32), LOG)
         _publish(held_m, l, row + G, R, c, C, st_ptr)
         after = _row_chunk(x_ptr, row + 2 * G, R, N, stride_x, cols)
         rows = row + tl.arange(0, 1)  # [1]
         rmask = rows < R
         lse, mr, inv = _row_state(st_ptr, x_ptr, rows, rmask, N, C, stride_x, spin, BLOCK_C, LOOP_N)
-        if LOG:
-            y = _norm_tile(cur, lse, mr, inv, True)  # [1, BLOCK_N]
-        else:  # exp(x - m) = exp(x - m_chunk) * exp(m_chunk - m)
-            y = cur * (tl.math.exp2((cur_m - mr) * _LOG2E) * inv)[:, None]
+        y = _tile_out(cur, cur_m, lse, mr, inv, LOG)  # [1, BLOCK_N]
         tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=rmask[:, None] & (cols < N)[None, :])
         tl.store(lse_ptr + rows, lse, mask=rmask & (c == 0))

@@ -52,6 +52,8 @@ FWD = [
     # b, h, hkv, sq, sk, d, dv, causal, diag
     (2, 8, 8, 1024, 1024, 128, 128, False, 0),
     (2, 8, 2, 1000, 1000, 128, 128, True, 0),
+    (2, 8, 2, 1024, 1024, 128, 128, True, 0),     # whole tiles: TMA row views
+    (1, 4, 2, 512, 1024, 128, 128, True, 512),
     (1, 8, 1, 577, 1500, 64, 64, True, 923),
     (1, 4, 4, 300, 300, 80, 80, True, 0),
     (1, 4, 2, 257, 400, 96, 64, False, 0),
@@ -75,7 +77,10 @@ def test_forward_flash_rule(case, dtype, tma, monkeypatch):
     scale = 1 / math.sqrt(d)
     from splitsoftmax.kernels import attention as A
     p = decode.plan(q, k, v, causal, diag)
-    assert (A._tma_operands(q, k, v, p) is not None) == (tma and dtype != torch.float32 and not d & (d - 1))
+    ops = A._tma_operands(q, k, v, torch.empty(b, h, sq, dv, device=DEV, dtype=dtype), p, store=True)
+    assert (ops is not None) == (tma and dtype != torch.float32 and not d & (d - 1))
+    if ops is not None:  # output through a descriptor; row views where no tile crosses a head's end
+        assert ops[4:] == (True, sq % p.tile[0] == 0 and sk % p.tile[1] == 0)
     out, lse = A.attn_fwd(q, k, v, scale, causal, diag, out_dtype=dtype)
     ro, rl = ref_attention(q, k, v, scale, causal, diag)
     peer = sdpa(q, k, v, scale, causal, diag)

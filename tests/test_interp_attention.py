@@ -73,25 +73,40 @@ def test_forward(case, dtype):
     assert torch.equal(out[~fin], torch.zeros_like(out[~fin]))
 
 
+# (TMA layout, configs.ATTN_TMA_ROWS, configs.ATTN_TMA_STORE)
+TMA_LAYOUTS = [("rows", True, True), ("heads", False, True), ("heads, pointer store", False, False)]
+
+
+@pytest.mark.parametrize("layout", TMA_LAYOUTS, ids=[x[0] for x in TMA_LAYOUTS])
 @pytest.mark.parametrize("case", [c for c in FWD_CASES if c[5] == decode.pad_dim(c[5])] + [
     (1, 2, 1, 20, 200, 32, 32, False, 0),   # split keys (few programs): ranges end inside tiles
     (1, 2, 2, 24, 150, 16, 16, True, 120),  # split and causal
+    (2, 4, 2, 32, 48, 32, 16, True, 16),    # whole tiles (row views), GQA, causal offset
+    (1, 2, 2, 48, 48, 16, 16, True, -16),   # whole tiles, first rows see no key
 ])
-def test_tma_forward_matches_pointer_loads(case, monkeypatch):
-    """bf16 through TMA descriptors (zeros past S) gives bit for bit the pointer path's result; a
-    NaN in V past every split's range end (keys a tile reads but no row sees) stays out."""
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_tma_forward_matches_pointer_loads(case, layout, out_dtype, monkeypatch):
+    """bf16 through TMA descriptors (zeros past S; row views where no tile crosses a head's end; the
+    output stored through one too) gives bit for bit the pointer path's result; a NaN in V past
+    every split's range end (keys a tile reads but no row sees) stays out."""
     b, h, hkv, sq, sk, d, dv, causal, diag = case
+    _, rows, store = layout
+    monkeypatch.setattr(configs, "ATTN_TMA_ROWS", rows)
+    monkeypatch.setattr(configs, "ATTN_TMA_STORE", store)
     q, k, v = inputs(b, h, hkv, sq, sk, d, dv, torch.bfloat16)
+    out = torch.empty(b, h, sq, dv, dtype=out_dtype or torch.float32)
     scale = 1 / math.sqrt(d)
     p = decode.plan(q, k, v, causal, diag)
-    assert A._tma_operands(q, k, v, p) is not None
+    tma = A._tma_operands(q, k, v, out, p, store=p.nsplit == 1)
+    whole = sq % p.tile[0] == 0 and sk % p.tile[1] == 0
+    assert tma is not None and tma[4:] == (store and p.nsplit == 1, rows and whole)
     keys = decode.visible_keys(sq, sk, causal, diag)
     if keys < sk:
         v[:, :, keys] = float("nan")
-    got = A.attn_fwd(q, k, v, scale, causal, diag)
+    got = A.attn_fwd(q, k, v, scale, causal, diag, out_dtype=out_dtype)
     monkeypatch.setattr(configs, "ATTN_TMA", False)
-    assert A._tma_operands(q, k, v, p) is None
-    want = A.attn_fwd(q, k, v, scale, causal, diag)
+    assert A._tma_operands(q, k, v, out, p, store=True) is None
+    want = A.attn_fwd(q, k, v, scale, causal, diag, out_dtype=out_dtype)
     for g, w in zip(got, want):
         assert not torch.isnan(w).any() and torch.equal(g, w)
 

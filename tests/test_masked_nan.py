@@ -34,6 +34,20 @@ def test_poison_in_the_last_position_reaches_only_the_last_row(where, bad, devic
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_hidden_value_in_a_diagonal_tile_bf16(bad, device):
+    """bf16 with whole tiles (the Triton forward reads TMA row views on Hopper and in the
+    interpreter): a NaN/Inf value at key 100 reaches rows >= 100 only; rows < 100 are bit for bit
+    those of the same inputs with that value finite."""
+    q, k, v = (torch.randn(1, 2, 128, 16, device=device, dtype=torch.bfloat16) for _ in range(3))
+    want = ss.attention(q, k, v, causal=True)
+    v[0, :, 100, 3] = bad
+    out = ss.attention(q, k, v, causal=True)
+    assert torch.equal(out[:, :, :100], want[:, :, :100])
+    assert (~torch.isfinite(out[:, :, 100:])).any(-1).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_visible_nan_value_poisons_the_rows_that_see_it(device):
     q, k, v = (torch.randn(1, 1, 24, 16, device=device) for _ in range(3))
     v[0, 0, 10] = float("nan")

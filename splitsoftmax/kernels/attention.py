@@ -65,13 +65,35 @@ def _load_rows(ptrs, rmask, cmask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.conste
 
 
 @triton.jit
-def _load_tile(src, b, h, start, rmask, cmask, ROWS: tl.constexpr, COLS: tl.constexpr, MASK_ROWS: tl.constexpr,
-               MASK_COLS: tl.constexpr, TMA: tl.constexpr):
+def _tma_load(desc, b, h, row0, start, ROWS: tl.constexpr, COLS: tl.constexpr, ROW2D: tl.constexpr):
+    """Tile ``[ROWS, COLS]`` of rows ``start ..`` of head ``(b, h)`` through a TMA descriptor: the
+    ``(B * H * S, D)`` row view, whose head starts at row ``row0``, where ``ROW2D``, else the
+    ``(B, H, S, D)`` tensor (zeros past S)."""
+    if ROW2D:
+        x = desc.load([row0 + start, 0])
+    else:
+        x = desc.load([b, h, start, 0]).reshape(ROWS, COLS)
+    return x
+
+
+@triton.jit
+def _tma_store(desc, x, b, h, row0, start, ROW2D: tl.constexpr):
+    """Store tile ``x [ROWS, COLS]`` at rows ``start ..`` of head ``(b, h)`` (see :func:`_tma_load`;
+    the ``(B, H, S, D)`` form drops rows past S)."""
+    if ROW2D:
+        desc.store([row0 + start, 0], x)
+    else:
+        desc.store([b, h, start, 0], x.reshape(1, 1, x.shape[0], x.shape[1]))
+
+
+@triton.jit
+def _load_tile(src, b, h, row0, start, rmask, cmask, ROWS: tl.constexpr, COLS: tl.constexpr,
+               MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr, TMA: tl.constexpr, ROW2D: tl.constexpr):
     """Tile ``[ROWS, COLS]`` of rows ``start ..`` of head ``(b, h)``: with ``TMA`` through the
-    ``(B, H, S, D)`` descriptor ``src`` (zeros past S, and past ``rmask`` where ``MASK_ROWS``),
-    else through the pointers ``src`` (see :func:`_load_rows`)."""
+    descriptor ``src`` (see :func:`_tma_load`; 0 past ``rmask`` where ``MASK_ROWS``), else through
+    the pointers ``src`` (see :func:`_load_rows`)."""
     if TMA:
-        x = src.load([b, h, start, 0]).reshape(ROWS, COLS)
+        x = _tma_load(src, b, h, row0, start, ROWS, COLS, ROW2D)
         if MASK_ROWS:
             x = tl.where(rmask[:, None], x, 0.0).to(x.dtype)
     else:
@@ -102,16 +124,19 @@ def _finite_or_zero(x):
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, start, kj, pos, hi, diag, qk_scale, dmask, dvmask,
+def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, kv_row0, start, kj, pos, hi, diag, qk_scale, dmask, dvmask,
               CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-              POS_SCALE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+              POS_SCALE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, ROW2D: tl.constexpr,
+              GUARD: tl.constexpr):
     """One K/V tile of the online recurrence; ``MASKED`` tiles mask keys >= hi and the diagonal.
-    ``k_src, v_src``: the tile's pointers, or with ``TMA`` descriptors read at ``(kb, kvh, start)``;
-    ``kj = start + arange(BLOCK_N)``."""
+    ``k_src, v_src``: the tile's pointers, or with ``TMA`` descriptors read at ``(kb, kvh, start)``
+    (row ``kv_row0 + start`` of the row views where ``ROW2D``); ``kj = start + arange(BLOCK_N)``.
+    ``GUARD``: a masked causal tile keeps NaN/Inf values from the rows that do not see them."""
     kmask = kj < hi  # [BLOCK_N]
     # (TMA reads zeros past Sk; keys past hi need no zeros in K, whose scores are masked, nor in V
     # when causal, where the NaN guard below zeroes the non-finite values no row may see)
-    k = _load_tile(k_src, kb, kvh, start, kmask, dmask, kj.shape[0], q.shape[1], MASKED and not TMA, not EVEN_D, TMA)
+    k = _load_tile(k_src, kb, kvh, kv_row0, start, kmask, dmask, kj.shape[0], q.shape[1], MASKED and not TMA,
+                   not EVEN_D, TMA, ROW2D)
     qk = _dot(q, tl.trans(k), None, PREC)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         ok = kmask[None, :]
@@ -130,21 +155,50 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, start, kj, pos, hi, diag,
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_src, kb, kvh, start, kmask, dvmask, kj.shape[0], acc.shape[1], MASKED and not (TMA and CAUSAL),
-                   not EVEN_DV, TMA)  # [BLOCK_N, BLOCK_DV]
+    v = _load_tile(v_src, kb, kvh, kv_row0, start, kmask, dvmask, kj.shape[0], acc.shape[1],
+                   MASKED and not (TMA and CAUSAL), not EVEN_DV, TMA, ROW2D)  # [BLOCK_N, BLOCK_DV]
     acc = acc * alpha[:, None]
-    if MASKED and CAUSAL:  # a NaN/Inf value a row cannot see must not reach it through 0 * NaN
-        nonfinite = _nonfinite(v)  # [BLOCK_N, BLOCK_DV]
-        if tl.max(nonfinite) > 0:  # rare: one scalar test keeps the diagonal tile cheap
-            bad = tl.max(nonfinite, 1) > 0  # [BLOCK_N] keys with a NaN/Inf value
-            hit = tl.max(tl.where((p > 0) & bad[None, :], 1, 0), 1) > 0  # [BLOCK_M] rows that see one
-            acc = _dot(p.to(v.dtype), tl.where(bad[:, None], 0.0, v).to(v.dtype), acc, PREC)
-            acc = tl.where(hit[:, None], float("nan"), acc)
-        else:
-            acc = _dot(p.to(v.dtype), v, acc, PREC)
+    if MASKED and CAUSAL and GUARD:
+        acc = _guarded_pv(acc, p, v, PREC)
     else:
-        acc = _dot(p.to(v.dtype), v, acc, PREC)
+        acc = _dot(p.to(v.dtype), v, acc, PREC)  # [BLOCK_M, BLOCK_DV]
     return acc, l_i, m_new
+
+
+@triton.jit
+def _guarded_pv(acc, p, v, PREC: tl.constexpr):
+    """``acc + p @ v`` where keys with a NaN/Inf value count only for the rows that see them
+    (``p > 0``), whose result is NaN; ``p [BLOCK_M, BLOCK_N]``, ``v [BLOCK_N, BLOCK_DV]``."""
+    bad = tl.max(_nonfinite(v), 1) > 0  # [BLOCK_N] keys with a NaN/Inf value
+    hit = tl.max(tl.where((p > 0) & bad[None, :], 1, 0), 1) > 0  # [BLOCK_M] rows that see one
+    out = _dot(p.to(v.dtype), tl.where(bad[:, None], 0.0, v).to(v.dtype), acc, PREC)
+    return tl.where(hit[:, None], float("nan"), out)
+
+
+@triton.jit
+def _fwd_keys(q, k_base, v_base, b32, kvh, kv_row0, lo, mid, hi, pos, diag, qk_scale, dmask, dvmask, s_ks, s_vs,
+              BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+              EVEN_DV: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+              ROW2D: tl.constexpr, GUARD: tl.constexpr):
+    """``(acc [BLOCK_M, BLOCK_DV], l [BLOCK_M], m [BLOCK_M])`` of query tile ``q`` over keys
+    ``[lo, hi)``: whole tiles up to ``mid`` unmasked, the rest masked (see :func:`_fwd_tile`)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros([q.shape[0], BLOCK_DV], tl.float32)
+    for start in range(lo, mid, BLOCK_N):  # tiles every row sees whole
+        kj = start + offs_n  # [BLOCK_N]
+        k_src, v_src = _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b32, kvh, kv_row0, start, kj, pos, hi, diag,
+                                  qk_scale, dmask, dvmask, CAUSAL, False, EVEN_D, EVEN_DV, POS_SCALE, PREC, TMA,
+                                  ROW2D, GUARD)
+    for start in range(mid, hi, BLOCK_N):  # tiles crossing the diagonal or the range end
+        kj = start + offs_n
+        k_src, v_src = _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b32, kvh, kv_row0, start, kj, pos, hi, diag,
+                                  qk_scale, dmask, dvmask, CAUSAL, True, EVEN_D, EVEN_DV, POS_SCALE, PREC, TMA,
+                                  ROW2D, GUARD)
+    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "diag", "chunk"])
@@ -155,9 +209,11 @@ def _attn_fwd_kernel(Q, K, V, O, L,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                      PACK: tl.constexpr, ACC: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr,
-                     TMA: tl.constexpr = False):
+                     TMA: tl.constexpr = False, O_TMA: tl.constexpr = False, ROW2D: tl.constexpr = False):
     """Grid ``(row blocks, B * NH, splits)``. ``TMA`` (not with ``PACK``; ``BLOCK_D == D``,
-    ``BLOCK_DV == DV``): ``Q, K, V`` are ``(B, H, S, D)`` tensor descriptors, else pointers."""
+    ``BLOCK_DV == DV``): ``Q, K, V`` are tensor descriptors, else pointers; ``O_TMA`` (with ``TMA``,
+    not ``ACC``, one split): ``O`` is one too. Descriptors are ``(B, H, S, D)``, or where ``ROW2D``
+    (contiguous heads, ``Sq % BLOCK_M == Sk % BLOCK_N == 0``) ``(B * H * S, D)`` row views."""
     pid_m = tl.program_id(0)
     if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -188,8 +244,11 @@ def _attn_fwd_kernel(Q, K, V, O, L,
     offs_dv = tl.arange(0, BLOCK_DV)
     dmask = offs_d < D
     dvmask = offs_dv < DV
+    b32 = b.to(tl.int32)
+    q_row0 = (b32 * NH + hh) * Sq  # first rows of this head in the row views (ROW2D)
+    kv_row0 = (b32 * (NH // G) + kvh) * Sk
     if TMA:
-        q = Q.load([b.to(tl.int32), hh, r0, 0]).reshape(BLOCK_M, BLOCK_D)  # zeros past Sq
+        q = _tma_load(Q, b32, hh, q_row0, r0, BLOCK_M, BLOCK_D, ROW2D)  # [BLOCK_M, BLOCK_D], zeros past Sq
     else:
         q_ptrs = Q + b * s_qb + head[:, None] * s_qh + pos[:, None] * s_qs + offs_d[None, :] * s_qd
         q = _load_rows(q_ptrs, row_ok, dmask, True, BLOCK_D != D)  # [BLOCK_M, BLOCK_D]
@@ -201,46 +260,42 @@ def _attn_fwd_kernel(Q, K, V, O, L,
         hi = tl.minimum(hi, pos_hi + diag + 1)
         full_hi = tl.minimum(hi, pos_lo + diag + 1)
     mid = lo + (tl.maximum(full_hi - lo, 0) // BLOCK_N) * BLOCK_N
-    offs_n = tl.arange(0, BLOCK_N)
     if TMA:
         k_base, v_base = K, V
     else:
         k_base = K + b * s_kb + kvh.to(tl.int64) * s_kh + offs_d[None, :] * s_kd
         v_base = V + b * s_vb + kvh.to(tl.int64) * s_vh + offs_dv[None, :] * s_vd
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start in range(lo, mid, BLOCK_N):  # tiles every row sees whole
-        kj = start + offs_n  # [BLOCK_N]
-        k_src, v_src = _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b.to(tl.int32), kvh, start, kj, pos, hi, diag,
-                                  qk_scale, dmask, dvmask, CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE,
-                                  PREC, TMA)
-    for start in range(mid, hi, BLOCK_N):  # tiles crossing the diagonal or the range end
-        kj = start + offs_n
-        k_src, v_src = _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b.to(tl.int32), kvh, start, kj, pos, hi, diag,
-                                  qk_scale, dmask, dvmask, CAUSAL, True, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE,
-                                  PREC, TMA)
+    acc, l_i, m_i = _fwd_keys(q, k_base, v_base, b32, kvh, kv_row0, lo, mid, hi, pos, diag, qk_scale, dmask, dvmask,
+                              s_ks, s_vs, BLOCK_N, BLOCK_DV, CAUSAL, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC,
+                              TMA, ROW2D, False)
+    if CAUSAL:  # a NaN/Inf value a row cannot see must not reach it through 0 * NaN in a diagonal tile;
+        # such a value makes a NaN in every row of that tile's product (p >= 0) and so of the result
+        if not (tl.abs(tl.sum(tl.sum(acc, 1), 0)) < float("inf")):  # rare: again, with the guard
+            acc, l_i, m_i = _fwd_keys(q, k_base, v_base, b32, kvh, kv_row0, lo, mid, hi, pos, diag, qk_scale, dmask,
+                                      dvmask, s_ks, s_vs, BLOCK_N, BLOCK_DV, CAUSAL, BLOCK_D == D, BLOCK_DV == DV,
+                                      POS_SCALE, PREC, TMA, ROW2D, True)
     # epilogue: (out, lse) of this block; an empty row (l exactly 0) is (0, -inf); a NaN l stays NaN,
     # never "empty": merges skip empty parts, and a NaN must reach the rows that depend on it
     out = acc / tl.where(l_i != 0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_DV]
     lse2 = lse2_of(m_i, l_i)
-    o_ptrs = O + pid_s * s_osplit + b * s_ob + head[:, None] * s_oh + pos[:, None] * s_os + offs_dv[None, :] * s_od
     l_ptrs = L + pid_s * s_lsplit + b * s_lb + head * s_lh + pos * s_ls
-    st_mask = row_ok[:, None] & dvmask[None, :]
-    if ACC:  # merge into the running float32 state (out, lse) held at O, L
-        old2 = tl.load(l_ptrs, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-        m2 = tl.maximum(old2, lse2)
-        m2 = tl.where(m2 == float("-inf"), 0.0, m2)
-        w_old = tl.math.exp2(old2 - m2)
-        w_new = tl.math.exp2(lse2 - m2)
-        tot = w_old + w_new
-        inv = inv_or_zero(tot)  # [BLOCK_M]
-        o_old = tl.load(o_ptrs, mask=st_mask & (w_old > 0)[:, None], other=0.0)
-        out = o_old * (w_old * inv)[:, None] + out * (w_new * inv)[:, None]
-        lse2 = lse2_of(m2, tot)
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=st_mask)
+    if O_TMA:
+        _tma_store(O, out.to(O.dtype), b32, hh, q_row0, r0, ROW2D)
+    else:
+        o_ptrs = O + pid_s * s_osplit + b * s_ob + head[:, None] * s_oh + pos[:, None] * s_os + offs_dv[None, :] * s_od
+        st_mask = row_ok[:, None] & dvmask[None, :]
+        if ACC:  # merge into the running float32 state (out, lse) held at O, L
+            old2 = tl.load(l_ptrs, mask=row_ok, other=float("-inf")) * 1.4426950408889634
+            m2 = tl.maximum(old2, lse2)
+            m2 = tl.where(m2 == float("-inf"), 0.0, m2)
+            w_old = tl.math.exp2(old2 - m2)
+            w_new = tl.math.exp2(lse2 - m2)
+            tot = w_old + w_new
+            inv = inv_or_zero(tot)  # [BLOCK_M]
+            o_old = tl.load(o_ptrs, mask=st_mask & (w_old > 0)[:, None], other=0.0)
+            out = o_old * (w_old * inv)[:, None] + out * (w_new * inv)[:, None]
+            lse2 = lse2_of(m2, tot)
+        tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=st_mask)
     tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
 
 
@@ -250,21 +305,50 @@ def _has_tma(index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def _tma_operands(q: Tensor, k: Tensor, v: Tensor, p: Plan) -> Optional[tuple]:
-    """``(q, k, v)`` as ``(B, H, S, D)`` TMA descriptors of the forward's tiles, or None where the
-    pointer path runs: packed rows, float32, padded head dims, strides or bases TMA cannot address
-    (16-byte units), a GPU before Hopper, or ``configs.ATTN_TMA`` off."""
+def _descriptor(t: Tensor, shape: list, strides: list, block: list) -> TensorDescriptor:
+    """A TMA descriptor of ``t`` without ``TensorDescriptor.__post_init__``, which repeats checks that
+    :func:`_tma_operands` has made (and costs host time on every call)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = t, shape, strides, block, "zero"
+    return desc
+
+
+def _tma_ok(t: Tensor) -> bool:
+    """Whether TMA can address ``t``: unit last stride, unpadded last dim, 16-byte base and strides."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.shape[-1] == pad_dim(t.shape[-1]) and t.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in t.stride()[:-1]))
+
+
+def _rows_view(t: Tensor) -> bool:
+    """Whether ``t (B, H, S, D)`` is its contiguous ``(B * H * S, D)`` row view's reshape, with rows
+    addressable by int32 coordinates."""
+    return t.is_contiguous() and t.numel() // max(t.shape[-1], 1) < 2 ** 31
+
+
+def _tma_operands(q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Plan, store: bool) -> Optional[tuple]:
+    """``(Q, K, V, O, o_tma, row2d)``: the forward's operands as TMA descriptors (``O`` too where
+    ``store``, else ``out`` itself), or None where the pointer path runs: packed rows, float32,
+    padded head dims, strides or bases TMA cannot address (16-byte units), a GPU before Hopper, or
+    ``configs.ATTN_TMA`` off. ``row2d``: ``(B * H * S, D)`` row views (``configs.ATTN_TMA_ROWS``; all
+    contiguous, no tile crossing the end of a head), else ``(B, H, S, D)`` descriptors."""
     if not configs.ATTN_TMA or p.pack or q.dtype not in (torch.float16, torch.bfloat16):
         return None
     if q.is_cuda and not _has_tma(q.device.index or 0):
         return None
-    for t in (q, k, v):
-        if (t.shape[-1] != pad_dim(t.shape[-1]) or t.stride(-1) != 1 or t.data_ptr() % 16
-                or any(st * t.element_size() % 16 for st in t.stride()[:-1])):
-            return None
+    if not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v)):
+        return None
+    store = store and configs.ATTN_TMA_STORE and _tma_ok(out)
     bm, bn = p.tile[:2]
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]])
-                 for t, rows in ((q, bm), (k, bn), (v, bn)))
+    ops = [(q, bm), (k, bn), (v, bn)] + ([(out, bm)] if store else [])
+    row2d = (configs.ATTN_TMA_ROWS and q.shape[2] % bm == 0 and k.shape[2] % bn == 0
+             and all(_rows_view(t) for t, _ in ops))
+    if row2d:
+        descs = [_descriptor(t, [t.numel() // t.shape[-1], t.shape[-1]], [t.shape[-1], 1], [rows, t.shape[-1]])
+                 for t, rows in ops]
+    else:
+        descs = [_descriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]]) for t, rows in ops]
+    return (*descs[:3], descs[3] if store else out, store, row2d)
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
@@ -281,12 +365,14 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     so = out.stride() if split_dim else (0, *out.stride())
     sl = lse.stride() if split_dim else (0, *lse.stride())
     grid = (configs.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
-    tma = _tma_operands(q, k, v, p)
-    _attn_fwd_kernel[grid](*(tma or (q, k, v)), out, lse, *q.stride(), *k.stride(), *v.stride(),
+    tma = _tma_operands(q, k, v, out, p, store=not (acc or split_dim))
+    operands, o_tma, row2d = (tma[:4], tma[4], tma[5]) if tma else ((q, k, v, out), False, False)
+    _attn_fwd_kernel[grid](*operands, lse, *q.stride(), *k.stride(), *v.stride(),
                            *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g, sq, sk, diag, p.chunk,
                            scale * LOG2E, D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm,
                            BLOCK_N=bn, CAUSAL=causal, PACK=p.pack, ACC=acc, POS_SCALE=scale > 0,
-                           PREC=dot_precision(q.dtype), TMA=tma is not None, num_warps=warps, num_stages=stages)
+                           PREC=dot_precision(q.dtype), TMA=tma is not None, O_TMA=o_tma, ROW2D=row2d,
+                           num_warps=warps, num_stages=stages)
 
 
 def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,

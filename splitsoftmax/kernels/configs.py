@@ -39,6 +39,12 @@ ATTN_SHORT_CAUSAL_SQ = 2048
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,
 # pointer loads -> TMA: 312 -> 334 / 360 -> 398 / 414 -> 415 (launch/probes/session6.py causal).
 ATTN_TMA = True
+# ... and, where the forward writes its output directly (not merging in place, one key split), it
+# stores the output tile through a descriptor too ...
+ATTN_TMA_STORE = True
+# ... and where every operand is contiguous and no tile crosses the end of a head (Sq and Sk
+# multiples of the tile), the descriptors are (B * H * S, D) row views instead of (B, H, S, D).
+ATTN_TMA_ROWS = True
 # Under TRITON_INTERPRET=1 small tiles, so tiny test shapes still cross several tiles.
 ATTN_TILE_INTERPRET = (16, 16, 4, 1)
 # Split-KV: split the keys when fewer programs than this many per SM would run (H200 sweep at

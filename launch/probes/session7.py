@@ -5,13 +5,20 @@
 SECTIONS (comma-separated, default all):
 - tma: S = 1k / 2k / 4k causal forward (B*S = 32k, H=16, D=128, bf16) through the public call, with the
   output stored through a TMA descriptor or through pointers (``configs.ATTN_TMA_STORE``) and with
-  ``(B * H * S, D)`` row-view descriptors or ``(B, H, S, D)`` ones (``configs.ATTN_TMA_ROWS``), in two
-  rounds (the spread between rounds is the noise); beside SDPA flash, the same call replayed from a
+  ``(B * H * S, D)`` row-view descriptors or ``(B, H, S, D)`` ones (``configs.ATTN_TMA_ROWS``), beside SDPA flash, the same call replayed from a
   CUDA graph (no host cost), the launcher ``kernels.attention.attn_fwd``, a copy without the NaN
   guard of the diagonal tiles, and the TMA prototype (``attn_tma_kernel.py``, beside this file).
+- tiles: S = 4k / 8k / 1k causal forward through the public call under tiles (block sizes, warps,
+  stages) given to every causal S up to that one (``configs.ATTN_SHORT_CAUSAL_SQ``), beside SDPA flash.
+- variants: S = 1k / 2k / 4k causal forward through the launcher ``kernels.attention.attn_fwd``, as it
+  is, in a copy patched (``PATCHES``) without the NaN guard, and (where ``kernels/_probe_prev.py`` is
+  present, git-ignored: pass it in the device call's ``carry``) an earlier form of the module, in two
+  rounds, beside SDPA flash and the prototype. The copy of this file at commit 6d9ceb4's successor
+  also patched V's load beside K's and dropped ``do_not_specialize``.
 Writes OUTDIR/probe.json.
 """
 import importlib
+import os
 import sys
 
 import torch
@@ -19,17 +26,28 @@ import torch
 from session4 import bench, guard, rec, run_sections  # the probe helpers, beside this file
 
 SEQS = (1024, 2048, 4096)
-LAYOUTS = {"store rows": (True, True), "store heads": (True, False), "pointer-store heads": (False, False)}
+LAYOUTS = {"store rows": (True, True), "pointer-store heads": (False, False)}
+
+
+# name -> (old, new) text patches of kernels/attention.py
+PATCHES = {"noguard": [("    if CAUSAL:  # a NaN/Inf value", "    if CAUSAL and False:  # a NaN/Inf value")]}
+
+
+def _patched(*names):
+    """A copy of the attention module with the named text patches (timing only)."""
+    src = open("splitsoftmax/kernels/attention.py").read()
+    for name in names:
+        for old, new in PATCHES[name]:
+            assert src.count(old) == 1, (name, old)
+            src = src.replace(old, new)
+    mod = "_probe_" + "_".join(names)
+    with open(f"splitsoftmax/kernels/{mod}.py", "w") as f:
+        f.write(src)
+    return importlib.import_module(f"splitsoftmax.kernels.{mod}")
 
 
 def _noguard():
-    """A copy of the attention module whose diagonal tiles skip the NaN guard (timing only)."""
-    src = open("splitsoftmax/kernels/attention.py").read()
-    old = "    if MASKED and CAUSAL:  # a NaN/Inf value"
-    assert src.count(old) == 1
-    with open("splitsoftmax/kernels/_probe_noguard.py", "w") as f:
-        f.write(src.replace(old, "    if MASKED and CAUSAL and False:  # a NaN/Inf value"))
-    return importlib.import_module("splitsoftmax.kernels._probe_noguard")
+    return _patched("noguard")
 
 
 def sec_tma():
@@ -48,7 +66,7 @@ def sec_tma():
         grp = f"causal fwd S={S}"
         with torch.no_grad():
             want = ss.attention(q, k, v, causal=True)
-            for rnd in (1, 2):
+            for rnd in (1,):
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     rec(grp, f"sdpa flash r{rnd}",
                         bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
@@ -73,7 +91,65 @@ def sec_tma():
         torch.cuda.empty_cache()
 
 
-SECTIONS = {"tma": sec_tma}
+def sec_tiles():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import splitsoftmax as ss
+    from splitsoftmax.kernels import configs
+    saved = configs.ATTN_SHORT_CAUSAL_SQ, dict(configs.ATTN_TILES)
+    key = ("fwd_causal_short", 2, 128)
+    for S in (4096, 8192, 1024):
+        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        grp = f"tiles causal S={S}"
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            rec(grp, "sdpa flash", bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+        with torch.no_grad():
+            want = ss.attention(q, k, v, causal=True).float()
+            for tile in ((64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (128, 64, 4, 3)):
+                configs.ATTN_SHORT_CAUSAL_SQ = S
+                configs.ATTN_TILES[key] = tile
+
+                def run(tile=tile):
+                    diff = (ss.attention(q, k, v, causal=True).float() - want).abs().max().item()
+                    rec(grp, f"ss {tile}", bench(lambda: ss.attention(q, k, v, causal=True)), flops=flops, diff=diff)
+                guard(grp, str(tile), run)
+            configs.ATTN_SHORT_CAUSAL_SQ, configs.ATTN_TILES = saved[0], dict(saved[1])
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def sec_variants():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from splitsoftmax.kernels import attention as A
+    import attn_tma_kernel as proto  # beside this file
+    mods = {"as is": A, "noguard": _noguard()}
+    if os.path.exists("splitsoftmax/kernels/_probe_prev.py"):
+        mods["previous"] = importlib.import_module("splitsoftmax.kernels._probe_prev")
+    for S in (1024, 2048, 4096):
+        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        grp = f"variants causal S={S}"
+        with torch.no_grad():
+            want = A.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)
+            for rnd in (1, 2):
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    rec(grp, f"sdpa flash r{rnd}",
+                        bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+                for name, mod in mods.items():
+                    def run(name=name, mod=mod, rnd=rnd):
+                        fn = lambda: mod.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)  # noqa: E731
+                        same = torch.equal(fn()[0], want[0])
+                        rec(grp, f"{name} r{rnd}", bench(fn), flops=flops, same=same)
+                    guard(grp, name, run)
+                guard(grp, "prototype", lambda: rec(grp, f"prototype r{rnd}", bench(
+                    lambda: proto.attn_fwd_tma(q, k, v, True, 64, 64, 4, 3)), flops=flops))
+        del q, k, v, want
+        torch.cuda.empty_cache()
+
+
+SECTIONS = {"tma": sec_tma, "tiles": sec_tiles, "variants": sec_variants}
 
 if __name__ == "__main__":
     run_sections(SECTIONS, sys.argv)

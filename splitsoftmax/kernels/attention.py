@@ -137,6 +137,9 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, kv_row0, start, kj, pos, 
     # when causal, where the NaN guard below zeroes the non-finite values no row may see)
     k = _load_tile(k_src, kb, kvh, kv_row0, start, kmask, dmask, kj.shape[0], q.shape[1], MASKED and not TMA,
                    not EVEN_D, TMA, ROW2D)
+    if TMA:  # V beside K: one barrier for both, and V ready before its product
+        v = _load_tile(v_src, kb, kvh, kv_row0, start, kmask, dvmask, kj.shape[0], acc.shape[1],
+                       MASKED and not CAUSAL, not EVEN_DV, TMA, ROW2D)  # [BLOCK_N, BLOCK_DV]
     qk = _dot(q, tl.trans(k), None, PREC)  # [BLOCK_M, BLOCK_N]
     if MASKED:
         ok = kmask[None, :]
@@ -155,8 +158,9 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, kv_row0, start, kj, pos, 
         p = tl.math.exp2(qk * qk_scale - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_tile(v_src, kb, kvh, kv_row0, start, kmask, dvmask, kj.shape[0], acc.shape[1],
-                   MASKED and not (TMA and CAUSAL), not EVEN_DV, TMA, ROW2D)  # [BLOCK_N, BLOCK_DV]
+    if not TMA:
+        v = _load_tile(v_src, kb, kvh, kv_row0, start, kmask, dvmask, kj.shape[0], acc.shape[1], MASKED,
+                       not EVEN_DV, TMA, ROW2D)  # [BLOCK_N, BLOCK_DV]
     acc = acc * alpha[:, None]
     if MASKED and CAUSAL and GUARD:
         acc = _guarded_pv(acc, p, v, PREC)
@@ -176,27 +180,20 @@ def _guarded_pv(acc, p, v, PREC: tl.constexpr):
 
 
 @triton.jit
-def _fwd_keys(q, k_base, v_base, b32, kvh, kv_row0, lo, mid, hi, pos, diag, qk_scale, dmask, dvmask, s_ks, s_vs,
-              BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+def _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, first, end, hi, pos, diag, qk_scale, dmask, dvmask,
+              s_ks, s_vs, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr,
               EVEN_DV: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
               ROW2D: tl.constexpr, GUARD: tl.constexpr):
-    """``(acc [BLOCK_M, BLOCK_DV], l [BLOCK_M], m [BLOCK_M])`` of query tile ``q`` over keys
-    ``[lo, hi)``: whole tiles up to ``mid`` unmasked, the rest masked (see :func:`_fwd_tile`)."""
+    """The state ``(acc [BLOCK_M, BLOCK_DV], l [BLOCK_M], m [BLOCK_M])`` of query tile ``q`` carried
+    over the key tiles starting at ``first, first + BLOCK_N, .. < end`` (see :func:`_fwd_tile`).
+    The rare ``GUARD`` pass is not pipelined: no buffers of its own, so that two programs of the
+    64x64 tile still fit in an SM's shared memory (tests/test_attention_smem.py)."""
     offs_n = tl.arange(0, BLOCK_N)
-    m_i = tl.full([q.shape[0]], float("-inf"), tl.float32)
-    l_i = tl.zeros([q.shape[0]], tl.float32)
-    acc = tl.zeros([q.shape[0], BLOCK_DV], tl.float32)
-    for start in range(lo, mid, BLOCK_N):  # tiles every row sees whole
+    for start in tl.range(first, end, BLOCK_N, num_stages=1 if GUARD else None):
         kj = start + offs_n  # [BLOCK_N]
         k_src, v_src = _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA)
         acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b32, kvh, kv_row0, start, kj, pos, hi, diag,
-                                  qk_scale, dmask, dvmask, CAUSAL, False, EVEN_D, EVEN_DV, POS_SCALE, PREC, TMA,
-                                  ROW2D, GUARD)
-    for start in range(mid, hi, BLOCK_N):  # tiles crossing the diagonal or the range end
-        kj = start + offs_n
-        k_src, v_src = _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b32, kvh, kv_row0, start, kj, pos, hi, diag,
-                                  qk_scale, dmask, dvmask, CAUSAL, True, EVEN_D, EVEN_DV, POS_SCALE, PREC, TMA,
+                                  qk_scale, dmask, dvmask, CAUSAL, MASKED, EVEN_D, EVEN_DV, POS_SCALE, PREC, TMA,
                                   ROW2D, GUARD)
     return acc, l_i, m_i
 
@@ -265,15 +262,23 @@ def _attn_fwd_kernel(Q, K, V, O, L,
     else:
         k_base = K + b * s_kb + kvh.to(tl.int64) * s_kh + offs_d[None, :] * s_kd
         v_base = V + b * s_vb + kvh.to(tl.int64) * s_vh + offs_dv[None, :] * s_vd
-    acc, l_i, m_i = _fwd_keys(q, k_base, v_base, b32, kvh, kv_row0, lo, mid, hi, pos, diag, qk_scale, dmask, dvmask,
-                              s_ks, s_vs, BLOCK_N, BLOCK_DV, CAUSAL, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC,
-                              TMA, ROW2D, False)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # tiles every row sees whole, then those crossing the diagonal or the range end (masked)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, lo, mid, hi, pos, diag, qk_scale,
+                              dmask, dvmask, s_ks, s_vs, BLOCK_N, CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV,
+                              POS_SCALE, PREC, TMA, ROW2D, False)
+    acc0, l0, m0 = acc, l_i, m_i
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, mid, hi, hi, pos, diag, qk_scale,
+                              dmask, dvmask, s_ks, s_vs, BLOCK_N, CAUSAL, True, BLOCK_D == D, BLOCK_DV == DV,
+                              POS_SCALE, PREC, TMA, ROW2D, False)
     if CAUSAL:  # a NaN/Inf value a row cannot see must not reach it through 0 * NaN in a diagonal tile;
         # such a value makes a NaN in every row of that tile's product (p >= 0) and so of the result
-        if not (tl.abs(tl.sum(tl.sum(acc, 1), 0)) < float("inf")):  # rare: again, with the guard
-            acc, l_i, m_i = _fwd_keys(q, k_base, v_base, b32, kvh, kv_row0, lo, mid, hi, pos, diag, qk_scale, dmask,
-                                      dvmask, s_ks, s_vs, BLOCK_N, BLOCK_DV, CAUSAL, BLOCK_D == D, BLOCK_DV == DV,
-                                      POS_SCALE, PREC, TMA, ROW2D, True)
+        if not (tl.abs(tl.sum(tl.sum(acc, 1), 0)) < float("inf")):  # rare: the masked tiles again, guarded
+            acc, l_i, m_i = _fwd_loop(acc0, l0, m0, q, k_base, v_base, b32, kvh, kv_row0, mid, hi, hi, pos, diag,
+                                      qk_scale, dmask, dvmask, s_ks, s_vs, BLOCK_N, CAUSAL, True, BLOCK_D == D,
+                                      BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, True)
     # epilogue: (out, lse) of this block; an empty row (l exactly 0) is (0, -inf); a NaN l stays NaN,
     # never "empty": merges skip empty parts, and a NaN must reach the rows that depend on it
     out = acc / tl.where(l_i != 0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_DV]

@@ -1,0 +1,61 @@
+"""Shared memory of the attention forward as compiled for sm_90 (Hopper), no GPU needed.
+
+The short-causal tile (64x64, 4 warps, 3 stages) runs two programs per SM only while each needs
+at most half of the SM's 228 KB, less the 1 KB the driver reserves per program. Session 7 lost a
+third of its speed at S=1k causal to 16 bytes over that line (BENCHMARKS.md, Attention, session 7).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles for a GPU target: not under the interpreter", allow_module_level=True)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from splitsoftmax.kernels import attention as A  # noqa: E402
+from splitsoftmax.kernels import configs, decode  # noqa: E402
+
+SM90_SMEM = 228 * 1024      # shared memory per SM
+RESERVED = 1024             # per program, reserved by the driver
+INTS = ("NH", "G", "Sq", "Sk", "diag", "chunk")
+
+
+def compile_forward(tile: tuple, causal: bool):
+    """The TMA forward kernel (bf16, D = 128, row-view descriptors, output through a descriptor)
+    compiled for sm_90 as a launch would specialise it (unit strides constant, the others and the
+    pointers 16-byte aligned)."""
+    bm, bn, warps, stages = tile
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(A._attn_fwd_kernel.arg_names):
+        if name in ("Q", "O"):
+            sig[name] = f"tensordesc<bf16[{bm},128]>"
+        elif name in ("K", "V"):
+            sig[name] = f"tensordesc<bf16[{bn},128]>"
+        elif name == "L" or (name.startswith("s_") and name not in ("s_qd", "s_kd", "s_vd", "s_od", "s_ls")):
+            sig[name] = "*fp32" if name == "L" else "i32"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in ("s_qd", "s_kd", "s_vd", "s_od", "s_ls"):
+            sig[name], consts[name] = "constexpr", 1
+        elif name in INTS:
+            sig[name] = "i32"
+        elif name == "qk_scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "constexpr"
+    consts.update(D=128, DV=128, BLOCK_D=128, BLOCK_DV=128, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, PACK=False,
+                  ACC=False, POS_SCALE=True, PREC=decode.dot_precision(torch.bfloat16), TMA=True, O_TMA=True,
+                  ROW2D=True)
+    src = ASTSource(fn=A._attn_fwd_kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def test_two_short_causal_programs_fit_an_sm():
+    tile = configs.ATTN_TILES[("fwd_causal_short", 2, 128)]
+    shared = compile_forward(tile, causal=True).metadata.shared
+    assert 2 * (shared + RESERVED) <= SM90_SMEM, f"{tile}: {shared} bytes of shared memory per program"

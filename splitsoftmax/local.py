@@ -40,8 +40,10 @@ def triton_available() -> bool:
     return True
 
 
+@lru_cache(maxsize=None)
 def interpreting() -> bool:
-    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``). Read once, as Triton
+    reads it once: its kernels are compiled or interpreted from when they are defined."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 

@@ -15,6 +15,9 @@ SECTIONS (comma-separated, default all):
   present, git-ignored: pass it in the device call's ``carry``) an earlier form of the module, in two
   rounds, beside SDPA flash and the prototype. The copy of this file at commit 6d9ceb4's successor
   also patched V's load beside K's and dropped ``do_not_specialize``.
+- decode: one query, GQA 32/8, D=128, bf16, 128k and 1M keys through the public call, eager and
+  replayed from a CUDA graph, with the split-KV merge launched under programmatic dependent launch
+  or not (``configs.MERGE_PDL``), in two rounds, beside SDPA cuDNN.
 Writes OUTDIR/probe.json.
 """
 import importlib
@@ -149,7 +152,37 @@ def sec_variants():
         torch.cuda.empty_cache()
 
 
-SECTIONS = {"tma": sec_tma, "tiles": sec_tiles, "variants": sec_variants}
+def sec_decode():
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import splitsoftmax as ss
+    from splitsoftmax.bench import graph_ms
+    from splitsoftmax.kernels import configs
+    saved = configs.MERGE_PDL
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    for keys in (131072, 1048576):
+        k, v = (torch.randn(1, 8, keys, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        nbytes = 2 * k.numel() * 2
+        grp = f"decode {keys}"
+        with torch.no_grad():
+            want = ss.attention(q, k, v)
+            for rnd in (1, 2):
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    peer = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+                    rec(grp, f"cudnn eager r{rnd}", bench(peer), nbytes)
+                    rec(grp, f"cudnn graph r{rnd}", graph_ms(peer), nbytes)
+                for pdl in (True, False):
+                    configs.MERGE_PDL = pdl
+                    fn = lambda: ss.attention(q, k, v)  # noqa: E731
+                    same = torch.equal(fn(), want)
+                    rec(grp, f"ss pdl={pdl} eager r{rnd}", bench(fn), nbytes, same=same)
+                    guard(grp, f"graph pdl={pdl}", lambda: rec(grp, f"ss pdl={pdl} graph r{rnd}", graph_ms(fn), nbytes))
+                configs.MERGE_PDL = saved
+        del k, v
+        torch.cuda.empty_cache()
+
+
+SECTIONS = {"tma": sec_tma, "tiles": sec_tiles, "variants": sec_variants, "decode": sec_decode}
 
 if __name__ == "__main__":
     run_sections(SECTIONS, sys.argv)

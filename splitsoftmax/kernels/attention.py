@@ -18,7 +18,6 @@ descriptors (zeros past S) instead of pointers; the results are the same bit for
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -30,7 +29,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ..state import stat_dtype
 from . import configs
-from .decode import Plan, attn_tile, dot_precision, pad_dim, plan
+from .decode import Plan, attn_tile, dot_precision, hopper, pad_dim, plan
 from ..local import interpreting
 from .merge import inv_or_zero, lse2_of, merge_into
 
@@ -304,12 +303,6 @@ def _attn_fwd_kernel(Q, K, V, O, L,
     tl.store(l_ptrs, lse2 * 0.6931471805599453, mask=row_ok)
 
 
-@lru_cache(maxsize=None)
-def _has_tma(index: int) -> bool:
-    """Whether CUDA device ``index`` has the Tensor Memory Accelerator (Hopper and later)."""
-    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
-
-
 def _descriptor(t: Tensor, shape: list, strides: list, block: list) -> TensorDescriptor:
     """A TMA descriptor of ``t`` without ``TensorDescriptor.__post_init__``, which repeats checks that
     :func:`_tma_operands` has made (and costs host time on every call)."""
@@ -339,7 +332,7 @@ def _tma_operands(q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Plan, store: 
     contiguous, no tile crossing the end of a head), else ``(B, H, S, D)`` descriptors."""
     if not configs.ATTN_TMA or p.pack or q.dtype not in (torch.float16, torch.bfloat16):
         return None
-    if q.is_cuda and not _has_tma(q.device.index or 0):
+    if q.is_cuda and not hopper(q):
         return None
     if not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v)):
         return None

@@ -64,6 +64,10 @@ MERGE_TILE_INTERPRET = (8, 16, 1)
 # elements (H200, 128k-key decode: 33 partials x 32 rows merged in 23.5 us by the row-tiled kernel)
 MERGE_PARTS_PROGRAMS_PER_SM = 2
 MERGE_PARTS_MAX_ELEMS = 8192
+# On Hopper and later the merge kernel is launched with programmatic dependent launch: it may start
+# while the kernel before it (the split-KV forward, say) finishes, and waits on the GPU for its
+# results (griddepcontrol.wait) instead of the launch waiting on the stream.
+MERGE_PDL = True
 
 # ---- softmax (issue 3): Triton softmax / log-softmax / logsumexp, forward and backward ----
 from dataclasses import dataclass  # noqa: E402

@@ -56,6 +56,17 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+@lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def hopper(t: Tensor) -> bool:
+    """Whether ``t`` lives on a CUDA GPU of compute capability 9.0 or later (Hopper on: TMA,
+    programmatic dependent launch)."""
+    return t.is_cuda and _hopper(t.device.index or 0)
+
+
 def sm_count(t: Tensor) -> int:
     """Multiprocessors of ``t``'s device (a fixed small number under the interpreter)."""
     return _sm_count(t.device.index or 0) if t.is_cuda else ATTN_INTERPRET_SMS

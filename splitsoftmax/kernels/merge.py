@@ -24,7 +24,7 @@ from torch import Tensor
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ..local import interpreting
 from . import configs
-from .decode import sm_count
+from .decode import hopper, sm_count
 
 
 @triton.jit
@@ -42,10 +42,19 @@ def lse2_of(m, s):
     return tl.where(some, m + tl.math.log2(tl.where(some, s, 1.0)), float("-inf"))
 
 
+@triton.jit
+def _wait_producer(PDL: tl.constexpr):
+    """Under programmatic dependent launch (``PDL``) the kernel may start before the one before it
+    in the stream has finished: wait here until it has, and its writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
 @triton.jit(do_not_specialize=["N", "R"])
 def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
                       s_on, s_or, s_od, s_ln, s_lr, s_outr, s_outd, s_lser,
-                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, WRITE_LSE: tl.constexpr, PDL: tl.constexpr):
+    _wait_producer(PDL)
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
@@ -80,9 +89,10 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
 @triton.jit(do_not_specialize=["N", "R"])
 def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
                         s_on, s_or, s_od, s_ln, s_lr, s_outr, s_outd, s_lser,
-                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(R, cdiv(DV, BLOCK_D))``: one row, every part (``N <= BLOCK_P``) loaded at once; the
     ``lse`` and ``out`` loads are independent, so the merge waits for memory once."""
+    _wait_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     pid_d = tl.program_id(1)
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
@@ -115,15 +125,17 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
     grid = (configs.cdiv(r, block_r), max(1, configs.cdiv(dv, block_d)))
     strides = (*outs.stride(), *lses.stride(), *out.stride(), lse.stride(0))
     target = configs.MERGE_PARTS_PROGRAMS_PER_SM * sm_count(outs)
+    pdl = configs.MERGE_PDL and hopper(outs)
     if grid[0] * grid[1] < target and configs.next_pow2(n) * block_d <= configs.MERGE_PARTS_MAX_ELEMS:
         while block_d > 16 and r * configs.cdiv(dv, block_d) < target:  # narrower columns, more programs
             block_d //= 2
         _merge_parts_kernel[(r, configs.cdiv(dv, block_d))](outs, lses, out, lse, n, r, dv, *strides,
                                                            BLOCK_P=configs.next_pow2(n), BLOCK_D=block_d,
-                                                           num_warps=warps)
+                                                           PDL=pdl, launch_pdl=pdl, num_warps=warps)
         return
     _merge_fwd_kernel[grid](outs, lses, out, lse, n, r, dv, *strides,
-                            BLOCK_R=block_r, BLOCK_D=block_d, WRITE_LSE=True, num_warps=warps)
+                            BLOCK_R=block_r, BLOCK_D=block_d, WRITE_LSE=True, PDL=pdl, launch_pdl=pdl,
+                            num_warps=warps)
 
 
 def merge_out_lse(outs: Tensor, lses: Tensor, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:

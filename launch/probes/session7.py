@@ -3,18 +3,19 @@
     PYTHONPATH=. python3 launch/probes/session7.py OUTDIR [SECTIONS]
 
 SECTIONS (comma-separated, default all):
-- tma: S = 1k / 2k / 4k causal forward (B*S = 32k, H=16, D=128, bf16) through the public call, with the
-  output stored through a TMA descriptor or through pointers (``configs.ATTN_TMA_STORE``) and with
-  ``(B * H * S, D)`` row-view descriptors or ``(B, H, S, D)`` ones (``configs.ATTN_TMA_ROWS``), beside SDPA flash, the same call replayed from a
-  CUDA graph (no host cost), the launcher ``kernels.attention.attn_fwd``, a copy without the NaN
-  guard of the diagonal tiles, and the TMA prototype (``attn_tma_kernel.py``, beside this file).
+- tma: S = 1k / 2k / 4k causal forward (B*S = 32k, H=16, D=128, bf16) through the public call, with
+  the output stored through a TMA descriptor or through pointers (``configs.ATTN_TMA_STORE``) and
+  with ``(B * H * S, D)`` row-view descriptors or ``(B, H, S, D)`` ones (``configs.ATTN_TMA_ROWS``),
+  beside SDPA flash, the same call replayed from a CUDA graph (no host cost), the launcher
+  ``kernels.attention.attn_fwd``, a copy without the NaN guard of the diagonal tiles, and the TMA
+  prototype (``attn_tma_kernel.py``, beside this file);
 - tiles: S = 4k / 8k / 1k causal forward through the public call under tiles (block sizes, warps,
-  stages) given to every causal S up to that one (``configs.ATTN_SHORT_CAUSAL_SQ``), beside SDPA flash.
-- variants: S = 1k / 2k / 4k causal forward through the launcher ``kernels.attention.attn_fwd``, as it
-  is, in a copy patched (``PATCHES``) without the NaN guard, and (where ``kernels/_probe_prev.py`` is
-  present, git-ignored: pass it in the device call's ``carry``) an earlier form of the module, in two
-  rounds, beside SDPA flash and the prototype. The copy of this file at commit 6d9ceb4's successor
-  also patched V's load beside K's and dropped ``do_not_specialize``.
+  stages) given to every causal S up to that one (``configs.ATTN_SHORT_CAUSAL_SQ``), beside SDPA
+  flash;
+- variants: S = 1k / 2k / 4k causal forward through the launcher ``kernels.attention.attn_fwd``, as
+  it is, in a copy patched (``PATCHES``) without the NaN guard, and (where ``kernels/_probe_prev.py``
+  is present, git-ignored: pass it in the device call's ``carry``) an earlier form of the module, in
+  two rounds, beside SDPA flash and the prototype;
 - decode: one query, GQA 32/8, D=128, bf16, 128k and 1M keys through the public call, eager and
   replayed from a CUDA graph, with the split-KV merge launched under programmatic dependent launch
   or not (``configs.MERGE_PDL``), in two rounds, beside SDPA cuDNN.
@@ -90,8 +91,6 @@ def sec_tma():
                 lambda: ng.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)), flops=flops))
             guard(grp, "prototype", lambda: rec(grp, "prototype tma (64, 64, 4, 3)", bench(
                 lambda: proto.attn_fwd_tma(q, k, v, True, 64, 64, 4, 3)), flops=flops))
-        del q, k, v, want
-        torch.cuda.empty_cache()
 
 
 def sec_tiles():
@@ -117,9 +116,8 @@ def sec_tiles():
                     diff = (ss.attention(q, k, v, causal=True).float() - want).abs().max().item()
                     rec(grp, f"ss {tile}", bench(lambda: ss.attention(q, k, v, causal=True)), flops=flops, diff=diff)
                 guard(grp, str(tile), run)
-            configs.ATTN_SHORT_CAUSAL_SQ, configs.ATTN_TILES = saved[0], dict(saved[1])
-        del q, k, v
-        torch.cuda.empty_cache()
+            configs.ATTN_SHORT_CAUSAL_SQ = saved[0]
+            configs.ATTN_TILES.update(saved[1])  # the same dict: kernels.decode holds it too
 
 
 def sec_variants():
@@ -148,8 +146,6 @@ def sec_variants():
                     guard(grp, name, run)
                 guard(grp, "prototype", lambda: rec(grp, f"prototype r{rnd}", bench(
                     lambda: proto.attn_fwd_tma(q, k, v, True, 64, 64, 4, 3)), flops=flops))
-        del q, k, v, want
-        torch.cuda.empty_cache()
 
 
 def sec_decode():
@@ -178,8 +174,6 @@ def sec_decode():
                     rec(grp, f"ss pdl={pdl} eager r{rnd}", bench(fn), nbytes, same=same)
                     guard(grp, f"graph pdl={pdl}", lambda: rec(grp, f"ss pdl={pdl} graph r{rnd}", graph_ms(fn), nbytes))
                 configs.MERGE_PDL = saved
-        del k, v
-        torch.cuda.empty_cache()
 
 
 SECTIONS = {"tma": sec_tma, "tiles": sec_tiles, "variants": sec_variants, "decode": sec_decode}

@@ -23,6 +23,7 @@ from splitsoftmax.kernels import configs, decode  # noqa: E402
 
 SM90_SMEM = 228 * 1024      # shared memory per SM
 RESERVED = 1024             # per program, reserved by the driver
+UNIT_STRIDES = ("s_qd", "s_kd", "s_vd", "s_od", "s_ls")
 INTS = ("NH", "G", "Sq", "Sk", "diag", "chunk")
 
 
@@ -33,15 +34,13 @@ def compile_forward(tile: tuple, causal: bool):
     bm, bn, warps, stages = tile
     sig, consts, attrs = {}, {}, {}
     for i, name in enumerate(A._attn_fwd_kernel.arg_names):
-        if name in ("Q", "O"):
-            sig[name] = f"tensordesc<bf16[{bm},128]>"
-        elif name in ("K", "V"):
-            sig[name] = f"tensordesc<bf16[{bn},128]>"
-        elif name == "L" or (name.startswith("s_") and name not in ("s_qd", "s_kd", "s_vd", "s_od", "s_ls")):
+        if name in ("Q", "O", "K", "V"):
+            sig[name] = f"tensordesc<bf16[{bm if name in ('Q', 'O') else bn},128]>"
+        elif name in UNIT_STRIDES:
+            sig[name], consts[name] = "constexpr", 1
+        elif name == "L" or name.startswith("s_"):
             sig[name] = "*fp32" if name == "L" else "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in ("s_qd", "s_kd", "s_vd", "s_od", "s_ls"):
-            sig[name], consts[name] = "constexpr", 1
         elif name in INTS:
             sig[name] = "i32"
         elif name == "qk_scale":

@@ -13,8 +13,15 @@ G query heads of a kv head are packed into one program's rows (``PACK``), and wh
 programs would run the keys are split across programs whose partial ``(out, lse)`` are merged
 by the fused merge kernel (flash-decoding); see ``splitsoftmax.kernels.decode``. Where TMA can
 address the inputs (``_tma_operands``: 2-byte dtypes, unpadded head dims, 16-byte strides, Hopper
-or later, rows not packed) the forward reads its Q/K/V tiles through ``(B, H, S, D)`` tensor
-descriptors (zeros past S) instead of pointers; the results are the same bit for bit.
+or later, rows not packed) the forward reads its Q/K/V tiles, V beside K, through ``(B, H, S, D)``
+tensor descriptors (zeros past S), or ``(B * H * S, D)`` row views where no tile crosses the end of
+a head, and stores its output through one where it writes it directly (one split, no running
+state); the results are the pointer path's bit for bit.
+
+Causal diagonal tiles multiply masked keys' values by ``p = 0``, and ``0 * NaN`` is NaN: a NaN/Inf
+value that a row may not see must not reach it. Such a value makes a NaN in every row of the
+tile's product, so the masked tiles run unguarded and a sum of the result decides, rarely, to run
+them again from the state before them with the guard (:func:`_guarded_pv`).
 """
 from __future__ import annotations
 
@@ -132,8 +139,9 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, kv_row0, start, kj, pos, 
     (row ``kv_row0 + start`` of the row views where ``ROW2D``); ``kj = start + arange(BLOCK_N)``.
     ``GUARD``: a masked causal tile keeps NaN/Inf values from the rows that do not see them."""
     kmask = kj < hi  # [BLOCK_N]
-    # (TMA reads zeros past Sk; keys past hi need no zeros in K, whose scores are masked, nor in V
-    # when causal, where the NaN guard below zeroes the non-finite values no row may see)
+    # (TMA reads zeros past Sk, and row views never cross it; keys past hi need no zeros in K, whose
+    # scores are masked, nor in V when causal, where the guarded pass (see _attn_fwd_kernel) keeps
+    # non-finite values from the rows that may not see them)
     k = _load_tile(k_src, kb, kvh, kv_row0, start, kmask, dmask, kj.shape[0], q.shape[1], MASKED and not TMA,
                    not EVEN_D, TMA, ROW2D)
     if TMA:  # V beside K: one barrier for both, and V ready before its product

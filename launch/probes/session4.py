@@ -55,6 +55,19 @@ def guard(group, name, f):
         ROWS.append({"group": group, "name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
 
 
+def causal_case(S):
+    """The bench's prefill inputs at sequence length ``S`` (B*S = 32k tokens, H=16, D=128, bf16) and
+    the causal forward's FLOPs."""
+    q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    return q, k, v, 4 * q.shape[0] * 16 * S * S * 128 / 2
+
+
+def rec_flash_causal(group, q, k, v, flops, name="sdpa flash"):
+    """Record SDPA flash's causal forward on these inputs."""
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        rec(group, name, bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+
+
 def run_sections(sections, argv):
     """``argv = [script, OUTDIR, [SECTIONS]]``: run the named sections (default all), each guarded,
     and write every recorded row to ``OUTDIR/probe.json`` even when one fails."""

@@ -18,7 +18,8 @@ SECTIONS (comma-separated, default all):
   warps, stages) beside SDPA flash and the TMA prototype (``attn_tma_kernel.py``, beside this file;
   results checked against the configured tile's);
 - guard: S = 1k / 2k causal forward, the attention launcher as it is against a copy without the NaN
-  guard of the diagonal tiles (timing only), beside the TMA prototype;
+  guard of the diagonal tiles (timing only), beside the TMA prototype (it patches the guard as it
+  was until session 7; ``session7.py variants`` times the later form);
 - host: public calls whose GPU time is short (S=1k causal forward, 128k-key decode, 16384x4096
   logsumexp) with the host helpers ``configs.next_pow2`` / ``configs.cdiv`` as they are, and patched
   back to Triton's constexpr functions ``triton.next_power_of_2`` / ``triton.cdiv``, beside the peers;
@@ -34,7 +35,8 @@ import sys
 
 import torch
 
-from session4 import ROWS, bench, guard, rec, run_sections  # the probe helpers, beside this file
+# the probe helpers, beside this file
+from session4 import ROWS, bench, causal_case, guard, rec, rec_flash_causal, run_sections
 
 HELD = dict(coop_min_elem_bytes=1)
 
@@ -186,17 +188,13 @@ def sec_acc():
 
 
 def sec_causal():
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import splitsoftmax as ss
     from splitsoftmax.kernels import configs
     saved = (configs.ATTN_TMA, configs.ATTN_SHORT_CAUSAL_SQ)
     for S in (1024, 2048, 4096, 8192):
-        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        q, k, v, flops = causal_case(S)
         grp = f"causal fwd S={S}"
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            rec(grp, "sdpa flash", bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+        rec_flash_causal(grp, q, k, v, flops)
         for tma in (True, False):
             for short in (True, False):
                 configs.ATTN_TMA, configs.ATTN_SHORT_CAUSAL_SQ = tma, (S if short else 0)
@@ -210,19 +208,15 @@ def sec_causal():
 
 
 def sec_short():
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import splitsoftmax as ss
     from splitsoftmax.kernels import configs
     key = ("fwd_causal_short", 2, 128)
     saved = configs.ATTN_TILES[key]
     import attn_tma_kernel as proto  # beside this file
     for S in (1024, 2048):
-        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        q, k, v, flops = causal_case(S)
         grp = f"short causal S={S}"
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            rec(grp, "sdpa flash", bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+        rec_flash_causal(grp, q, k, v, flops)
         with torch.no_grad():
             want = ss.attention(q, k, v, causal=True).float()
             for tile in ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 32, 4, 3), (32, 64, 4, 3),
@@ -252,8 +246,7 @@ def sec_guard():
     ng = importlib.import_module("splitsoftmax.kernels._probe_noguard")
     import attn_tma_kernel as proto  # beside this file
     for S in (1024, 2048):
-        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        q, k, v, flops = causal_case(S)
         grp = f"guard causal S={S}"
         for name, fn in (("as is", lambda: A.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)),
                          ("no guard", lambda: ng.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)),

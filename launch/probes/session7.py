@@ -27,7 +27,8 @@ import sys
 
 import torch
 
-from session4 import bench, guard, rec, run_sections  # the probe helpers, beside this file
+# the probe helpers, beside this file
+from session4 import bench, causal_case, guard, rec, rec_flash_causal, run_sections
 
 SEQS = (1024, 2048, 4096)
 LAYOUTS = {"store rows": (True, True), "pointer-store heads": (False, False)}
@@ -55,8 +56,6 @@ def _noguard():
 
 
 def sec_tma():
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import splitsoftmax as ss
     from splitsoftmax.bench import graph_ms
     from splitsoftmax.kernels import attention as A
@@ -65,15 +64,12 @@ def sec_tma():
     ng = _noguard()
     saved = (configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS)
     for S in SEQS:
-        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        q, k, v, flops = causal_case(S)
         grp = f"causal fwd S={S}"
         with torch.no_grad():
             want = ss.attention(q, k, v, causal=True)
             for rnd in (1,):
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    rec(grp, f"sdpa flash r{rnd}",
-                        bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+                rec_flash_causal(grp, q, k, v, flops, f"sdpa flash r{rnd}")
                 for name, (store, rows) in LAYOUTS.items():
                     configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS = store, rows
 
@@ -94,18 +90,14 @@ def sec_tma():
 
 
 def sec_tiles():
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import splitsoftmax as ss
     from splitsoftmax.kernels import configs
     saved = configs.ATTN_SHORT_CAUSAL_SQ, dict(configs.ATTN_TILES)
     key = ("fwd_causal_short", 2, 128)
     for S in (4096, 8192, 1024):
-        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        q, k, v, flops = causal_case(S)
         grp = f"tiles causal S={S}"
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            rec(grp, "sdpa flash", bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+        rec_flash_causal(grp, q, k, v, flops)
         with torch.no_grad():
             want = ss.attention(q, k, v, causal=True).float()
             for tile in ((64, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (64, 128, 4, 2), (128, 64, 4, 3)):
@@ -121,23 +113,18 @@ def sec_tiles():
 
 
 def sec_variants():
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     from splitsoftmax.kernels import attention as A
     import attn_tma_kernel as proto  # beside this file
     mods = {"as is": A, "noguard": _noguard()}
     if os.path.exists("splitsoftmax/kernels/_probe_prev.py"):
         mods["previous"] = importlib.import_module("splitsoftmax.kernels._probe_prev")
     for S in (1024, 2048, 4096):
-        q, k, v = (torch.randn(32768 // S, 16, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        flops = 4 * q.shape[0] * 16 * S * S * 128 / 2
+        q, k, v, flops = causal_case(S)
         grp = f"variants causal S={S}"
         with torch.no_grad():
             want = A.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)
             for rnd in (1, 2):
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    rec(grp, f"sdpa flash r{rnd}",
-                        bench(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)), flops=flops)
+                rec_flash_causal(grp, q, k, v, flops, f"sdpa flash r{rnd}")
                 for name, mod in mods.items():
                     def run(name=name, mod=mod, rnd=rnd):
                         fn = lambda: mod.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)  # noqa: E731

@@ -151,6 +151,36 @@ def test_forward_accumulate_in_place(split):
     assert rel_err(acc_out, ro) < 2e-6 and rel_err(acc_lse, rl) < 2e-6
 
 
+@pytest.mark.parametrize("layout", TMA_LAYOUTS, ids=[x[0] for x in TMA_LAYOUTS])
+@pytest.mark.parametrize("case", [(1, 4, 2, 32, 64, 32, 32, 32), (1, 4, 2, 17, 40, 32, 16, 23),
+                                  (1, 2, 1, 20, 400, 32, 32, 380)])  # b, h, hkv, sq, sk, d, dv, diag
+def test_tma_accumulate_matches_pointer_loads(case, layout, monkeypatch):
+    """A ring step merged in place (bf16 inputs, float32 state) through TMA descriptors (row views
+    where the contiguous shard has whole tiles; split keys in the last case) gives bit for bit the
+    pointer path's state."""
+    b, h, hkv, sq, sk, d, dv, diag = case
+    _, rows, store = layout
+    monkeypatch.setattr(configs, "ATTN_TMA_ROWS", rows)
+    monkeypatch.setattr(configs, "ATTN_TMA_STORE", store)
+    q, k, v = inputs(b, h, hkv, sq, sk, d, dv, torch.bfloat16)
+    half = sk // 2
+    k2, v2 = k[:, :, half:].contiguous(), v[:, :, half:].contiguous()
+    p = decode.plan(q, k2, v2, True, diag - half)
+    assert (p.nsplit > 1) == (sk == 400)
+    tma = A._tma_operands(q, k2, v2, torch.empty(b, h, sq, dv), p, store=False)
+    assert tma is not None and tma[4:] == (False, rows and sq % p.tile[0] == 0 and (sk - half) % p.tile[1] == 0)
+    states = []
+    for use_tma in (True, False):
+        monkeypatch.setattr(configs, "ATTN_TMA", use_tma)
+        acc_out, acc_lse = A.attn_fwd(q, k[:, :, :half], v[:, :, :half], 0.25, True, diag)
+        A.attn_fwd_acc(q, k2, v2, 0.25, True, diag - half, acc_out, acc_lse)
+        states.append((acc_out, acc_lse))
+    (got_o, got_l), (want_o, want_l) = states
+    assert not torch.isnan(want_o).any() and torch.equal(got_o, want_o) and torch.equal(got_l, want_l)
+    ro, rl = ref_attention(q, k, v, 0.25, True, diag)
+    assert rel_err(want_o, ro) < TOL[torch.bfloat16]
+
+
 def test_accumulate_into_empty_state_ignores_nan():
     q, k, v = inputs(1, 2, 2, 17, 17, 32, 32, torch.float32)
     acc_out = torch.full((1, 2, 17, 32), float("nan"))

@@ -1,7 +1,8 @@
 """Shared memory of the attention forward as compiled for sm_90 (Hopper), no GPU needed.
 
 The short-causal tile (64x64, 4 warps, 3 stages) runs two programs per SM only while each needs
-at most half of the SM's 228 KB, less the 1 KB the driver reserves per program. Session 7 lost a
+at most half of the SM's 228 KB, less the 1 KB the driver reserves per program; the long tile
+(128x128, 8 warps, 3 stages) uses nearly all of it for one. Session 7 lost a
 third of its speed at S=1k causal to 16 bytes over that line (BENCHMARKS.md, Attention, session 7).
 """
 from __future__ import annotations
@@ -54,7 +55,9 @@ def compile_forward(tile: tuple, causal: bool):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 
-def test_two_short_causal_programs_fit_an_sm():
-    tile = configs.ATTN_TILES[("fwd_causal_short", 2, 128)]
-    shared = compile_forward(tile, causal=True).metadata.shared
-    assert 2 * (shared + RESERVED) <= SM90_SMEM, f"{tile}: {shared} bytes of shared memory per program"
+@pytest.mark.parametrize("kind,causal,programs", [("fwd_causal_short", True, 2), ("fwd", True, 1), ("fwd", False, 1)])
+def test_programs_fit_an_sm(kind, causal, programs):
+    """The short-causal tile keeps two programs per SM; the long tile (128x128, 8 warps) fits one."""
+    tile = configs.ATTN_TILES[(kind, 2, 128)]
+    shared = compile_forward(tile, causal).metadata.shared
+    assert programs * (shared + RESERVED) <= SM90_SMEM, f"{tile}: {shared} bytes of shared memory per program"

@@ -18,10 +18,8 @@ SECTIONS (comma-separated, default all):
   two rounds, beside SDPA flash and the prototype;
 - decode: one query, GQA 32/8, D=128, bf16, 128k and 1M keys through the public call, eager and
   replayed from a CUDA graph, with the split-KV merge launched under programmatic dependent launch
-  or not (``configs.MERGE_PDL``), in two rounds, beside SDPA cuDNN;
-- host: host time per call (calls back to back, GPU work too small to hold them back) of a decode
-  over 4k keys through the public call, the launcher, each of its two kernel launches alone, and
-  SDPA cuDNN: where the eager decode's host time goes on slow device hosts (not yet run).
+  or not (``configs.MERGE_PDL``), in two rounds, beside SDPA cuDNN. (Host time per decode call:
+  ``session5.py host``.)
 Writes OUTDIR/probe.json.
 """
 import importlib
@@ -31,7 +29,7 @@ import sys
 import torch
 
 # the probe helpers, beside this file
-from session4 import ROWS, bench, causal_case, guard, rec, rec_flash_causal, run_sections
+from session4 import bench, causal_case, guard, rec, rec_flash_causal, run_sections
 
 SEQS = (1024, 2048, 4096)
 LAYOUTS = {"store rows": (True, True), "pointer-store heads": (False, False)}
@@ -166,52 +164,7 @@ def sec_decode():
                 configs.MERGE_PDL = saved
 
 
-def _host_us(fn, n=2000):
-    """Microseconds of host time per call of ``fn``: ``n`` calls back to back, whose GPU work is too
-    small to hold the host back, then one synchronise."""
-    import time
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) / n * 1e6
-
-
-def sec_host():
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import splitsoftmax as ss
-    from splitsoftmax.kernels import attention as A
-    from splitsoftmax.kernels import decode, merge
-    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(1, 8, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    p = decode.plan(q, k, v, False, 0)
-    outs = torch.empty((p.nsplit, 1, 32, 1, 128), device="cuda")
-    lses = torch.empty((p.nsplit, 1, 32, 1), device="cuda")
-    out, lse = torch.empty(32, 128, device="cuda", dtype=torch.bfloat16), torch.empty(32, device="cuda")
-    cases = {
-        "ss.attention (public call)": lambda: ss.attention(q, k, v),
-        "kernels.attention.attn_fwd": lambda: A.attn_fwd(q, k, v, 0.1, False, out_dtype=q.dtype),
-        "launch_fwd (split kernel only)": lambda: A.launch_fwd(q, k, v, outs, lses, 0.1, False, 0, p, split_dim=True),
-        "merge_into (merge kernel only)": lambda: merge.merge_into(outs.view(p.nsplit, 32, 128),
-                                                                   lses.view(p.nsplit, 32), out, lse),
-        "torch.empty x4": lambda: [torch.empty(4096, device="cuda") for _ in range(4)],
-    }
-    with torch.no_grad():
-        for name, fn in cases.items():
-            us = _host_us(fn)
-            ROWS.append({"group": "host", "name": name, "us": us, "nsplit": p.nsplit})
-            print(f"host decode 4k keys  {name:36s} {us:7.1f} us per call", flush=True)
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            us = _host_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
-        ROWS.append({"group": "host", "name": "SDPA cuDNN", "us": us})
-        print(f"host decode 4k keys  {'SDPA cuDNN':36s} {us:7.1f} us per call", flush=True)
-
-
-SECTIONS = {"tma": sec_tma, "tiles": sec_tiles, "variants": sec_variants, "decode": sec_decode, "host": sec_host}
+SECTIONS = {"tma": sec_tma, "tiles": sec_tiles, "variants": sec_variants, "decode": sec_decode}
 
 if __name__ == "__main__":
     run_sections(SECTIONS, sys.argv)

@@ -26,6 +26,14 @@ def poison_empty(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def verify_launches(request, monkeypatch):
+    """GPU tests check every launch the kernels' launch caches make against Triton's own lookup."""
+    if request.node.get_closest_marker("gpu"):
+        from splitsoftmax.kernels import configs
+        monkeypatch.setattr(configs, "LAUNCH_VERIFY", True)
+
+
+@pytest.fixture(autouse=True)
 def seed():
     torch.manual_seed(0)
 

@@ -253,8 +253,8 @@ def merge_kernel(request, monkeypatch):
     """Force the row-tiled merge kernel or the all-parts-at-once one; check that it ran."""
     monkeypatch.setattr(configs, "MERGE_PARTS_PROGRAMS_PER_SM", 1 << 20 if "parts" in request.param else 0)
     log = []
-    for name in ("_merge_fwd_kernel", "_merge_parts_kernel"):
-        monkeypatch.setattr(merge, name, _Launches(getattr(merge, name), name, log))
+    for name, launcher in (("_merge_fwd_kernel", merge._MERGE_ROWS), ("_merge_parts_kernel", merge._MERGE_PARTS)):
+        monkeypatch.setattr(launcher, "fn", _Launches(launcher.fn, name, log))
     yield request.param
     assert log and set(log) == {request.param}, log
 

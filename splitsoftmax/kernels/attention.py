@@ -37,6 +37,7 @@ from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any 
 from ..state import stat_dtype
 from . import configs
 from .decode import Plan, attn_tile, dot_precision, hopper, pad_dim, plan
+from .launch import Launcher, fits_int32
 from ..local import interpreting
 from .merge import inv_or_zero, lse2_of, merge_into
 
@@ -357,6 +358,9 @@ def _tma_operands(q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Plan, store: 
     return (*descs[:3], descs[3] if store else out, store, row2d)
 
 
+_FWD = Launcher(_attn_fwd_kernel)
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                diag: int, p: Plan, *, acc: bool = False, split_dim: bool = False) -> None:
     """Run the forward kernel into ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)`` (any strides).
@@ -373,12 +377,13 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     grid = (configs.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
     tma = _tma_operands(q, k, v, out, p, store=not (acc or split_dim))
     operands, o_tma, row2d = (tma[:4], tma[4], tma[5]) if tma else ((q, k, v, out), False, False)
-    _attn_fwd_kernel[grid](*operands, lse, *q.stride(), *k.stride(), *v.stride(),
-                           *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g, sq, sk, diag, p.chunk,
-                           scale * LOG2E, D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm,
-                           BLOCK_N=bn, CAUSAL=causal, PACK=p.pack, ACC=acc, POS_SCALE=scale > 0,
-                           PREC=dot_precision(q.dtype), TMA=tma is not None, O_TMA=o_tma, ROW2D=row2d,
-                           num_warps=warps, num_stages=stages)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g)
+    key = (strides, fits_int32(sq, sk, diag, p.chunk), q.dtype, k.dtype, v.dtype, out.dtype, lse.dtype,
+           *(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse)))
+    _FWD(grid, key, (*operands, lse, *strides, sq, sk, diag, p.chunk, scale * LOG2E),
+         dict(D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+              PACK=p.pack, ACC=acc, POS_SCALE=scale > 0, PREC=dot_precision(q.dtype), TMA=tma is not None,
+              O_TMA=o_tma, ROW2D=row2d, num_warps=warps, num_stages=stages))
 
 
 def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,

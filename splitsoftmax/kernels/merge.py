@@ -25,6 +25,7 @@ from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any 
 from ..local import interpreting
 from . import configs
 from .decode import hopper, sm_count
+from .launch import Launcher, fits_int32
 
 
 @triton.jit
@@ -112,6 +113,9 @@ def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
     tl.store(LSE + row * s_lser, lse2_of(m_use, s) * 0.6931471805599453, mask=pid_d == 0)
 
 
+_MERGE_ROWS, _MERGE_PARTS = Launcher(_merge_fwd_kernel), Launcher(_merge_parts_kernel)
+
+
 def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
     """Merge ``outs (N, R, Dv)``, ``lses (N, R)`` into ``out (R, Dv)`` (any float dtype), ``lse (R,)`` fp32.
 
@@ -126,16 +130,17 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
     strides = (*outs.stride(), *lses.stride(), *out.stride(), lse.stride(0))
     target = configs.MERGE_PARTS_PROGRAMS_PER_SM * sm_count(outs)
     pdl = configs.MERGE_PDL and hopper(outs)
+    key = (dv, strides, fits_int32(n, r), outs.dtype, lses.dtype, out.dtype, lse.dtype,
+           *(t.data_ptr() % 16 == 0 for t in (outs, lses, out, lse)))
+    args = (outs, lses, out, lse, n, r, dv, *strides)
     if grid[0] * grid[1] < target and configs.next_pow2(n) * block_d <= configs.MERGE_PARTS_MAX_ELEMS:
         while block_d > 16 and r * configs.cdiv(dv, block_d) < target:  # narrower columns, more programs
             block_d //= 2
-        _merge_parts_kernel[(r, configs.cdiv(dv, block_d))](outs, lses, out, lse, n, r, dv, *strides,
-                                                           BLOCK_P=configs.next_pow2(n), BLOCK_D=block_d,
-                                                           PDL=pdl, launch_pdl=pdl, num_warps=warps)
+        _MERGE_PARTS((r, configs.cdiv(dv, block_d)), key, args,
+                     dict(BLOCK_P=configs.next_pow2(n), BLOCK_D=block_d, PDL=pdl, launch_pdl=pdl, num_warps=warps))
         return
-    _merge_fwd_kernel[grid](outs, lses, out, lse, n, r, dv, *strides,
-                            BLOCK_R=block_r, BLOCK_D=block_d, WRITE_LSE=True, PDL=pdl, launch_pdl=pdl,
-                            num_warps=warps)
+    _MERGE_ROWS(grid, key, args, dict(BLOCK_R=block_r, BLOCK_D=block_d, WRITE_LSE=True, PDL=pdl, launch_pdl=pdl,
+                                      num_warps=warps))
 
 
 def merge_out_lse(outs: Tensor, lses: Tensor, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor]:

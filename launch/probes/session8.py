@@ -1,0 +1,183 @@
+"""Probe (tuning data, not part of the library): session 8's split-KV decode questions, one GPU.
+
+    PYTHONPATH=. python3 launch/probes/session8.py OUTDIR [SECTIONS]
+
+SECTIONS (comma-separated, default all):
+- host: host time per 128k-key decode call (GQA 32/8, D=128, bf16) of each layer: the public call
+  and the launcher with the launch cache (``kernels.launch``) and through Triton's own launch path,
+  SDPA cuDNN, a profile of the public call; and of each step of Triton's launch of the split kernel and the merge
+  kernel: the whole ``kernel[grid](...)``, its argument binder, its cache key, the compiled
+  kernel's own ``run`` with the bound arguments, a key built over the arguments in Python;
+- tiles: 128k and 1M keys replayed from a CUDA graph (no host time) under decode tiles and split
+  programs per SM, beside SDPA cuDNN, and the public call eager.
+Writes OUTDIR/probe.json.
+"""
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from session4 import ROWS, bench, guard, rec, run_sections  # the probe helpers, beside this file
+
+
+def decode_inputs(keys):
+    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 8, keys, 128, device="cuda", dtype=torch.bfloat16)
+    return q, k, torch.randn_like(k)
+
+
+def host_us(fn, n=200):
+    """Host time per call: ``n`` calls back to back, after a warm-up and with the GPU idle first."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def rec_host(name, fn):
+    us = host_us(fn)
+    print(f"host {name:44s} {us:8.1f} us per call", flush=True)
+    ROWS.append({"group": "host", "name": name, "us": us})
+
+
+def _capture(jit_fn, call):
+    """``(grid, args, kwargs)`` of the next launch of ``jit_fn`` made by ``call()``."""
+    seen = {}
+    orig = jit_fn.run
+
+    def spy(*args, grid, warmup, **kwargs):
+        seen.setdefault("launch", (grid, args, kwargs))
+        return orig(*args, grid=grid, warmup=warmup, **kwargs)
+    jit_fn.run = spy
+    try:
+        call()
+    finally:
+        del jit_fn.run
+    return seen["launch"]
+
+
+def _spec_key(args, kwargs):
+    """A cache key over the arguments in Python: tensors by dtype and 16-byte alignment, the rest
+    by value (what Triton specialises a launch on, and more)."""
+    return (tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args),
+            tuple(kwargs.items()))
+
+
+def _launch_steps(label, jit_fn, grid, args, kwargs):
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import compute_cache_key
+    dev = driver.active.get_current_device()
+    kernel_cache, key_cache, _, _, binder = jit_fn.device_caches[dev]
+    compiled = jit_fn[grid](*args, **kwargs)
+    bound, spec, options = binder(*args, **kwargs)
+    values = tuple(bound.values())
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    stream = driver.active.get_current_stream(dev)
+    rec_host(f"{label}: kernel[grid](...)", lambda: jit_fn[grid](*args, **kwargs))
+    rec_host(f"{label}: binder", lambda: binder(*args, **kwargs))
+    rec_host(f"{label}: cache key", lambda: compute_cache_key(key_cache, spec, options))
+    rec_host(f"{label}: current stream", lambda: driver.active.get_current_stream(dev))
+    rec_host(f"{label}: compiled.run", lambda: compiled.run(*g, stream, compiled.function, compiled.packed_metadata,
+                                                            None, None, None, *values))
+    cache = {}
+
+    def keyed():
+        key = _spec_key(args, kwargs)
+        c = cache.get(key)
+        if c is None:
+            cache[key] = c = compiled
+        c.run(*g, driver.active.get_current_stream(dev), c.function, c.packed_metadata, None, None, None, *values)
+    rec_host(f"{label}: python key + compiled.run", keyed)
+    rec_host(f"{label}: python key alone", lambda: _spec_key(args, kwargs))
+
+
+def sec_host():
+    import splitsoftmax as ss
+    from splitsoftmax import _checks
+    from splitsoftmax.kernels import attention as A, decode as P, launch as L, merge as M
+    from splitsoftmax.local import interpreting
+    q, k, v = decode_inputs(131072)
+    scale = 128 ** -0.5
+    with torch.no_grad():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            rec_host("sdpa cudnn", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        for cached in (True, False):
+            L.interpreting = (lambda: False) if cached else (lambda: True)  # False: Triton's own launch path
+            rec_host(f"ss.attention (launch cache {cached})", lambda: ss.attention(q, k, v))
+            rec_host(f"kernels.attention.attn_fwd (launch cache {cached})",
+                     lambda: A.attn_fwd(q, k, v, scale, False, out_dtype=torch.bfloat16))
+        L.interpreting = interpreting
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(300):
+            ss.attention(q, k, v)
+        prof.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+        print(text.getvalue(), flush=True)
+        ROWS.append({"group": "host", "name": "cprofile ss.attention", "text": text.getvalue()})
+        rec_host("plan", lambda: P.plan(q, k, v, False, 0))
+        rec_host("checks", lambda: _checks.attention_args(q, k, v, None, False))
+        rec_host("4x torch.empty", lambda: (torch.empty(33, 1, 32, 1, 128, device="cuda"),
+                                            torch.empty(33, 1, 32, 1, device="cuda"),
+                                            torch.empty(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16),
+                                            torch.empty(1, 32, 1, device="cuda")))
+        call = lambda: A.attn_fwd(q, k, v, scale, False, out_dtype=torch.bfloat16)  # noqa: E731
+        grid_kw = {"split kernel": _capture(A._attn_fwd_kernel, call),
+                   "merge kernel": _capture(M._merge_parts_kernel, call)}
+        for label, (grid, args, kwargs) in grid_kw.items():
+            jit_fn = A._attn_fwd_kernel if label == "split kernel" else M._merge_parts_kernel
+            guard("host", label, lambda: _launch_steps(label, jit_fn, grid, args, kwargs))
+
+
+def sec_tiles():
+    import splitsoftmax as ss
+    from splitsoftmax.bench import graph_ms
+    from splitsoftmax.kernels import configs
+    key = ("decode", 2, 128)
+    saved = configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM
+    variants = [((16, 64, 4, 4), 2), ((16, 64, 4, 3), 2), ((16, 64, 4, 5), 2), ((16, 128, 4, 3), 2),
+                ((16, 64, 8, 4), 2), ((16, 32, 4, 6), 2), ((16, 64, 4, 4), 3), ((16, 64, 4, 4), 4),
+                ((16, 64, 4, 4), 1), ((16, 128, 8, 3), 2)]
+    for keys in (131072, 1048576):
+        q, k, v = decode_inputs(keys)
+        nb = 2 * k.numel() * 2
+        grp = f"decode {keys}"
+        with torch.no_grad():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                peer = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+                want = peer().double()
+                rec(grp, "cudnn eager", bench(peer), nb)
+                rec(grp, "cudnn graph", graph_ms(peer), nb)
+            for tile, pps in variants:
+                configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM = tile, pps
+                name = f"tile {tile} pps {pps}"
+
+                def one(name=name):
+                    fn = lambda: ss.attention(q, k, v)  # noqa: E731
+                    err = (fn().double() - want).abs().max().item()
+                    rec(grp, name + " graph", graph_ms(fn), nb, err_vs_cudnn=f"{err:.1e}")
+                guard(grp, name, one)
+            configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM = saved
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                rec(grp, "cudnn graph again", graph_ms(peer), nb)
+            rec(grp, "ss eager", bench(lambda: ss.attention(q, k, v)), nb)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+SECTIONS = {"host": sec_host, "tiles": sec_tiles}
+
+if __name__ == "__main__":
+    run_sections(SECTIONS, sys.argv)

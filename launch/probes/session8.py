@@ -8,8 +8,9 @@ SECTIONS (comma-separated, default all):
   SDPA cuDNN, a profile of the public call; and of each step of Triton's launch of the split kernel and the merge
   kernel: the whole ``kernel[grid](...)``, its argument binder, its cache key, the compiled
   kernel's own ``run`` with the bound arguments, a key built over the arguments in Python;
-- tiles: 128k and 1M keys replayed from a CUDA graph (no host time) under decode tiles and split
-  programs per SM, beside SDPA cuDNN, and the public call eager.
+- tiles: batch 1 at 128k and 1M keys, batch 4 at 128k, replayed from a CUDA graph (no host time)
+  under decode tiles, with the split forward letting the merge start early
+  (``configs.ATTN_SPLIT_TRIGGER``) or not, in two rounds, beside SDPA cuDNN; the public call eager.
 Writes OUTDIR/probe.json.
 """
 import cProfile
@@ -25,9 +26,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from session4 import ROWS, bench, guard, rec, run_sections  # the probe helpers, beside this file
 
 
-def decode_inputs(keys):
-    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(1, 8, keys, 128, device="cuda", dtype=torch.bfloat16)
+def decode_inputs(keys, batch=1):
+    q = torch.randn(batch, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(batch, 8, keys, 128, device="cuda", dtype=torch.bfloat16)
     return q, k, torch.randn_like(k)
 
 
@@ -148,32 +149,34 @@ def sec_tiles():
     from splitsoftmax.bench import graph_ms
     from splitsoftmax.kernels import configs
     key = ("decode", 2, 128)
-    saved = configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM
-    variants = [((16, 64, 4, 4), 2), ((16, 64, 4, 3), 2), ((16, 64, 4, 5), 2), ((16, 128, 4, 3), 2),
-                ((16, 64, 8, 4), 2), ((16, 32, 4, 6), 2), ((16, 64, 4, 4), 3), ((16, 64, 4, 4), 4),
-                ((16, 64, 4, 4), 1), ((16, 128, 8, 3), 2)]
-    for keys in (131072, 1048576):
-        q, k, v = decode_inputs(keys)
+    saved = configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM, configs.ATTN_SPLIT_TRIGGER
+    variants = [((16, 64, 4, 4), 2, True), ((16, 64, 4, 4), 2, False), ((16, 64, 4, 3), 2, True),
+                ((16, 64, 4, 3), 2, False), ((16, 128, 4, 3), 2, True)]
+    for batch, keys in ((1, 131072), (1, 1048576), (4, 131072)):
+        q, k, v = decode_inputs(keys, batch)
         nb = 2 * k.numel() * 2
-        grp = f"decode {keys}"
+        grp = f"decode B={batch} {keys}"
         with torch.no_grad():
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 peer = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
                 want = peer().double()
                 rec(grp, "cudnn eager", bench(peer), nb)
                 rec(grp, "cudnn graph", graph_ms(peer), nb)
-            for tile, pps in variants:
-                configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM = tile, pps
-                name = f"tile {tile} pps {pps}"
+            for rnd in (1, 2):
+                for tile, pps, trigger in variants:
+                    configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM, configs.ATTN_SPLIT_TRIGGER = (
+                        tile, pps, trigger)
+                    name = f"tile {tile} pps {pps} trigger {trigger}"
 
-                def one(name=name):
-                    fn = lambda: ss.attention(q, k, v)  # noqa: E731
-                    err = (fn().double() - want).abs().max().item()
-                    rec(grp, name + " graph", graph_ms(fn), nb, err_vs_cudnn=f"{err:.1e}")
-                guard(grp, name, one)
-            configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM = saved
+                    def one(name=name):
+                        fn = lambda: ss.attention(q, k, v)  # noqa: E731
+                        err = (fn().double() - want).abs().max().item()
+                        rec(grp, f"{name} graph r{rnd}", graph_ms(fn), nb, err_vs_cudnn=f"{err:.1e}")
+                    guard(grp, name, one)
+            configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM, configs.ATTN_SPLIT_TRIGGER = saved
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 rec(grp, "cudnn graph again", graph_ms(peer), nb)
+                rec(grp, "cudnn eager again", bench(peer), nb)
             rec(grp, "ss eager", bench(lambda: ss.attention(q, k, v)), nb)
         del q, k, v
         torch.cuda.empty_cache()

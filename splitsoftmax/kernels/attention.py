@@ -214,11 +214,16 @@ def _attn_fwd_kernel(Q, K, V, O, L,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                      PACK: tl.constexpr, ACC: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr,
-                     TMA: tl.constexpr = False, O_TMA: tl.constexpr = False, ROW2D: tl.constexpr = False):
+                     TMA: tl.constexpr = False, O_TMA: tl.constexpr = False, ROW2D: tl.constexpr = False,
+                     TRIGGER: tl.constexpr = False):
     """Grid ``(row blocks, B * NH, splits)``. ``TMA`` (not with ``PACK``; ``BLOCK_D == D``,
     ``BLOCK_DV == DV``): ``Q, K, V`` are tensor descriptors, else pointers; ``O_TMA`` (with ``TMA``,
     not ``ACC``, one split): ``O`` is one too. Descriptors are ``(B, H, S, D)``, or where ``ROW2D``
-    (contiguous heads, ``Sq % BLOCK_M == Sk % BLOCK_N == 0``) ``(B * H * S, D)`` row views."""
+    (contiguous heads, ``Sq % BLOCK_M == Sk % BLOCK_N == 0``) ``(B * H * S, D)`` row views.
+    ``TRIGGER``: let the kernel launched after this one under programmatic dependent launch (the
+    split-KV merge) start now; it waits on the GPU for this grid's results."""
+    if TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -383,7 +388,8 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     _FWD(grid, key, (*operands, lse, *strides, sq, sk, diag, p.chunk, scale * LOG2E),
          dict(D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
               PACK=p.pack, ACC=acc, POS_SCALE=scale > 0, PREC=dot_precision(q.dtype), TMA=tma is not None,
-              O_TMA=o_tma, ROW2D=row2d, num_warps=warps, num_stages=stages))
+              O_TMA=o_tma, ROW2D=row2d, TRIGGER=split_dim and configs.ATTN_SPLIT_TRIGGER and hopper(q),
+              num_warps=warps, num_stages=stages))
 
 
 def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,

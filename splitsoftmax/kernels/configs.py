@@ -68,6 +68,9 @@ MERGE_PARTS_MAX_ELEMS = 8192
 # while the kernel before it (the split-KV forward, say) finishes, and waits on the GPU for its
 # results (griddepcontrol.wait) instead of the launch waiting on the stream.
 MERGE_PDL = True
+# ... and the split-KV forward lets it start as soon as every split program is running
+# (griddepcontrol.launch_dependents), not when the last one ends.
+ATTN_SPLIT_TRIGGER = True
 # Check each launch that `kernels.launch.Launcher` takes from its cache against the kernel Triton's
 # own lookup picks (costs that lookup again; the GPU tests turn it on).
 LAUNCH_VERIFY = False

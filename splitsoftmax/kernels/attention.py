@@ -402,7 +402,8 @@ def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     if acc:
         outs[0].copy_(out)
         lses[0].copy_(lse)
-    launch_fwd(q, k, v, outs[extra:], lses[extra:], scale, causal, diag, p, split_dim=True)
+    launch_fwd(q, k, v, outs[extra:] if acc else outs, lses[extra:] if acc else lses, scale, causal, diag, p,
+               split_dim=True)
     r = b * h * sq
     direct = out.is_contiguous() and lse.is_contiguous()
     dst_o = out.view(r, dv) if direct else torch.empty((r, dv), dtype=out.dtype, device=q.device)

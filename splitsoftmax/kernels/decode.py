@@ -96,8 +96,8 @@ def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int) -> Plan:
     target = configs.ATTN_SPLIT_PROGRAMS_PER_SM * sm_count(q)
     keys = visible_keys(sq, sk, causal, diag)
     nsplit = 1
-    if programs < target:
-        nsplit = max(1, min(configs.cdiv(target, programs), keys // (bn * configs.ATTN_SPLIT_MIN_TILES)))
+    if programs < target:  # whole splits up to the target, never a second, partial wave
+        nsplit = max(1, min(target // programs, keys // (bn * configs.ATTN_SPLIT_MIN_TILES)))
     chunk = configs.cdiv(max(sk, 1), bn) * bn
     if nsplit > 1:
         chunk = configs.cdiv(configs.cdiv(keys, nsplit), bn) * bn

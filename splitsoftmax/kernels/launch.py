@@ -28,6 +28,11 @@ from ..local import interpreting
 from . import configs
 
 
+def _hooked(hook) -> bool:
+    """Whether a Triton launch hook is set: a function, or a ``HookChain`` (Triton 3.6) holding one."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def fits_int32(*values: int) -> bool:
     """Whether every value is typed ``i32`` by Triton (the rest are ``i64``/``u64``)."""
     return all(-2 ** 31 <= x < 2 ** 31 for x in values)
@@ -49,7 +54,7 @@ class Launcher:
         self.names = [p.name for p in params]
 
     def __call__(self, grid: tuple, key: Hashable, args: tuple, kwargs: dict) -> None:
-        if interpreting() or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        if interpreting() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
             self.fn[grid](*args, **kwargs)
             return
         device = driver.active.get_current_device()

@@ -11,6 +11,9 @@ SECTIONS (comma-separated, default all):
 - tiles: batch 1 at 128k and 1M keys, batch 4 at 128k, replayed from a CUDA graph (no host time)
   under decode tiles, with the split forward letting the merge start early
   (``configs.ATTN_SPLIT_TRIGGER``) or not, in two rounds, beside SDPA cuDNN; the public call eager.
+- eager: 128k keys, B=1, the public call timed eager with the launch cache, the split forward's
+  early trigger and the merge's PDL each on or off, and the host time per iteration of a
+  do_bench-like loop.
 Writes OUTDIR/probe.json.
 """
 import cProfile
@@ -199,7 +202,44 @@ def sec_tiles():
         torch.cuda.empty_cache()
 
 
-SECTIONS = {"host": sec_host, "tiles": sec_tiles}
+def sec_eager():
+    """128k keys, B=1: the public call timed eager (``do_bench``, the L2 cleared before each call)
+    with the launch cache on or off, the split forward's early trigger on or off and the merge under
+    PDL or not; and the host time per iteration of a do_bench-like loop, GPU busy."""
+    import triton
+    import splitsoftmax as ss
+    from splitsoftmax.kernels import configs, launch as L
+    from splitsoftmax.local import interpreting
+    q, k, v = decode_inputs(131072)
+    nb = 2 * k.numel() * 2
+    saved = configs.ATTN_SPLIT_TRIGGER, configs.MERGE_PDL
+    cache = triton.runtime.driver.active.get_empty_cache_for_benchmark()
+    with torch.no_grad():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            peer = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+            rec("eager", "cudnn", bench(peer), nb)
+        for cached in (True, False):
+            L.interpreting = (lambda: False) if cached else (lambda: True)
+            for trigger, pdl in ((True, True), (False, True), (False, False)):
+                configs.ATTN_SPLIT_TRIGGER, configs.MERGE_PDL = trigger, pdl
+                name = f"ss cache {cached} trigger {trigger} pdl {pdl}"
+                fn = lambda: ss.attention(q, k, v)  # noqa: E731
+                rec("eager", name, bench(fn), nb)
+                fn()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(100):
+                    cache.zero_()
+                    fn()
+                us = (time.perf_counter() - t0) * 1e4
+                torch.cuda.synchronize()
+                print(f"host per do_bench-like iteration, {name}: {us:.1f} us", flush=True)
+                ROWS.append({"group": "eager", "name": name + " loop host us", "us": us})
+        L.interpreting = interpreting
+        configs.ATTN_SPLIT_TRIGGER, configs.MERGE_PDL = saved
+
+
+SECTIONS = {"host": sec_host, "tiles": sec_tiles, "eager": sec_eager}
 
 if __name__ == "__main__":
     run_sections(SECTIONS, sys.argv)

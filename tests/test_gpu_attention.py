@@ -171,7 +171,8 @@ def test_launch_cache_serves_a_static_kv_cache(monkeypatch):
         k, v = kv[0, :, :, :sk], kv[1, :, :, :sk]
         out, lse = A.attn_fwd(query, k, v, scale, False, out_dtype=torch.bfloat16)
         ro, rl = ref_attention(query, k, v, scale, False)
-        assert err(out, ro) <= 2 * err(sdpa(query, k, v, scale, False, 0), ro) + 1e-6
+        # (SDPA's kernels fault on a misaligned query: the peer gets an aligned copy)
+        assert err(out, ro) <= 2 * err(sdpa(query.clone(), k, v, scale, False, 0), ro) + 1e-6
         assert err(lse, rl) < 1e-4
         assert len(grids) == launches, (sk, grids)
 

@@ -366,19 +366,26 @@ def _tma_operands(q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Plan, store: 
 _FWD = Launcher(_attn_fwd_kernel)
 
 
+def _split_strides(t: Tensor, h: int, sq: int) -> tuple:
+    """Strides ``(split, b, h, s, *rest)`` of partials ``t (nsplit, B * H * Sq, *rest)``."""
+    st = t.stride()
+    return (st[0], h * sq * st[1], sq * st[1], *st[1:])
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                diag: int, p: Plan, *, acc: bool = False, split_dim: bool = False) -> None:
     """Run the forward kernel into ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)`` (any strides).
 
-    ``split_dim``: both carry a leading dim of ``p.nsplit`` partials, split ``s`` covering keys
-    ``[s * p.chunk, (s + 1) * p.chunk)``. ``acc``: merge into the state already in ``out``/``lse``.
+    ``split_dim``: they are ``p.nsplit`` partials ``(nsplit, B * H * Sq, Dv)``, ``(nsplit, B * H * Sq)``
+    instead, split ``s`` covering keys ``[s * p.chunk, (s + 1) * p.chunk)``. ``acc``: merge into the
+    state already in ``out``/``lse``.
     """
     b, h, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     g = h // hkv
     bm, bn, warps, stages = p.tile
-    so = out.stride() if split_dim else (0, *out.stride())
-    sl = lse.stride() if split_dim else (0, *lse.stride())
+    so = _split_strides(out, h, sq) if split_dim else (0, *out.stride())
+    sl = _split_strides(lse, h, sq) if split_dim else (0, *lse.stride())
     grid = (configs.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
     tma = _tma_operands(q, k, v, out, p, store=not (acc or split_dim))
     operands, o_tma, row2d = (tma[:4], tma[4], tma[5]) if tma else ((q, k, v, out), False, False)
@@ -396,22 +403,22 @@ def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
                diag: int, p: Plan, acc: bool) -> None:
     """Flash-decoding: ``p.nsplit`` float32 partials (plus the running state when ``acc``), merged."""
     b, h, sq, _ = q.shape
-    dv, extra = v.shape[-1], int(acc)
-    outs = torch.empty((p.nsplit + extra, b, h, sq, dv), dtype=torch.float32, device=q.device)
-    lses = torch.empty((p.nsplit + extra, b, h, sq), dtype=torch.float32, device=q.device)
+    r, dv = b * h * sq, v.shape[-1]
+    outs = torch.empty((p.nsplit + acc, r, dv), dtype=torch.float32, device=q.device)
+    lses = torch.empty((p.nsplit + acc, r), dtype=torch.float32, device=q.device)
     if acc:
-        outs[0].copy_(out)
-        lses[0].copy_(lse)
-    launch_fwd(q, k, v, outs[extra:] if acc else outs, lses[extra:] if acc else lses, scale, causal, diag, p,
+        outs[0].view(out.shape).copy_(out)
+        lses[0].view(lse.shape).copy_(lse)
+    launch_fwd(q, k, v, outs[1:] if acc else outs, lses[1:] if acc else lses, scale, causal, diag, p,
                split_dim=True)
-    r = b * h * sq
-    direct = out.is_contiguous() and lse.is_contiguous()
-    dst_o = out.view(r, dv) if direct else torch.empty((r, dv), dtype=out.dtype, device=q.device)
-    dst_l = lse.view(r) if direct else torch.empty((r,), dtype=lse.dtype, device=q.device)
-    merge_into(outs.view(-1, r, dv), lses.view(-1, r), dst_o, dst_l)
-    if not direct:
-        out.copy_(dst_o.view(out.shape))
-        lse.copy_(dst_l.view(lse.shape))
+    if out.is_contiguous() and lse.is_contiguous():
+        merge_into(outs, lses, out, lse, rows=(dv, 1, 1))
+        return
+    dst_o, dst_l = torch.empty((r, dv), dtype=out.dtype, device=q.device), torch.empty((r,), dtype=lse.dtype,
+                                                                                       device=q.device)
+    merge_into(outs, lses, dst_o, dst_l)
+    out.copy_(dst_o.view(out.shape))
+    lse.copy_(dst_l.view(lse.shape))
 
 
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int = 0,

@@ -116,10 +116,12 @@ def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
 _MERGE_ROWS, _MERGE_PARTS = Launcher(_merge_fwd_kernel), Launcher(_merge_parts_kernel)
 
 
-def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
+def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, rows: Optional[tuple] = None) -> None:
     """Merge ``outs (N, R, Dv)``, ``lses (N, R)`` into ``out (R, Dv)`` (any float dtype), ``lse (R,)`` fp32.
 
-    All four may be strided views; ``out`` and ``lse`` are written, not read.
+    All four may be strided views. Or ``rows = (row stride, column stride, lse row stride)`` gives
+    where ``out`` and ``lse``, of any shape, hold their ``R`` rows. ``out`` and ``lse`` are written,
+    not read.
     """
     n, r, dv = outs.shape
     if r == 0:
@@ -127,7 +129,7 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor) -> None:
     block_r, block_d, warps = configs.MERGE_TILE_INTERPRET if interpreting() else configs.MERGE_TILE
     block_d = min(block_d, configs.next_pow2(max(dv, 1)))
     grid = (configs.cdiv(r, block_r), max(1, configs.cdiv(dv, block_d)))
-    strides = (*outs.stride(), *lses.stride(), *out.stride(), lse.stride(0))
+    strides = (*outs.stride(), *lses.stride(), *(rows or (*out.stride(), lse.stride(0))))
     target = configs.MERGE_PARTS_PROGRAMS_PER_SM * sm_count(outs)
     pdl = configs.MERGE_PDL and hopper(outs)
     key = (dv, strides, fits_int32(n, r), outs.dtype, lses.dtype, out.dtype, lse.dtype,

@@ -10,7 +10,9 @@ SECTIONS (comma-separated, default all):
   kernel's own ``run`` with the bound arguments, a key built over the arguments in Python;
 - tiles: batch 1 at 128k and 1M keys, batch 4 at 128k, replayed from a CUDA graph (no host time)
   under decode tiles, with the split forward letting the merge start early
-  (``configs.ATTN_SPLIT_TRIGGER``) or not, in two rounds, beside SDPA cuDNN; the public call eager.
+  (``configs.ATTN_SPLIT_TRIGGER``) or not, and short splits' stages capped
+  (``configs.ATTN_SHORT_SPLIT_STAGES``) or not, in two rounds, beside SDPA cuDNN; the public call
+  eager.
 - eager: 128k keys, B=1, the public call timed eager with the launch cache, the split forward's
   early trigger and the merge's PDL each on or off, and the host time per iteration of a
   do_bench-like loop.
@@ -126,13 +128,13 @@ def sec_host():
         L.interpreting = interpreting
         p = P.plan(q, k, v, False, 0)
         r = 32
-        outs, lses = torch.empty(p.nsplit, 1, 32, 1, 128, device="cuda"), torch.empty(p.nsplit, 1, 32, 1, device="cuda")
+        outs, lses = torch.empty(p.nsplit, r, 128, device="cuda"), torch.empty(p.nsplit, r, device="cuda")
         out, lse = torch.empty(r, 128, device="cuda", dtype=torch.bfloat16), torch.empty(r, device="cuda")
         rec_host("ops IMPLS attn_fwd", lambda: IMPLS["attn_fwd"](q, k, v, scale, False, 0))
         rec_host("_split_fwd", lambda: A._split_fwd(q, k, v, out.view(1, 32, 1, 128), lse.view(1, 32, 1), scale, False,
                                                     0, p, acc=False))
         rec_host("launch_fwd (split)", lambda: A.launch_fwd(q, k, v, outs, lses, scale, False, 0, p, split_dim=True))
-        rec_host("merge_into", lambda: M.merge_into(outs.view(-1, r, 128), lses.view(-1, r), out, lse))
+        rec_host("merge_into", lambda: M.merge_into(outs, lses, out, lse))
         rec_host("2x torch.empty", lambda: (torch.empty(33, 1, 32, 1, 128, device="cuda"),
                                             torch.empty(33, 1, 32, 1, device="cuda")))
         rec_host("outs.view", lambda: outs.view(-1, r, 128))
@@ -168,10 +170,11 @@ def sec_tiles():
     import splitsoftmax as ss
     from splitsoftmax.bench import graph_ms
     from splitsoftmax.kernels import configs
+    names = ("ATTN_SPLIT_PROGRAMS_PER_SM", "ATTN_SPLIT_TRIGGER", "ATTN_SHORT_SPLIT_STAGES")
     key = ("decode", 2, 128)
-    saved = configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM, configs.ATTN_SPLIT_TRIGGER
-    variants = [((16, 64, 4, 4), 2, True), ((16, 64, 4, 4), 2, False), ((16, 64, 4, 3), 2, True),
-                ((16, 64, 4, 3), 3, True)]
+    saved = configs.ATTN_TILES[key], [getattr(configs, n) for n in names]
+    # (decode tile, split programs per SM, early trigger, most stages of short splits)
+    variants = [((16, 64, 4, 4), 2, True, 3), ((16, 64, 4, 4), 2, True, 4), ((16, 64, 4, 4), 2, False, 3)]
     for batch, keys in ((1, 131072), (1, 1048576), (4, 131072)):
         q, k, v = decode_inputs(keys, batch)
         nb = 2 * k.numel() * 2
@@ -183,17 +186,20 @@ def sec_tiles():
                 rec(grp, "cudnn eager", bench(peer), nb)
                 rec(grp, "cudnn graph", graph_ms(peer), nb)
             for rnd in (1, 2):
-                for tile, pps, trigger in variants:
-                    configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM, configs.ATTN_SPLIT_TRIGGER = (
-                        tile, pps, trigger)
-                    name = f"tile {tile} pps {pps} trigger {trigger}"
+                for tile, *values in variants:
+                    configs.ATTN_TILES[key] = tile
+                    for n, val in zip(names, values):
+                        setattr(configs, n, val)
+                    name = f"tile {tile} pps/trigger/short stages {values}"
 
                     def one(name=name):
                         fn = lambda: ss.attention(q, k, v)  # noqa: E731
                         err = (fn().double() - want).abs().max().item()
                         rec(grp, f"{name} graph r{rnd}", graph_ms(fn), nb, err_vs_cudnn=f"{err:.1e}")
                     guard(grp, name, one)
-            configs.ATTN_TILES[key], configs.ATTN_SPLIT_PROGRAMS_PER_SM, configs.ATTN_SPLIT_TRIGGER = saved
+            configs.ATTN_TILES[key] = saved[0]
+            for n, val in zip(names, saved[1]):
+                setattr(configs, n, val)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 rec(grp, "cudnn graph again", graph_ms(peer), nb)
                 rec(grp, "cudnn eager again", bench(peer), nb)

@@ -45,6 +45,8 @@ def attn_tile(kind: str, dtype: torch.dtype, d: int, dv: int, fallback: Optional
         return ATTN_TILE_INTERPRET
     size = 2 if dtype.itemsize <= 2 else 4
     want = pad_dim(max(d, dv))
+    if (kind, size, want) in ATTN_TILES:
+        return ATTN_TILES[(kind, size, want)]
     dims = sorted(hd for (kd, sz, hd) in ATTN_TILES if kd == kind and sz == size and hd >= want)
     if dims:
         return ATTN_TILES[(kind, size, dims[0])]
@@ -102,4 +104,6 @@ def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int) -> Plan:
     if nsplit > 1:
         chunk = configs.cdiv(configs.cdiv(keys, nsplit), bn) * bn
         nsplit = configs.cdiv(keys, chunk)
+        if pack and chunk // bn <= configs.ATTN_SHORT_SPLIT_TILES:
+            tile = (bm, bn, warps, min(stages, configs.ATTN_SHORT_SPLIT_STAGES))
     return Plan(tile, pack, nsplit, chunk)

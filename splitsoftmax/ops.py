@@ -62,8 +62,9 @@ def call(name: str, *args):
 
 
 def _out(t: Tensor, dtype: torch.dtype) -> Tensor:
-    """``t`` as a contiguous tensor of ``dtype`` (no copy when it already is one)."""
-    return t.to(dtype).contiguous()
+    """``t`` as a contiguous tensor of ``dtype`` (no copy when it already is one; nor a call of
+    ``Tensor.to``, whose argument parsing alone costs a microsecond or more per output)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
 
 
 @_op("softmax_fwd")

@@ -55,6 +55,23 @@ def guard(group, name, f):
         ROWS.append({"group": group, "name": name, "error": f"{type(e).__name__}: {str(e)[:500]}"})
 
 
+def rec_profile(group, name, fn, n=300, rows=30):
+    """Record and print a cProfile (by own time) of ``n`` calls of ``fn``."""
+    import cProfile
+    import io
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
+    print(text.getvalue(), flush=True)
+    ROWS.append({"group": group, "name": name, "text": text.getvalue()})
+
+
 def causal_case(S):
     """The bench's prefill inputs at sequence length ``S`` (B*S = 32k tokens, H=16, D=128, bf16) and
     the causal forward's FLOPs."""

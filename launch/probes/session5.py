@@ -14,10 +14,7 @@ SECTIONS (comma-separated, default all):
   guard), beside SDPA flash.
 Writes OUTDIR/probe.json.
 """
-import cProfile
 import importlib
-import io
-import pstats
 import sys
 import time
 
@@ -25,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from session4 import ROWS, bench, guard, rec, run_sections  # the probe helpers, beside this file
+from session4 import ROWS, bench, guard, rec, rec_profile, run_sections  # the probe helpers, beside this file
 from splitsoftmax.bench import graph_ms
 
 
@@ -76,16 +73,7 @@ def sec_host():
             print(f"host {name:34s} {us:7.1f} us per call", flush=True)
             ROWS.append({"group": "host", "name": name, "us": us})
     with torch.no_grad():
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
-            ss.attention(q, k, v)
-        prof.disable()
-        torch.cuda.synchronize()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
-    print(s.getvalue())
-    ROWS.append({"group": "host", "name": "cprofile", "text": s.getvalue()})
+        rec_profile("host", "cprofile", lambda: ss.attention(q, k, v))
 
 
 def sec_decode():

@@ -18,9 +18,6 @@ SECTIONS (comma-separated, default all):
   do_bench-like loop.
 Writes OUTDIR/probe.json.
 """
-import cProfile
-import io
-import pstats
 import sys
 import time
 
@@ -28,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from session4 import ROWS, bench, guard, rec, run_sections  # the probe helpers, beside this file
+from session4 import ROWS, bench, guard, rec, rec_profile, run_sections  # the probe helpers, beside this file
 
 
 def decode_inputs(keys, batch=1):
@@ -140,16 +137,7 @@ def sec_host():
         rec_host("outs.view", lambda: outs.view(-1, r, 128))
         rec_host("3x stride()", lambda: (q.stride(), k.stride(), v.stride()))
         rec_host("5x data_ptr", lambda: (q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr()))
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(300):
-            ss.attention(q, k, v)
-        prof.disable()
-        torch.cuda.synchronize()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
-        print(text.getvalue(), flush=True)
-        ROWS.append({"group": "host", "name": "cprofile ss.attention", "text": text.getvalue()})
+        rec_profile("host", "cprofile ss.attention", lambda: ss.attention(q, k, v), rows=25)
         rec_host("plan", lambda: P.plan(q, k, v, False, 0))
         rec_host("checks", lambda: _checks.attention_args(q, k, v, None, False))
         rec_host("4x torch.empty", lambda: (torch.empty(33, 1, 32, 1, 128, device="cuda"),

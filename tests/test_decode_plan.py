@@ -1,0 +1,61 @@
+"""CPU lane: the split-KV plan (``kernels.decode.plan``) on an H200's 132 SMs, from shapes alone.
+
+Invariants: the splits cover exactly the visible keys in whole tiles; they fill at most one wave
+of ``ATTN_SPLIT_PROGRAMS_PER_SM`` programs per SM (a partial second wave ran batch-4 decode at 0.8x
+cuDNN, BENCHMARKS.md, session 8); short splits pipeline fewer stages.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitsoftmax.kernels import configs, decode
+
+SMS = 132
+
+
+@pytest.fixture(autouse=True)
+def h200(monkeypatch):
+    monkeypatch.setattr(decode, "sm_count", lambda t: SMS)
+
+
+def _plan(b, h, hkv, sq, sk, causal=False, diag=0, dtype=torch.bfloat16):
+    q = torch.empty(b, h, sq, 128, dtype=dtype, device="meta")
+    k = torch.empty(b, hkv, sk, 128, dtype=dtype, device="meta")
+    return decode.plan(q, k, k, causal, diag)
+
+
+CASES = [(b, 32, 8, 1, sk) for b in (1, 2, 3, 4, 5, 7, 16, 40) for sk in (1000, 5000, 40000, 131072, 1 << 20)]
+CASES += [(1, 8, 8, 1, 131072), (2, 32, 32, 4, 65536), (1, 16, 2, 16, 300000), (1, 16, 16, 64, 200000)]
+
+
+@pytest.mark.parametrize("b,h,hkv,sq,sk", CASES)
+def test_splits_cover_the_keys_in_at_most_one_wave(b, h, hkv, sq, sk):
+    p = _plan(b, h, hkv, sq, sk)
+    bm, bn = p.tile[:2]
+    rows = (h // hkv) * sq if p.pack else sq
+    programs = -(-rows // bm) * b * (hkv if p.pack else h)
+    assert p.chunk % bn == 0
+    assert (p.nsplit - 1) * p.chunk < sk <= p.nsplit * p.chunk
+    if p.nsplit > 1:
+        assert programs * p.nsplit <= configs.ATTN_SPLIT_PROGRAMS_PER_SM * SMS
+        assert p.chunk >= bn * configs.ATTN_SPLIT_MIN_TILES
+
+
+def test_causal_splits_cover_only_the_visible_keys():
+    p = _plan(1, 32, 8, 1, 131072, causal=True, diag=50000)
+    assert (p.nsplit - 1) * p.chunk < 50001 <= p.nsplit * p.chunk
+
+
+@pytest.mark.parametrize("sk,short", [(131072, True), (1 << 20, False)])
+def test_short_splits_pipeline_fewer_stages(sk, short):
+    """128k keys over 33 splits is 63 tiles each; 1M keys, 504."""
+    p = _plan(1, 32, 8, 1, sk)
+    assert p.nsplit == 33
+    stages = configs.ATTN_TILES[("decode", 2, 128)][3]
+    assert p.tile[3] == (min(stages, configs.ATTN_SHORT_SPLIT_STAGES) if short else stages)
+
+
+def test_batch_four_fills_one_wave():
+    """32 (batch, kv head) programs: 8 splits (256 programs), not 9 (288 on 264 slots)."""
+    assert _plan(4, 32, 8, 1, 131072).nsplit == 8

@@ -414,8 +414,8 @@ def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     if out.is_contiguous() and lse.is_contiguous():
         merge_into(outs, lses, out, lse, rows=(dv, 1, 1))
         return
-    dst_o, dst_l = torch.empty((r, dv), dtype=out.dtype, device=q.device), torch.empty((r,), dtype=lse.dtype,
-                                                                                       device=q.device)
+    dst_o = torch.empty((r, dv), dtype=out.dtype, device=q.device)
+    dst_l = torch.empty((r,), dtype=lse.dtype, device=q.device)
     merge_into(outs, lses, dst_o, dst_l)
     out.copy_(dst_o.view(out.shape))
     lse.copy_(dst_l.view(lse.shape))

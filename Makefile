@@ -13,7 +13,6 @@ venv: .venv/.done
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q "triton==3.6.0"
 	$(PY) -m pip install -q -e ".[test,mpi,bench,hf]"
 	touch $@
 

@@ -1,0 +1,50 @@
+"""Which keys a query row sees, as the local attention ops take it.
+
+The public keywords of CONTRACT.md's "Attention variants" (``cu_seqlens``, ``window_size``,
+``kv_range``, ``q_offset``) all reduce to one rule per query row: row ``i`` of batch element ``b``
+sees key ``j`` (both in the coordinates of the local op's own ``q`` and ``k``) iff
+
+    max(row_lo[i], kv_lo[b], i + off[b] + lo)  <=  j  <=  min(row_hi[i] - 1, kv_hi[b] - 1, i + off[b] + diag)
+
+where each term is present only when given: ``lo`` is ``Mask.lo`` (``None``: unbounded below),
+``diag`` is the local op's ``diag`` argument when ``causal`` is set (unbounded above otherwise),
+``off`` is ``Mask.q_offset`` (0 when absent), ``kv_lo/kv_hi`` come from ``Mask.kv_range`` and
+``row_lo/row_hi`` from ``Mask.rows`` (packed documents). So every row's visible keys are one
+contiguous interval, and a tile of rows has a key range to loop over (the union of its rows'
+intervals) and an interior (their intersection) that needs no mask.
+
+``softcap`` (0: none) maps scores ``s -> c * tanh(s / c)`` after the scale and before masking.
+Sinks are not here: they are one more partial state, merged once per row by the caller.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from torch import Tensor
+
+
+class Mask(NamedTuple):
+    """The variant part of a local attention op's visibility (the band's upper edge stays the ops'
+    ``causal, diag`` arguments). Tensors live on ``q``'s device and are read there (no host sync).
+
+    lo:       key ``j >= i + off + lo`` (a window's left edge), ``None``: unbounded.
+    softcap:  ``c > 0`` caps the scaled scores as ``c * tanh(s / c)``; ``0.0``: no cap.
+    kv_range: ``(B, 2)`` int32, element ``b`` sees ``kv_range[b, 0] <= j < kv_range[b, 1]``.
+    q_offset: ``(B,)`` int32, added to the row index ``i`` in both band edges (``lo`` and ``diag``).
+    rows:     ``(2, Sq)`` int32, row ``i`` sees ``rows[0, i] <= j < rows[1, i]`` (documents), shared
+              by every batch element and head.
+    """
+
+    lo: Optional[int] = None
+    softcap: float = 0.0
+    kv_range: Optional[Tensor] = None
+    q_offset: Optional[Tensor] = None
+    rows: Optional[Tensor] = None
+
+    def plain(self) -> bool:
+        """Whether this is the default (today's full / causal visibility)."""
+        return (self.lo is None and self.softcap == 0.0 and self.kv_range is None and self.q_offset is None
+                and self.rows is None)
+
+
+NO_MASK = Mask()

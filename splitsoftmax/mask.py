@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
+import torch
 from torch import Tensor
 
 
@@ -48,3 +49,26 @@ class Mask(NamedTuple):
 
 
 NO_MASK = Mask()
+
+
+def visible(mask: Mask, causal: bool, diag: int, b: int, sq: int, sk: int, device=None) -> Tensor:
+    """The rule above as a dense boolean ``(B, Sq, Sk)`` tensor: ``[b, i, j]`` is whether row ``i`` of
+    element ``b`` sees key ``j``. The definition the kernels, the CPU path and the oracles agree on
+    (small sizes: tests and references)."""
+    i = torch.arange(sq, device=device).view(1, sq, 1)
+    j = torch.arange(sk, device=device).view(1, 1, sk)
+    off = torch.zeros(b, 1, 1, dtype=torch.long, device=device)
+    if mask.q_offset is not None:
+        off = mask.q_offset.to(device=device, dtype=torch.long).view(b, 1, 1)
+    ok = torch.ones(b, sq, sk, dtype=torch.bool, device=device)
+    if causal:
+        ok &= j <= i + off + diag
+    if mask.lo is not None:
+        ok &= j >= i + off + mask.lo
+    if mask.kv_range is not None:
+        kv = mask.kv_range.to(device=device, dtype=torch.long)
+        ok &= (j >= kv[:, 0].view(b, 1, 1)) & (j < kv[:, 1].view(b, 1, 1))
+    if mask.rows is not None:
+        rows = mask.rows.to(device=device, dtype=torch.long)
+        ok &= (j >= rows[0].view(1, sq, 1)) & (j < rows[1].view(1, sq, 1))
+    return ok

@@ -23,6 +23,8 @@ from .cpu import merge_ce_stats
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
 from .configs import CE_BWD_TILE, CE_FWD_TILE, CE_INTERPRET_SMS, CE_PROGRAMS_PER_SM, CE_TILE_INTERPRET
+from .decode import sm_count
+from .launch import Launcher
 from .softmax import _stats
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -80,9 +82,12 @@ def _ce_bwd_kernel(X, T, LSE, COEF, DX, V, col0, span, s_xn, s_dn, smooth_v, one
     tl.store(drow + cols, g.to(DX.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
-def _splits(n: int, v: int, block_v: int, device: torch.device) -> tuple[int, int]:
+_CE_FWD, _CE_BWD = Launcher(_ce_fwd_kernel), Launcher(_ce_bwd_kernel)
+
+
+def _splits(n: int, v: int, block_v: int, like: Tensor) -> tuple[int, int]:
     """``(splits, span)``: programs per row and the columns each covers (a multiple of ``block_v``)."""
-    sms = CE_INTERPRET_SMS if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+    sms = CE_INTERPRET_SMS if interpreting() else sm_count(like)
     want = configs.cdiv(CE_PROGRAMS_PER_SM * sms, max(n, 1))
     splits = max(1, min(want, configs.cdiv(max(v, 1), block_v)))
     span = configs.cdiv(configs.cdiv(max(v, 1), splits), block_v) * block_v
@@ -98,12 +103,12 @@ def ce_stats(logits: Tensor, target: Tensor, col0: int = 0, with_sum: bool = Tru
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     block_v, warps, stages = CE_TILE_INTERPRET if interpreting() else CE_FWD_TILE
-    splits, span = _splits(n, v, block_v, logits.device)
+    splits, span = _splits(n, v, block_v, logits)
     parts = torch.empty((splits, n, 4), dtype=torch.float32, device=logits.device)
     if n:
-        _ce_fwd_kernel[(n, splits)](logits, target.contiguous(), parts, v, col0, span, logits.stride(0),
-                                    parts.stride(0), parts.stride(1), BLOCK_V=block_v, STAGES=stages,
-                                    SUM=with_sum, num_warps=warps)
+        _CE_FWD.auto((n, splits), (logits, target.contiguous(), parts, v, col0, span, logits.stride(0),
+                                   parts.stride(0), parts.stride(1)),
+                     BLOCK_V=block_v, STAGES=stages, SUM=with_sum, num_warps=warps)
     return parts[0] if splits == 1 else merge_ce_stats(parts)
 
 
@@ -114,11 +119,11 @@ def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int,
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     block_v, warps, stages = CE_TILE_INTERPRET if interpreting() else CE_BWD_TILE
-    splits, span = _splits(n, v, block_v, logits.device)
+    splits, span = _splits(n, v, block_v, logits)
     dx = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
     if n and v:
-        _ce_bwd_kernel[(n, splits)](logits, target.contiguous(), lse.float().contiguous(),
-                                    coef.float().contiguous(), dx, v, col0, span, logits.stride(0), dx.stride(0),
-                                    smoothing / vocab, 1.0 - smoothing, BLOCK_V=block_v, num_warps=warps,
-                                    num_stages=stages)
+        _CE_BWD.auto((n, splits), (logits, target.contiguous(), lse.float().contiguous(), coef.float().contiguous(),
+                                   dx, v, col0, span, logits.stride(0), dx.stride(0), smoothing / vocab,
+                                   1.0 - smoothing),
+                     BLOCK_V=block_v, num_warps=warps, num_stages=stages)
     return dx

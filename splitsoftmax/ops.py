@@ -202,24 +202,11 @@ def _merge_fwd_fake(outs, lses):
     return outs.new_empty(outs.shape[1:], dtype=dt), outs.new_empty(lses.shape[1:], dtype=dt)
 
 
-def row_losses(stats: Tensor, target: Tensor, ignore_index: int, smoothing: float, vocab: int):
-    """Per-row losses from the merged statistics ``stats (N, 4) = (m, l, x_t, sum x)``.
-
-    ``loss = lse - (1 - eps) x_t - eps/V sum_j x_j`` (torch's label smoothing, over the global ``V``);
-    0 where ``target == ignore_index``. Returns ``(loss (N,), lse (N,))`` in the statistics' dtype.
-    """
-    lse = state.lse_of(state.State(stats[:, 0], stats[:, 1]))
-    loss = lse - (1.0 - smoothing) * stats[:, 2]
-    if smoothing:
-        loss = loss - (smoothing / vocab) * stats[:, 3]
-    return torch.where(target == ignore_index, 0.0, loss), lse
-
-
 @_op("ce_fwd")
 def ce_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
     """Cross-entropy of each row of ``logits (N, V)``: ``(loss (N,), lse (N,))``, statistics dtype."""
     stats = op("ce_stats", logits)(logits, target, 0, label_smoothing > 0).to(stat_dtype(logits.dtype))
-    loss, lse = row_losses(stats, target, ignore_index, label_smoothing, logits.shape[1])
+    loss, lse = op("ce_rows", logits)(stats[None], target, ignore_index, label_smoothing, logits.shape[1])
     return loss.contiguous(), lse.contiguous()
 
 

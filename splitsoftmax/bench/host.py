@@ -133,35 +133,20 @@ def run_rows(profile: bool) -> list:
     return rows
 
 
-def _kernel_cache_sizes() -> dict:
-    """Compiled variants held by each Triton kernel of the package (name -> count)."""
-    import importlib
-    import pkgutil
-
-    import splitsoftmax.kernels as pkg
-    from triton.runtime.jit import JITFunction
-    sizes = {}
-    for info in pkgutil.iter_modules(pkg.__path__):
-        mod = importlib.import_module(f"splitsoftmax.kernels.{info.name}")
-        for name, fn in vars(mod).items():
-            if isinstance(fn, JITFunction):
-                sizes[f"{info.name}.{name}"] = sum(len(c[0]) for c in fn.device_caches.values())
-    return sizes
-
-
 def run_compiles(lengths=(1001, 1024, 1100, 2049, 3000)) -> list:
     """Per new length: seconds of the first causal forward+backward and the kernels it compiled."""
     import splitsoftmax as ss
+    from ..warmup import compiled_variants
     rows = []
     for s in lengths:
         q, k, v = (torch.randn(1, 16, s, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                    for _ in range(3))
-        before = _kernel_cache_sizes()
+        before = compiled_variants()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         ss.attention(q, k, v, causal=True).sum().backward()
         torch.cuda.synchronize()
-        after = _kernel_cache_sizes()
+        after = compiled_variants()
         grew = {n: after[n] - before.get(n, 0) for n in after if after[n] != before.get(n, 0)}
         rows.append({"S": s, "seconds": time.perf_counter() - t0, "compiled": grew})
     return rows

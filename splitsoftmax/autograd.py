@@ -14,9 +14,20 @@ from torch import Tensor
 from . import state
 
 
-def _ops():
-    """The ``torch.ops.splitsoftmax`` namespace (populated by importing ``splitsoftmax.ops``)."""
-    return torch.ops.splitsoftmax
+class _Ops:
+    """``_ops().<name>(*args)``: the backward op ``torch.ops.splitsoftmax.<name>`` through
+    ``splitsoftmax.ops.call`` (its implementation directly where nothing needs the dispatcher)."""
+
+    def __getattr__(self, name: str):
+        from .ops import call  # (ops imports this module)
+        return lambda *args: call(name, *args)
+
+
+_OPS = _Ops()
+
+
+def _ops() -> _Ops:
+    return _OPS
 
 
 def setup_softmax(ctx, inputs, output) -> None:

@@ -1,4 +1,4 @@
-"""``python -m splitsoftmax <trace|verify|bench|env>`` (also the ``splitsoftmax`` script)."""
+"""``python -m splitsoftmax <trace|verify|bench|env|warmup>`` (also the ``splitsoftmax`` script)."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-BENCHES = ("softmax", "attention", "ring", "cross_entropy")
+BENCHES = ("softmax", "attention", "ring", "cross_entropy", "host")
 
 
 def _env() -> int:
@@ -28,6 +28,11 @@ def _bench(args: Sequence[str]) -> int:
     return module.main(list(args[1:]))
 
 
+def _warmup(args: Sequence[str]) -> int:
+    from .warmup import main
+    return main(list(args))
+
+
 def _verify(args: Sequence[str]) -> int:
     from .verify import main
     return main(list(args))
@@ -35,7 +40,7 @@ def _verify(args: Sequence[str]) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="splitsoftmax", description=__doc__)
-    parser.add_argument("command", choices=("trace", "verify", "bench", "env"))
+    parser.add_argument("command", choices=("trace", "verify", "bench", "env", "warmup"))
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the command (see <command> --help)")
     ns = parser.parse_args(argv)
     if ns.command == "trace":
@@ -44,4 +49,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _env()
     if ns.command == "bench":
         return _bench(ns.args)
+    if ns.command == "warmup":
+        return _warmup(ns.args)
     return _verify(ns.args)

@@ -26,6 +26,7 @@ _TRITON_MODULE = {
     "attn_bwd_prep": "attn_prep",
     "merge_out_lse": "merge",
     "ce_stats": "cross_entropy",
+    "ce_rows": "cross_entropy",
     "ce_bwd": "cross_entropy",
 }
 

@@ -52,6 +52,28 @@ def test_stats_match_torch_path(n, v, col0, with_sum):
     assert tce._splits(3, 97, 16, logits.device)[0] > 1  # the split path ran
 
 
+@pytest.mark.parametrize("parts,n,smoothing", [(1, 1, 0.0), (1, 37, 0.1), (3, 5, 0.0), (5, 130, 0.2)])
+def test_rows_kernel_merges_slices_into_losses(parts, n, smoothing):
+    """``ce_rows``: the statistics of ``parts`` slices (ranks) merged into each row's loss and lse,
+    as the torch path does in float64; an empty slice (``m = -inf, l = 0``), an all-empty row, a
+    NaN row and ignored rows included."""
+    g = torch.Generator().manual_seed(parts * 100 + n)
+    stats = torch.randn(parts, n, 4, generator=g, dtype=torch.float64) * 3
+    stats[..., 1] = stats[..., 1].abs() + 0.1
+    stats[0, : n // 2, 0], stats[0, : n // 2, 1] = NEG_INF, 0.0
+    if n > 2:
+        stats[:, 1, 0], stats[:, 1, 1] = NEG_INF, 0.0  # no class visible anywhere: lse -inf
+        stats[-1, 2, 1] = float("nan")
+    target = torch.randint(0, 50, (n,), generator=g)
+    target[::4] = -100
+    loss, lse = tce.ce_rows(stats.float(), target, -100, smoothing, 50)
+    want_loss, want_lse = cpu.ce_rows(stats, target, -100, smoothing, 50)
+    assert loss.dtype == lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(loss.double(), want_loss, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert torch.equal(loss[target == -100], torch.zeros(int((target == -100).sum())))
+
+
 @pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("none", 0.1), ("sum", 0.3)])
 def test_cross_entropy_matches_torch(reduction, smoothing):
     logits, target = make(6, 75, torch.float32, seed=3)

@@ -117,3 +117,27 @@ def test_fits_int32():
     assert launch.fits_int32(0, -2 ** 31, 2 ** 31 - 1)
     assert not launch.fits_int32(5, 2 ** 31)
     assert not launch.fits_int32(-2 ** 31 - 1)
+
+
+def test_auto_key_fixes_every_specialisation():
+    """``auto_key``: integers by value, tensors by dtype and 16-byte alignment, floats by type; so
+    two calls share a compiled kernel only where Triton would specialise them alike."""
+    import torch
+    buf = torch.zeros(64)
+    base = launch.auto_key((buf, 16, 0.5, None))
+    assert launch.auto_key((torch.ones(64), 16, 2.5, None)) == base  # another aligned tensor, another float
+    assert launch.auto_key((buf[1:], 16, 0.5, None)) != base  # 4 bytes off a 16-byte boundary
+    assert launch.auto_key((buf.double(), 16, 0.5, None)) != base
+    assert launch.auto_key((buf, 17, 0.5, None)) != base
+    assert launch.auto_key((buf, 16, 1, None)) != base  # an int where a float was
+
+
+def test_auto_launch_caches_by_auto_key(jit):
+    """``Launcher.auto`` launches through the cache under ``auto_key(args)``."""
+    import torch
+    cached = launch.Launcher(jit)
+    x = torch.zeros(8)
+    cached.auto((2,), (x, 3, 4), BLOCK=16)
+    cached.auto((2,), (x, 3, 4), BLOCK=16)
+    cached.auto((2,), (x, 5, 4), BLOCK=16)
+    assert [e[0] for e in jit.log] == ["jit", "run", "jit"]

@@ -213,6 +213,18 @@ def merge_ce_stats(parts: Tensor) -> Tensor:
     return torch.stack((s.m, s.l, parts[..., 2].sum(0), parts[..., 3].sum(0)), dim=-1)
 
 
+def ce_rows(stats: Tensor, target: Tensor, ignore_index: int, smoothing: float, vocab: int) -> tuple[Tensor, Tensor]:
+    """Per-row ``(loss (N,), lse (N,))`` from the statistics ``stats (P, N, 4)`` of ``P`` slices of the
+    vocabulary (merged by :func:`merge_ce_stats`): ``loss = lse - (1 - eps) x_t - eps/V sum_j x_j``
+    (torch's label smoothing over the global ``V = vocab``), 0 where ``target == ignore_index``."""
+    merged = merge_ce_stats(stats)
+    lse = lse_of(State(merged[:, 0], merged[:, 1]))
+    loss = lse - (1.0 - smoothing) * merged[:, 2]
+    if smoothing:
+        loss = loss - (smoothing / vocab) * merged[:, 3]
+    return torch.where(target == ignore_index, 0.0, loss), lse
+
+
 def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int, smoothing: float,
            vocab: int) -> Tensor:
     """``dlogits (N, V)`` in ``logits.dtype``: ``coef * (softmax - (1-eps) onehot(target) - eps/vocab)``.

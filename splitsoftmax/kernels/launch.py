@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 from typing import Hashable
 
+from torch import Tensor
 from triton import knobs
 from triton.runtime.driver import driver
 
@@ -38,6 +39,14 @@ def fits_int32(*values: int) -> bool:
     return all(-2 ** 31 <= x < 2 ** 31 for x in values)
 
 
+def auto_key(args: tuple) -> tuple:
+    """A key for :class:`Launcher` that fixes every specialisation of ``args``, for kernels called
+    with few distinct integer values (sizes of a model's layers): integers by value, tensors by
+    dtype and 16-byte alignment, anything else (floats, ``None``) by type."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor)
+                 else a if isinstance(a, int) else type(a) for a in args)
+
+
 class Launcher:
     """``fn[grid](*args, **kwargs)`` through a cache of compiled kernels keyed by the caller.
 
@@ -52,6 +61,10 @@ class Launcher:
         params = inspect.signature(fn.fn).parameters.values()
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self.names = [p.name for p in params]
+
+    def auto(self, grid: tuple, args: tuple, **kwargs) -> None:
+        """Launch with :func:`auto_key` of ``args`` (``kwargs``: constexprs and launch options)."""
+        self(grid, auto_key(args), args, kwargs)
 
     def __call__(self, grid: tuple, key: Hashable, args: tuple, kwargs: dict) -> None:
         if interpreting() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
+from .launch import Launcher
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -406,6 +407,15 @@ def _softmax_bwd_kernel(y_ptr, dy_ptr, dx_ptr, lse_ptr, rs_ptr, R, N, stride_y, 
             tl.store(xb + c[None, :], _dx(y, dy, s, empty, LOG).to(dx_ptr.dtype.element_ty), mask=mask)
 
 
+_L_lse_fwd = Launcher(_lse_fwd_kernel)
+_L_lse_merge_fwd = Launcher(_lse_merge_fwd_kernel)
+_L_normalize_fwd = Launcher(_normalize_fwd_kernel)
+_L_rowsum_bwd = Launcher(_rowsum_bwd_kernel)
+_L_softmax_bwd = Launcher(_softmax_bwd_kernel)
+_L_softmax_coop = Launcher(_softmax_coop_kernel)
+_L_softmax_fwd = Launcher(_softmax_fwd_kernel)
+
+
 @lru_cache(maxsize=None)
 def _device_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -436,9 +446,8 @@ def _partials(x: Tensor, p: configs.SoftmaxPlan) -> tuple[Tensor, Tensor]:
     """Partial states ``(m, l)``, each ``(R, S)`` float32, of the ``S`` chunks of each row."""
     pm = torch.empty((x.shape[0], p.splits), dtype=torch.float32, device=x.device)
     pl = torch.empty_like(pm)
-    _lse_fwd_kernel[_grid(x, p)](x, pm, pm, pl, x.shape[0], x.shape[1], x.stride(0), p.chunk,
-                                 BLOCK_R=p.block_r, BLOCK_N=p.block_n, PARTIAL=True, STAGES=p.stages,
-                                 num_warps=p.num_warps)
+    _L_lse_fwd.auto(_grid(x, p), (x, pm, pm, pl, x.shape[0], x.shape[1], x.stride(0), p.chunk),
+                    BLOCK_R=p.block_r, BLOCK_N=p.block_n, PARTIAL=True, STAGES=p.stages, num_warps=p.num_warps)
     return pm, pl
 
 
@@ -451,13 +460,13 @@ def lse_rows(x: Tensor) -> Tensor:
         return lse.fill_(float("-inf"))
     p = _plan(x, stats_only=True)
     if p.splits == 1:
-        _lse_fwd_kernel[_grid(x, p)](x, lse, lse, lse, R, N, x.stride(0), p.chunk, BLOCK_R=p.block_r,
-                                     BLOCK_N=p.block_n, PARTIAL=False, STAGES=p.stages, num_warps=p.num_warps)
+        _L_lse_fwd.auto(_grid(x, p), (x, lse, lse, lse, R, N, x.stride(0), p.chunk), BLOCK_R=p.block_r,
+                        BLOCK_N=p.block_n, PARTIAL=False, STAGES=p.stages, num_warps=p.num_warps)
         return lse
     pm, pl = _partials(x, p)
     bs = configs.next_pow2(p.splits)
     br = max(1, min(configs.next_pow2(R), 4096 // bs))
-    _lse_merge_fwd_kernel[(configs.cdiv(R, br),)](pm, pl, lse, R, p.splits, BLOCK_R=br, BLOCK_S=bs)
+    _L_lse_merge_fwd.auto((configs.cdiv(R, br),), (pm, pl, lse, R, p.splits), BLOCK_R=br, BLOCK_S=bs)
     return lse
 
 
@@ -468,8 +477,8 @@ def _normalize(x: Tensor, lse: Optional[Tensor], g: Optional[Tensor], log: bool,
     y = torch.empty((R, N), dtype=x.dtype, device=x.device)
     p = p or _plan(x, stats_only=True)
     pm, pl = partials if partials is not None else (y, y)
-    _normalize_fwd_kernel[_grid(x, p)](
-        x, y, lse, g if g is not None else y, pm, pl, R, N, x.stride(0), y.stride(0), p.chunk, p.splits,
+    _L_normalize_fwd.auto(
+        _grid(x, p), (x, y, lse, g if g is not None else y, pm, pl, R, N, x.stride(0), y.stride(0), p.chunk, p.splits),
         LOG=log, HAS_G=g is not None, MERGE=partials is not None, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
         BLOCK_S=configs.next_pow2(p.splits) if partials is not None else 1, num_warps=p.num_warps)
     return y
@@ -497,9 +506,8 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     if p.path == "coop":
         _coop(x, y, lse, log, p)
         return y, lse
-    _softmax_fwd_kernel[_grid(x, p)](x, y, lse, R, N, x.stride(0), y.stride(0), LOG=log, BLOCK_R=p.block_r,
-                                     BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass", STAGES=p.stages,
-                                     num_warps=p.num_warps)
+    _L_softmax_fwd.auto(_grid(x, p), (x, y, lse, R, N, x.stride(0), y.stride(0)), LOG=log, BLOCK_R=p.block_r,
+                        BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass", STAGES=p.stages, num_warps=p.num_warps)
     return y, lse
 
 
@@ -510,9 +518,9 @@ def _coop(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) 
     # under the interpreter programs run one after another: a sibling never arrives while one waits
     spin = configs.SOFTMAX.coop_spin if x.is_cuda else min(configs.SOFTMAX.coop_spin, 2)
     groups = max(1, min(R, p.resident // p.splits))
-    _softmax_coop_kernel[(groups * p.splits,)](
-        x, y, lse, states, R, N, p.splits, x.stride(0), y.stride(0), spin, LOG=log, BLOCK_N=p.block_n,
-        BLOCK_C=configs.next_pow2(p.splits), LOOP_N=_plan(x, stats_only=True).block_n, num_warps=p.num_warps)
+    _L_softmax_coop.auto((groups * p.splits,), (x, y, lse, states, R, N, p.splits, x.stride(0), y.stride(0), spin),
+                         LOG=log, BLOCK_N=p.block_n, BLOCK_C=configs.next_pow2(p.splits),
+                         LOOP_N=_plan(x, stats_only=True).block_n, num_warps=p.num_warps)
 
 
 def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:
@@ -523,8 +531,8 @@ def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:
         return torch.zeros(R, dtype=torch.float32, device=y.device)
     p = _plan(y, stats_only=True)
     out = torch.empty((R, p.splits), dtype=torch.float32, device=y.device)
-    _rowsum_bwd_kernel[_grid(y, p)](y, dy, out, R, N, y.stride(0), dy.stride(0), p.chunk, LOG=log,
-                                    BLOCK_R=p.block_r, BLOCK_N=p.block_n, num_warps=p.num_warps)
+    _L_rowsum_bwd.auto(_grid(y, p), (y, dy, out, R, N, y.stride(0), dy.stride(0), p.chunk), LOG=log,
+                       BLOCK_R=p.block_r, BLOCK_N=p.block_n, num_warps=p.num_warps)
     return out[:, 0] if p.splits == 1 else out.sum(1)
 
 
@@ -542,9 +550,9 @@ def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool, rowsum: Optional[
         p = _plan(y, stats_only=True)
         rowsum = softmax_rowsum(y, dy, log) if rowsum is None else rowsum
     rs = lse if fused else rowsum.contiguous()
-    _softmax_bwd_kernel[_grid(y, p)](y, dy, dx, lse.contiguous(), rs, R, N, y.stride(0), dy.stride(0),
-                                     dx.stride(0), p.chunk, LOG=log, FUSED_SUM=fused, BLOCK_R=p.block_r,
-                                     BLOCK_N=p.block_n, num_warps=p.num_warps)
+    _L_softmax_bwd.auto(_grid(y, p), (y, dy, dx, lse.contiguous(), rs, R, N, y.stride(0), dy.stride(0),
+                                      dx.stride(0), p.chunk),
+                        LOG=log, FUSED_SUM=fused, BLOCK_R=p.block_r, BLOCK_N=p.block_n, num_warps=p.num_warps)
     return dx
 
 

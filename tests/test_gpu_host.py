@@ -1,0 +1,128 @@
+"""GPU lane: no host synchronisation in any public op, CUDA graph capture and replay equal to eager,
+``torch.compile(mode="reduce-overhead")`` over ``ss.attention``, and no compile at a new length of
+an already compiled bucket (``splitsoftmax.warmup``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import splitsoftmax as ss
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+DEV = "cuda"
+
+
+def _leaf(*shape, dtype=torch.bfloat16):
+    return torch.randn(*shape, device=DEV, dtype=dtype, requires_grad=True)
+
+
+def _attention(causal):
+    q, k, v = _leaf(1, 8, 300, 64), _leaf(1, 2, 300, 64), _leaf(1, 2, 300, 64)
+    return (q, k, v), lambda: ss.attention(q, k, v, causal=causal)
+
+
+def _decode():
+    q, k, v = _leaf(2, 8, 1, 128), _leaf(2, 2, 4100, 128), _leaf(2, 2, 4100, 128)
+    return (q, k, v), lambda: ss.attention(q, k, v)
+
+
+def _softmax():
+    x = _leaf(8, 4097, dtype=torch.float32)
+    return (x,), lambda: ss.softmax(x) * 3 + ss.log_softmax(x) + ss.logsumexp(x).unsqueeze(1)
+
+
+def _cross_entropy():
+    logits, target = _leaf(64, 3000), torch.randint(0, 3000, (64,), device=DEV)
+    return (logits,), lambda: ss.cross_entropy(logits, target, label_smoothing=0.1)
+
+
+def _merge():
+    outs, lses = _leaf(3, 4, 8, 64, dtype=torch.float32), _leaf(3, 4, 8, dtype=torch.float32)
+    return (outs, lses), lambda: ss.merge_states(outs, lses)[0]
+
+
+CASES = {"attention": lambda: _attention(False), "attention causal": lambda: _attention(True),
+         "decode": _decode, "softmax": _softmax, "cross_entropy": _cross_entropy, "merge_states": _merge}
+
+
+def _step(inputs, fn):
+    """Forward and backward of ``fn`` with a fixed cotangent; returns the output and the gradients."""
+    for t in inputs:
+        t.grad = None
+    out = fn()
+    out.backward(torch.ones_like(out) * 0.5)
+    return out.detach(), [t.grad for t in inputs]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_forward_and_backward_never_synchronise(name):
+    inputs, fn = CASES[name]()
+    _step(inputs, fn)  # compiles and caches plans first: a first call may read device properties
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        _step(inputs, fn)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("name", ["attention causal", "decode", "softmax", "cross_entropy"])
+def test_cuda_graph_replays_forward_and_backward(name):
+    inputs, fn = CASES[name]()
+    want_out, want_grads = _step(inputs, fn)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _step(inputs, fn)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for t in inputs:
+        t.grad = None
+    with torch.cuda.graph(graph):
+        out = fn()
+        out.backward(torch.ones_like(out) * 0.5)
+    for t, g in zip(inputs, want_grads):
+        t.grad.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want_out), name
+    for t, g in zip(inputs, want_grads):
+        assert torch.equal(t.grad, g), name
+
+
+def test_reduce_overhead_compile_matches_eager():
+    torch._dynamo.reset()
+
+    def block(q, k, v, w):
+        return (ss.attention(q, k, v, causal=True) @ w).float().square().mean()
+
+    q, k, v = _leaf(2, 4, 256, 64), _leaf(2, 4, 256, 64), _leaf(2, 4, 256, 64)
+    w = _leaf(64, 64)
+    want = block(q, k, v, w)
+    want_grads = torch.autograd.grad(want, (q, k, v, w))
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # the graph is recorded on a later call, then replayed
+        got = compiled(q, k, v, w)
+        grads = torch.autograd.grad(got, (q, k, v, w))
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_no_compile_at_a_new_length_of_a_compiled_bucket():
+    from splitsoftmax import warmup
+    warmup.warm(64, torch.bfloat16, (True, False), heads=4, kv_heads=2)
+    before = warmup.compiled_variants()
+    for sq in (1500, 2048, 3000, 9000):  # short partial, short whole, long partial, long partial
+        for causal in (True, False):
+            q, k, v = _leaf(1, 4, sq, 64), _leaf(1, 2, sq, 64), _leaf(1, 2, sq, 64)
+            ss.attention(q, k, v, causal=causal).sum().backward()
+    q, k, v = _leaf(1, 4, 1, 64), _leaf(1, 2, 7777, 64), _leaf(1, 2, 7777, 64)
+    ss.attention(q, k, v).sum().backward()
+    grew = {n: c - before.get(n, 0) for n, c in warmup.compiled_variants().items() if c != before.get(n, 0)}
+    assert not grew, f"compiled again at a length of a warmed bucket: {grew}"

@@ -25,10 +25,10 @@ from . import _checks
 from .distributed import handshake as hs
 from .distributed.comm import as_comm
 from .distributed.tree import allgather
-from .kernels.vocab_cpu import merge_kl_records, merge_records, stats_coefs
+from .kernels.vocab_cpu import kl_coef, merge_kl_records, merge_records, stats_coefs
 from .losses import _check_targets, _fingerprint
 from .ops import call
-from .vocab_ops import impl, kl_coef
+from .vocab_ops import impl
 
 
 def _temperature(t) -> float:
@@ -97,7 +97,7 @@ def logprobs(logits: Tensor, target: Tensor, *, temperature: float = 1.0, return
     """
     inv_t = _logprob_args(logits, target, temperature, return_entropy, ignore_index)
     _check_targets(target, int(ignore_index), logits.shape[1])
-    logp, ent, _, _ = call("vocab_fwd", logits, target, inv_t, int(ignore_index), return_entropy)
+    logp, ent, _ = call("vocab_fwd", logits, target, inv_t, int(ignore_index), return_entropy)
     return (logp.float(), ent.float()) if return_entropy else logp.float()
 
 
@@ -134,18 +134,18 @@ class ShardedStatsFn(torch.autograd.Function):
     def forward(ctx, logits, target, comm, col0: int, inv_t: float, ignore_index: int, entropy: bool, op: str):
         rec = impl("vocab_records", logits)(logits, target, col0, inv_t, entropy)
         rec = _merged(comm, rec, merge_records, f"{op}: row statistics")
-        logp, ent, lse, mean = impl("vocab_finish", rec)(rec, target, ignore_index)
-        ctx.save_for_backward(logits, target, lse, mean)
+        logp, ent, rows = impl("vocab_finish", rec)(rec, target, ignore_index)
+        ctx.save_for_backward(logits, target, rows)
         ctx.args = (col0, inv_t, ignore_index, entropy)
         return logp.float(), ent.float()
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        logits, target, lse, mean = ctx.saved_tensors
+        logits, target, rows = ctx.saved_tensors
         col0, inv_t, ignore_index, entropy = ctx.args
-        gl, gh = stats_coefs(lse, target, ignore_index, g_logp if target is not None else None,
+        gl, gh = stats_coefs(rows, target, ignore_index, g_logp if target is not None else None,
                              g_ent if entropy else None)
-        dx = impl("vocab_bwd", logits)(logits, target, lse, mean, gl, gh, inv_t, col0)
+        dx = impl("vocab_bwd", logits)(logits, target, rows, gl, gh, inv_t, col0)
         return dx, None, None, None, None, None, None, None
 
 
@@ -155,15 +155,15 @@ class ShardedKLFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, p, q, comm, inv_t: float):
         rec = _merged(comm, impl("kl_records", p, q)(p, q, inv_t), merge_kl_records, "sharded_kl_div: row statistics")
-        kl, lse_p, lse_q, c = impl("kl_finish", rec)(rec)
-        ctx.save_for_backward(p, q, lse_p, lse_q, c)
+        kl, rows = impl("kl_finish", rec)(rec)
+        ctx.save_for_backward(p, q, rows)
         ctx.inv_t = inv_t
         return kl.float()
 
     @staticmethod
     def backward(ctx, g):
-        p, q, lse_p, lse_q, c = ctx.saved_tensors
-        dp, dq = impl("kl_bwd", p, q)(p, q, lse_p, lse_q, c, kl_coef(lse_p, g), ctx.inv_t)
+        p, q, rows = ctx.saved_tensors
+        dp, dq = impl("kl_bwd", p, q)(p, q, rows, kl_coef(rows, g), ctx.inv_t)
         return dp, dq, None, None
 
 

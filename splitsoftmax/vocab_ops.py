@@ -16,10 +16,10 @@ import torch
 from torch import Tensor
 
 from .kernels import vocab_cpu
-from .kernels.vocab_cpu import stats_coefs
+from .kernels.vocab_cpu import kl_coef, stats_coefs
 from .local import use_triton
 from .ops import _op, register_autograd, register_fake
-from .state import NEG_INF, stat_dtype
+from .state import stat_dtype
 
 
 def impl(name: str, *tensors: Tensor):
@@ -43,88 +43,82 @@ def _fresh(ts, dtype: torch.dtype) -> tuple:
 
 @_op("vocab_fwd")
 def vocab_fwd(logits: Tensor, target: Optional[Tensor], inv_t: float, ignore_index: int,
-              entropy: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(logp, entropy, lse, mean)`` ``(N,)`` of ``logits (N, V)`` at ``1/T = inv_t``; without
-    ``target`` ``logp`` is meaningless; without ``entropy`` so is the entropy."""
+              entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logp (N,), entropy (N,), rows (N, 3))`` of ``logits (N, V)`` at ``1/T = inv_t``
+    (``kernels.vocab_cpu.vocab_finish``); without ``target`` ``logp`` is meaningless, without
+    ``entropy`` so is the entropy."""
     rec = impl("vocab_records", logits)(logits, target, 0, inv_t, entropy)
     return _fresh(impl("vocab_finish", rec)(rec, target, ignore_index), _stat(logits))
 
 
 @register_fake("splitsoftmax::vocab_fwd")
 def _vocab_fwd_fake(logits, target, inv_t, ignore_index, entropy):
-    return tuple(logits.new_empty(logits.shape[:1], dtype=_stat(logits)) for _ in range(4))
+    n, dt = logits.shape[0], _stat(logits)
+    return logits.new_empty((n,), dtype=dt), logits.new_empty((n,), dtype=dt), logits.new_empty((n, 3), dtype=dt)
 
 
 @_op("vocab_bwd")
-def vocab_bwd(logits: Tensor, target: Optional[Tensor], lse: Tensor, mean: Tensor, gl: Optional[Tensor],
-              gh: Optional[Tensor], inv_t: float, col0: int) -> Tensor:
+def vocab_bwd(logits: Tensor, target: Optional[Tensor], rows: Tensor, gl: Optional[Tensor], gh: Optional[Tensor],
+              inv_t: float, col0: int) -> Tensor:
     """``dlogits (N, V)`` in ``logits.dtype`` (``kernels.vocab_cpu.vocab_bwd``)."""
-    dx = impl("vocab_bwd", logits)(logits, target, lse, mean, gl, gh, inv_t, col0)
-    return dx if dx.is_contiguous() and dx.dtype == logits.dtype else dx.to(logits.dtype).contiguous()
+    return impl("vocab_bwd", logits)(logits, target, rows, gl, gh, inv_t, col0)
 
 
 @register_fake("splitsoftmax::vocab_bwd")
-def _vocab_bwd_fake(logits, target, lse, mean, gl, gh, inv_t, col0):
+def _vocab_bwd_fake(logits, target, rows, gl, gh, inv_t, col0):
     return logits.new_empty(logits.shape)
 
 
 @_op("kl_fwd")
-def kl_fwd(p: Tensor, q: Tensor, inv_t: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(kl, lse_p, lse_q, c = E_P[p - q])`` ``(N,)`` of ``p, q (N, V)`` at ``1/T = inv_t``."""
+def kl_fwd(p: Tensor, q: Tensor, inv_t: float) -> tuple[Tensor, Tensor]:
+    """``(kl (N,), rows (N, 5))`` of ``p, q (N, V)`` at ``1/T = inv_t`` (``kernels.vocab_cpu.kl_finish``)."""
     rec = impl("kl_records", p, q)(p, q, inv_t)
     return _fresh(impl("kl_finish", rec)(rec), _stat(p, q))
 
 
 @register_fake("splitsoftmax::kl_fwd")
 def _kl_fwd_fake(p, q, inv_t):
-    return tuple(p.new_empty(p.shape[:1], dtype=_stat(p, q)) for _ in range(4))
+    n, dt = p.shape[0], _stat(p, q)
+    return p.new_empty((n,), dtype=dt), p.new_empty((n, 5), dtype=dt)
 
 
 @_op("kl_bwd")
-def kl_bwd(p: Tensor, q: Tensor, lse_p: Tensor, lse_q: Tensor, c: Tensor, g: Tensor,
-           inv_t: float) -> tuple[Tensor, Tensor]:
+def kl_bwd(p: Tensor, q: Tensor, rows: Tensor, g: Tensor, inv_t: float) -> tuple[Tensor, Tensor]:
     """``(dp, dq)`` in the dtypes of ``p, q`` (``kernels.vocab_cpu.kl_bwd``)."""
-    dp, dq = impl("kl_bwd", p, q)(p, q, lse_p, lse_q, c, g, inv_t)
-    return dp.contiguous(), dq.contiguous()
+    return impl("kl_bwd", p, q)(p, q, rows, g, inv_t)
 
 
 @register_fake("splitsoftmax::kl_bwd")
-def _kl_bwd_fake(p, q, lse_p, lse_q, c, g, inv_t):
+def _kl_bwd_fake(p, q, rows, g, inv_t):
     return p.new_empty(p.shape), q.new_empty(q.shape)
-
-
-def kl_coef(lse_p: Tensor, g: Tensor) -> Tensor:
-    """The upstream gradient of each row's KL, 0 where ``p`` has no mass (KL is 0 there whatever
-    the logits do)."""
-    return torch.where(lse_p == NEG_INF, 0.0, g.to(lse_p.dtype))
 
 
 def _setup_vocab(ctx, inputs, output) -> None:
     logits, target, inv_t, ignore_index, entropy = inputs
-    ctx.save_for_backward(logits, target, output[2], output[3])
-    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.save_for_backward(logits, target, output[2])
+    ctx.mark_non_differentiable(output[2])
     ctx.args = (inv_t, ignore_index, entropy)
 
 
-def _vocab_backward(ctx, g_logp, g_ent, _g_lse, _g_mean):
-    logits, target, lse, mean = ctx.saved_tensors
+def _vocab_backward(ctx, g_logp, g_ent, _g_rows):
+    logits, target, rows = ctx.saved_tensors
     inv_t, ignore_index, entropy = ctx.args
-    gl, gh = stats_coefs(lse, target, ignore_index, g_logp if target is not None else None,
+    gl, gh = stats_coefs(rows, target, ignore_index, g_logp if target is not None else None,
                          g_ent if entropy else None)
-    dx = torch.ops.splitsoftmax.vocab_bwd(logits, target, lse, mean, gl, gh, inv_t, 0)
+    dx = torch.ops.splitsoftmax.vocab_bwd(logits, target, rows, gl, gh, inv_t, 0)
     return dx, None, None, None, None
 
 
 def _setup_kl(ctx, inputs, output) -> None:
     p, q, inv_t = inputs
-    ctx.save_for_backward(p, q, *output[1:])
-    ctx.mark_non_differentiable(*output[1:])
+    ctx.save_for_backward(p, q, output[1])
+    ctx.mark_non_differentiable(output[1])
     ctx.inv_t = inv_t
 
 
-def _kl_backward(ctx, g, *_):
-    p, q, lse_p, lse_q, c = ctx.saved_tensors
-    dp, dq = torch.ops.splitsoftmax.kl_bwd(p, q, lse_p, lse_q, c, kl_coef(lse_p, g), ctx.inv_t)
+def _kl_backward(ctx, g, _g_rows):
+    p, q, rows = ctx.saved_tensors
+    dp, dq = torch.ops.splitsoftmax.kl_bwd(p, q, rows, kl_coef(rows, g), ctx.inv_t)
     return dp, dq, None
 
 

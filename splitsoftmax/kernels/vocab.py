@@ -9,8 +9,8 @@ and stores it. A row is split over several programs only when there are too few 
 the GPU; the splits' records then merge with ``vocab_cpu.merge_records`` (the state algebra).
 ``vocab_finish`` / ``kl_finish`` turn merged records into the statistics (one elementwise launch).
 
-Backward (``vocab_bwd``, ``kl_bwd``): the gradient of every tile from its rows' global ``lse``
-and means; no communication.
+Backward (``vocab_bwd``, ``kl_bwd``): the gradient of every tile from its rows' global
+statistics (``m``, ``log l``, the mean); no communication.
 
 ``exp`` is ``exp2`` with ``log2(e) / T`` folded into one factor ``c`` applied to ``x - m`` (raw
 logits, ``m`` formed first); the record is put in natural units of ``z = x / T`` once per row.
@@ -152,8 +152,9 @@ def _kl_fwd_kernel(P, Q, REC, N, V, span, s_pn, s_qn, s_rs, c, inv_t, BLOCK_R: t
 
 
 @triton.jit(do_not_specialize=["N", "ignore_index"])
-def _vocab_finish_kernel(REC, T, LOGP, ENT, LSE, MEAN, N, ignore_index, BLOCK: tl.constexpr, TARGET: tl.constexpr):
-    """Grid ``cdiv(N, BLOCK)``: ``(logp, entropy, lse, mean)`` of merged records ``(N, 4)``."""
+def _vocab_finish_kernel(REC, T, LOGP, ENT, ROWS, N, ignore_index, BLOCK: tl.constexpr, TARGET: tl.constexpr):
+    """Grid ``cdiv(N, BLOCK)``: ``logp``, ``entropy`` and the backward's ``(m, log l, E_P[z] - m)``
+    of merged records ``(N, 4)``."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = rows < N
     m = tl.load(REC + rows * 4, mask=mask, other=float("-inf"))
@@ -161,7 +162,7 @@ def _vocab_finish_kernel(REC, T, LOGP, ENT, LSE, MEAN, N, ignore_index, BLOCK: t
     u = tl.load(REC + rows * 4 + 2, mask=mask, other=0.0)
     zt = tl.load(REC + rows * 4 + 3, mask=mask, other=0.0)
     full = l != 0.0  # NaN rows count as full: NaN reaches every statistic
-    log_l = tl.log(tl.where(full, l, 1.0))
+    log_l = tl.where(full, tl.log(tl.where(full, l, 1.0)), float("-inf"))
     rel = tl.where(full, u / tl.where(full, l, 1.0), 0.0)  # E_P[z] - m
     ref = _ref(m)
     logp = tl.where(full, (zt - ref) - log_l, float("-inf"))
@@ -172,13 +173,15 @@ def _vocab_finish_kernel(REC, T, LOGP, ENT, LSE, MEAN, N, ignore_index, BLOCK: t
         ent = tl.where(skip, 0.0, ent)
     tl.store(LOGP + rows, logp, mask=mask)
     tl.store(ENT + rows, ent, mask=mask)
-    tl.store(LSE + rows, tl.where(full, ref + log_l, float("-inf")), mask=mask)
-    tl.store(MEAN + rows, ref + rel, mask=mask)
+    tl.store(ROWS + rows * 3, ref, mask=mask)
+    tl.store(ROWS + rows * 3 + 1, log_l, mask=mask)
+    tl.store(ROWS + rows * 3 + 2, rel, mask=mask)
 
 
 @triton.jit(do_not_specialize=["N"])
-def _kl_finish_kernel(REC, KL, LSE_P, LSE_Q, C, N, BLOCK: tl.constexpr):
-    """Grid ``cdiv(N, BLOCK)``: ``(kl, lse_p, lse_q, c)`` of merged KL records ``(N, 5)``."""
+def _kl_finish_kernel(REC, KL, ROWS, N, BLOCK: tl.constexpr):
+    """Grid ``cdiv(N, BLOCK)``: KL and the backward's ``(m_p, log l_p, m_q, log l_q, rel)`` of merged
+    KL records ``(N, 5)``."""
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK]
     mask = rows < N
     mp = tl.load(REC + rows * 5, mask=mask, other=float("-inf"))
@@ -187,25 +190,27 @@ def _kl_finish_kernel(REC, KL, LSE_P, LSE_Q, C, N, BLOCK: tl.constexpr):
     mq = tl.load(REC + rows * 5 + 3, mask=mask, other=float("-inf"))
     lq = tl.load(REC + rows * 5 + 4, mask=mask, other=0.0)
     pf, qf = lp != 0.0, lq != 0.0
-    log_p = tl.log(tl.where(pf, lp, 1.0))
-    log_q = tl.log(tl.where(qf, lq, 1.0))
+    log_p = tl.where(pf, tl.log(tl.where(pf, lp, 1.0)), float("-inf"))
+    log_q = tl.where(qf, tl.log(tl.where(qf, lq, 1.0)), float("-inf"))
     rel = tl.where(pf, u / tl.where(pf, lp, 1.0), 0.0)
-    kl = tl.where(pf, tl.where(qf, rel - log_p + log_q, float("inf")), 0.0)
-    tl.store(KL + rows, kl, mask=mask)
-    tl.store(LSE_P + rows, tl.where(pf, _ref(mp) + log_p, float("-inf")), mask=mask)
-    tl.store(LSE_Q + rows, tl.where(qf, _ref(mq) + log_q, float("-inf")), mask=mask)
-    tl.store(C + rows, rel + (_ref(mp) - _ref(mq)), mask=mask)
+    tl.store(KL + rows, tl.where(pf, tl.where(qf, rel - log_p + log_q, float("inf")), 0.0), mask=mask)
+    out = ROWS + rows * 5
+    tl.store(out, _ref(mp), mask=mask)
+    tl.store(out + 1, log_p, mask=mask)
+    tl.store(out + 2, _ref(mq), mask=mask)
+    tl.store(out + 3, log_q, mask=mask)
+    tl.store(out + 4, rel, mask=mask)
 
 
 @triton.jit
-def _stats_grad(x, cols, t, lse, mean, gl, gh, inv_t, TARGET: tl.constexpr, ENTROPY: tl.constexpr):
-    """``(gl (onehot - P) - gh P (z - mean)) / T`` of a tile ``x [BLOCK_R, BLOCK_V]``; 0 in rows
+def _stats_grad(x, cols, t, ref, log_l, rel, gl, gh, inv_t, TARGET: tl.constexpr, ENTROPY: tl.constexpr):
+    """``(gl (onehot - P) - gh P (z - E_P[z])) / T`` of a tile ``x [BLOCK_R, BLOCK_V]``; 0 in rows
     where both coefficients are 0."""
-    z = x * inv_t
-    p = tl.math.exp2((z - lse[:, None]) * LOG2E)  # [BLOCK_R, BLOCK_V]
-    g = tl.zeros_like(z)
+    d = x * inv_t - ref[:, None]  # [BLOCK_R, BLOCK_V]: z - m
+    p = tl.math.exp2((d - log_l[:, None]) * LOG2E)
+    g = tl.zeros_like(d)
     if ENTROPY:
-        g = -gh[:, None] * tl.where(z == float("-inf"), 0.0, p * (z - mean[:, None]))
+        g = -gh[:, None] * tl.where(d == float("-inf"), 0.0, p * (d - rel[:, None]))
     if TARGET:
         g += gl[:, None] * (tl.where(cols[None, :] == t[:, None], 1.0, 0.0) - p)
     dead = (gl == 0.0) & (gh == 0.0)
@@ -213,15 +218,16 @@ def _stats_grad(x, cols, t, lse, mean, gl, gh, inv_t, TARGET: tl.constexpr, ENTR
 
 
 @triton.jit(do_not_specialize=["col0", "span", "inv_t"])
-def _vocab_bwd_kernel(X, T, LSE, MEAN, GL, GH, DX, N, V, col0, span, s_xn, s_dn, inv_t, BLOCK_R: tl.constexpr,
+def _vocab_bwd_kernel(X, T, ROWS, GL, GH, DX, N, V, col0, span, s_xn, s_dn, inv_t, BLOCK_R: tl.constexpr,
                       BLOCK_V: tl.constexpr, TARGET: tl.constexpr, ENTROPY: tl.constexpr):
     """Grid ``(cdiv(N, BLOCK_R), splits)``: the gradient of columns ``[split * span, +span)``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     rmask = rows < N
     lo = tl.program_id(1) * span
     hi = tl.minimum(lo + span, V)
-    lse = tl.load(LSE + rows, mask=rmask, other=0.0)
-    mean = tl.zeros([BLOCK_R], tl.float32)
+    ref = tl.load(ROWS + rows * 3, mask=rmask, other=0.0)
+    log_l = tl.load(ROWS + rows * 3 + 1, mask=rmask, other=0.0)
+    rel = tl.load(ROWS + rows * 3 + 2, mask=rmask, other=0.0)
     gl = tl.zeros([BLOCK_R], tl.float32)
     gh = tl.zeros([BLOCK_R], tl.float32)
     t = tl.zeros([BLOCK_R], tl.int64) - 1
@@ -230,7 +236,6 @@ def _vocab_bwd_kernel(X, T, LSE, MEAN, GL, GH, DX, N, V, col0, span, s_xn, s_dn,
         t = tl.load(T + rows, mask=rmask, other=-1).to(tl.int64) - col0
     if ENTROPY:
         gh = tl.load(GH + rows, mask=rmask, other=0.0)
-        mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
     xrow = X + rows.to(tl.int64)[:, None] * s_xn  # [BLOCK_R, 1]
     drow = DX + rows.to(tl.int64)[:, None] * s_dn
     lanes = tl.arange(0, BLOCK_V)
@@ -238,39 +243,42 @@ def _vocab_bwd_kernel(X, T, LSE, MEAN, GL, GH, DX, N, V, col0, span, s_xn, s_dn,
     for i in range(n_full):  # whole tiles: no column mask
         cols = tl.multiple_of(lo + i * BLOCK_V, BLOCK_V) + lanes
         x = tl.load(xrow + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-        g = _stats_grad(x, cols, t, lse, mean, gl, gh, inv_t, TARGET, ENTROPY)
+        g = _stats_grad(x, cols, t, ref, log_l, rel, gl, gh, inv_t, TARGET, ENTROPY)
         tl.store(drow + cols[None, :], g.to(DX.dtype.element_ty, fp_downcast_rounding="rtne"), mask=rmask[:, None])
     cols = lo + n_full * BLOCK_V + lanes
     mask = rmask[:, None] & (cols < hi)[None, :]
     x = tl.load(xrow + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    g = _stats_grad(x, cols, t, lse, mean, gl, gh, inv_t, TARGET, ENTROPY)
+    g = _stats_grad(x, cols, t, ref, log_l, rel, gl, gh, inv_t, TARGET, ENTROPY)
     tl.store(drow + cols[None, :], g.to(DX.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 @triton.jit
-def _kl_grad(xp, xq, lse_p, lse_q, c, g, inv_t):
-    """``(g P_p ((p - q) - c) / T, g (P_q - P_p) / T)`` of tiles ``[BLOCK_R, BLOCK_V]``; 0 where ``g`` is."""
-    zp = xp * inv_t
-    zq = xq * inv_t
-    pp = tl.where(zp == float("-inf"), 0.0, tl.math.exp2((zp - lse_p[:, None]) * LOG2E))
-    pq = tl.where(zq == float("-inf"), 0.0, tl.math.exp2((zq - lse_q[:, None]) * LOG2E))
-    gp = tl.where(zp == float("-inf"), 0.0, pp * ((zp - zq) - c[:, None]))
+def _kl_grad(xp, xq, rp, log_p, rq, log_q, rel, g, inv_t):
+    """``(g P_p ((p - q) - E_P[p - q]) / T, g (P_q - P_p) / T)`` of tiles ``[BLOCK_R, BLOCK_V]``;
+    0 where ``g`` is."""
+    ep = xp * inv_t - rp[:, None]  # [BLOCK_R, BLOCK_V]: p - m_p
+    eq = xq * inv_t - rq[:, None]
+    pp = tl.where(ep == float("-inf"), 0.0, tl.math.exp2((ep - log_p[:, None]) * LOG2E))
+    pq = tl.where(eq == float("-inf"), 0.0, tl.math.exp2((eq - log_q[:, None]) * LOG2E))
+    gp = tl.where(ep == float("-inf"), 0.0, pp * ((ep - eq) - rel[:, None]))
     k = (g * inv_t)[:, None]
     dead = (g == 0.0)[:, None]
     return tl.where(dead, 0.0, k * gp), tl.where(dead, 0.0, k * (pq - pp))
 
 
 @triton.jit(do_not_specialize=["span", "inv_t"])
-def _kl_bwd_kernel(P, Q, LSE_P, LSE_Q, C, G, DP, DQ, N, V, span, s_pn, s_qn, s_dpn, s_dqn, inv_t,
+def _kl_bwd_kernel(P, Q, ROWS, G, DP, DQ, N, V, span, s_pn, s_qn, s_dpn, s_dqn, inv_t,
                    BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
     """Grid ``(cdiv(N, BLOCK_R), splits)``: ``(dp, dq)`` of columns ``[split * span, +span)``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     rmask = rows < N
     lo = tl.program_id(1) * span
     hi = tl.minimum(lo + span, V)
-    lse_p = tl.load(LSE_P + rows, mask=rmask, other=0.0)
-    lse_q = tl.load(LSE_Q + rows, mask=rmask, other=0.0)
-    c = tl.load(C + rows, mask=rmask, other=0.0)
+    rp = tl.load(ROWS + rows * 5, mask=rmask, other=0.0)
+    log_p = tl.load(ROWS + rows * 5 + 1, mask=rmask, other=0.0)
+    rq = tl.load(ROWS + rows * 5 + 2, mask=rmask, other=0.0)
+    log_q = tl.load(ROWS + rows * 5 + 3, mask=rmask, other=0.0)
+    rel = tl.load(ROWS + rows * 5 + 4, mask=rmask, other=0.0)
     g = tl.load(G + rows, mask=rmask, other=0.0)
     r64 = rows.to(tl.int64)[:, None]  # [BLOCK_R, 1]
     lanes = tl.arange(0, BLOCK_V)
@@ -279,7 +287,7 @@ def _kl_bwd_kernel(P, Q, LSE_P, LSE_Q, C, G, DP, DQ, N, V, span, s_pn, s_qn, s_d
         mask = rmask[:, None] & (cols < hi)
         xp = tl.load(P + r64 * s_pn + cols, mask=mask, other=0.0).to(tl.float32)
         xq = tl.load(Q + r64 * s_qn + cols, mask=mask, other=0.0).to(tl.float32)
-        gp, gq = _kl_grad(xp, xq, lse_p, lse_q, c, g, inv_t)
+        gp, gq = _kl_grad(xp, xq, rp, log_p, rq, log_q, rel, g, inv_t)
         tl.store(DP + r64 * s_dpn + cols, gp.to(DP.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         tl.store(DQ + r64 * s_dqn + cols, gq.to(DQ.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
@@ -335,58 +343,58 @@ def kl_records(p: Tensor, q: Tensor, inv_t: float) -> Tensor:
     return rec[0] if splits == 1 else merge_kl_records(rec)
 
 
-def vocab_finish(rec: Tensor, target: Optional[Tensor], ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(logp, entropy, lse, mean)`` ``(N,)`` float32 of merged records (see ``vocab_cpu.vocab_finish``)."""
+def vocab_finish(rec: Tensor, target: Optional[Tensor], ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logp (N,), entropy (N,), rows (N, 3))`` float32 of merged records (``vocab_cpu.vocab_finish``)."""
     n = rec.shape[0]
     rec = rec.float().contiguous()
-    out = [torch.empty(n, dtype=torch.float32, device=rec.device) for _ in range(4)]
+    logp, ent = (torch.empty(n, dtype=torch.float32, device=rec.device) for _ in range(2))
+    rows = torch.empty((n, 3), dtype=torch.float32, device=rec.device)
     if n:
         block = configs.VOCAB_FINISH_ROWS
         t = target.contiguous() if target is not None else rec
-        _vocab_finish_kernel[(configs.cdiv(n, block),)](rec, t, *out, n, ignore_index, BLOCK=block,
+        _vocab_finish_kernel[(configs.cdiv(n, block),)](rec, t, logp, ent, rows, n, ignore_index, BLOCK=block,
                                                         TARGET=target is not None)
-    return tuple(out)
+    return logp, ent, rows
 
 
-def kl_finish(rec: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(kl, lse_p, lse_q, c)`` ``(N,)`` float32 of merged KL records (see ``vocab_cpu.kl_finish``)."""
+def kl_finish(rec: Tensor) -> tuple[Tensor, Tensor]:
+    """``(kl (N,), rows (N, 5))`` float32 of merged KL records (``vocab_cpu.kl_finish``)."""
     n = rec.shape[0]
     rec = rec.float().contiguous()
-    out = [torch.empty(n, dtype=torch.float32, device=rec.device) for _ in range(4)]
+    kl = torch.empty(n, dtype=torch.float32, device=rec.device)
+    rows = torch.empty((n, 5), dtype=torch.float32, device=rec.device)
     if n:
         block = configs.VOCAB_FINISH_ROWS
-        _kl_finish_kernel[(configs.cdiv(n, block),)](rec, *out, n, BLOCK=block)
-    return tuple(out)
+        _kl_finish_kernel[(configs.cdiv(n, block),)](rec, kl, rows, n, BLOCK=block)
+    return kl, rows
 
 
-def vocab_bwd(logits: Tensor, target: Optional[Tensor], lse: Tensor, mean: Tensor, gl: Optional[Tensor],
-              gh: Optional[Tensor], inv_t: float, col0: int) -> Tensor:
-    """``dlogits (N, V)`` in ``logits.dtype`` (see ``vocab_cpu.vocab_bwd``)."""
+def vocab_bwd(logits: Tensor, target: Optional[Tensor], rows: Tensor, gl: Optional[Tensor], gh: Optional[Tensor],
+              inv_t: float, col0: int) -> Tensor:
+    """``dlogits (N, V)`` in ``logits.dtype`` (``vocab_cpu.vocab_bwd``)."""
     logits = _unit(logits)
     n, v = logits.shape
     block_r, block_v, warps, stages, splits, span = plan(n, v, configs.VOCAB_BWD_TILE, logits.device)
     dx = torch.empty((n, v), dtype=logits.dtype, device=logits.device)
     if n and v:
-        lse32 = lse.float().contiguous()
-        f32 = [lse32 if a is None else a.float().contiguous() for a in (mean, gl, gh)]
-        t = target.contiguous() if gl is not None else lse32
+        rows = rows.float().contiguous()
+        gl_, gh_ = (rows if a is None else a.float().contiguous() for a in (gl, gh))
+        t = target.contiguous() if gl is not None else rows
         _vocab_bwd_kernel[(configs.cdiv(n, block_r), splits)](
-            logits, t, lse32, *f32, dx, n, v, col0, span, logits.stride(0), dx.stride(0), inv_t, BLOCK_R=block_r,
+            logits, t, rows, gl_, gh_, dx, n, v, col0, span, logits.stride(0), dx.stride(0), inv_t, BLOCK_R=block_r,
             BLOCK_V=block_v, TARGET=gl is not None, ENTROPY=gh is not None, num_warps=warps, num_stages=stages)
     return dx
 
 
-def kl_bwd(p: Tensor, q: Tensor, lse_p: Tensor, lse_q: Tensor, c: Tensor, g: Tensor,
-           inv_t: float) -> tuple[Tensor, Tensor]:
-    """``(dp, dq)`` in the dtypes of ``p, q (N, V)`` (see ``vocab_cpu.kl_bwd``)."""
+def kl_bwd(p: Tensor, q: Tensor, rows: Tensor, g: Tensor, inv_t: float) -> tuple[Tensor, Tensor]:
+    """``(dp, dq)`` in the dtypes of ``p, q (N, V)`` (``vocab_cpu.kl_bwd``)."""
     p, q = _unit(p), _unit(q)
     n, v = p.shape
     block_r, block_v, warps, stages, splits, span = plan(n, v, configs.VOCAB_KL_BWD_TILE, p.device)
     dp = torch.empty((n, v), dtype=p.dtype, device=p.device)
     dq = torch.empty((n, v), dtype=q.dtype, device=q.device)
     if n and v:
-        f32 = [a.float().contiguous() for a in (lse_p, lse_q, c, g)]
         _kl_bwd_kernel[(configs.cdiv(n, block_r), splits)](
-            p, q, *f32, dp, dq, n, v, span, p.stride(0), q.stride(0), dp.stride(0), dq.stride(0), inv_t,
-            BLOCK_R=block_r, BLOCK_V=block_v, num_warps=warps, num_stages=stages)
+            p, q, rows.float().contiguous(), g.float().contiguous(), dp, dq, n, v, span, p.stride(0), q.stride(0),
+            dp.stride(0), dq.stride(0), inv_t, BLOCK_R=block_r, BLOCK_V=block_v, num_warps=warps, num_stages=stages)
     return dp, dq

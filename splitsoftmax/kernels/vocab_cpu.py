@@ -10,15 +10,16 @@ record, float32 (float64 for float64 logits):
 - KL ``(m_p, l_p, u, m_q, l_q)`` of two logit sets ``p, q``: ``u = sum e^(p-m_p) ((p-m_p) - (q-m_q))``.
 
 ``(m, l, u)`` is the attention state whose value is ``z`` (for KL ``p - q``) measured from the
-slice's own origin (``m``; for KL ``m_p - m_q``, 0 standing for an empty side's ``-inf``): the terms
-of ``u`` share one sign and no large values cancel. Records merge by moving every ``u`` to the
-origin of the merged maxima (``u_i + (origin_i - origin) l_i``) and merging with
-``state.merge_stack``; then, with ``lse = m + log l``,
+slice's own origin (``m``; for KL ``m_p - m_q``, 0 standing for an empty side's ``-inf``), so no
+large values cancel (the entropy's terms all share one sign). Records merge by moving every ``u``
+to the origin of the merged maxima (``u_i + (origin_i - origin) l_i``) and merging with
+``state.merge_stack``; then
 
     logp = (z_t - m) - log l,   entropy = log l - u / l,   KL = u / l_p - log l_p + log l_q.
 
 A row with no finite logit (``l = 0``) gives ``logp = -inf``, entropy 0, KL 0 (no mass in ``p``);
-NaN stays NaN. Gradients (per element, ``P = softmax(z)``, ``E = E_P[z]``, ``c = E_P[p - q]``):
+NaN stays NaN. Gradients (per element, ``P = softmax(z) = exp((z - m) - log l)``, ``E = E_P[z]``,
+``c = E_P[p - q]``):
 
     d logp / dz = onehot(target) - P,   d entropy / dz = -P (z - E),
     d KL / dp = P_p ((p - q) - c),      d KL / dq = P_q - P_p,
@@ -32,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..state import NEG_INF, State, lse_of, merge_stack, safe_max, stat_dtype
+from ..state import NEG_INF, State, merge_stack, safe_max, stat_dtype
 from .configs import CPU_BLOCK_COLS
 
 
@@ -91,62 +92,66 @@ def merge_records(parts: Tensor) -> Tensor:
     return torch.stack((s.m, s.l, s.o.squeeze(-1), zt.sum(0)), -1)
 
 
-def vocab_finish(rec: Tensor, target: Optional[Tensor], ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(logp, entropy, lse, mean)`` ``(N,)`` each from merged records ``rec (N, 4)``.
+def vocab_finish(rec: Tensor, target: Optional[Tensor], ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(logp (N,), entropy (N,), rows (N, 3))`` from merged records ``rec (N, 4)``.
 
-    ``mean = E_P[z]`` (0 in empty rows) is what the entropy gradient needs besides ``lse``. Rows
-    with ``target == ignore_index`` give ``logp = entropy = 0`` (no target: no row is ignored).
+    ``rows = (m, log l, E_P[z] - m)`` (``m`` 0 and ``log l = -inf`` in empty rows) is what the
+    backward needs: ``P = exp((z - m) - log l)`` keeps the precision of torch's log-softmax, where
+    ``exp(z - lse)`` would lose that of ``lse``'s last bit at every large logit. Rows with
+    ``target == ignore_index`` give ``logp = entropy = 0`` (no target: no row is ignored).
     """
     m, l, u, zt = rec.unbind(-1)
     full = l != 0  # NaN rows count as full: NaN flows to every statistic
     l1 = torch.where(full, l, 1.0)
-    rel = torch.where(full, u / l1, 0.0)  # E_P[z] - m
-    ent = torch.where(full, torch.log(l1) - rel, 0.0)
-    logp = torch.where(full, (zt - safe_max(m)) - torch.log(l1), NEG_INF)
+    log_l = torch.where(full, torch.log(l1), NEG_INF)
+    rel = torch.where(full, u / l1, 0.0)
+    ref = safe_max(m)
+    logp = torch.where(full, (zt - ref) - log_l, NEG_INF)
+    ent = torch.where(full, log_l - rel, 0.0)
     if target is not None:
         skip = target == ignore_index
         logp, ent = torch.where(skip, 0.0, logp), torch.where(skip, 0.0, ent)
-    return logp, ent, lse_of(State(m, l)), safe_max(m) + rel
+    return logp, ent, torch.stack((ref, log_l, rel), -1)
 
 
-def stats_coefs(lse: Tensor, target: Optional[Tensor], ignore_index: int, g_logp: Optional[Tensor],
+def stats_coefs(rows: Tensor, target: Optional[Tensor], ignore_index: int, g_logp: Optional[Tensor],
                 g_ent: Optional[Tensor]) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """Per-row coefficients ``(gl, gh)`` of the backward: the upstream gradients of logp and entropy
     (None where there is none), 0 in ignored rows and in rows with no finite logit (whose gradient
-    is exactly 0)."""
-    dead = lse == NEG_INF
+    is exactly 0). ``rows (N, 3)`` from :func:`vocab_finish`."""
+    dead = rows[:, 1] == NEG_INF
     if target is not None:
         dead = dead | (target == ignore_index)
-    gl = None if g_logp is None else torch.where(dead, 0.0, g_logp.to(lse.dtype))
-    gh = None if g_ent is None else torch.where(dead, 0.0, g_ent.to(lse.dtype))
+    gl = None if g_logp is None else torch.where(dead, 0.0, g_logp.to(rows.dtype))
+    gh = None if g_ent is None else torch.where(dead, 0.0, g_ent.to(rows.dtype))
     return gl, gh
 
 
-def vocab_bwd(logits: Tensor, target: Optional[Tensor], lse: Tensor, mean: Tensor, gl: Optional[Tensor],
-              gh: Optional[Tensor], inv_t: float, col0: int) -> Tensor:
-    """``dlogits (N, V)`` in ``logits.dtype``: ``(gl (onehot - P) - gh P (z - mean)) / T`` per row.
+def vocab_bwd(logits: Tensor, target: Optional[Tensor], rows: Tensor, gl: Optional[Tensor], gh: Optional[Tensor],
+              inv_t: float, col0: int) -> Tensor:
+    """``dlogits (N, V)`` in ``logits.dtype``: ``(gl (onehot - P) - gh P (z - E_P[z])) / T`` per row.
 
-    ``lse, mean (N,)`` of the full rows; ``gl, gh (N,)`` from :func:`stats_coefs` (None: that term
-    is absent; ``gl`` needs ``target``); rows where every coefficient is 0 get exactly 0. Written
-    block by block over V.
+    ``rows (N, 3)`` of the full rows (:func:`vocab_finish`); ``gl, gh (N,)`` from
+    :func:`stats_coefs` (None: that term is absent; ``gl`` needs ``target``); rows where every
+    coefficient is 0 get exactly 0. Written block by block over V.
     """
     n, v = logits.shape
     dt = stat_dtype(logits.dtype)
     dx = torch.empty_like(logits)
-    lse_, mean_ = lse.to(dt).unsqueeze(1), mean.to(dt).unsqueeze(1)
+    ref, log_l, rel = (c.unsqueeze(1) for c in rows.to(dt).unbind(-1))
     coef = {k: c.to(dt).unsqueeze(1) for k, c in (("l", gl), ("h", gh)) if c is not None}
     dead = torch.ones((n, 1), dtype=torch.bool, device=logits.device)
     for c in coef.values():
         dead = dead & (c == 0)
     local = (target - col0).unsqueeze(1) if gl is not None else None
     for j in range(0, v, CPU_BLOCK_COLS):
-        z = _scaled(logits[:, j:j + CPU_BLOCK_COLS], inv_t, dt)  # [N, block]
-        p = torch.exp(z - lse_)
-        g = torch.zeros_like(z)
+        d = _scaled(logits[:, j:j + CPU_BLOCK_COLS], inv_t, dt) - ref  # [N, block]: z - m
+        p = torch.exp(d - log_l)
+        g = torch.zeros_like(d)
         if "h" in coef:
-            g = g - coef["h"] * torch.where(z == NEG_INF, 0.0, p * (z - mean_))
+            g = g - coef["h"] * torch.where(d == NEG_INF, 0.0, p * (d - rel))
         if local is not None:
-            hit = local == torch.arange(j, j + z.shape[1], device=logits.device)
+            hit = local == torch.arange(j, j + d.shape[1], device=logits.device)
             g = g + coef["l"] * (hit.to(dt) - p)
         dx[:, j:j + CPU_BLOCK_COLS] = torch.where(dead, 0.0, g * inv_t).to(logits.dtype)
     return dx
@@ -185,39 +190,42 @@ def merge_kl_records(parts: Tensor) -> Tensor:
     return torch.stack((sp.m, sp.l, sp.o.squeeze(-1), sq.m, sq.l), -1)
 
 
-def kl_finish(rec: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(kl, lse_p, lse_q, c)`` ``(N,)`` from merged KL records ``rec (N, 5)``; ``c = E_P[p - q]``.
+def kl_finish(rec: Tensor) -> tuple[Tensor, Tensor]:
+    """``(kl (N,), rows (N, 5))`` from merged KL records ``rec (N, 5)``; ``rows = (m_p, log l_p, m_q,
+    log l_q, E_P[(p - m_p) - (q - m_q)])`` for the backward (``m`` 0 where a side is empty).
 
     No mass in ``p``: KL 0; mass in ``p`` but none in ``q``: ``+inf``; NaN stays NaN.
     """
     mp, lp, u, mq, lq = rec.unbind(-1)
     pf, qf = lp != 0, lq != 0
     lp1, lq1 = torch.where(pf, lp, 1.0), torch.where(qf, lq, 1.0)
+    log_p, log_q = torch.where(pf, torch.log(lp1), NEG_INF), torch.where(qf, torch.log(lq1), NEG_INF)
     rel = torch.where(pf, u / lp1, 0.0)
-    kl = torch.where(qf, rel - torch.log(lp1) + torch.log(lq1), float("inf"))
-    kl = torch.where(pf, kl, 0.0)
-    c = rel + (safe_max(mp) - safe_max(mq))
-    return kl, lse_of(State(mp, lp)), lse_of(State(mq, lq)), c
+    kl = torch.where(pf, torch.where(qf, rel - log_p + log_q, float("inf")), 0.0)
+    return kl, torch.stack((safe_max(mp), log_p, safe_max(mq), log_q, rel), -1)
 
 
-def kl_bwd(p: Tensor, q: Tensor, lse_p: Tensor, lse_q: Tensor, c: Tensor, g: Tensor,
-           inv_t: float) -> tuple[Tensor, Tensor]:
-    """``(dp, dq)`` in the dtypes of ``p, q (N, V)``: ``g P_p ((p - q) - c) / T`` and ``g (P_q - P_p) / T``.
+def kl_coef(rows: Tensor, g: Tensor) -> Tensor:
+    """The upstream gradient of each row's KL, 0 where ``p`` has no mass (KL is 0 there whatever
+    the logits do); ``rows (N, 5)`` from :func:`kl_finish`."""
+    return torch.where(rows[:, 1] == NEG_INF, 0.0, g.to(rows.dtype))
 
-    ``g (N,)`` is the upstream gradient, 0 in rows with no mass in ``p`` (they get exactly 0).
-    """
+
+def kl_bwd(p: Tensor, q: Tensor, rows: Tensor, g: Tensor, inv_t: float) -> tuple[Tensor, Tensor]:
+    """``(dp, dq)`` in the dtypes of ``p, q (N, V)``: ``g P_p ((p - q) - E_P[p - q]) / T`` and
+    ``g (P_q - P_p) / T``; ``rows (N, 5)`` from :func:`kl_finish`, ``g (N,)`` from :func:`kl_coef`
+    (rows where it is 0 get exactly 0)."""
     n, v = p.shape
     dt = stat_dtype(torch.promote_types(p.dtype, q.dtype))
     dp, dq = torch.empty_like(p), torch.empty_like(q)
-    lp_, lq_, c_ = lse_p.to(dt).unsqueeze(1), lse_q.to(dt).unsqueeze(1), c.to(dt).unsqueeze(1)
+    rp, log_p, rq, log_q, rel = (c.unsqueeze(1) for c in rows.to(dt).unbind(-1))
     g_ = g.to(dt).unsqueeze(1)
-    dead = g_ == 0
     for j in range(0, v, CPU_BLOCK_COLS):
         sl = slice(j, j + CPU_BLOCK_COLS)
-        zp, zq = _scaled(p[:, sl], inv_t, dt), _scaled(q[:, sl], inv_t, dt)
-        pp = torch.exp(zp - lp_)
-        pq = torch.where(zq == NEG_INF, 0.0, torch.exp(zq - lq_))
-        gp = torch.where(zp == NEG_INF, 0.0, pp * ((zp - zq) - c_))
-        dp[:, sl] = torch.where(dead, 0.0, g_ * inv_t * gp).to(p.dtype)
-        dq[:, sl] = torch.where(dead, 0.0, g_ * inv_t * (pq - torch.where(zp == NEG_INF, 0.0, pp))).to(q.dtype)
+        ep, eq = _scaled(p[:, sl], inv_t, dt) - rp, _scaled(q[:, sl], inv_t, dt) - rq  # [N, block]
+        pp = torch.where(ep == NEG_INF, 0.0, torch.exp(ep - log_p))
+        pq = torch.where(eq == NEG_INF, 0.0, torch.exp(eq - log_q))
+        gp = torch.where(ep == NEG_INF, 0.0, pp * ((ep - eq) - rel))
+        dp[:, sl] = torch.where(g_ == 0, 0.0, g_ * inv_t * gp).to(p.dtype)
+        dq[:, sl] = torch.where(g_ == 0, 0.0, g_ * inv_t * (pq - pp)).to(q.dtype)
     return dp, dq

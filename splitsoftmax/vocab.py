@@ -52,7 +52,7 @@ def _logits(name: str, x) -> Tensor:
 
 def _target(target, logits: Tensor, ignore_index) -> None:
     _checks.tensor("target", target, floating=False)
-    if target.is_complex() or target.dtype == torch.bool:
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
         raise TypeError(f"target must hold integer class ids, got dtype {target.dtype}")
     if tuple(target.shape) != tuple(logits.shape[:1]):
         raise ValueError(f"target shape {tuple(target.shape)} must be (N,) = ({logits.shape[0]},)")

@@ -167,6 +167,11 @@ class ShardedKLFn(torch.autograd.Function):
         return dp, dq, None, None
 
 
+def _fields(logits: Tensor, temperature) -> dict:
+    """Handshake fields every rank must agree on: the row count, the dtype, the temperature."""
+    return {"N": logits.shape[0], "dtype": hs.encode_dtype(logits.dtype), "temperature": hs.encode_float(temperature)}
+
+
 def _agree(comm, op: str, local: Callable[[], tuple]):
     """Local checks (``local()`` returns ``(agreed fields, per-rank fields, result)``), then the
     handshake: a refusal or disagreement raises on every rank. Returns ``(result, {field: per rank})``."""
@@ -194,9 +199,8 @@ def sharded_logprobs(logits: Tensor, target: Tensor, *, temperature: float = 1.0
 
     def local():
         inv_t = _logprob_args(logits, target, temperature, return_entropy, ignore_index)
-        agree = {"N": logits.shape[0], "dtype": hs.encode_dtype(logits.dtype), "temperature": hs.encode_float(temperature),
-                 "ignore_index": int(ignore_index), "return_entropy": int(return_entropy),
-                 "target": _fingerprint(target)}
+        agree = {**_fields(logits, temperature), "ignore_index": int(ignore_index),
+                 "return_entropy": int(return_entropy), "target": _fingerprint(target)}
         return agree, {"V_local": logits.shape[1]}, inv_t
     inv_t, meta = _agree(comm, "sharded_logprobs", local)
     widths = meta["V_local"]
@@ -214,8 +218,7 @@ def sharded_entropy(logits: Tensor, *, temperature: float = 1.0, group=None) -> 
     def local():
         _logits("logits", logits)
         inv_t = _temperature(temperature)
-        agree = {"N": logits.shape[0], "dtype": hs.encode_dtype(logits.dtype), "temperature": hs.encode_float(temperature)}
-        return agree, {"V_local": logits.shape[1]}, inv_t
+        return _fields(logits, temperature), None, inv_t
     inv_t, _ = _agree(comm, "sharded_entropy", local)
     return ShardedStatsFn.apply(logits, None, comm, 0, inv_t, -100, True, "sharded_entropy")[1]
 
@@ -228,8 +231,7 @@ def sharded_kl_div(logits_p: Tensor, logits_q: Tensor, *, temperature: float = 1
 
     def local():
         inv_t = _kl_args(logits_p, logits_q, temperature)
-        agree = {"N": logits_p.shape[0], "dtype": hs.encode_dtype(logits_p.dtype),
-                 "dtype_q": hs.encode_dtype(logits_q.dtype), "temperature": hs.encode_float(temperature)}
-        return agree, {"V_local": logits_p.shape[1]}, inv_t
+        agree = {**_fields(logits_p, temperature), "dtype_q": hs.encode_dtype(logits_q.dtype)}
+        return agree, None, inv_t
     inv_t, _ = _agree(comm, "sharded_kl_div", local)
     return ShardedKLFn.apply(logits_p, logits_q, comm, inv_t)

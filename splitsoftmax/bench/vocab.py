@@ -127,6 +127,7 @@ def _timings(fn, inputs: list, extra: tuple) -> dict:
         outs = outs if isinstance(outs, tuple) else (outs,)
         torch.autograd.grad(sum(o.sum() for o in outs), leaves)
     fwd_bwd()
+    fwd()  # (warm-ups: torch.compile compiles each grad mode once)
     res = {"fwd_peak_mib": _peak_mib(fwd), "fwd_bwd_peak_mib": _peak_mib(fwd_bwd)}
     res.update(fwd_ms=best_ms(fwd), fwd_bwd_ms=best_ms(fwd_bwd))
     return res

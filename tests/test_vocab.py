@@ -209,3 +209,12 @@ def test_opcheck_and_compile():
     want, gwant = grads(step, (p, q), w)
     for a, b in zip((*got, *g), (*want, *gwant)):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_bench_gate_and_peers_on_cpu():
+    """``bench vocab``'s correctness gate on small CPU shapes: its torch peers agree with the oracles
+    and ss passes the 2x rule (the harness the GPU run relies on)."""
+    from splitsoftmax.bench import vocab as bench
+    rows = bench.gate_stats([(3, 500, torch.float32, 1.0), (16, 300, torch.bfloat16, 0.7)], device="cpu")
+    assert len(rows) == 4 and all(r["ok"] for r in rows), rows
+    assert all(r["torch_err"] < 1e-2 for r in rows), rows

@@ -19,6 +19,7 @@ Same signatures and math as ``kernels/vocab_cpu.py``.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -292,10 +293,13 @@ def _kl_bwd_kernel(P, Q, ROWS, G, DP, DQ, N, V, span, s_pn, s_qn, s_dpn, s_dqn, 
         tl.store(DQ + r64 * s_dqn + cols, gq.to(DQ.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
+@lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sms(device: torch.device) -> int:
-    if interpreting():
-        return configs.VOCAB_INTERPRET_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return configs.VOCAB_INTERPRET_SMS if interpreting() else _device_sms(device.index or 0)
 
 
 def plan(n: int, v: int, tile: tuple, device: torch.device) -> tuple[int, int, int, int, int, int]:

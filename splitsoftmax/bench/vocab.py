@@ -212,10 +212,12 @@ def plot_stats(r: dict, path: str) -> bool:
     names = list(r["impls"])
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.5))
     for i, key in enumerate(("fwd", "fwd_bwd")):
-        ax_t.bar([j + 0.4 * i for j in range(len(names))], [r["impls"][n]["stats"][f"{key}_ms"] for n in names],
-                 0.4, label=key.replace("_", "+"))
-        ax_m.bar([j + 0.4 * i for j in range(len(names))],
-                 [r["impls"][n]["stats"][f"{key}_peak_mib"] / 1024 for n in names], 0.4, label=key.replace("_", "+"))
+        xs = [j + 0.4 * i for j in range(len(names))]
+        bars = ax_t.bar(xs, [r["impls"][n]["stats"][f"{key}_ms"] for n in names], 0.4, label=key.replace("_", "+"))
+        ax_t.bar_label(bars, fmt="%.2f", fontsize=8)
+        bars = ax_m.bar(xs, [r["impls"][n]["stats"][f"{key}_peak_mib"] / 1024 for n in names], 0.4,
+                        label=key.replace("_", "+"))
+        ax_m.bar_label(bars, fmt="%.2f", fontsize=8)
     ax_t.axhline(r["copy_ms"], color="k", ls="--", lw=1, label="copy of the logits")
     for ax, unit in ((ax_t, "ms"), (ax_m, "GiB above the logits")):
         ax.set_xticks([j + 0.2 for j in range(len(names))], names)

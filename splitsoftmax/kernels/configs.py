@@ -226,8 +226,11 @@ VOCAB_BWD_TILE = (4096, 4096, 16, 3)
 VOCAB_KL_FWD_TILE = (4096, 4096, 8, 3)
 VOCAB_KL_BWD_TILE = (2048, 2048, 8, 3)
 VOCAB_TILE_INTERPRET = (16, 64, 1, 1)
-# split a row over several programs while fewer than this many programs per SM would run
+# split a row over several programs (and batch fewer short rows per program) while fewer than
+# this many programs per SM would run
 VOCAB_PROGRAMS_PER_SM = 4
+# a tile gets at most one warp per this many elements (small tiles of short rows: fewer warps)
+VOCAB_ELEMS_PER_WARP = 256
 # SM count assumed under the interpreter, so small tests reach the split path
 VOCAB_INTERPRET_SMS = 4
 # rows per program of the elementwise kernel turning merged records into statistics

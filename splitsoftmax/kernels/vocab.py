@@ -304,13 +304,18 @@ def _sms(device: torch.device) -> int:
 
 def plan(n: int, v: int, tile: tuple, device: torch.device) -> tuple[int, int, int, int, int, int]:
     """``(BLOCK_R, BLOCK_V, warps, stages, splits, span)`` for ``(N, V)`` logits and ``tile`` =
-    (widest BLOCK_V, tile elements, warps, stages): rows batched per program when V is short; a
-    row split into ``splits`` spans of ``span`` columns (a multiple of BLOCK_V) when few rows."""
+    (widest BLOCK_V, tile elements, warps, stages): short rows batched BLOCK_R per program (fewer
+    while that leaves too few programs), warps cut to the tile (at least ``VOCAB_ELEMS_PER_WARP``
+    elements each); a row split into ``splits`` spans of ``span`` columns (a multiple of BLOCK_V)
+    when there are too few rows to fill the GPU."""
     widest, elems, warps, stages = configs.VOCAB_TILE_INTERPRET if interpreting() else tile
+    programs = configs.VOCAB_PROGRAMS_PER_SM * _sms(device)
     block_v = min(widest, max(16, triton.next_power_of_2(max(v, 1))))
     block_r = max(1, min(elems // block_v, triton.next_power_of_2(max(n, 1))))
-    want = configs.cdiv(configs.VOCAB_PROGRAMS_PER_SM * _sms(device), configs.cdiv(max(n, 1), block_r))
-    splits = max(1, min(want, configs.cdiv(max(v, 1), block_v)))
+    while block_r > 1 and configs.cdiv(n, block_r) < programs:
+        block_r //= 2
+    warps = max(1, min(warps, block_r * block_v // configs.VOCAB_ELEMS_PER_WARP))
+    splits = max(1, min(configs.cdiv(programs, configs.cdiv(max(n, 1), block_r)), configs.cdiv(max(v, 1), block_v)))
     span = configs.cdiv(configs.cdiv(max(v, 1), splits), block_v) * block_v
     return block_r, block_v, warps, stages, configs.cdiv(max(v, 1), span), span
 

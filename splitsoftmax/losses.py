@@ -42,15 +42,15 @@ def _args(logits, target, ignore_index, reduction, label_smoothing) -> float:
     return float(label_smoothing)
 
 
-def _check_targets(logits: Tensor, target: Tensor, ignore_index: int, vocab: int) -> None:
+def _check_targets(target: Tensor, ignore_index: int, vocab: int, on_device: bool = False) -> None:
     """Every target is a class id in ``[0, vocab)`` or ``ignore_index`` (skipped while compiling).
 
     On the CPU a bad target raises ``ValueError`` naming it. On an accelerator the check does not
     wait for the device: like torch's own cross-entropy there, a bad target fails a device-side
     assertion (a host synchronisation per call would cost more than the loss itself), in the
-    Triton kernel that computes the row losses (``ce_rows``), or here for the torch path.
+    Triton kernel that computes the row losses (``ce_rows``: ``on_device``), or here.
     """
-    if torch.compiler.is_compiling() or target.numel() == 0 or (target.is_cuda and use_triton(logits)):
+    if torch.compiler.is_compiling() or target.numel() == 0 or (on_device and target.is_cuda):
         return
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if target.device.type != "cpu":
@@ -83,7 +83,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
     ``logits.dtype``. ``reduction``: ``"mean"``, ``"sum"`` (scalars) or ``"none"`` (``(N,)``).
     """
     eps = _args(logits, target, ignore_index, reduction, label_smoothing)
-    _check_targets(logits, target, ignore_index, logits.shape[1])
+    _check_targets(target, ignore_index, logits.shape[1], on_device=use_triton(logits))
     loss, _ = call("ce_fwd", logits, target, ignore_index, eps)
     return _reduce(loss, target, ignore_index, reduction, logits.dtype)
 
@@ -139,6 +139,6 @@ def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_
     meta = hs.handshake(comm, "sharded_cross_entropy", agree, per, err)
     widths = meta["V_local"]
     vocab, col0 = sum(widths), sum(widths[:comm.rank])
-    _check_targets(logits, target, ignore_index, vocab)
+    _check_targets(target, ignore_index, vocab, on_device=use_triton(logits))
     loss = ShardedCrossEntropyFn.apply(logits, target, comm, col0, vocab, ignore_index, eps)
     return _reduce(loss, target, ignore_index, reduction, logits.dtype)

@@ -37,7 +37,7 @@ ATTN_TILE_DEFAULT = (16, 16, 4, 2)
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,
-# pointer loads -> TMA: 312 -> 334 / 360 -> 398 / 414 -> 415 (launch/probes/session6.py causal).
+# pointer loads -> TMA: 312 -> 334 / 360 -> 398 / 414 -> 415 (launch/probes/attention_causal_forward.py tma).
 ATTN_TMA = True
 # ... and, where the forward writes its output directly (not merging in place, one key split), it
 # stores the output tile through a descriptor too ...

@@ -11,8 +11,8 @@ with the guard only when their sum is not finite).
 
 SECTIONS (comma-separated, default all): tma, store, tiles, guard (each function's docstring says
 what it times). ``guard`` also times ``kernels/_probe_prev.py`` where present: an earlier form of
-``kernels/attention.py`` (``git show COMMIT:splitsoftmax/kernels/attention.py``, git-ignored; pass
-it in the device call's carried files). Patched copies are written beside it as
+``kernels/attention.py`` (``git show COMMIT:splitsoftmax/kernels/attention.py > ...``, git-ignored,
+so copy it to the GPU machine beside the tree). Patched copies are written beside it as
 ``kernels/_probe_*.py``. Writes OUTDIR/probe.json.
 """
 import importlib

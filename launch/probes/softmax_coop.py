@@ -11,8 +11,8 @@ Backs these choices (numbers: BENCHMARKS.md, "Softmax family" and its history): 
 SECTIONS (comma-separated, default all):
 - coop: 512x262144, 2048x65536, 128x1M, 8x262144 bf16 and 256x131072, 64x1M fp32, softmax and
   log-softmax; where ``kernels/_probe_old_softmax.py`` is present (an earlier
-  ``git show COMMIT:splitsoftmax/kernels/softmax.py``, git-ignored: pass it in the device call's
-  carried files), also that kernel;
+  ``git show COMMIT:splitsoftmax/kernels/softmax.py``, git-ignored, so copy it to the GPU machine
+  beside the tree), also that kernel;
 - keepx: the kernel as it is against a copy (``kernels/_probe_keepx.py``) whose softmax holds ``x``.
 Writes OUTDIR/probe.json.
 """

@@ -4,8 +4,16 @@
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 NPROC   ?= 4
+# The interpreter lane runs at both ends of the triton range pyproject.toml declares: in full on
+# the venv's triton (the newest pip allows beside torch), and on the oldest, installed without its
+# dependencies into a folder of its own that goes first on PYTHONPATH (.venv and its pip check
+# stay as they are). On the oldest it leaves out the slowest half of the lane's time: the softmax
+# paths' 1000-column rows and the many-partials merges (every test function still runs).
+TRITON_OLDEST := 3.6.0
+OLDEST        := .venv-triton-oldest
+OLDEST_SUBSET := not 1000 and not many_partials
 
-.PHONY: venv verify test test-cpu test-interpreter test-gpu bench clean
+.PHONY: venv verify test test-cpu test-interpreter test-interpreter-oldest test-gpu bench clean
 
 venv: .venv/.done
 
@@ -16,10 +24,15 @@ venv: .venv/.done
 	$(PY) -m pip install -q -e ".[test,mpi,bench,hf]"
 	touch $@
 
+$(OLDEST)/.done: .venv/.done Makefile
+	rm -rf $(OLDEST)
+	$(PY) -m pip install -q --no-deps --target $(OLDEST) triton==$(TRITON_OLDEST)
+	touch $@
+
 verify: venv
 	$(PY) -m splitsoftmax verify --nproc $(NPROC)
 
-test: test-cpu test-interpreter
+test: test-cpu test-interpreter test-interpreter-oldest
 
 test-cpu: venv
 	$(PYTEST) -q -m "not interpreter and not gpu" -p no:cacheprovider
@@ -27,9 +40,13 @@ test-cpu: venv
 test-interpreter: venv
 	TRITON_INTERPRET=1 $(PYTEST) -q -m interpreter -p no:cacheprovider
 
+test-interpreter-oldest: venv $(OLDEST)/.done
+	PYTHONPATH=$(CURDIR)/$(OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) TRITON_INTERPRET=1 \
+	    $(PYTEST) -q -m interpreter -k "$(OLDEST_SUBSET)" -p no:cacheprovider
+
 # GPU lane: run on a CUDA machine (see launch/gpu_check.sh); skipped in CI.
 test-gpu:
 	python3 -m pytest -q -m gpu -p no:cacheprovider
 
 clean:
-	rm -rf .venv build *.egg-info
+	rm -rf .venv $(OLDEST) build *.egg-info

@@ -2,7 +2,7 @@
 
 Invariants: the splits cover exactly the visible keys in whole tiles; they fill at most one wave
 of ``ATTN_SPLIT_PROGRAMS_PER_SM`` programs per SM (a partial second wave ran batch-4 decode at 0.8x
-cuDNN, BENCHMARKS.md, session 8); short splits pipeline fewer stages.
+cuDNN, BENCHMARKS.md, History: decode and merge); short splits pipeline fewer stages.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
 CPU_BLOCK_COLS = 8192
 CPU_BLOCK_KEYS = 256
 
-# ---- attention (issue 4): Triton attention, split-KV decode and the fused N-way merge ----
+# ---- attention: Triton attention, split-KV decode and the fused N-way merge ----
 # A tile config is (BLOCK_M, BLOCK_N, num_warps, num_stages), keyed by (kind, element size of the
 # inputs, head dim); `decode.attn_tile` takes the smallest listed head dim >= the padded one,
 # else ATTN_TILE_DEFAULT. Chosen from sm_90 ptxas reports (registers, no spills) and timings.
@@ -37,7 +37,7 @@ ATTN_TILE_DEFAULT = (16, 16, 4, 2)
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,
-# pointer loads -> TMA: 312 -> 334 / 360 -> 398 / 414 -> 415 (launch/probes/session6.py causal).
+# pointer loads -> TMA: 312 -> 334 / 360 -> 398 / 414 -> 415 (launch/probes/attention_causal_forward.py tma).
 ATTN_TMA = True
 # ... and, where the forward writes its output directly (not merging in place, one key split), it
 # stores the output tile through a descriptor too ...
@@ -80,7 +80,7 @@ ATTN_SPLIT_TRIGGER = True
 # own lookup picks (costs that lookup again; the GPU tests turn it on).
 LAUNCH_VERIFY = False
 
-# ---- softmax (issue 3): Triton softmax / log-softmax / logsumexp, forward and backward ----
+# ---- softmax: Triton softmax / log-softmax / logsumexp, forward and backward ----
 from dataclasses import dataclass  # noqa: E402
 from typing import Optional  # noqa: E402
 

@@ -1,7 +1,11 @@
 """Probe (no GPU needed): registers and spills of the softmax coop kernel on sm_90, per dtype, chunk
 and warps. Compiles with Triton for a GPUTarget and runs the bundled ptxas with ``-v``.
 
-    PYTHONPATH=. python3 launch/probes/coop_regs.py
+    PYTHONPATH=. python3 launch/probes/softmax_coop_registers.py
+
+Backs ``configs.SoftmaxConfig.coop_chunk_elems`` / ``coop_elems_per_warp`` (16384-element chunks,
+8 warps: the largest chunk that holds three chunks per thread without spilling much); numbers in
+BENCHMARKS.md, "Softmax family" history.
 """
 import os
 import re
@@ -10,11 +14,12 @@ import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from splitsoftmax.kernels import softmax as K
 
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+PTXAS = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90 (its bundled CUDA 12 or 13 one)
 ALIGNED = (0, 1, 3, 5, 7, 8)  # pointers and ints divisible by 16, as a launch would specialise them
 
 

@@ -1,8 +1,12 @@
-"""Probe (tuning data): attention backward tiles, forward+backward TFLOP/s beside SDPA flash, one run.
+"""Probe: attention backward tiles on one GPU, forward+backward TFLOP/s beside SDPA flash, one run.
 
-    PYTHONPATH=. python3 launch/probes/attn_bwd.py
+    PYTHONPATH=. python3 launch/probes/attention_bwd_tiles.py
 
-One tile changes at a time (dK/dV, then dQ) from the defaults in ``kernels/configs.py``.
+One tile changes at a time (dK/dV, then dQ) from the defaults in ``kernels/configs.py``, at
+S = 1k, 2k, 8k (B*S = 32k, H=16, D=128, bf16), causal and not. Backs
+``configs.ATTN_TILES[("bwd_kv", 2, 128)]`` (32x64, 4 warps, 3 stages) and
+``ATTN_TILES[("bwd_q", 2, 128)]`` (128x64, 8 warps, 4 stages); numbers in BENCHMARKS.md,
+"Attention" history.
 """
 import sys
 

@@ -1,26 +1,19 @@
-"""Probe (tuning data, not part of the library): session 7's attention forward questions, one GPU.
+"""Probe: the causal attention forward on one GPU (B*S = 32k tokens, H=16, D=128, bf16), beside SDPA flash.
 
-    PYTHONPATH=. python3 launch/probes/session7.py OUTDIR [SECTIONS]
+    PYTHONPATH=. python3 launch/probes/attention_causal_forward.py OUTDIR [SECTIONS]
 
-SECTIONS (comma-separated, default all):
-- tma: S = 1k / 2k / 4k causal forward (B*S = 32k, H=16, D=128, bf16) through the public call, with
-  the output stored through a TMA descriptor or through pointers (``configs.ATTN_TMA_STORE``) and
-  with ``(B * H * S, D)`` row-view descriptors or ``(B, H, S, D)`` ones (``configs.ATTN_TMA_ROWS``),
-  beside SDPA flash, the same call replayed from a CUDA graph (no host cost), the launcher
-  ``kernels.attention.attn_fwd``, a copy without the NaN guard of the diagonal tiles, and the TMA
-  prototype (``attn_tma_kernel.py``, beside this file);
-- tiles: S = 4k / 8k / 1k causal forward through the public call under tiles (block sizes, warps,
-  stages) given to every causal S up to that one (``configs.ATTN_SHORT_CAUSAL_SQ``), beside SDPA
-  flash;
-- variants: S = 1k / 2k / 4k causal forward through the launcher ``kernels.attention.attn_fwd``, as
-  it is, in a copy patched (``PATCHES``) without the NaN guard, and (where ``kernels/_probe_prev.py``
-  is present, git-ignored: pass it in the device call's ``carry``) an earlier form of the module, in
-  two rounds, beside SDPA flash and the prototype;
-- decode: one query, GQA 32/8, D=128, bf16, 128k and 1M keys through the public call, eager and
-  replayed from a CUDA graph, with the split-KV merge launched under programmatic dependent launch
-  or not (``configs.MERGE_PDL``), in two rounds, beside SDPA cuDNN. (Host time per decode call:
-  ``session5.py host``.)
-Writes OUTDIR/probe.json.
+Backs these choices (numbers: BENCHMARKS.md, "Attention" and its history):
+``configs.ATTN_TMA`` (Q/K/V tiles through TMA descriptors), ``ATTN_TMA_STORE`` and
+``ATTN_TMA_ROWS`` (the output store and the descriptors' shape), the short-causal tile
+``ATTN_TILES[("fwd_causal_short", 2, 128)]`` up to ``ATTN_SHORT_CAUSAL_SQ`` queries, and the NaN
+guard of the diagonal tiles in ``kernels/attention.py`` (masked tiles run unguarded, and re-run
+with the guard only when their sum is not finite).
+
+SECTIONS (comma-separated, default all): tma, store, tiles, guard (each function's docstring says
+what it times). ``guard`` also times ``kernels/_probe_prev.py`` where present: an earlier form of
+``kernels/attention.py`` (``git show COMMIT:splitsoftmax/kernels/attention.py > ...``, git-ignored,
+so copy it to the GPU machine beside the tree). Patched copies are written beside it as
+``kernels/_probe_*.py``. Writes OUTDIR/probe.json.
 """
 import importlib
 import os
@@ -28,13 +21,10 @@ import sys
 
 import torch
 
-# the probe helpers, beside this file
-from session4 import bench, causal_case, guard, rec, rec_flash_causal, run_sections
+from helpers import bench, causal_case, guard, rec, rec_flash_causal, run_sections  # beside this file
 
 SEQS = (1024, 2048, 4096)
 LAYOUTS = {"store rows": (True, True), "pointer-store heads": (False, False)}
-
-
 # name -> (old, new) text patches of kernels/attention.py
 PATCHES = {"noguard": [("    if CAUSAL:  # a NaN/Inf value", "    if CAUSAL and False:  # a NaN/Inf value")]}
 
@@ -57,16 +47,39 @@ def _noguard():
 
 
 def sec_tma():
+    """S = 1k..8k: Q/K/V through TMA descriptors or pointer loads, under the short-causal tile (64x64)
+    or the long one (128x128), through the public call."""
+    import splitsoftmax as ss
+    from splitsoftmax.kernels import configs
+    saved = (configs.ATTN_TMA, configs.ATTN_SHORT_CAUSAL_SQ)
+    for S in (1024, 2048, 4096, 8192):
+        q, k, v, flops = causal_case(S)
+        grp = f"causal fwd S={S}"
+        rec_flash_causal(grp, q, k, v, flops)
+        for tma in (True, False):
+            for short in (True, False):
+                configs.ATTN_TMA, configs.ATTN_SHORT_CAUSAL_SQ = tma, (S if short else 0)
+                name = f"{'tma' if tma else 'pointers'} {'64x64' if short else '128x128'}"
+                with torch.no_grad():
+                    guard(grp, name, lambda: rec(grp, name, bench(lambda: ss.attention(q, k, v, causal=True)),
+                                                 flops=flops))
+        configs.ATTN_TMA, configs.ATTN_SHORT_CAUSAL_SQ = saved
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def sec_store():
+    """S = 1k / 2k / 4k: the output stored through a TMA descriptor or pointers, row-view or per-head
+    descriptors; the same call replayed from a graph, the launcher, the launcher without the guard."""
     import splitsoftmax as ss
     from splitsoftmax.bench import graph_ms
     from splitsoftmax.kernels import attention as A
     from splitsoftmax.kernels import configs
-    import attn_tma_kernel as proto  # beside this file
     ng = _noguard()
     saved = (configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS)
     for S in SEQS:
         q, k, v, flops = causal_case(S)
-        grp = f"causal fwd S={S}"
+        grp = f"store causal S={S}"
         with torch.no_grad():
             want = ss.attention(q, k, v, causal=True)
             for rnd in (1,):
@@ -86,11 +99,10 @@ def sec_tma():
                 lambda: A.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)), flops=flops))
             guard(grp, "no guard", lambda: rec(grp, "launcher without NaN guard", bench(
                 lambda: ng.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)), flops=flops))
-            guard(grp, "prototype", lambda: rec(grp, "prototype tma (64, 64, 4, 3)", bench(
-                lambda: proto.attn_fwd_tma(q, k, v, True, 64, 64, 4, 3)), flops=flops))
 
 
 def sec_tiles():
+    """S = 4k / 8k / 1k: short-causal tiles given to every causal S up to that one, public call."""
     import splitsoftmax as ss
     from splitsoftmax.kernels import configs
     saved = configs.ATTN_SHORT_CAUSAL_SQ, dict(configs.ATTN_TILES)
@@ -113,15 +125,16 @@ def sec_tiles():
             configs.ATTN_TILES.update(saved[1])  # the same dict: kernels.decode holds it too
 
 
-def sec_variants():
+def sec_guard():
+    """S = 1k / 2k / 4k through the launcher, two rounds: as it is, without the NaN guard (timing only),
+    and an earlier form of the module where ``kernels/_probe_prev.py`` is present."""
     from splitsoftmax.kernels import attention as A
-    import attn_tma_kernel as proto  # beside this file
     mods = {"as is": A, "noguard": _noguard()}
     if os.path.exists("splitsoftmax/kernels/_probe_prev.py"):
         mods["previous"] = importlib.import_module("splitsoftmax.kernels._probe_prev")
     for S in (1024, 2048, 4096):
         q, k, v, flops = causal_case(S)
-        grp = f"variants causal S={S}"
+        grp = f"guard causal S={S}"
         with torch.no_grad():
             want = A.attn_fwd(q, k, v, 128 ** -0.5, True, out_dtype=q.dtype)
             for rnd in (1, 2):
@@ -132,39 +145,9 @@ def sec_variants():
                         same = torch.equal(fn()[0], want[0])
                         rec(grp, f"{name} r{rnd}", bench(fn), flops=flops, same=same)
                     guard(grp, name, run)
-                guard(grp, "prototype", lambda: rec(grp, f"prototype r{rnd}", bench(
-                    lambda: proto.attn_fwd_tma(q, k, v, True, 64, 64, 4, 3)), flops=flops))
 
 
-def sec_decode():
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    import splitsoftmax as ss
-    from splitsoftmax.bench import graph_ms
-    from splitsoftmax.kernels import configs
-    saved = configs.MERGE_PDL
-    q = torch.randn(1, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
-    for keys in (131072, 1048576):
-        k, v = (torch.randn(1, 8, keys, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        nbytes = 2 * k.numel() * 2
-        grp = f"decode {keys}"
-        with torch.no_grad():
-            want = ss.attention(q, k, v)
-            for rnd in (1, 2):
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    peer = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
-                    rec(grp, f"cudnn eager r{rnd}", bench(peer), nbytes)
-                    rec(grp, f"cudnn graph r{rnd}", graph_ms(peer), nbytes)
-                for pdl in (True, False):
-                    configs.MERGE_PDL = pdl
-                    fn = lambda: ss.attention(q, k, v)  # noqa: E731
-                    same = torch.equal(fn(), want)
-                    rec(grp, f"ss pdl={pdl} eager r{rnd}", bench(fn), nbytes, same=same)
-                    guard(grp, f"graph pdl={pdl}", lambda: rec(grp, f"ss pdl={pdl} graph r{rnd}", graph_ms(fn), nbytes))
-                configs.MERGE_PDL = saved
-
-
-SECTIONS = {"tma": sec_tma, "tiles": sec_tiles, "variants": sec_variants, "decode": sec_decode}
+SECTIONS = {"tma": sec_tma, "store": sec_store, "tiles": sec_tiles, "guard": sec_guard}
 
 if __name__ == "__main__":
     run_sections(SECTIONS, sys.argv)

@@ -1,21 +1,27 @@
-"""Probe (tuning data, not part of the library): session 8's split-KV decode questions, one GPU.
+"""Probe: the split-KV decode plan and launch on one GPU (GQA 32/8, D=128, bf16), beside SDPA cuDNN.
 
-    PYTHONPATH=. python3 launch/probes/session8.py OUTDIR [SECTIONS]
+    PYTHONPATH=. python3 launch/probes/decode_split_plan.py OUTDIR [SECTIONS]
+
+Backs these choices (numbers: BENCHMARKS.md, "Decode and merge"):
+``configs.ATTN_TILES[("decode", 2, 128)]`` and ``ATTN_SPLIT_PROGRAMS_PER_SM`` (the split plan),
+``ATTN_SHORT_SPLIT_TILES`` / ``ATTN_SHORT_SPLIT_STAGES`` (short splits pipeline 3 stages),
+``ATTN_SPLIT_TRIGGER`` and ``MERGE_PDL`` (the merge launched early), the launch cache
+(``kernels/launch.py``), and the few-row merge that loads every partial at once
+(``MERGE_PARTS_*``).
 
 SECTIONS (comma-separated, default all):
-- host: host time per 128k-key decode call (GQA 32/8, D=128, bf16) of each layer: the public call
-  and the launcher with the launch cache (``kernels.launch``) and through Triton's own launch path,
-  SDPA cuDNN, a profile of the public call; and of each step of Triton's launch of the split kernel and the merge
-  kernel: the whole ``kernel[grid](...)``, its argument binder, its cache key, the compiled
+- host: host time per 128k-key decode call of each layer: the public call and the launcher with
+  the launch cache (``kernels.launch``) and through Triton's own launch path, SDPA cuDNN, a
+  cProfile of the public call; and of each step of Triton's launch of the split kernel and the
+  merge kernel: the whole ``kernel[grid](...)``, its argument binder, its cache key, the compiled
   kernel's own ``run`` with the bound arguments, a key built over the arguments in Python;
 - tiles: batch 1 at 128k and 1M keys, batch 4 at 128k, replayed from a CUDA graph (no host time)
-  under decode tiles, with the split forward letting the merge start early
-  (``configs.ATTN_SPLIT_TRIGGER``) or not, and short splits' stages capped
-  (``configs.ATTN_SHORT_SPLIT_STAGES``) or not, in two rounds, beside SDPA cuDNN; the public call
-  eager.
-- eager: 128k keys, B=1, the public call timed eager with the launch cache, the split forward's
-  early trigger and the merge's PDL each on or off, and the host time per iteration of a
-  do_bench-like loop.
+  under the ``variants`` of ``sec_tiles`` (decode tile, split programs per SM, the early trigger,
+  short splits' stages), in two rounds; the public call eager;
+- eager: 128k keys, B=1, the public call timed eager with the launch cache, the early trigger and
+  the merge's PDL each on or off, and the host time per iteration of a do_bench-like loop;
+- profile: GPU time of each kernel of a decode call at 128k and 1M keys (the split kernel, the
+  merge), beside cuDNN's kernels.
 Writes OUTDIR/probe.json.
 """
 import sys
@@ -25,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from session4 import ROWS, bench, guard, rec, rec_profile, run_sections  # the probe helpers, beside this file
+from helpers import ROWS, bench, guard, rec, rec_profile, run_sections  # beside this file
 
 
 def decode_inputs(keys, batch=1):
@@ -162,7 +168,8 @@ def sec_tiles():
     key = ("decode", 2, 128)
     saved = configs.ATTN_TILES[key], [getattr(configs, n) for n in names]
     # (decode tile, split programs per SM, early trigger, most stages of short splits)
-    variants = [((16, 64, 4, 4), 2, True, 3), ((16, 64, 4, 4), 2, True, 4), ((16, 64, 4, 4), 2, False, 3)]
+    variants = [((16, 64, 4, 4), 2, True, 3), ((16, 64, 4, 4), 2, True, 4), ((16, 64, 4, 4), 2, False, 3),
+                ((16, 64, 4, 4), 1, True, 3), ((16, 64, 4, 4), 4, True, 3)]
     for batch, keys in ((1, 131072), (1, 1048576), (4, 131072)):
         q, k, v = decode_inputs(keys, batch)
         nb = 2 * k.numel() * 2
@@ -233,7 +240,31 @@ def sec_eager():
         configs.ATTN_SPLIT_TRIGGER, configs.MERGE_PDL = saved
 
 
-SECTIONS = {"host": sec_host, "tiles": sec_tiles, "eager": sec_eager}
+def sec_profile():
+    """GPU time of each kernel of a decode call (torch.profiler, 20 calls) beside SDPA cuDNN's."""
+    import splitsoftmax as ss
+    from torch.profiler import ProfilerActivity, profile
+    for keys in (131072, 1048576):
+        q, k, v = decode_inputs(keys)
+        with torch.no_grad():
+            for name, fn in (("cudnn", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),
+                             ("ss", lambda: ss.attention(q, k, v))):
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                        for _ in range(20):
+                            fn()
+                        torch.cuda.synchronize()
+                table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=6, max_name_column_width=50)
+                print(f"==== decode {keys} {name}: 20 calls ====\n{table}", flush=True)
+                ROWS.append({"group": f"profile {keys}", "name": name, "text": table})
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+SECTIONS = {"host": sec_host, "tiles": sec_tiles, "eager": sec_eager, "profile": sec_profile}
 
 if __name__ == "__main__":
     run_sections(SECTIONS, sys.argv)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import math
 import numbers
-import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .mask import NO_MASK, Mask
 
@@ -67,23 +67,32 @@ def _int_tensor(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
 
 
-_CU_CACHE: "weakref.WeakKeyDictionary[Tensor, tuple]" = weakref.WeakKeyDictionary()
+# a CUDA cu_seqlens tensor -> (its _version when read, its values): one host read per tensor while unmodified
+_CU_CACHE = WeakIdKeyDictionary()
+
+
+def _host_values(cu: Tensor) -> tuple:
+    return tuple(cu.tolist())
+
+
+def cached_values(cu: Tensor) -> tuple:
+    """``cu``'s values, read to the host once per (tensor, ``_version``)."""
+    hit = _CU_CACHE.get(cu)
+    if hit is not None and hit[0] == cu._version:
+        return hit[1]
+    values = _host_values(cu)
+    _CU_CACHE[cu] = (cu._version, values)
+    return values
 
 
 def _cu_values(cu) -> tuple:
-    """The boundaries as host ints. A CUDA tensor is read once per (tensor, ``_version``)."""
+    """The boundaries as host ints: a CPU tensor or a sequence costs no synchronisation, another
+    device's tensor is read once (:func:`cached_values`)."""
     if isinstance(cu, Tensor):
         if cu.dim() != 1:
             raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu.shape)}")
         _int_tensor("cu_seqlens", cu)
-        if cu.device.type == "cpu":
-            return tuple(cu.tolist())
-        hit = _CU_CACHE.get(cu)
-        if hit is not None and hit[0] == cu._version:
-            return hit[1]
-        values = tuple(cu.tolist())
-        _CU_CACHE[cu] = (cu._version, values)
-        return values
+        return _host_values(cu) if cu.device.type == "cpu" else cached_values(cu)
     if isinstance(cu, (str, bytes)) or not hasattr(cu, "__len__"):
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a sequence of ints, got {type(cu).__name__}")
     values = tuple(cu)

@@ -70,6 +70,7 @@ def setup_attention(ctx, inputs, output) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, kv_range, q_offset, rows, sinks)
     ctx.args = (scale, causal, diag, lo, softcap)
+    ctx.sinks_grad = sinks is not None and sinks.requires_grad  # (not needs_input_grad: call() shifts it)
 
 
 def _attn_inputs(inputs) -> tuple:
@@ -82,7 +83,7 @@ def attention_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
     ``-sum_rows p_sink * delta`` (``attn_bwd``, :func:`splitsoftmax.state.sink_grad`)."""
     q, k, v, out, lse, kv_range, q_offset, rows, sinks = ctx.saved_tensors
     scale, causal, diag, lo, softcap = ctx.args
-    sinks = sinks if sinks is not None and ctx.needs_input_grad[11] else None
+    sinks = sinks if ctx.sinks_grad else None
     dq, dk, dv, dsinks = attention_grads(q, k, v, out, lse, dout, dlse, scale, causal, diag, lo, softcap, kv_range,
                                          q_offset, rows, sinks=sinks)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None if sinks is None else dsinks

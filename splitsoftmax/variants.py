@@ -28,7 +28,7 @@ from .mask import NO_MASK, Mask
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Variants:
     """The checked keywords of one attention call (defaults: today's full / causal rule).
 
@@ -40,6 +40,8 @@ class Variants:
     sinks:    ``(H,)`` float tensor or ``None`` (merged by the caller, not in the mask).
     kv_range: ``(B, 2)`` int32 on the queries' device, global key positions, or ``None``.
     q_offset: an int, or a ``(B,)`` int32 tensor on the queries' device.
+
+    Holds tensors, so it compares by identity (``eq=False``).
     """
 
     causal: bool = False

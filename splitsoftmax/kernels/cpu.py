@@ -117,12 +117,12 @@ def _row_bounds(mask: Mask, causal: bool, diag: int, q: Tensor, sk: int, g: int)
     return tuple(t.repeat(1, g).view(b, 1, g * sq, 1) for t in (lo, hi))
 
 
-def _key_blocks(bounds: Optional[tuple], sq: int, sk: int, causal: bool, diag: int) -> list[int]:
+def _key_blocks(bounds: Optional[tuple], mask: Mask, sq: int, sk: int, causal: bool, diag: int) -> list[int]:
     """Starts of the key blocks some row sees (the others are never read). Read on the host only for
-    CPU bounds; elsewhere the causal edge alone prunes (no synchronisation)."""
+    CPU bounds; elsewhere the causal edge alone prunes (no synchronisation), when no tensor offset moves it."""
     starts = range(0, sk, CPU_BLOCK_KEYS)
     if bounds is None or bounds[0].device.type != "cpu":
-        end = max(0, min(sk, sq + diag)) if causal else sk
+        end = max(0, min(sk, sq + diag)) if causal and mask.q_offset is None else sk
         return [j for j in starts if j < end]
     lo, hi = (t.flatten() for t in bounds)
     lo, hi = lo[lo < hi], hi[lo < hi]
@@ -165,7 +165,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     qg = _grouped(q, hkv).to(acc)
     bounds = _row_bounds(mask, causal, diag, q, sk, h // hkv)
     s = empty_state(qg.shape[:3], dv, dtype=acc, device=q.device)
-    for j in _key_blocks(bounds, sq, sk, causal, diag):
+    for j in _key_blocks(bounds, mask, sq, sk, causal, diag):
         kb, vb = k[:, :, j:j + CPU_BLOCK_KEYS].to(acc), v[:, :, j:j + CPU_BLOCK_KEYS].to(acc)
         s = merge(s, tile_state(_block_scores(qg, kb, scale, j, bounds, mask.softcap)[0], vb))
     out, lse = (t.reshape(b, h, sq, -1).squeeze(-1) for t in to_out_lse(s))
@@ -229,7 +229,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     dq = torch.zeros_like(qg)
     dk = torch.zeros(k.shape, dtype=dt, device=k.device)
     dv = torch.zeros(v.shape, dtype=dt, device=v.device)
-    for j in _key_blocks(bounds, sq, sk, causal, diag):
+    for j in _key_blocks(bounds, mask, sq, sk, causal, diag):
         kb, vb = k[:, :, j:j + CPU_BLOCK_KEYS].to(acc), v[:, :, j:j + CPU_BLOCK_KEYS].to(acc)
         s, t = _block_scores(qg, kb, scale, j, bounds, mask.softcap)
         p = torch.exp(s - lse_g).masked_fill(empty, 0.0)  # [B, Hkv, G*Sq, n]

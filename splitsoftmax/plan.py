@@ -131,7 +131,7 @@ def seen(src: Sequence[Seg], dst: Sequence[Seg], docs, b: Band) -> tuple:
     ``src`` sees under ``docs`` and band ``b``; ``seen(dst, src, docs, b.mirror())`` is the part
     of ``src`` that sees anything in ``dst``."""
     reach, out, i = _reach(src, docs, b), [], 0
-    for s in dst:
+    for s in (s for s in dst if s.n):
         while i < len(reach) and reach[i][1] <= s.glob:
             i += 1
         j = i

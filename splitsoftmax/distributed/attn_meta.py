@@ -114,6 +114,11 @@ def _ranks(values: list, bad) -> list:
 def check_global(meta: dict, kw: Keywords, layout: str, schedule: str) -> None:
     """The checks that need every rank's lengths; identical on every rank (the fields agree)."""
     q_lens, k_lens = meta["Sq_local"], meta["Sk_local"]
+    if kw.docs is not None:
+        if list(q_lens) != list(k_lens):
+            raise ValueError(f"cu_seqlens needs q and k sharded alike (self-attention), got q lengths {q_lens}, "
+                             f"k lengths {k_lens}")
+        vs.check_cu_seqlens(kw.docs, sum(q_lens), sum(k_lens), 0)
     if layout == "zigzag":
         for name, lens in (("Sq_local", q_lens), ("Sk_local", k_lens)):
             bad = lay.zigzag_mismatch(lens, kw.docs)
@@ -121,11 +126,6 @@ def check_global(meta: dict, kw: Keywords, layout: str, schedule: str) -> None:
                 what = "a per-document zigzag split of cu_seqlens" if kw.docs else "a zigzag split"
                 raise ValueError(f"sharded_attention: layout='zigzag' but rank(s) {bad} hold {name} not of {what} "
                                  f"of {sum(lens)} positions (lengths {lens})")
-    if kw.docs is not None:
-        if list(q_lens) != list(k_lens):
-            raise ValueError(f"cu_seqlens needs q and k sharded alike (self-attention), got q lengths {q_lens}, "
-                             f"k lengths {k_lens}")
-        vs.check_cu_seqlens(kw.docs, sum(q_lens), sum(k_lens), 0)
     sk = sum(k_lens)
     bad = sorted(set(_ranks(meta["kv_range ok"], lambda v: v != 1) + _ranks(meta["kv_range max"], lambda v: v > sk)))
     if bad:

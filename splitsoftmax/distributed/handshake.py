@@ -127,10 +127,10 @@ def _vector(comm: Communicator, op: str, error, values: list) -> torch.Tensor:
     ints = [0 if isinstance(v, torch.Tensor) else int(v) for v in values]
     mine = torch.tensor(head + ints + [0] * (META_LEN - len(head) - len(ints)), dtype=torch.int64,
                         device=comm.meta_device)
-    at = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
-    if at and error is None:
-        dev = torch.stack([values[i].reshape(()).to(torch.int64) for i in at]).to(comm.meta_device)
-        mine[torch.tensor(at, device=comm.meta_device) + len(head)] = dev
+    if error is None:
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                mine[len(head) + i].copy_(v.reshape(()))
     return mine
 
 

@@ -2,7 +2,7 @@
 
 Every rank draws the same full inputs from one seed, takes its shard, runs the sharded op
 forward and backward, and reassembles outputs and gradients with ``unshard``; the comparison
-against float64 (and the tolerance from torch on one device) is :func:`verify.compare`'s.
+against float64 (and the tolerance from torch on one device) is :func:`compare.compare`'s.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from . import reference as ref
-from .verify import Row, Sharding, compare, sdpa
+from .compare import Row, Sharding, compare, sdpa
 
 
 def uneven_lengths(total: int, world: int) -> list[int]:

@@ -41,7 +41,7 @@ import torch
 import splitsoftmax as ss
 from splitsoftmax import launcher
 from splitsoftmax import reference as ref
-from splitsoftmax.verify import HEADER, Sharding, compare, sdpa
+from splitsoftmax.compare import HEADER, Sharding, compare, sdpa
 
 GIB = float(1 << 30)
 

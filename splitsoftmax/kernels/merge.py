@@ -84,7 +84,8 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
         acc += w[:, None] * o
     tl.store(OUT + rows64[:, None] * s_outr + cols[None, :] * s_outd, acc.to(OUT.dtype.element_ty), mask=mask2)
     if WRITE_LSE:
-        tl.store(LSE + rows64 * s_lser, lse2_of(m_use, s) * 0.6931471805599453, mask=rmask & (pid_d == 0))
+        if pid_d == 0:  # a branch, not a mask: triton 3.9's interpreter mistypes a splatted scalar compare
+            tl.store(LSE + rows64 * s_lser, lse2_of(m_use, s) * 0.6931471805599453, mask=rmask)
 
 
 @triton.jit(do_not_specialize=["N", "R"])

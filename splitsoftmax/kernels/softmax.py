@@ -304,7 +304,8 @@ def _softmax_coop_kernel(x_ptr, y_ptr, lse_ptr, st_ptr, R, N, C, stride_x, strid
         y = _tile_out(cur, cur_m, lse, mr, inv, LOG)  # [1, BLOCK_N]
         tl.store(y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty),
                  mask=rmask[:, None] & (cols < N)[None, :])
-        tl.store(lse_ptr + rows, lse, mask=rmask & (c == 0))
+        if c == 0:  # a branch, not a mask: triton 3.9's interpreter mistypes a splatted scalar compare
+            tl.store(lse_ptr + rows, lse, mask=rmask)
         cur, cur_m = held, held_m
         nxt = after
 
@@ -327,7 +328,8 @@ def _normalize_fwd_kernel(x_ptr, y_ptr, lse_ptr, g_ptr, pm_ptr, pl_ptr, R, N, st
     if MERGE:
         m, l = _merge_partials(pm_ptr, pl_ptr, rows, rmask, S, BLOCK_S)
         lse = _lse(m, l)
-        tl.store(lse_ptr + rows, lse, mask=rmask & (s == 0))
+        if s == 0:  # a branch, not a mask (as above)
+            tl.store(lse_ptr + rows, lse, mask=rmask)
         m, c = _scale(m, l, g)
     else:
         lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)

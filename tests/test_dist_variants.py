@@ -119,6 +119,9 @@ def case_variants(group):
             lens[-1] += s - sum(lens)
             check(group, schedule, "contiguous", causal, kw, lens=lens)
     check(group, "ring", "zigzag", True, configs(p, s)[5][1], s=s, dtype=torch.float32, tol=F32)
+    for tiny in (1, 2 * p - 1):  # shorter than 2P: most ranks hold no row
+        check(group, "ring", "zigzag", True, dict(cu_seqlens=(0, 0, tiny), window_size=(1, 0), sinks=sinks_of()), s=tiny)
+        check(group, "allgather", "zigzag", False, dict(cu_seqlens=(0, tiny - 1, tiny)), s=tiny)
 
 
 def case_tree(group):

@@ -183,11 +183,21 @@ def doc_split(segs: Sequence[Seg], docs) -> list[tuple[Seg, int]]:
     return out
 
 
-def _banded(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band) -> list:
-    """Banded pieces of every same-document pair of segment parts."""
-    qd, kd = doc_split(qbuf, docs), doc_split(kbuf, docs)
-    pairs = (band_piece(qs, ks, b) for qs, a in qd for ks, c in kd if a == c)
-    return [p for p in pairs if p is not None]
+def _banded(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, limit: Optional[int]) -> Optional[list]:
+    """Banded pieces of every same-document pair of segment parts; None once more than ``limit``
+    are visible (then one piece by rows serves better)."""
+    by_doc: dict = {}
+    for ks, c in doc_split(kbuf, docs):
+        by_doc.setdefault(c, []).append(ks)
+    out = []
+    for qs, a in doc_split(qbuf, docs):
+        for ks in by_doc.get(a, ()):
+            piece = band_piece(qs, ks, b)
+            if piece is not None:
+                out.append(piece)
+                if limit is not None and len(out) > limit:
+                    return None
+    return out
 
 
 def _span(segs: Sequence[Seg]) -> tuple[int, int]:
@@ -199,8 +209,8 @@ def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: in
     same-document segment parts when at most ``max_band`` are visible (always without documents),
     else one piece by rows over the span of the rows that see a key and the keys that are seen."""
     qbuf, kbuf = [s for s in qbuf if s.n], [s for s in kbuf if s.n]
-    banded = _banded(qbuf, kbuf, docs, b)
-    if docs is None or len(banded) <= max_band:
+    banded = _banded(qbuf, kbuf, docs, b, None if docs is None else max_band)
+    if banded is not None:
         return tuple(banded)
     qs, ks = seen(kbuf, qbuf, docs, b.mirror()), seen(qbuf, kbuf, docs, b)
     if not qs:

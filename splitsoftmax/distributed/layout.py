@@ -15,6 +15,7 @@ In every layout a rank's positions increase with the local index.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple
 
 SKIP, FULL, DIAG = "skip", "full", "diag"
@@ -62,16 +63,25 @@ def joined(segs) -> list[Seg]:
     return out
 
 
-def doc_zigzag(docs, size: int, rank: int) -> list[Seg]:
-    """Rank ``rank``'s segments when each document ``[docs[d], docs[d+1])`` is zigzagged alone."""
-    segs, local = [], 0
+@lru_cache(maxsize=16)
+def _doc_zigzag_all(docs: tuple, size: int) -> tuple:
+    """Every rank's per-document zigzag segments, in one pass over the documents."""
+    segs: list = [[] for _ in range(size)]
+    local = [0] * size
     for a, b in zip(docs[:-1], docs[1:]):
         c = split_sizes(b - a, 2 * size)
         g = starts(c)
-        for i in (rank, 2 * size - 1 - rank):
-            segs.append(Seg(local, a + g[i], c[i]))
-            local += c[i]
-    return joined(segs)
+        for r in range(size):
+            for i in (r, 2 * size - 1 - r):
+                if c[i]:
+                    segs[r].append(Seg(local[r], a + g[i], c[i]))
+                    local[r] += c[i]
+    return tuple(tuple(joined(x)) for x in segs)
+
+
+def doc_zigzag(docs, size: int, rank: int) -> list[Seg]:
+    """Rank ``rank``'s segments when each document ``[docs[d], docs[d+1])`` is zigzagged alone."""
+    return list(_doc_zigzag_all(tuple(docs), size)[rank])
 
 
 def segments(layout: str, lengths: list[int], rank: int, docs=None) -> list[Seg]:

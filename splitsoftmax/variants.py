@@ -214,13 +214,13 @@ def _band(spec: Variants, shift: int) -> tuple[bool, int, Optional[int]]:
 def _doc_rows_host(cu: tuple, q_start: int, q_len: int, k_start: int, k_len: int) -> Tensor:
     """``(2, q_len)`` int32: the key interval of each query row's document, local to the key segment
     and clamped to ``[0, k_len]``."""
+    if q_start < 0 or q_start + q_len > cu[-1]:
+        raise ValueError(f"query positions [{q_start}, {q_start + q_len}) lie outside cu_seqlens {list(cu)}")
     if q_len == 0:
         return torch.zeros(2, 0, dtype=torch.int32)
     pos = torch.arange(q_start, q_start + q_len, dtype=torch.long)
     bounds = torch.tensor(cu, dtype=torch.long)
     doc = (torch.searchsorted(bounds, pos, right=True) - 1).clamp_(0, len(cu) - 2)
-    if not bool((bounds[doc + 1] > pos).all()):
-        raise ValueError(f"query positions [{q_start}, {q_start + q_len}) lie outside cu_seqlens {list(cu)}")
     rows = torch.stack((bounds[doc], bounds[doc + 1])) - k_start
     return rows.clamp_(0, k_len).to(torch.int32)
 
@@ -230,6 +230,8 @@ _ROWS_CACHE: dict = {}
 
 def doc_rows(cu: tuple, q_start: int, q_len: int, k_start: int, k_len: int, device) -> Tensor:
     """:func:`_doc_rows_host` on ``device`` (the copy kept per device: one upload per plan)."""
+    if torch.compiler.is_compiling():  # a traced constant: no cache to mutate
+        return _doc_rows_host.__wrapped__(cu, q_start, q_len, k_start, k_len).to(device)
     key = (cu, q_start, q_len, k_start, k_len, torch.device(device))
     hit = _ROWS_CACHE.get(key)
     if hit is None:

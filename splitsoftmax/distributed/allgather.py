@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .comm import Communicator
 from .ring import attn_bwd_visit, attn_fwd_visit, by_origin, empty_acc
-from .work import AttnSpec, add_rows, nrows, pack, pack_rows, unpack, unpack_rows
+from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
 from .. import state
 
 TAG_GATHER, TAG_SCATTER = 31, 32
@@ -47,8 +47,8 @@ def reduce_scatter_var(comm: Communicator, parts: list, step: str) -> Tensor:
 def gather_seen(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, step: str) -> list:
     """Per step ``s``, the key rows of rank ``r - s`` this rank's queries see, ``(k, v)`` or None
     (step 0: this rank's own), all exchanged at once."""
-    plan, p, r = spec.plan, comm.size, comm.rank
-    outs = {s: pack_rows(k, v, plan.send[s]) for s in range(1, p) if plan.send[s]}
+    plan, p, r, own = spec.plan, comm.size, comm.rank, Packer(k, v)
+    outs = {s: own.rows(plan.send[s]) for s in range(1, p) if plan.send[s]}
     bufs = {s: k.new_empty(spec.rows_numel(nrows(plan.keys[s]))) for s in range(1, p) if plan.keys[s]}
     hs = comm.post([(b, (r + s) % p) for s, b in outs.items()], [(b, (r - s) % p) for s, b in bufs.items()],
                    TAG_GATHER)

@@ -27,7 +27,7 @@ from torch import Tensor
 from .. import state
 from ..local import op
 from .comm import Communicator
-from .work import AttnSpec, add_rows, mask_kw, nrows, pack, pack_rows, unpack, unpack_rows
+from .work import AttnSpec, Packer, add_rows, mask_kw, nrows, pack, unpack, unpack_rows
 
 TAG_KV, TAG_DKV = 21, 22
 
@@ -74,12 +74,12 @@ def ring_loop(comm: Communicator, first: Tensor, numel: Callable[[int], int], vi
     return home
 
 
-def post_keys(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, s: int) -> tuple:
+def post_keys(comm: Communicator, spec: AttnSpec, own: Packer, s: int) -> tuple:
     """Start step ``s``'s direct transfers: ``(receive buffer or None, handles, send buffer)``."""
     plan, p, r = spec.plan, comm.size, comm.rank
-    out = pack_rows(k, v, plan.send[s]) if plan.send[s] else None
+    out = own.rows(plan.send[s]) if plan.send[s] else None
     n = nrows(plan.keys[s])
-    buf = k.new_empty(spec.rows_numel(n)) if n else None
+    buf = own.k.new_empty(spec.rows_numel(n)) if n else None
     hs = comm.post([(out, (r + s) % p)] if out is not None else [], [(buf, (r - s) % p)] if buf is not None else [],
                    TAG_KV)
     return buf, hs, out
@@ -89,13 +89,13 @@ def direct_loop(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit:
                 done: Optional[Callable] = None, step: str = "ring") -> None:
     """``visit(s, k_s, v_s)`` for every step with keys (step 0: this rank's own); ``done(s, result)``
     after every step (``result`` None where nothing was received), in step order."""
-    p, r = comm.size, comm.rank
-    nxt = post_keys(comm, spec, k, v, 1) if p > 1 else None
+    p, r, own = comm.size, comm.rank, Packer(k, v)
+    nxt = post_keys(comm, spec, own, 1) if p > 1 else None
     res = visit(0, k, v)
     if done is not None:
         done(0, res)
     for s in range(1, p):
-        (buf, hs, _), nxt = nxt, (post_keys(comm, spec, k, v, s + 1) if s + 1 < p else None)
+        (buf, hs, _), nxt = nxt, (post_keys(comm, spec, own, s + 1) if s + 1 < p else None)
         comm.wait(hs, f"{step} step {s}: keys with ranks {(r - s) % p} and {(r + s) % p}")
         res = visit(s, *unpack_rows(buf, spec, nrows(spec.plan.keys[s]))) if buf is not None else None
         if done is not None:

@@ -147,6 +147,20 @@ def unpack(buf: Tensor, spec: AttnSpec, origin: int) -> tuple[Tensor, Tensor]:
     return unpack_rows(buf, spec, spec.k_lens[origin])
 
 
+class Packer:
+    """Rows of this rank's ``k``, ``v`` packed for sending; the whole buffer is packed once."""
+
+    def __init__(self, k: Tensor, v: Tensor):
+        self.k, self.v, self._whole = k, v, None
+
+    def rows(self, segs) -> Tensor:
+        if len(segs) == 1 and segs[0].local == 0 and segs[0].n == self.k.shape[2]:
+            if self._whole is None:
+                self._whole = pack(self.k, self.v)
+            return self._whole
+        return pack_rows(self.k, self.v, segs)
+
+
 def pack_rows(k: Tensor, v: Tensor, segs) -> Tensor:
     """The rows of ``segs`` (local indices along dim 2) of ``k`` and ``v``, packed in order."""
     if len(segs) == 1 and segs[0].local == 0 and segs[0].n == k.shape[2]:

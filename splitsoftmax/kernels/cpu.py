@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..state import (NEG_INF, State, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state, to_out_lse,
-                     weighted_sum)
+from ..state import (NEG_INF, State, add_sinks, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state,
+                     to_out_lse, weighted_sum)
 from ..state import merge_out_lse
 from ..mask import NO_MASK, Mask
 from .configs import CPU_BLOCK_KEYS, CPU_BLOCK_COLS
@@ -149,13 +149,15 @@ def _block_scores(qg: Tensor, kb: Tensor, scale: float, j0: int, bounds: Optiona
 
 
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int = 0,
-             out_dtype: Optional[torch.dtype] = None, *, mask: Mask = NO_MASK) -> tuple[Tensor, Tensor]:
+             out_dtype: Optional[torch.dtype] = None, *, mask: Mask = NO_MASK,
+             sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Partial attention: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``, empty rows ``(0, -inf)``.
 
     ``lse`` and ``out`` are float32 (float64 for float64 inputs); ``out_dtype`` overrides ``out``.
     ``mask``: the variants' visibility and softcap (see :mod:`splitsoftmax.mask`). The tiles and the
     state are float64 whatever the inputs, so ``lse`` is exact to its last rounding (the backward's
-    ``exp(S - lse)`` would otherwise carry the float32 scores' error of this pass).
+    ``exp(S - lse)`` would otherwise carry the float32 scores' error of this pass). ``sinks (H,)``:
+    merged into the float64 result (:func:`splitsoftmax.state.add_sinks`): the row is final.
     """
     b, h, sq, _ = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -166,9 +168,10 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     for j in _key_blocks(bounds, sq, sk, causal, diag):
         kb, vb = k[:, :, j:j + CPU_BLOCK_KEYS].to(acc), v[:, :, j:j + CPU_BLOCK_KEYS].to(acc)
         s = merge(s, tile_state(_block_scores(qg, kb, scale, j, bounds, mask.softcap)[0], vb))
-    out, lse = to_out_lse(s)
-    out = out.reshape(b, h, sq, dv).to(out_dtype or dt)
-    return out, lse.reshape(b, h, sq).to(dt)
+    out, lse = (t.reshape(b, h, sq, -1).squeeze(-1) for t in to_out_lse(s))
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    return out.to(out_dtype or dt), lse.to(dt)
 
 
 def attn_fwd_acc(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int,
@@ -201,7 +204,8 @@ def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]
 
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-             scale: float, causal: bool, diag: int = 0, *, mask: Mask = NO_MASK) -> tuple[Tensor, Tensor, Tensor]:
+             scale: float, causal: bool, diag: int = 0, *, mask: Mask = NO_MASK,
+             rowsum: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` (float32, float64 for float64 inputs) of one Q/K/V block pair.
 
     ``lse (B, H, Sq)`` and ``delta = rowsum(dout * out) (B, H, Sq)`` are the global statistics of
@@ -209,7 +213,10 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     over the query heads of each kv head. The tiles are computed in float64 whatever the inputs:
     in float32, ``P = exp(S - lse)`` and ``dS = P (dout . v_j - delta)`` lose up to a few ulps of
     ``lse`` and of the difference (which cancels in rows whose weight sits on few keys), twice the
-    error of torch's float32 attention; in float64 only the final rounding remains.
+    error of torch's float32 attention; in float64 only the final rounding remains. ``rowsum``: a
+    float64 ``(2, B, H, Sq)`` buffer that receives ``sum_j P_ij dout_i . v_j`` and ``sum_j P_ij`` over
+    these keys (``dout . out`` without the rounding of ``out``, and the row's mass under the given
+    ``lse``: what an exact sinks' gradient needs).
     """
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -227,7 +234,10 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
         s, t = _block_scores(qg, kb, scale, j, bounds, mask.softcap)
         p = torch.exp(s - lse_g).masked_fill(empty, 0.0)  # [B, Hkv, G*Sq, n]
         dv[:, :, j:j + CPU_BLOCK_KEYS] = weighted_sum(p.transpose(-1, -2), dog)
-        ds = torch.where(p != 0, p * (dog @ vb.transpose(-1, -2) - delta_g), 0.0)
+        dp = torch.where(p != 0, dog @ vb.transpose(-1, -2), 0.0)
+        if rowsum is not None:
+            rowsum.view(2, b, hkv, -1).add_(torch.stack(((p * dp).sum(-1), p.sum(-1))))
+        ds = torch.where(p != 0, p * (dp - delta_g), 0.0)
         if t is not None:
             ds = torch.where(p != 0, ds * (1.0 - t * t), 0.0)  # d(c tanh(s / c)) / ds
         dq += weighted_sum(ds, kb) * scale

@@ -13,7 +13,7 @@ are already in flight, so the transfers overlap the compute.
   alike (the plan is a function of agreed metadata); under a window only the halo travels, to one
   neighbour (contiguous) or two (zigzag). In the backward each step's dK/dV rows go straight home.
 
-The visits (``attn_fwd_visit``, ``attn_bwd_visit``) run the local ops of ``splitsoftmax.local``
+The visits (``attn_fwd_visit``, ``attn_bwd_visit``) run the local ops of ``splitsoftmax.local`` (``masked_op``)
 on the calls of ``work.step_calls``; partial results stay float32 states merged by
 ``splitsoftmax.state``. The allgather schedule reuses the same visits.
 """
@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from .. import state
-from ..local import op
+from ..local import masked_op
 from .comm import Communicator
-from .work import AttnSpec, Packer, add_rows, mask_kw, nrows, pack, unpack, unpack_rows
+from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
 
 TAG_KV, TAG_DKV = 21, 22
 
@@ -104,28 +104,26 @@ def direct_loop(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit:
 
 def attn_fwd_visit(spec: AttnSpec, q: Tensor, acc: tuple[Tensor, Tensor]) -> Callable:
     """Visit for the forward: merge each call's attention into ``acc = (out, lse)`` in place."""
-    fwd_acc = op("attn_fwd_acc", q)
     acc_out, acc_lse = acc
 
     def visit(s: int, k: Tensor, v: Tensor) -> None:
         for c in spec.calls(s, q.device):
             qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
-            fwd_acc(q[:, :, qs], k[:, :, ks], v[:, :, ks], spec.scale, c.causal, c.diag, acc_out[:, :, qs],
-                    acc_lse[:, :, qs], **mask_kw(c.mask))
+            masked_op("attn_fwd_acc", q, c.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], spec.scale, c.causal, c.diag,
+                                                 acc_out[:, :, qs], acc_lse[:, :, qs])
     return visit
 
 
 def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: Tensor) -> Callable:
     """Visit for the backward: add to ``dq`` (float32), return ``(dk, dv)`` (float32) of the buffer."""
-    bwd = op("attn_bwd", q)
-
     def visit(s: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         dk = torch.zeros(k.shape, dtype=dq.dtype, device=q.device)
         dv = torch.zeros(v.shape, dtype=dq.dtype, device=q.device)
         for c in spec.calls(s, q.device):
             qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
-            dqp, dkp, dvp = bwd(q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs], lse[:, :, qs], delta[:, :, qs],
-                                spec.scale, c.causal, c.diag, **mask_kw(c.mask))
+            dqp, dkp, dvp = masked_op("attn_bwd", q, c.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs],
+                                                             lse[:, :, qs], delta[:, :, qs], spec.scale, c.causal,
+                                                             c.diag)
             dq[:, :, qs] += dqp
             dk[:, :, ks] += dkp
             dv[:, :, ks] += dvp

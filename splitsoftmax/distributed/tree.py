@@ -23,9 +23,9 @@ from torch import Tensor
 
 from .. import plan as pl
 from .. import state
-from ..local import op
+from ..local import masked_op, op
 from .comm import Communicator
-from .work import AttnSpec, Call, make_mask, mask_kw
+from .work import AttnSpec, Call, make_mask
 
 TAG_TREE = 41
 
@@ -92,11 +92,11 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, call: Optiona
         return _empty(q, v.shape[-1])
     ks = slice(call.k, call.k + call.nk)
     if call.q == 0 and call.nq == q.shape[2]:
-        return op("attn_fwd", q)(q, k[:, :, ks], v[:, :, ks], scale, call.causal, call.diag, **mask_kw(call.mask))
+        return masked_op("attn_fwd", q, call.mask)(q, k[:, :, ks], v[:, :, ks], scale, call.causal, call.diag)
     out, lse = _empty(q, v.shape[-1])
     qs = slice(call.q, call.q + call.nq)
-    op("attn_fwd_acc", q)(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale, call.causal, call.diag, out[:, :, qs],
-                          lse[:, :, qs], **mask_kw(call.mask))
+    masked_op("attn_fwd_acc", q, call.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], scale, call.causal, call.diag,
+                                            out[:, :, qs], lse[:, :, qs])
     return out, lse
 
 
@@ -131,8 +131,8 @@ def tree_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, d
     dv = torch.zeros(v.shape, dtype=dt, device=q.device)
     if call is not None:
         qs, ks = slice(call.q, call.q + call.nq), slice(call.k, call.k + call.nk)
-        dqp, dkp, dvp = op("attn_bwd", q)(q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs].contiguous(),
-                                          lse[:, :, qs], delta[:, :, qs], spec.scale, call.causal, call.diag,
-                                          **mask_kw(call.mask))
+        dqp, dkp, dvp = masked_op("attn_bwd", q, call.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks],
+                                                            dout[:, :, qs].contiguous(), lse[:, :, qs],
+                                                            delta[:, :, qs], spec.scale, call.causal, call.diag)
         dq[:, :, qs], dk[:, :, ks], dv[:, :, ks] = dqp, dkp, dvp
     return allreduce_sum(comm, dq, "tree backward: sum of dq"), dk, dv

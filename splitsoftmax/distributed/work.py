@@ -126,11 +126,6 @@ def step_calls(spec: AttnSpec, s: int, device) -> tuple:
     return tuple(out)
 
 
-def mask_kw(mask: Mask) -> dict:
-    """The ``mask=`` keyword of a local op call: none for the plain rule (today's call exactly)."""
-    return {} if mask is NO_MASK else {"mask": mask}
-
-
 def pack(a: Tensor, b: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     """``a (B, Hkv, n, D)`` and ``b (B, Hkv, n, Dv)`` as one flat buffer (one message)."""
     return torch.cat((a.reshape(-1), b.reshape(-1))).to(dtype or a.dtype).contiguous()

@@ -153,7 +153,8 @@ def cases(job: Job) -> list[tuple[str, Callable[[], list[Row]]]]:
                 out.append((f"attention {schedule} {layout}{' causal' if causal else ''}",
                             lambda s=schedule, l=layout, c=causal: attention_rows(job, s, l, c)))
     out += [(f"attention tree{' causal' if c else ''}", lambda c=c: tree_rows(job, c)) for c in (False, True)]
-    return out
+    from . import verify_variants  # it builds on Job: imported here, the dependency stays one way
+    return out + verify_variants.cases(job)
 
 
 def sharded_rows(job: Job) -> list[Row]:

@@ -30,3 +30,21 @@ def test_attention(schedule, layout, causal):
 @pytest.mark.parametrize("size", [2, 3])
 def test_nan_key(size):
     LoopbackWorld(size).run(case_nan_key)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_attention_variants(size):
+    """Documents + window + softcap + sinks (ring, per-document zigzag), kv_range (allgather,
+    contiguous) and the tree's window + sinks, over the Triton kernels' masks."""
+    from test_dist_variants import check, documents, sinks_of
+
+    def case(g):
+        s = 4 * size + 3
+        check(g, "ring", "zigzag", True, dict(cu_seqlens=documents(size, s), window_size=(2, 0), softcap=1.5,
+                                              sinks=sinks_of().float()), s=s, dtype=torch.float32, tol=F32)
+        kv = torch.tensor([[2, s], [0, s - 3]], dtype=torch.int32)
+        lens = uneven_lengths(size, 4)
+        lens[-1] += s - sum(lens)
+        check(g, "allgather", "contiguous", True, dict(kv_range=kv, window_size=(5, 0)), lens=lens,
+              dtype=torch.float32, tol=F32)
+    LoopbackWorld(size).run(case)

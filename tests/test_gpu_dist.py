@@ -23,6 +23,13 @@ def test_nccl_all_ops():
                     backend="nccl"), "nccl world of 2")
 
 
+def test_nccl_variants():
+    """The attention variants (test_dist_variants.case_all: documents, windows, softcap, sinks,
+    kv_range, tree offsets, per-document shards, agreement) on NCCL with CUDA tensors."""
+    assert_ok(spawn(2, "tests/test_dist_variants.py:case_all", timeout=300, env={"SPLITSOFTMAX_TIMEOUT": "60"},
+                    backend="nccl"), "nccl world of 2, variants")
+
+
 @pytest.mark.parametrize("case", ["exit_before", "exit_in_ring", "stall_before", "stall_in_ring"])
 def test_nccl_faults(case):
     """A peer that exits or stalls (before the call / inside the ring) -> RuntimeError naming it, no hang."""

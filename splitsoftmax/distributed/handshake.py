@@ -6,6 +6,11 @@ ranks: a rank whose local arguments were rejected makes every rank raise; a fiel
 but does not raises ``ValueError`` naming the field and the ranks; per-rank fields (shard lengths)
 are returned for the schedules. All transfers complete before anyone raises, so the group stays
 usable after a refused call.
+
+Fields read from device tensors (a fingerprint of ``kv_range``, whether ``q_offset`` is zero) are
+0-d int64 tensors placed in the same vector on the device: the exchange's one read of the vector
+reads them too, so they cost no synchronisation of their own. Every rank sends the same list of
+fields (absent arguments as sentinel values), so the vectors line up whatever the arguments.
 """
 from __future__ import annotations
 
@@ -18,12 +23,13 @@ import torch
 from .. import _checks
 from .comm import Communicator
 
-META_LEN = 24
+META_LEN = 32
 TAG_META = 11
 OK = 1
 # arguments a rank's refusal can name to the other ranks
 ARGS = ("x", "dim", "q", "k", "v", "causal", "scale", "return_lse", "schedule", "layout", "logits", "target",
-        "ignore_index", "reduction", "label_smoothing", "temperature", "return_entropy", "logits_p", "logits_q")
+        "ignore_index", "reduction", "label_smoothing", "temperature", "return_entropy", "logits_p", "logits_q",
+        "cu_seqlens", "window_size", "softcap", "sinks", "kv_range", "q_offset")
 
 OPS = ("sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
        "sharded_cross_entropy", "sharded_logprobs", "sharded_entropy", "sharded_kl_div")
@@ -39,11 +45,34 @@ def _float_of(c: int) -> float:
     return struct.unpack("<d", struct.pack("<q", c))[0]
 
 
+def _dtype_of(c: int):
+    return DTYPES[c] if 0 <= c < len(DTYPES) else f"code {c}"
+
+
+def encode_window(left: int, right: int) -> int:
+    return ((left + 1) << 32) | (right + 1)
+
+
+def encode_sinks(sinks) -> int:
+    """0 when absent, else the dtype and the length of ``sinks``."""
+    return 0 if sinks is None else ((1 + encode_dtype(sinks.dtype)) << 40) | min(sinks.numel(), (1 << 40) - 1)
+
+
+def _sinks_of(c: int) -> str:
+    return "absent" if c == 0 else f"{_dtype_of((c >> 40) - 1)} of shape ({c & ((1 << 40) - 1)},)"
+
+
+def _fingerprint_of(c: int) -> str:
+    return "absent" if c == -1 else f"fingerprint {c:#x}"
+
+
 # fields whose integer value is a code, shown back to the user decoded
-_DECODE = {"dtype": lambda c: DTYPES[c] if 0 <= c < len(DTYPES) else f"code {c}", "scale": _float_of,
-           "label_smoothing": _float_of, "causal": bool, "schedule": _name_of(_checks.SCHEDULES),
-           "layout": _name_of(_checks.LAYOUTS), "reduction": _name_of(_checks.REDUCTIONS), "temperature": _float_of,
-           "dtype_q": lambda c: DTYPES[c] if 0 <= c < len(DTYPES) else f"code {c}"}
+_DECODE = {"dtype": _dtype_of, "scale": _float_of, "label_smoothing": _float_of, "causal": bool,
+           "schedule": _name_of(_checks.SCHEDULES), "layout": _name_of(_checks.LAYOUTS),
+           "reduction": _name_of(_checks.REDUCTIONS), "temperature": _float_of, "dtype_q": _dtype_of,
+           "softcap": lambda c: _float_of(c) or None,
+           "window_size": lambda c: ((c >> 32) - 1, (c & 0xFFFFFFFF) - 1), "sinks": _sinks_of,
+           "cu_seqlens": _fingerprint_of, "kv_range": _fingerprint_of, "q_offset": _fingerprint_of}
 
 
 def encode_dtype(dtype: torch.dtype) -> int:
@@ -83,12 +112,27 @@ def _describe(name: str, values: list) -> str:
 
 def handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank: Optional[dict] = None,
               error: Optional[BaseException] = None) -> dict:
-    """Exchange ``agree`` (must be equal on every rank) and ``per_rank`` fields (name -> int).
+    """Exchange ``agree`` (must be equal on every rank) and ``per_rank`` fields (name -> int, or a
+    0-d int64 tensor read with the exchange).
 
     ``error``: this rank's argument error, raised here after the exchange (the others raise a
     ``ValueError`` naming this rank and the argument). Returns ``{name: [value of rank 0, ..., rank P-1]}``.
     """
     return start_handshake(comm, op, agree, per_rank, error)()
+
+
+def _vector(comm: Communicator, op: str, error, values: list) -> torch.Tensor:
+    """The ``(META_LEN,)`` int64 vector on the metadata device; tensor values are placed on the
+    device (no read), ints written from the host."""
+    head = [OPS.index(op), _status(error)]
+    ints = [0 if isinstance(v, torch.Tensor) else int(v) for v in values]
+    mine = torch.tensor(head + ints + [0] * (META_LEN - len(head) - len(ints)), dtype=torch.int64,
+                        device=comm.meta_device)
+    if error is None:
+        for i, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                mine[len(head) + i].copy_(v.reshape(()))
+    return mine
 
 
 def start_handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank: Optional[dict] = None,
@@ -99,8 +143,7 @@ def start_handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank
     names = list(agree) + list(per_rank)
     if len(names) + 2 > META_LEN:
         raise ValueError(f"{op}: too many handshake fields")
-    vec = [OPS.index(op), _status(error)] + [int(v) for v in (*agree.values(), *per_rank.values())]
-    mine = torch.tensor(vec + [0] * (META_LEN - len(vec)), dtype=torch.int64, device=comm.meta_device)
+    mine = _vector(comm, op, error, [*agree.values(), *per_rank.values()])
     rows, handles = _post(comm, mine)
 
     def finish() -> dict:

@@ -1,66 +1,35 @@
-"""The ring loop, and the per-step attention work it is parameterised with.
+"""The ring schedule: its two transports, and the per-step attention work they are parameterised with.
 
-``ring_loop`` visits every rank's K/V buffer: at step ``s`` rank ``r`` holds the buffer of rank
-``(r - s) % P``; the next buffer is already in flight (non-blocking send to ``r+1`` / receive
-from ``r-1``) while ``visit`` computes on the current one, so a pass costs ``P-1`` transfers.
-With ``carry`` (the backward), each visit's contribution for the buffer's owner (dK/dV, float32)
-travels around the ring too, accumulated on the way and arriving home after ``P-1`` more transfers.
+At step ``s`` rank ``r`` computes on the keys of rank ``(r - s) % P`` while the next step's keys
+are already in flight, so the transfers overlap the compute.
 
-The visits (``attn_fwd_visit``, ``attn_bwd_visit``) run the local ops of ``splitsoftmax.local``
-on the block pairs that ``layout.block_pairs`` keeps; partial results stay float32 states merged
-by ``splitsoftmax.state``. The allgather schedule reuses the same visits.
+- ``ring_loop`` (full and causal visibility, no documents or window): every K/V buffer travels
+  around the ring whole (non-blocking send to ``r+1`` / receive from ``r-1``), ``P-1`` transfers
+  a pass. With ``carry`` (the backward), each visit's dK/dV for the buffer's owner travels around
+  the ring too, accumulated on the way and arriving home after ``P-1`` more transfers.
+- ``direct_loop`` (documents or a window, a plan with ``direct``): at step ``s`` rank ``r`` sends
+  rank ``r+s`` the rows of its keys that rank's queries see and receives from ``r-s`` the rows its
+  own queries see. A step with nothing visible sends nothing and launches nothing, on every rank
+  alike (the plan is a function of agreed metadata); under a window only the halo travels, to one
+  neighbour (contiguous) or two (zigzag). In the backward each step's dK/dV rows go straight home.
+
+The visits (``attn_fwd_visit``, ``attn_bwd_visit``) run the local ops of ``splitsoftmax.local`` (``masked_op``)
+on the calls of ``work.step_calls``; partial results stay float32 states merged by
+``splitsoftmax.state``. The allgather schedule reuses the same visits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .. import state
-from ..local import op
-from . import layout
+from ..local import masked_op
 from .comm import Communicator
+from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
 
 TAG_KV, TAG_DKV = 21, 22
-
-
-@dataclass
-class AttnSpec:
-    """What every rank agreed on in the handshake: shapes, flags and every rank's lengths."""
-
-    b: int
-    h: int
-    hkv: int
-    d: int
-    dv: int
-    scale: float
-    causal: bool
-    layout: str
-    q_lens: list
-    k_lens: list
-    rank: int
-
-    def kv_numel(self, origin: int) -> int:
-        """Elements of the packed K/V (or dK/dV) buffer of rank ``origin``: ``B*Hkv*n*(D+Dv)``."""
-        return self.b * self.hkv * self.k_lens[origin] * (self.d + self.dv)
-
-    def pairs(self, origin: int) -> list:
-        qs = layout.segments(self.layout, self.q_lens, self.rank)
-        return layout.block_pairs(qs, layout.segments(self.layout, self.k_lens, origin), self.causal)
-
-
-def pack(a: Tensor, b: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
-    """``a (B, Hkv, n, D)`` and ``b (B, Hkv, n, Dv)`` as one flat buffer (one message)."""
-    return torch.cat((a.reshape(-1), b.reshape(-1))).to(dtype or a.dtype).contiguous()
-
-
-def unpack(buf: Tensor, spec: AttnSpec, origin: int) -> tuple[Tensor, Tensor]:
-    """Inverse of :func:`pack` for rank ``origin``'s lengths: ``(k (B,Hkv,n,D), v (B,Hkv,n,Dv))``."""
-    n = spec.k_lens[origin]
-    split = spec.b * spec.hkv * n * spec.d
-    return buf[:split].view(spec.b, spec.hkv, n, spec.d), buf[split:].view(spec.b, spec.hkv, n, spec.dv)
 
 
 def _transfer(comm: Communicator, send: Tensor, recv: Tensor, tag: int) -> list:
@@ -105,40 +74,60 @@ def ring_loop(comm: Communicator, first: Tensor, numel: Callable[[int], int], vi
     return home
 
 
-def _sl(t: Tensor, seg) -> Tensor:
-    """The rows of segment ``seg`` along the sequence (dim 2), as a view (the kernels take strides)."""
-    return t[:, :, seg.local:seg.local + seg.n]
+def post_keys(comm: Communicator, spec: AttnSpec, own: Packer, s: int) -> tuple:
+    """Start step ``s``'s direct transfers: ``(receive buffer or None, handles, send buffer)``."""
+    plan, p, r = spec.plan, comm.size, comm.rank
+    out = own.rows(plan.send[s]) if plan.send[s] else None
+    n = nrows(plan.keys[s])
+    buf = own.k.new_empty(spec.rows_numel(n)) if n else None
+    hs = comm.post([(out, (r + s) % p)] if out is not None else [], [(buf, (r - s) % p)] if buf is not None else [],
+                   TAG_KV)
+    return buf, hs, out
+
+
+def direct_loop(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit: Callable,
+                done: Optional[Callable] = None, step: str = "ring") -> None:
+    """``visit(s, k_s, v_s)`` for every step with keys (step 0: this rank's own); ``done(s, result)``
+    after every step (``result`` None where nothing was received), in step order."""
+    p, r, own = comm.size, comm.rank, Packer(k, v)
+    nxt = post_keys(comm, spec, own, 1) if p > 1 else None
+    res = visit(0, k, v)
+    if done is not None:
+        done(0, res)
+    for s in range(1, p):
+        (buf, hs, _), nxt = nxt, (post_keys(comm, spec, own, s + 1) if s + 1 < p else None)
+        comm.wait(hs, f"{step} step {s}: keys with ranks {(r - s) % p} and {(r + s) % p}")
+        res = visit(s, *unpack_rows(buf, spec, nrows(spec.plan.keys[s]))) if buf is not None else None
+        if done is not None:
+            done(s, res)
 
 
 def attn_fwd_visit(spec: AttnSpec, q: Tensor, acc: tuple[Tensor, Tensor]) -> Callable:
-    """Visit for the forward: merge each block pair's attention into ``acc = (out, lse)`` in place."""
-    fwd_acc = op("attn_fwd_acc", q)
+    """Visit for the forward: merge each call's attention into ``acc = (out, lse)`` in place."""
     acc_out, acc_lse = acc
 
-    def visit(origin: int, buf: Tensor) -> None:
-        k, v = unpack(buf, spec, origin)
-        for _, qs, ks, kind, diag in spec.pairs(origin):
-            fwd_acc(_sl(q, qs), _sl(k, ks), _sl(v, ks), spec.scale, kind == layout.DIAG, diag,
-                    _sl(acc_out, qs), acc_lse[:, :, qs.local:qs.local + qs.n])
+    def visit(s: int, k: Tensor, v: Tensor) -> None:
+        for c in spec.calls(s, q.device):
+            qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
+            masked_op("attn_fwd_acc", q, c.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], spec.scale, c.causal, c.diag,
+                                                 acc_out[:, :, qs], acc_lse[:, :, qs])
     return visit
 
 
 def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: Tensor) -> Callable:
-    """Visit for the backward: add to ``dq`` (float32), return the packed dK/dV for ``origin``."""
-    bwd = op("attn_bwd", q)
-
-    def visit(origin: int, buf: Tensor) -> Tensor:
-        k, v = unpack(buf, spec, origin)
+    """Visit for the backward: add to ``dq`` (float32), return ``(dk, dv)`` (float32) of the buffer."""
+    def visit(s: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         dk = torch.zeros(k.shape, dtype=dq.dtype, device=q.device)
         dv = torch.zeros(v.shape, dtype=dq.dtype, device=q.device)
-        for _, qs, ks, kind, diag in spec.pairs(origin):
-            sq = slice(qs.local, qs.local + qs.n)
-            dqp, dkp, dvp = bwd(_sl(q, qs), _sl(k, ks), _sl(v, ks), _sl(dout, qs), lse[:, :, sq], delta[:, :, sq],
-                                spec.scale, kind == layout.DIAG, diag)
-            dq[:, :, sq] += dqp
-            dk[:, :, ks.local:ks.local + ks.n] += dkp
-            dv[:, :, ks.local:ks.local + ks.n] += dvp
-        return pack(dk, dv)
+        for c in spec.calls(s, q.device):
+            qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
+            dqp, dkp, dvp = masked_op("attn_bwd", q, c.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs],
+                                                             lse[:, :, qs], delta[:, :, qs], spec.scale, c.causal,
+                                                             c.diag)
+            dq[:, :, qs] += dqp
+            dk[:, :, ks] += dkp
+            dv[:, :, ks] += dvp
+        return dk, dv
     return visit
 
 
@@ -150,22 +139,61 @@ def empty_acc(spec: AttnSpec, q: Tensor) -> tuple[Tensor, Tensor]:
     return out, torch.full((spec.b, spec.h, q.shape[2]), float("-inf"), dtype=dt, device=q.device)
 
 
-def finish_acc(acc: tuple[Tensor, Tensor], out_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``(out in out_dtype, lse)`` from the running state."""
-    return acc[0].to(out_dtype), acc[1]
+def by_origin(spec: AttnSpec, visit: Callable, packed: bool = False) -> Callable:
+    """``visit(s, k, v)`` as the ``visit(origin, buf)`` of a whole-buffer transport."""
+    def run(origin: int, buf: Tensor):
+        res = visit((spec.rank - origin) % len(spec.k_lens), *unpack(buf, spec, origin))
+        return pack(*res) if packed else res
+    return run
 
 
 def ring_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor):
-    """Forward of the ring schedule: ``(out, lse)`` of this rank's queries over all keys."""
+    """Forward of the ring schedule: ``(out, lse)`` of this rank's queries over all keys, in the
+    accumulation dtype."""
     acc = empty_acc(spec, q)
-    ring_loop(comm, pack(k, v), spec.kv_numel, attn_fwd_visit(spec, q, acc), step="ring forward")
-    return finish_acc(acc, q.dtype)
+    visit = attn_fwd_visit(spec, q, acc)
+    if spec.plan.direct:
+        direct_loop(comm, spec, k, v, visit, step="ring forward")
+    else:
+        ring_loop(comm, pack(k, v), spec.kv_numel, by_origin(spec, visit), step="ring forward")
+    return acc
+
+
+def direct_bwd(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit: Callable, dt: torch.dtype):
+    """The direct transport's backward: every step's dK/dV rows sent to their owner at once, the
+    rows of this rank's keys that each peer computed added in step order: ``(dk, dv)``."""
+    plan, p, r = spec.plan, comm.size, comm.rank
+    dk = torch.zeros(k.shape, dtype=dt, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dt, device=k.device)
+    homes = []
+
+    def done(s: int, res) -> None:
+        if s == 0:
+            dk.add_(res[0])
+            dv.add_(res[1])
+            return
+        n = nrows(plan.send[s])
+        got = torch.empty(spec.rows_numel(n), dtype=dt, device=k.device) if n else None
+        mine = pack(*res) if res is not None else None
+        hs = comm.post([(mine, (r - s) % p)] if mine is not None else [], [(got, (r + s) % p)] if n else [], TAG_DKV)
+        homes.append((s, got, hs, mine))
+    direct_loop(comm, spec, k, v, visit, done, step="ring backward")
+    for s, got, hs, _ in homes:
+        comm.wait(hs, f"ring backward step {s}: dK/dV with ranks {(r - s) % p} and {(r + s) % p}")
+        if got is not None:
+            add_rows(dk, dv, got, spec, plan.send[s])
+    return dk, dv
 
 
 def ring_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta):
     """Backward of the ring schedule: ``(dq, dk, dv)`` float32 of this rank's shards."""
-    dq = torch.zeros(q.shape, dtype=state.stat_dtype(q.dtype), device=q.device)
+    dt = state.stat_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
     visit = attn_bwd_visit(spec, q, dout, lse, delta, dq)
-    dkv = ring_loop(comm, pack(k, v), spec.kv_numel, visit, carry=spec.kv_numel, step="ring backward")
-    dk, dv = unpack(dkv, spec, spec.rank)
+    if spec.plan.direct:
+        dk, dv = direct_bwd(comm, spec, k, v, visit, dt)
+    else:
+        dkv = ring_loop(comm, pack(k, v), spec.kv_numel, by_origin(spec, visit, packed=True), carry=spec.kv_numel,
+                        step="ring backward")
+        dk, dv = unpack(dkv, spec, spec.rank)
     return dq, dk, dv

@@ -12,16 +12,19 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _checks
+from .. import _checks, state
+from .. import variants as vs
 from ..autograd import backward_stats
 from ..functional import _rows
 from ..local import op
+from . import attn_meta, work
 from . import layout as lay
 from .allgather import allgather_attention_bwd, allgather_attention_fwd, allgather_var
 from .comm import as_comm
-from .handshake import encode_dtype, encode_float, handshake, start_handshake
-from .ring import AttnSpec, ring_attention_bwd, ring_attention_fwd
+from .handshake import encode_dtype, handshake
+from .ring import ring_attention_bwd, ring_attention_fwd
 from .tree import allreduce_sum, early_local, merge_lse, tree_attention_bwd, tree_attention_fwd
+from .work import AttnSpec
 
 _FWD = {"ring": ring_attention_fwd, "allgather": allgather_attention_fwd, "tree": tree_attention_fwd}
 _BWD = {"ring": ring_attention_bwd, "allgather": allgather_attention_bwd, "tree": tree_attention_bwd}
@@ -110,161 +113,168 @@ def sharded_logsumexp(x: Tensor, dim: int = -1, *, group=None) -> Tensor:
 
 
 class ShardedAttentionFn(torch.autograd.Function):
-    """Attention over a sharded sequence by ``schedule``: ``(out, lse)`` of this rank."""
+    """Attention over a sharded sequence by ``schedule``: ``(out, lse)`` of this rank. ``sinks``
+    (``(H,)`` or None) are merged once per row after every key partial."""
 
     @staticmethod
-    def forward(ctx, q, k, v, comm, spec: AttnSpec, schedule: str, local):
+    def forward(ctx, q, k, v, sinks, comm, spec: AttnSpec, schedule: str, local):
         out, lse = _FWD[schedule](comm, spec, q, k, v, *([local] if local is not None else []))
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse = state.add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.comm, ctx.spec, ctx.schedule = comm, spec, schedule
         return out, lse.float()
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
         lse, delta = backward_stats(out, lse, dout, dlse)
         dq, dk, dv = _BWD[ctx.schedule](ctx.comm, ctx.spec, q, k, v, dout, lse, delta)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        dsinks = state.sink_grad(lse, delta, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 
-def _attention_meta(comm, q, k, v, causal, scale, schedule, layout, return_lse):
-    """Local checks and the start of the handshake: ``(finish, scale)``; ``finish()`` waits for the
-    handshake and returns the agreed :class:`AttnSpec` (raising as the handshake does). ``scale``
-    is the resolved softmax scale, None when the local checks failed."""
-    agree, per, err, s = None, None, None, None
-    try:
-        s = _checks.attention_args(q, k, v, scale, causal)
-        _checks.flag("return_lse", return_lse)
-        _checks.choice("schedule", schedule, _checks.SCHEDULES)
-        _checks.choice("layout", layout, _checks.LAYOUTS)
-        if schedule == "tree" and layout != "contiguous":
-            raise ValueError(f"layout={layout!r}: the tree schedule takes contiguous k/v shards")
-        (b, h, sq, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
-        agree = {"B": b, "H": h, "Hkv": hkv, "D": d, "Dv": dv, "dtype": encode_dtype(q.dtype),
-                 "causal": int(causal), "scale": encode_float(s), "schedule": _checks.SCHEDULES.index(schedule),
-                 "layout": _checks.LAYOUTS.index(layout)}
-        if schedule == "tree":
-            agree["Sq"] = sq
-        per = {"Sq_local": sq, "Sk_local": k.shape[2]}
-    except (TypeError, ValueError) as e:
-        err, s = e, None
-    pending = start_handshake(comm, "sharded_attention", agree, per, err)
-
-    def finish() -> AttnSpec:
-        meta = pending()
-        if layout == "zigzag":
-            for name in ("Sq_local", "Sk_local"):
-                bad = lay.zigzag_mismatch(meta[name])
-                if bad:
-                    raise ValueError(f"sharded_attention: layout='zigzag' but rank(s) {bad} hold {name} not of a "
-                                     f"zigzag split of {sum(meta[name])} positions (lengths {meta[name]})")
-        return AttnSpec(b, h, hkv, d, dv, s, causal, layout, meta["Sq_local"], meta["Sk_local"], comm.rank)
-    return finish, s
+def _spec(comm, q, k, v, s: float, causal: bool, layout: str, schedule: str, kw, lens: tuple) -> AttnSpec:
+    """The agreed spec; ring / allgather with their plan (kept for the next calls alike)."""
+    (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
+    q_lens, k_lens = lens
+    planned = None
+    if schedule != "tree":
+        planned = work.planned(comm.rank, tuple(q_lens), tuple(k_lens), layout, causal, kw.docs, kw.window)
+    return AttnSpec(b, h, hkv, d, dv, s, causal, layout, q_lens, k_lens, comm.rank, kw, planned)
 
 
 def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
-                      group=None, schedule: str = "ring", layout: str = "contiguous", return_lse: bool = False):
+                      group=None, schedule: str = "ring", layout: str = "contiguous", return_lse: bool = False,
+                      cu_seqlens=None, window_size=None, softcap=None, sinks=None, kv_range=None, q_offset=None):
     """Exact attention over a sequence sharded across the ranks of ``group`` (collective).
 
     ``"ring"``/``"allgather"``: ``q (B,H,Sq_r,D)``, ``k (B,Hkv,Sk_r,D)``, ``v (B,Hkv,Sk_r,Dv)`` are
-    this rank's shards (``layout`` ``"contiguous"``: any lengths; ``"zigzag"``: chunks r, 2P-1-r);
-    returns this rank's shard of the output (and ``lse (B,H,Sq_r)`` float32). ``"tree"``: ``q``
-    is the same on every rank, k/v contiguous shards; the result is identical on every rank and
-    ``causal`` aligns the queries with the last ``Sq`` global keys. Causal everywhere means a
+    this rank's shards (``layout`` ``"contiguous"``: any lengths; ``"zigzag"``: chunks r, 2P-1-r,
+    of every document with ``cu_seqlens``); returns this rank's shard of the output (and
+    ``lse (B,H,Sq_r)`` float32). ``"tree"``: ``q`` is the same on every rank, k/v contiguous
+    shards; the result is identical on every rank and the queries sit at key positions
+    ``q_offset + i`` (default ``Sk - Sq``: ``causal`` is bottom-right). Causal everywhere means a
     query at global position ``i`` sees keys at ``j <= i``.
+
+    The variant keywords (CONTRACT.md, "Attention variants") are in global positions:
+    ``cu_seqlens (N+1,)`` packed documents (ring / allgather), ``window_size=(left, right)``,
+    ``softcap``, ``sinks (H,)`` (merged once per row; under ring / allgather each rank's gradient
+    is its rows' share, under tree the full one), ``kv_range (B, 2)``, ``q_offset`` (0 on ring /
+    allgather). All must agree across ranks. Steps with nothing visible transfer and launch
+    nothing; under a window only the halo of keys travels.
     """
     comm = as_comm(group)
-    finish, s = _attention_meta(comm, q, k, v, causal, scale, schedule, layout, return_lse)
-    local = early_local(q, k, v, s, causal) if schedule == "tree" and s is not None else None
-    spec = finish()
-    out, lse = ShardedAttentionFn.apply(q, k, v, comm, spec, schedule, local)
+    keywords = dict(cu_seqlens=cu_seqlens, window_size=window_size, softcap=softcap, sinks=sinks,
+                    kv_range=kv_range, q_offset=q_offset)
+    finish, s, kw = attn_meta.start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords)
+    local = early_local(q, k, v, s, causal, kw) if schedule == "tree" and s is not None else None
+    spec = _spec(comm, q, k, v, s, causal, layout, schedule, kw, finish())
+    out, lse = ShardedAttentionFn.apply(q, k, v, kw.sinks, comm, spec, schedule, local)
     return (out, lse) if return_lse else out
 
 
-def _slice_seq(x: Tensor, dim: int, lengths: list, layout: str, rank: int) -> Tensor:
+def _slice_seq(x: Tensor, dim: int, lengths: list, layout: str, rank: int, docs=None) -> Tensor:
     """This rank's segments of the full ``x`` along ``dim``, concatenated."""
-    segs = lay.segments(layout, lengths, rank)
+    segs = lay.segments(layout, lengths, rank, docs)
+    if not segs:
+        return x.narrow(dim, 0, 0).contiguous()
     return torch.cat([x.narrow(dim, s.glob, s.n) for s in segs], dim=dim).contiguous()
 
 
-def _gather_seq(comm, x: Tensor, dim: int, lengths: list, layout: str, step: str) -> Tensor:
+def _gather_seq(comm, x: Tensor, dim: int, lengths: list, layout: str, step: str, docs=None) -> Tensor:
     """The full tensor along ``dim`` from every rank's shard (lengths in rank order)."""
     xm = x.movedim(dim, 0).contiguous()
     inner = math.prod(xm.shape[1:])
     bufs = allgather_var(comm, xm.reshape(-1), lambda r: lengths[r] * inner, step)
     shards = [b.view(lengths[r], *xm.shape[1:]) for r, b in enumerate(bufs)]
-    pieces = [shards[r][loc:loc + n] for r, loc, n in lay.global_pieces(layout, lengths)]
-    return torch.cat(pieces, dim=0).movedim(0, dim)
+    pieces = [shards[r][loc:loc + n] for r, loc, n in lay.global_pieces(layout, lengths, docs)]
+    return (torch.cat(pieces, dim=0) if pieces else xm[:0]).movedim(0, dim)
 
 
 class ShardFn(torch.autograd.Function):
     """Forward: this rank's slice; backward: the full gradient gathered from every rank's slice."""
 
     @staticmethod
-    def forward(ctx, x, dim, lengths, layout, comm):
-        ctx.args = (dim, lengths, layout, comm)
-        return _slice_seq(x, dim, lengths, layout, comm.rank)
+    def forward(ctx, x, dim, lengths, layout, comm, docs):
+        ctx.args = (dim, lengths, layout, comm, docs)
+        return _slice_seq(x, dim, lengths, layout, comm.rank, docs)
 
     @staticmethod
     def backward(ctx, g):
-        dim, lengths, layout, comm = ctx.args
-        return _gather_seq(comm, g, dim, lengths, layout, "shard backward"), None, None, None, None
+        dim, lengths, layout, comm, docs = ctx.args
+        return _gather_seq(comm, g, dim, lengths, layout, "shard backward", docs), None, None, None, None, None
 
 
 class UnshardFn(torch.autograd.Function):
     """Forward: the full tensor gathered; backward: this rank's slice of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, dim, lengths, layout, comm):
-        ctx.args = (dim, lengths, layout, comm)
-        return _gather_seq(comm, x, dim, lengths, layout, "unshard")
+    def forward(ctx, x, dim, lengths, layout, comm, docs):
+        ctx.args = (dim, lengths, layout, comm, docs)
+        return _gather_seq(comm, x, dim, lengths, layout, "unshard", docs)
 
     @staticmethod
     def backward(ctx, g):
-        dim, lengths, layout, comm = ctx.args
-        return _slice_seq(g, dim, lengths, layout, comm.rank), None, None, None, None
+        dim, lengths, layout, comm, docs = ctx.args
+        return _slice_seq(g, dim, lengths, layout, comm.rank, docs), None, None, None, None, None
 
 
-def _seq_meta(name: str, x, dim, group, layout):
+def _seq_meta(name: str, x, dim, group, layout, cu_seqlens):
+    """Checks and handshake of shard / unshard: ``(comm, dim, meta, docs)``, ``docs`` the checked
+    ``cu_seqlens`` (agreed by every rank)."""
     comm = as_comm(group)
-    agree, per, err, d = None, None, None, 0
+    agree, per, err, d, docs = None, None, None, 0, None
     try:
         _checks.tensor("x", x, floating=False)
         if x.dim() == 0:
             raise ValueError(f"x must have at least one dimension to {name}, got a 0-d tensor")
         d = _checks.dim("dim", dim, x.dim())
         _checks.choice("layout", layout, _checks.LAYOUTS)
+        docs = attn_meta.doc_values(cu_seqlens)
+        if name == "shard" and docs is not None:
+            vs.check_cu_seqlens(docs, x.shape[d], x.shape[d], 0)
         agree = {"ndim": x.dim(), "dim": d, "dtype": encode_dtype(x.dtype), "layout": _checks.LAYOUTS.index(layout),
-                 **_other_sizes(list(x.shape), d)}
+                 "cu_seqlens": attn_meta.docs_code(docs), **_other_sizes(list(x.shape), d)}
         per = {"length": x.shape[d]}
     except (TypeError, ValueError) as e:
         err = e
-    return comm, d, handshake(comm, name, agree, per, err)
+    return comm, d, handshake(comm, name, agree, per, err), docs
 
 
-def shard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous") -> Tensor:
+def shard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", cu_seqlens=None) -> Tensor:
     """This rank's shard along ``dim`` of ``x``, which every rank holds in full (collective).
 
     ``"contiguous"`` splits like ``torch.tensor_split``; ``"zigzag"`` cuts ``2P`` chunks the same
-    way and keeps chunks ``r`` and ``2P-1-r``. Backward gathers the full gradient on every rank.
+    way and keeps chunks ``r`` and ``2P-1-r``; with ``cu_seqlens`` (documents, ``cu[-1]`` the
+    length along ``dim``) ``"zigzag"`` does so to every document, in document order (any lengths).
+    Backward gathers the full gradient on every rank.
     """
-    comm, d, meta = _seq_meta("shard", x, dim, group, layout)
+    comm, d, meta, docs = _seq_meta("shard", x, dim, group, layout, cu_seqlens)
     if len(set(meta["length"])) > 1:
         raise ValueError(f"shard: the full length along dim differs across ranks (per rank: {meta['length']})")
-    lengths = lay.shard_lengths(x.shape[d], comm.size, layout)
-    return ShardFn.apply(x, d, lengths, layout, comm)
+    docs = docs if layout == "zigzag" else None  # contiguous slices ignore documents
+    lengths = lay.shard_lengths(x.shape[d], comm.size, layout, docs)
+    return ShardFn.apply(x, d, lengths, layout, comm, docs)
 
 
-def unshard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous") -> Tensor:
+def unshard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", cu_seqlens=None) -> Tensor:
     """The full tensor, on every rank, from each rank's shard along ``dim`` (collective).
 
-    ``"contiguous"``: shards in rank order, any lengths; ``"zigzag"``: as :func:`shard` makes them.
-    Backward returns this rank's slice of the gradient.
+    ``"contiguous"``: shards in rank order, any lengths; ``"zigzag"``: as :func:`shard` makes them
+    (per document with ``cu_seqlens``, whose last entry is the full length). Backward returns this
+    rank's slice of the gradient.
     """
-    comm, d, meta = _seq_meta("unshard", x, dim, group, layout)
+    comm, d, meta, docs = _seq_meta("unshard", x, dim, group, layout, cu_seqlens)
     lengths = meta["length"]
-    if layout == "zigzag" and lay.zigzag_mismatch(lengths):
-        raise ValueError(f"unshard: layout='zigzag' but rank(s) {lay.zigzag_mismatch(lengths)} hold lengths "
-                         f"not of a zigzag split of {sum(lengths)} (lengths {lengths})")
-    return UnshardFn.apply(x, d, lengths, layout, comm)
+    if docs is not None:
+        vs.check_cu_seqlens(docs, sum(lengths), sum(lengths), 0)  # the same on every rank: docs agree
+        docs = docs if layout == "zigzag" else None
+    bad = lay.zigzag_mismatch(lengths, docs) if layout == "zigzag" else []
+    if bad:
+        what = "a per-document zigzag split of cu_seqlens" if docs is not None else "a zigzag split"
+        raise ValueError(f"unshard: layout='zigzag' but rank(s) {bad} hold lengths not of {what} of "
+                         f"{sum(lengths)} (lengths {lengths})")
+    return UnshardFn.apply(x, d, lengths, layout, comm, docs)

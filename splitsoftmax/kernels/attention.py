@@ -199,9 +199,10 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, kv_row0, kv_hcol, start, 
 def _guarded_pv(acc, p, v, PREC: tl.constexpr):
     """``acc + p @ v`` where keys with a NaN/Inf value count only for the rows that see them
     (``p > 0``), whose result is NaN; ``p [BLOCK_M, BLOCK_N]``, ``v [BLOCK_N, BLOCK_DV]``."""
-    bad = tl.max(_nonfinite(v), 1) > 0  # [BLOCK_N] keys with a NaN/Inf value
-    hit = tl.max(tl.where((p > 0) & bad[None, :], 1, 0), 1) > 0  # [BLOCK_M] rows that see one
-    out = _dot(p.to(v.dtype), tl.where(bad[:, None], 0.0, v).to(v.dtype), acc, PREC)
+    z = tl.sum(v.to(tl.float32) * 0.0, 1)  # [BLOCK_N]: NaN where the key's value holds a NaN/Inf, else 0
+    bad = z != z
+    hit = tl.sum(tl.where(bad[None, :], p, 0.0), 1) > 0  # [BLOCK_M] rows that see one
+    out = _dot(p.to(v.dtype), tl.where(tl.abs(v) < float("inf"), v, 0.0).to(v.dtype), acc, PREC)
     return tl.where(hit[:, None], float("nan"), out)
 
 
@@ -322,26 +323,33 @@ def _attn_fwd_kernel(Q, K, V, O, L,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    if WINDOW or KV_RANGE or Q_OFFSET or ROW_BOUNDS:  # each row's interval: tiles all rows see whole first
+    if WINDOW or KV_RANGE or Q_OFFSET or ROW_BOUNDS:  # each row's interval [lo_r, hi_r)
         lo_r, hi_r = row_bounds(pos, row_ok, b, lo, hi, Sq, diag, lo_off, KVR, QOFF, ROWS, CAUSAL, WINDOW, KV_RANGE,
                                 Q_OFFSET, ROW_BOUNDS)  # [BLOCK_M] each
         a0, a1, a2, end = band_tiles(lo_r, hi_r, row_ok, BLOCK_N)
-        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a1, a2, end, pos,
-                                  diag, lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N,
-                                  CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, False,
-                                  True, SOFTCAP, SOFTCAP_APPROX)
-        acc0, l0, m0 = acc, l_i, m_i
+        # the masked tiles at the intervals' edges first, so that the bounds are dead in the unmasked loop
         acc, l_i, m_i = _fwd_edges(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0, a1, a2, end,
                                    diag, lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N,
                                    CAUSAL, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, False, SOFTCAP,
                                    SOFTCAP_APPROX)
+        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a1, a2, end, pos,
+                                  diag, pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N,
+                                  CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, False,
+                                  True, SOFTCAP, SOFTCAP_APPROX)
         # a NaN/Inf value a row cannot see must not reach it through 0 * NaN in a masked tile; such a
         # value makes a NaN in every row of that tile's product (p >= 0) and so of the result
-        if not (tl.abs(tl.sum(tl.sum(acc, 1), 0)) < float("inf")):  # rare: the masked tiles again, guarded
-            acc, l_i, m_i = _fwd_edges(acc0, l0, m0, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0, a1, a2, end,
-                                       diag, lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs,
-                                       BLOCK_N, CAUSAL, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D,
-                                       True, SOFTCAP, SOFTCAP_APPROX)
+        if not (tl.abs(tl.sum(tl.sum(acc, 1), 0)) < float("inf")):  # rare: all again, the edges guarded
+            lo_r, hi_r = row_bounds(pos, row_ok, b, lo, hi, Sq, diag, lo_off, KVR, QOFF, ROWS, CAUSAL, WINDOW,
+                                    KV_RANGE, Q_OFFSET, ROW_BOUNDS)
+            acc, l_i, m_i = _fwd_edges(tl.zeros_like(acc), tl.zeros_like(l_i), tl.zeros_like(m_i) - float("inf"), q,
+                                       k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0, a1, a2, end, diag, lo_r, hi_r,
+                                       qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N, CAUSAL,
+                                       BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, True, SOFTCAP,
+                                       SOFTCAP_APPROX)
+            acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a1, a2, end,
+                                      pos, diag, pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs,
+                                      BLOCK_N, CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA,
+                                      ROW2D, True, True, SOFTCAP, SOFTCAP_APPROX)
     else:
         full_hi = hi
         if CAUSAL:

@@ -65,13 +65,14 @@ def against_previous(rows: list) -> None:
         rec = {"shape": name, "bitwise": all(torch.equal(x, y) for x, y in zip(new, old)),
                "out_bshd": new[0].transpose(1, 2).is_contiguous()}
         # TFLOP/s, or for one query (decode) GB/s of K+V read
-        f = 2 * k.numel() * k.element_size() / 1e3 if sq == 1 else _flops(b, h, sq, sk, causal, diag)
+        f = 2 * k.numel() * k.element_size() * 1e3 if sq == 1 else _flops(b, h, sq, sk, causal, diag)
         rec["unit"] = "GB/s" if sq == 1 else "TFLOP/s"
-        for tag, mod in (("prev", prev), ("new", A)):
-            rec[tag] = f / best_ms(lambda: mod.attn_fwd(q, k, v, SC, causal, diag, out_dtype=q.dtype)) / 1e9
+        def rate(mod):
+            return f / best_ms(lambda: mod.attn_fwd(q, k, v, SC, causal, diag, out_dtype=q.dtype)) / 1e9
+        rec["prev"], rec["new"] = rate(prev), rate(A)
         if views:
             configs.ATTN_TMA_ROWS = False
-            rec["new_4d_descriptors"] = f / best_ms(lambda: A.attn_fwd(q, k, v, SC, causal, diag, out_dtype=q.dtype)) / 1e9
+            rec["new_4d_descriptors"] = rate(A)
             configs.ATTN_TMA_ROWS = True
         rows.append(rec)
         print(json.dumps(rec), flush=True)

@@ -234,7 +234,8 @@ def table_lines(variants: list[dict], layouts: list[dict]) -> list[str]:
     lines.append("GQA B=1 causal            | ss fwd  kernel  cudnn  flash  ss/cudnn | ok")
     for r in layouts:
         lines.append(f"{r['S']:>5} {r['H']}/{r['Hkv']} {r['layout']:<11} | {r.get('ss_fwd', nan):6.0f} "
-                     f"{r.get('ss_kernel_fwd', nan):7.0f} {r.get('cudnn_fwd', nan):6.0f} {r.get('flash_fwd', nan):6.0f} "
+                     f"{r.get('ss_kernel_fwd', nan):7.0f} {r.get('cudnn_fwd', nan):6.0f} "
+                     f"{r.get('flash_fwd', nan):6.0f} "
                      f"{r.get('ss_fwd', nan) / r.get('cudnn_fwd', nan):8.2f} | {r['correct']}")
     return lines
 

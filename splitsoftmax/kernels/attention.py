@@ -1,8 +1,12 @@
 """Triton attention: partial-state forward (optionally merged in place), backward, split-KV decode.
 
 Layouts are SDPA's: ``q (B, H, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``, any
-strides. Query head ``h`` reads kv head ``h // (H // Hkv)`` (K/V are never repeated). Causal:
-query ``i`` sees key ``j`` iff ``j <= i + diag``.
+strides; a forward's output is laid out like ``q`` (a ``(B, Sq, H, Dv)`` tensor's view when ``q`` is a
+``(B, Sq, H, D)`` tensor's, as Hugging Face passes them). Query head ``h`` reads kv head
+``h // (H // Hkv)`` (K/V are never repeated). Causal: query ``i`` sees key ``j`` iff ``j <= i + diag``;
+the forward's ``mask`` (splitsoftmax.mask.Mask) narrows each row to one key interval and caps the
+scores (see splitsoftmax.kernels.attn_mask): a program loops over the union of its rows'
+intervals, unmasked inside their intersection, masked at the edges only.
 
 Forward program = ``BLOCK_M`` query rows x one key range. It walks K/V tiles with the online
 recurrence ``(m, l, o)`` in the log2 domain (``exp2``; ``log2(e)`` folded into the score scale and
@@ -14,14 +18,16 @@ programs would run the keys are split across programs whose partial ``(out, lse)
 by the fused merge kernel (flash-decoding); see ``splitsoftmax.kernels.decode``. Where TMA can
 address the inputs (``_tma_operands``: 2-byte dtypes, unpadded head dims, 16-byte strides, Hopper
 or later, rows not packed) the forward reads its Q/K/V tiles, V beside K, through ``(B, H, S, D)``
-tensor descriptors (zeros past S), or ``(B * H * S, D)`` row views where no tile crosses the end of
-a head, and stores its output through one where it writes it directly (one split, no running
+tensor descriptors (zeros past S), or 2-D row views where no tile crosses the end of a head
+(``(B * H * S, D)`` of contiguous tensors, ``(B * S, H * D)`` of ``(B, S, H, D)`` ones, at batch 1 with
+any length), and stores its output through one where it writes it directly (one split, no running
 state); the results are the pointer path's bit for bit.
 
-Causal diagonal tiles multiply masked keys' values by ``p = 0``, and ``0 * NaN`` is NaN: a NaN/Inf
-value that a row may not see must not reach it. Such a value makes a NaN in every row of the
-tile's product, so the masked tiles run unguarded and a sum of the result decides, rarely, to run
-them again from the state before them with the guard (:func:`_guarded_pv`).
+Masked tiles multiply hidden keys' values by ``p = 0``, and ``0 * NaN`` is NaN: a NaN/Inf value that
+a row may not see must not reach it. Such a value makes a NaN in every row of the tile's product,
+so the masked tiles run unguarded and a sum of the result decides, rarely, to run them again with
+the guard (:func:`_guarded_pv`): from the state before them (causal), or from the start (variants,
+whose masked edge tiles run first).
 """
 from __future__ import annotations
 

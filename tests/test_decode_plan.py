@@ -59,3 +59,31 @@ def test_short_splits_pipeline_fewer_stages(sk, short):
 def test_batch_four_fills_one_wave():
     """32 (batch, kv head) programs: 8 splits (256 programs), not 9 (288 on 264 slots)."""
     assert _plan(4, 32, 8, 1, 131072).nsplit == 8
+
+
+def _programs(p, b, h, hkv, sq):
+    rows = (h // hkv) * sq if p.pack else sq
+    return -(-rows // p.tile[0]) * b * (hkv if p.pack else h) * p.nsplit
+
+
+@pytest.mark.parametrize("h,hkv", [(16, 4), (32, 8)])
+@pytest.mark.parametrize("sq,sk", [(1, 32768), (1, 131072), (16, 32768), (64, 32768), (128, 8192), (512, 512),
+                                   (1024, 1024), (512, 32768), (8192, 8192)])
+def test_gqa_at_batch_one_fills_the_sms(h, hkv, sq, sk):
+    """Batch 1 with 4 or 8 kv heads: at least one program per SM (queries or keys split), causal and
+    bottom-right aligned as decode and chunked prefill run."""
+    p = _plan(1, h, hkv, sq, sk, causal=True, diag=sk - sq)
+    assert _programs(p, 1, h, hkv, sq) >= SMS, p
+
+
+def test_window_splits_cover_only_the_window():
+    """Decode with a window of 8192 at 1M keys: the splits start at the window's first tile."""
+    from splitsoftmax.mask import Mask
+    sk = 1 << 20
+    q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(1, 8, sk, 128, dtype=torch.bfloat16, device="meta")
+    p = decode.plan(q, k, k, True, sk - 1, Mask(lo=sk - 8192))
+    bn = p.tile[1]
+    assert p.start == ((sk - 8192) // bn) * bn and p.start % bn == 0
+    assert p.start + (p.nsplit - 1) * p.chunk < sk <= p.start + p.nsplit * p.chunk
+    assert p.nsplit * p.chunk < 8192 + 2 * bn * p.nsplit

@@ -80,7 +80,7 @@ def test_forward_flash_rule(case, dtype, tma, monkeypatch):
     ops = A._tma_operands(q, k, v, torch.empty(b, h, sq, dv, device=DEV, dtype=dtype), p, store=True)
     assert (ops is not None) == (tma and dtype != torch.float32 and not d & (d - 1))
     if ops is not None:  # output through a descriptor; row views where no tile crosses a head's end
-        assert ops[4:] == (True, sq % p.tile[0] == 0 and sk % p.tile[1] == 0)
+        assert ops[4:6] == (True, sq % p.tile[0] == 0 and sk % p.tile[1] == 0)
     out, lse = A.attn_fwd(q, k, v, scale, causal, diag, out_dtype=dtype)
     ro, rl = ref_attention(q, k, v, scale, causal, diag)
     peer = sdpa(q, k, v, scale, causal, diag)

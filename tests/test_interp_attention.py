@@ -99,7 +99,7 @@ def test_tma_forward_matches_pointer_loads(case, layout, out_dtype, monkeypatch)
     p = decode.plan(q, k, v, causal, diag)
     tma = A._tma_operands(q, k, v, out, p, store=p.nsplit == 1)
     whole = sq % p.tile[0] == 0 and sk % p.tile[1] == 0
-    assert tma is not None and tma[4:] == (store and p.nsplit == 1, rows and whole)
+    assert tma is not None and tma[4:6] == (store and p.nsplit == 1, rows and whole)
     keys = decode.visible_keys(sq, sk, causal, diag)
     if keys < sk:
         v[:, :, keys] = float("nan")
@@ -168,7 +168,7 @@ def test_tma_accumulate_matches_pointer_loads(case, layout, monkeypatch):
     p = decode.plan(q, k2, v2, True, diag - half)
     assert (p.nsplit > 1) == (sk == 400)
     tma = A._tma_operands(q, k2, v2, torch.empty(b, h, sq, dv), p, store=False)
-    assert tma is not None and tma[4:] == (False, rows and sq % p.tile[0] == 0 and (sk - half) % p.tile[1] == 0)
+    assert tma is not None and tma[4:6] == (False, rows and sq % p.tile[0] == 0 and (sk - half) % p.tile[1] == 0)
     states = []
     for use_tma in (True, False):
         monkeypatch.setattr(configs, "ATTN_TMA", use_tma)

@@ -8,6 +8,9 @@
   and replayed from a CUDA graph (the host's launch cost hidden, as decode loops run);
 - the merge of 8 float32 partials (out 1x32x8192x128 each): GB/s of partials read + result written,
   fused kernel vs torch eager (lse weights, and the pairwise sigmoid form);
+- the attention variants (documents, window, softcap, sinks) beside FlexAttention, and GQA at
+  batch 1 contiguous and as ``(B, S, H, D)`` views beside cuDNN (``attention_variants``, forward;
+  ``--no-variants`` leaves them out, ``--only-variants`` runs nothing else);
 - optionally (``--sweep``) alternative tiles of each kernel first; the best of each is then used.
 
 Every shape is checked before it is timed: on 128 sampled query rows the error of ss against a
@@ -30,7 +33,7 @@ from splitsoftmax import state
 from splitsoftmax.kernels import attention as A
 from splitsoftmax.kernels import configs, decode, merge
 
-from . import best_ms, graph_ms
+from . import attention_variants, best_ms, graph_ms
 
 TOKENS, HEADS, DIM = 32768, 16, 128
 SEQS = [1024, 2048, 4096, 8192, 16384, 32768]
@@ -317,6 +320,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seqs", type=int, nargs="*", default=SEQS)
     ap.add_argument("--decode-keys", type=int, nargs="*", default=DECODE_KEYS)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--no-variants", action="store_true", help="leave out the variant and GQA-layout rows")
+    ap.add_argument("--only-variants", action="store_true", help="run the variant and GQA-layout rows only")
     ap.add_argument("--sweep", action="store_true",
                     help="first time alternative tiles (bf16, D=128) and run the rest with the best of each")
     args = ap.parse_args(argv)
@@ -329,6 +334,15 @@ def main(argv=None) -> int:
         result["tiles_adopted"] = adopt_best(result["sweep"])
     result["tiles"] = {f"{kd}/{sz}/{hd}": t for (kd, sz, hd), t in configs.ATTN_TILES.items() if (sz, hd) == (2, 128)}
     result["split_programs_per_sm"] = configs.ATTN_SPLIT_PROGRAMS_PER_SM
+    rows = []
+    if not args.no_variants:
+        result["variants"], result["layouts"] = attention_variants.variant_rows(), attention_variants.layout_rows()
+        rows = result["variants"] + result["layouts"]
+    if args.only_variants:
+        with open(os.path.join(args.out, "attention.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        print("\n".join(attention_variants.table_lines(result["variants"], result["layouts"])))
+        return 0 if all(r["correct"] for r in rows) else 1
     result["merge"] = merging()
     result["decode"] = decoding(args.decode_keys)
     result["prefill"] = prefill(args.seqs, [] if args.no_flex else FLEX_SEQS)
@@ -336,7 +350,9 @@ def main(argv=None) -> int:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, "attention.png"))
     print(table(result))
-    ok = all(r["correct"] for r in result["prefill"] + result["decode"]) and result["merge"]["correct"]
+    if rows:
+        print("\n".join(attention_variants.table_lines(result["variants"], result["layouts"])))
+    ok = all(r["correct"] for r in result["prefill"] + result["decode"] + rows) and result["merge"]["correct"]
     return 0 if ok else 1
 
 

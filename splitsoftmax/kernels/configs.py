@@ -45,6 +45,9 @@ ATTN_TMA_STORE = True
 # ... and where every operand is contiguous and no tile crosses the end of a head (Sq and Sk
 # multiples of the tile), the descriptors are (B * H * S, D) row views instead of (B, H, S, D).
 ATTN_TMA_ROWS = True
+# Softcapped scores (16-bit inputs on NVIDIA GPUs) take tanh from the special-function unit's
+# tanh.approx.f32 (one op, about 2^-11 relative error) instead of exp2 and a division (two).
+ATTN_SOFTCAP_APPROX = True
 # Under TRITON_INTERPRET=1 small tiles, so tiny test shapes still cross several tiles.
 ATTN_TILE_INTERPRET = (16, 16, 4, 1)
 # Split-KV: split the keys when fewer programs than this many per SM would run (H200 sweep at

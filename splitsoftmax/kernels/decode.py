@@ -14,18 +14,22 @@ import torch
 from torch import Tensor
 
 from ..local import interpreting
+from ..mask import NO_MASK, Mask
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
+from .attn_mask import key_range
 from .configs import ATTN_INTERPRET_SMS, ATTN_PACK_MAX_SQ, ATTN_TILE_DEFAULT, ATTN_TILE_INTERPRET, ATTN_TILES
 
 
 class Plan(NamedTuple):
-    """How one forward runs: ``tile (BLOCK_M, BLOCK_N, warps, stages)``, packing, key split."""
+    """How one forward runs: ``tile (BLOCK_M, BLOCK_N, warps, stages)``, packing, key split: split
+    ``s`` covers keys ``start + s * chunk ..`` (``start`` a multiple of ``BLOCK_N``)."""
 
     tile: tuple
     pack: bool
     nsplit: int
     chunk: int
+    start: int = 0
 
 
 def pad_dim(d: int) -> int:
@@ -79,8 +83,9 @@ def visible_keys(sq: int, sk: int, causal: bool, diag: int) -> int:
     return max(0, min(sk, sq - 1 + diag + 1)) if causal else sk
 
 
-def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int) -> Plan:
-    """Tiles, packing and split for ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v``."""
+def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int, mask: Mask = NO_MASK) -> Plan:
+    """Tiles, packing and split for ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v``; the splits
+    cover the keys some row may see (``attn_mask.key_range``)."""
     b, h, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     pack = sq <= ATTN_PACK_MAX_SQ
@@ -96,14 +101,16 @@ def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int) -> Plan:
     tile = (bm, bn, warps, stages)
     programs = configs.cdiv(rows, bm) * b * (hkv if pack else h)
     target = configs.ATTN_SPLIT_PROGRAMS_PER_SM * sm_count(q)
-    keys = visible_keys(sq, sk, causal, diag)
+    k0, k1 = key_range(sq, sk, causal, diag, mask)
+    start = (k0 // bn) * bn
+    keys = k1 - start
     nsplit = 1
     if programs < target:  # whole splits up to the target, never a second, partial wave
         nsplit = max(1, min(target // programs, keys // (bn * configs.ATTN_SPLIT_MIN_TILES)))
-    chunk = configs.cdiv(max(sk, 1), bn) * bn
+    chunk = configs.cdiv(max(sk - start, 1), bn) * bn
     if nsplit > 1:
         chunk = configs.cdiv(configs.cdiv(keys, nsplit), bn) * bn
         nsplit = configs.cdiv(keys, chunk)
         if pack and chunk // bn <= configs.ATTN_SHORT_SPLIT_TILES:
             tile = (bm, bn, warps, min(stages, configs.ATTN_SHORT_SPLIT_STAGES))
-    return Plan(tile, pack, nsplit, chunk)
+    return Plan(tile, pack, nsplit, chunk, start)

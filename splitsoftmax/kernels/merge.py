@@ -111,7 +111,8 @@ def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
     # [BLOCK_D]; an empty part (w = 0) is skipped whatever its out holds, a NaN weight is kept
     acc = tl.sum(tl.where((w != 0)[:, None], w[:, None] * o, 0.0), 0)
     tl.store(OUT + row * s_outr + cols * s_outd, acc.to(OUT.dtype.element_ty), mask=cols < DV)
-    tl.store(LSE + row * s_lser, lse2_of(m_use, s) * 0.6931471805599453, mask=pid_d == 0)
+    if pid_d == 0:
+        tl.store(LSE + row * s_lser, lse2_of(m_use, s) * 0.6931471805599453)
 
 
 _MERGE_ROWS, _MERGE_PARTS = Launcher(_merge_fwd_kernel), Launcher(_merge_parts_kernel)

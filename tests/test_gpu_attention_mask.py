@@ -1,0 +1,135 @@
+"""GPU lane: the Triton forward under ``splitsoftmax.mask.Mask`` variants, FlashAttention's rule.
+
+The kernel's error against a float64 oracle (built from ``mask.visible``) may be at most 2x that of
+torch's attention in the same dtype with the same mask (SDPA with a boolean mask; with softcap,
+torch's eager scores capped in float32). Rows that see no key must be exactly ``(0, -inf)``.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+from splitsoftmax import reference as ref  # noqa: E402
+from splitsoftmax.kernels import attention as A  # noqa: E402
+from splitsoftmax.kernels import configs, decode  # noqa: E402
+from splitsoftmax.mask import Mask, visible  # noqa: E402
+
+NEG_INF = float("-inf")
+DEV = "cuda"
+
+
+def scores(q, k, scale, mask, dtype):
+    """Scaled (and capped) scores of ``q`` over ``k`` in ``dtype``'s products, as float64/float32."""
+    g = q.shape[1] // k.shape[1]
+    s = (q.to(dtype) @ k.to(dtype).repeat_interleave(g, 1).transpose(-1, -2)).to(
+        torch.float64 if dtype == torch.float64 else torch.float32) * scale
+    return mask.softcap * torch.tanh(s / mask.softcap) if mask.softcap else s
+
+
+def attention(q, k, v, scale, causal, diag, mask, dtype):
+    """Attention under ``mask`` with products in ``dtype`` (float64: the oracle; 16-bit: the peer,
+    probabilities rounded to ``dtype`` before their product with V); empty rows ``(0, -inf)``."""
+    vis = visible(mask, causal, diag, q.shape[0], q.shape[2], k.shape[2], device=q.device).unsqueeze(1)
+    s = torch.where(vis, scores(q, k, scale, mask, dtype), NEG_INF)
+    p = ref.softmax(s, -1)
+    g = q.shape[1] // k.shape[1]
+    return (p.to(dtype) @ v.to(dtype).repeat_interleave(g, 1)).double(), ref.logsumexp(s, -1)
+
+
+def peer(q, k, v, scale, causal, diag, mask):
+    """torch in the inputs' dtype: SDPA with the boolean mask, or eager with the softcap."""
+    if mask.softcap:
+        return attention(q, k, v, scale, causal, diag, mask, q.dtype)[0]
+    g = q.shape[1] // k.shape[1]
+    vis = visible(mask, causal, diag, q.shape[0], q.shape[2], k.shape[2], device=q.device).unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), attn_mask=vis,
+                                         scale=scale)
+    return out.double()
+
+
+def err(x, want, rows):
+    x = x.double().transpose(1, 2)[rows]
+    assert not torch.isnan(x).any()
+    return (x - want.transpose(1, 2)[rows]).abs().max().item()
+
+
+def docs(cu, device=DEV):
+    rows = torch.empty(2, cu[-1], dtype=torch.int32)
+    for a, e in zip(cu[:-1], cu[1:]):
+        rows[0, a:e], rows[1, a:e] = a, e
+    return rows.to(device)
+
+
+def i32(*x):
+    return torch.tensor(x, dtype=torch.int32, device=DEV)
+
+
+CASES = [
+    # name, (b, h, hkv, sq, sk, d), causal, diag, mask, query gain
+    ("window", (2, 8, 2, 1000, 1000, 128), True, 0, Mask(lo=-255), 1.0),
+    ("documents", (1, 8, 2, 1000, 1000, 128), True, 0, Mask(rows=docs([0, 100, 357, 358, 1000])), 1.0),
+    ("documents full", (1, 4, 4, 1024, 1024, 64), False, 0, Mask(rows=docs([0, 512, 1024])), 1.0),
+    ("kv_range + q_offset", (2, 8, 2, 300, 1500, 128), True, 0,
+     Mask(kv_range=i32([0, 1200], [40, 1500]), q_offset=i32(900, 1200)), 1.0),
+    ("softcap 50", (2, 8, 2, 1000, 1000, 128), True, 0, Mask(softcap=50.0), 4.0),
+    ("softcap 5", (1, 8, 8, 512, 700, 128), False, 0, Mask(softcap=5.0), 4.0),
+    ("all", (2, 8, 2, 1024, 1024, 128), True, 0,
+     Mask(lo=-300, softcap=30.0, kv_range=i32([0, 1024], [17, 1000]), rows=docs([0, 600, 1024])), 2.0),
+    ("decode", (2, 32, 8, 1, 40000, 128), True, 39999, Mask(lo=39999 - 8191, kv_range=i32([0, 30000], [0, 40000])),
+     1.0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name,shape,causal,diag,mask,gain", CASES, ids=[c[0] for c in CASES])
+def test_variant_flash_rule(name, shape, causal, diag, mask, gain, dtype):
+    b, h, hkv, sq, sk, d = shape
+    q = (torch.randn(b, h, sq, d, device=DEV) * gain).to(dtype)
+    k, v = (torch.randn(b, hkv, sk, d, device=DEV, dtype=dtype) for _ in range(2))
+    scale = 1 / math.sqrt(d)
+    out, lse = A.attn_fwd(q, k, v, scale, causal, diag, out_dtype=dtype, mask=mask)
+    ro, rl = attention(q, k, v, scale, causal, diag, mask, torch.float64)
+    seen = (rl > NEG_INF).transpose(1, 2)  # [B, Sq, H]
+    rows = seen.all(-1)
+    assert torch.equal(lse.transpose(1, 2) == NEG_INF, ~seen)
+    assert torch.equal(out.transpose(1, 2)[~seen], torch.zeros_like(out.transpose(1, 2)[~seen]))
+    assert err(out, ro, rows) <= 2 * err(peer(q, k, v, scale, causal, diag, mask), ro, rows) + 1e-6
+    fin = rl > NEG_INF
+    assert (lse[fin].double() - rl[fin]).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("b,s,tma", [(2, 1024, True), (1, 1000, True), (2, 1000, True), (2, 1000, False)])
+def test_bshd_views(b, s, tma, monkeypatch):
+    """q, k, v as (B, H, S, D) views of (B, S, H, D) tensors, the output a (B, S, H, Dv) tensor's
+    view: results bit for bit those of contiguous copies; (B * S, H * D) row views at batch 1 or
+    whole tiles."""
+    monkeypatch.setattr(configs, "ATTN_TMA", tma)
+    q = torch.randn(b, s, 32, 128, device=DEV, dtype=torch.bfloat16).transpose(1, 2)
+    k, v = (torch.randn(b, s, 8, 128, device=DEV, dtype=torch.bfloat16).transpose(1, 2) for _ in range(2))
+    p = decode.plan(q, k, v, True, 0)
+    ops = A._tma_operands(q, k, v, A._empty_out(q, 128, q.dtype), p, store=True)
+    whole = s % p.tile[0] == 0 and s % p.tile[1] == 0
+    assert (ops is not None) == tma and (not tma or ops[5:] == (b == 1 or whole,) * 2)
+    out, lse = A.attn_fwd(q, k, v, 1 / math.sqrt(128), True, 0, out_dtype=q.dtype)
+    assert out.transpose(1, 2).is_contiguous()
+    want = A.attn_fwd(q.contiguous(), k.contiguous(), v.contiguous(), 1 / math.sqrt(128), True, 0, out_dtype=q.dtype)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+
+
+def test_nan_in_hidden_keys_changes_nothing():
+    """NaN/Inf in keys and values outside every row's interval (kv_range, documents, window)."""
+    b, h, hkv, s, d = 2, 8, 2, 1000, 128
+    q, k, v = (torch.randn(b, n, s, d, device=DEV, dtype=torch.bfloat16) for n in (h, hkv, hkv))
+    m = Mask(lo=-200, kv_range=i32([0, 900], [100, 1000]), rows=docs([0, 500, 1000]))
+    want = A.attn_fwd(q, k, v, 0.1, True, 0, out_dtype=q.dtype, mask=m)
+    hidden = ~visible(m, True, 0, b, s, s, device=DEV).any(1)  # [B, Sk]
+    k2, v2 = k.clone(), v.clone()
+    k2.transpose(1, 2)[hidden] = float("nan")
+    v2.transpose(1, 2)[hidden] = float("inf")
+    got = A.attn_fwd(q, k2, v2, 0.1, True, 0, out_dtype=q.dtype, mask=m)
+    assert hidden.any() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -27,13 +27,24 @@ ATTN_TILES = {
     ("bwd_kv", 2, 128): (32, 64, 4, 3),   # H200, fwd+bwd TFLOP/s at S=1k/8k full: 299/376 (32x128 w8: 267/339)
     ("bwd_kv", 2, 256): (16, 64, 8, 2),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
-    # ... and dQ programs hold a query block and walk key blocks
+    # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
     ("bwd_q", 2, 128): (128, 64, 8, 4),
     ("bwd_q", 2, 256): (64, 32, 8, 2),
     ("bwd_q", 4, 64): (32, 32, 4, 2),
     ("bwd_q", 4, 256): (16, 16, 4, 2),
+    # the five-product backward: a key block (BLOCK_N) and its dK/dV in registers walks query blocks
+    # (BLOCK_M), adding their dQ into a float32 buffer through TMA reductions
+    ("bwd", 2, 64): (64, 128, 8, 2),
+    ("bwd", 2, 128): (64, 128, 8, 2),
 }
 ATTN_TILE_DEFAULT = (16, 16, 4, 2)
+# The five-product backward runs for head dims up to this (its dK/dV accumulators stay in registers) ...
+ATTN_BWD_ATOMIC_MAX_DIM = 128
+# ... and both backwards split a key block's work across programs (query heads, then query range)
+# while fewer than this many dK/dV programs per SM would run, each range piece at least this many
+# query blocks long.
+ATTN_BWD_PROGRAMS_PER_SM = 2
+ATTN_BWD_SPLIT_MIN_BLOCKS = 4
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

@@ -134,16 +134,17 @@ def _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV: tl.co
 
 
 @triton.jit
-def _kv_tile(dk, dv, k, v, kscale, q_src, do_src, GQ, l_base, e_base, ROWS, s_r, b, h, m0, kj,
+def _kv_tile(dk, dv, k, ks, v, cs, q_src, do_src, GQ, l_base, e_base, ROWS, s_r, b, h, m0, kj,
              s_qs, s_ds, s_ls, s_es, offs_d, offs_dv, dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi, scale, cap2,
              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_LO: tl.constexpr, HAS_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-             PREC: tl.constexpr):
+             GUARD: tl.constexpr, PREC: tl.constexpr):
     """dK, dV ``[BLOCK_N, BLOCK_D(V)]`` of key block ``kj`` from query block ``m0`` of head ``h``
-    (and with ``DQ_ATOMIC`` that block's dQ added into the float32 descriptor ``GQ``). ``k`` has
-    its non-finite entries zeroed; ``kscale [BLOCK_N]`` is the score scale (NaN for those keys).
-    ``MASKED``: every pair is checked against the visibility rule."""
+    (and with ``DQ_ATOMIC`` that block's dQ, from ``ks``: ``k`` with its non-finite entries zeroed,
+    added into the float32 descriptor ``GQ``); ``cs`` scales the scores (``s / c`` with softcap).
+    ``MASKED``: every pair is checked against the visibility rule; ``GUARD``: and a NaN/Inf in a
+    row of Q or dO reaches no key the row does not see."""
     qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     qmask = qi < Sq
     q = _tile(q_src, b, h, m0, qi, offs_d, qmask, dmask, s_qs, BLOCK_M, BLOCK_D, EVEN_D, TMA)
@@ -153,10 +154,10 @@ def _kv_tile(dk, dv, k, v, kscale, q_src, do_src, GQ, l_base, e_base, ROWS, s_r,
     delta = tl.load(e_base + qi * s_es, mask=qmask, other=0.0) * scale  # [BLOCK_M]
     qk_t = _dot(k, tl.trans(q), None, PREC)  # [BLOCK_N, BLOCK_M]
     if SOFTCAP:
-        t = _tanh(qk_t * kscale[:, None])
+        t = _tanh(qk_t * cs)
         p_t = tl.math.exp2(t * cap2 - lse2[None, :])
     else:
-        p_t = tl.math.exp2(qk_t * kscale[:, None] - lse2[None, :])
+        p_t = tl.math.exp2(qk_t * cs - lse2[None, :])
     if MASKED:
         rlo = 0
         rhi = 0
@@ -165,7 +166,8 @@ def _kv_tile(dk, dv, k, v, kscale, q_src, do_src, GQ, l_base, e_base, ROWS, s_r,
             rhi = tl.load(ROWS + s_r + qi, mask=qmask, other=0)[None, :]
         seen = _seen(kj[:, None], qi[None, :], rlo, rhi, dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO, HAS_ROWS)
         p_t = tl.where(seen, p_t, 0.0)
-        do = _finite_or_zero(do)  # hidden pairs must give exact zeros, never 0 * NaN
+        if GUARD:
+            do = _finite_or_zero(do)  # hidden pairs must give exact zeros, never 0 * NaN
     dv = _dot(p_t.to(do.dtype), do, dv, PREC)  # [BLOCK_N, BLOCK_DV]
     dp_t = _dot(v, tl.trans(do), None, PREC)  # [BLOCK_N, BLOCK_M]
     ds_t = p_t * (dp_t * scale - delta[None, :])  # the score gradient, times the scale
@@ -173,11 +175,12 @@ def _kv_tile(dk, dv, k, v, kscale, q_src, do_src, GQ, l_base, e_base, ROWS, s_r,
         ds_t = ds_t * (1.0 - t * t)
     if MASKED:
         ds_t = tl.where(seen, ds_t, 0.0)
-        q = _finite_or_zero(q)
+        if GUARD:
+            q = _finite_or_zero(q)
     ds = ds_t.to(q.dtype)
     dk = _dot(ds, q, dk, PREC)  # [BLOCK_N, BLOCK_D]
     if DQ_ATOMIC:
-        dq = _dot(tl.trans(ds), k, None, PREC)  # [BLOCK_M, BLOCK_D]
+        dq = _dot(tl.trans(ds), ks, None, PREC)  # [BLOCK_M, BLOCK_D]
         GQ.atomic_add([b, h, m0, 0], dq.reshape(1, 1, BLOCK_M, BLOCK_D))
     return dk, dv
 
@@ -213,7 +216,7 @@ def _kv_rows(RB, pid_n, n0, n1, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: tl.constexpr,
 
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo"])
-def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS, RB,
+def _attn_bwd_kv_kernel(Q, K, KS, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS, RB,
                         s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_db, s_dh, s_ds,
                         s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgp, s_kgb, s_kgh, s_kgs, s_vgp, s_vgb, s_vgh, s_vgs,
                         s_kvb, s_kvc, s_off, s_r,
@@ -222,7 +225,7 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS, RB
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_LO: tl.constexpr,
                         HAS_KV: tl.constexpr, HAS_OFF: tl.constexpr, HAS_ROWS: tl.constexpr,
                         SOFTCAP: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                        DKV_ATOMIC: tl.constexpr, PREC: tl.constexpr):
+                        DKV_ATOMIC: tl.constexpr, GUARD: tl.constexpr, PREC: tl.constexpr):
     """Grid ``(B * HKV * NH * NQ, key blocks)``: key block ``pid_n`` of kv head ``(b, kvh)``, split
     ``(sh, sq)`` taking query heads ``[sh * G // NH, (sh + 1) * G // NH)`` of the group and piece
     ``sq`` of ``NQ`` of the query blocks. ``TMA``: ``Q, K, V, DO`` (and ``GQ``, ``GK``, ``GV`` where
@@ -252,12 +255,12 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS, RB
     kmask = kj < Sk
     k = _tile(k_src, b, kvh, n0, kj, offs_d, kmask, dmask, s_ks, BLOCK_N, BLOCK_D, D == BLOCK_D, TMA)
     v = _tile(v_src, b, kvh, n0, kj, offs_dv, kmask, dvmask, s_vs, BLOCK_N, BLOCK_DV, DV == BLOCK_DV, TMA)
-    kbad = tl.max(tl.where(tl.abs(k.to(tl.float32)) < float("inf"), 0, 1), 1) > 0  # [BLOCK_N]
-    k = _finite_or_zero(k)  # a non-finite key reaches the rows that see it through kscale = NaN
+    ks = k
+    if DQ_ATOMIC:  # dQ multiplies K with its non-finite entries zeroed: hidden pairs give exact zeros
+        ks = KS.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
     cs = qk_scale
     if SOFTCAP:
         cs = scale / cap2 * 1.4426950408889634  # s / c
-    kscale = tl.where(kbad, float("nan"), cs)
     kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
     first, end, ia, ib = _kv_rows(RB, pid_n, n0, n0 + BLOCK_N, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, CAUSAL,
                                   HAS_LO, HAS_ROWS)
@@ -283,15 +286,15 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS, RB
         e_base = DELTA + b64 * s_eb + h * s_eh
         for it in tl.range(0, n_masked):
             m0 = tl.where(it < n_pre, pa + it, ib + it - n_pre) * BLOCK_M
-            dk, dv = _kv_tile(dk, dv, k, v, kscale, q_src, do_src, GQ, l_base, e_base, ROWS, s_r, b, h, m0, kj,
+            dk, dv = _kv_tile(dk, dv, k, ks, v, cs, q_src, do_src, GQ, l_base, e_base, ROWS, s_r, b, h, m0, kj,
                               s_qs, s_ds, s_ls, s_es, offs_d, offs_dv, dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi,
                               scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, True, CAUSAL, HAS_LO, HAS_ROWS, SOFTCAP,
-                              D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, PREC)
+                              D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD, PREC)
         for mb in tl.range(ia, ib):
-            dk, dv = _kv_tile(dk, dv, k, v, kscale, q_src, do_src, GQ, l_base, e_base, ROWS, s_r, b, h,
+            dk, dv = _kv_tile(dk, dv, k, ks, v, cs, q_src, do_src, GQ, l_base, e_base, ROWS, s_r, b, h,
                               mb * BLOCK_M, kj, s_qs, s_ds, s_ls, s_es, offs_d, offs_dv, dmask, dvmask, Sq, dg, lw,
                               kv_lo, kv_hi, scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, False, CAUSAL, HAS_LO,
-                              HAS_ROWS, SOFTCAP, D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, PREC)
+                              HAS_ROWS, SOFTCAP, D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD, PREC)
     if DKV_ATOMIC:
         GK.atomic_add([b, kvh, n0, 0], dk.reshape(1, 1, BLOCK_N, BLOCK_D))
         GV.atomic_add([b, kvh, n0, 0], dv.reshape(1, 1, BLOCK_N, BLOCK_DV))
@@ -410,6 +413,27 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ, KVR, QOFF, ROWS,
              mask=qmask[:, None] & dmask[None, :])
 
 
+@triton.jit(do_not_specialize=["R", "NZ"])
+def _attn_bwd_pre_kernel(K, KS, Z, s_kb, s_kh, s_ks, HKV, Sk, R, NZ, KPROG, D: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_Z: tl.constexpr):
+    """Programs ``[0, KPROG)``: ``KS (R = B * HKV * Sk, D)`` = ``K`` (any strides) with its non-finite
+    entries zeroed; the rest: ``Z[:NZ] = 0`` (the float32 buffers the reductions add into)."""
+    pid = tl.program_id(0)
+    if pid < KPROG:
+        rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
+        cols = tl.arange(0, D)
+        s = rows % Sk
+        b = rows // Sk // HKV
+        h = rows // Sk % HKV
+        m = (rows < R)[:, None]
+        x = tl.load(K + (b * s_kb + h * s_kh + s * s_ks)[:, None] + cols[None, :], mask=m, other=0.0)
+        tl.store(KS + rows[:, None] * D + cols[None, :], _finite_or_zero(x), mask=m)
+    else:
+        offs = (pid - KPROG).to(tl.int64) * BLOCK_Z + tl.arange(0, BLOCK_Z)
+        tl.store(Z + offs, tl.zeros([BLOCK_Z], tl.float32), mask=offs < NZ)
+
+
+_PRE = Launcher(_attn_bwd_pre_kernel)
 _KV = Launcher(_attn_bwd_kv_kernel)
 _Q = Launcher(_attn_bwd_q_kernel)
 
@@ -503,16 +527,57 @@ def _key(args: tuple, ints: tuple) -> tuple:
     return (*parts, *ints)
 
 
-def _buffers(q: Tensor, k: Tensor, v: Tensor, od: torch.dtype, atomic: bool, ns: int) -> tuple:
-    """``(dq, dk, dv)`` the kernels write: dQ in ``od``, or float32 zeros to accumulate into (atomic);
-    dK/dV in ``od`` (one split), float32 zeros (atomic splits) or ``(ns, ...)`` float32 partials. Each
-    has its input's strides where that is dense (``torch.empty_like``)."""
+def _dense_strides(t: Tensor) -> tuple:
+    """``t``'s strides where its elements fill ``t.numel()`` consecutive slots in some dim order
+    (what ``torch.empty_like`` keeps), else the contiguous strides."""
+    dims = sorted((i for i in range(t.dim()) if t.shape[i] > 1), key=lambda i: t.stride(i))
+    want, ok = 1, True
+    for i in dims:
+        ok = ok and t.stride(i) == want
+        want *= t.shape[i]
+    if ok:
+        return t.stride()
+    strides, want = [], 1
+    for n in reversed(t.shape):
+        strides.append(want)
+        want *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _zeroed(q: Tensor, k: Tensor, v: Tensor, ns: int) -> tuple:
+    """``(ks, ws, dq, dk, dv)`` of the atomic path: ``ks`` the sanitised copy of ``k`` the
+    pre-pass writes, ``ws`` the flat float32 workspace it zeroes, holding ``dq`` (with ``q``'s dense
+    strides) and, where the dK/dV work is split, ``dk``, ``dv`` to add into (else ``None``)."""
     f32 = torch.float32
-    dq = torch.zeros_like(q, dtype=f32) if atomic else torch.empty_like(q, dtype=od)
+    sizes = [q.numel()] + ([k.numel(), v.numel()] if ns > 1 else [])
+    ws = torch.empty(sum(sizes), dtype=f32, device=q.device)
+    views, at = [], 0
+    for t, n in zip((q, k, v), sizes):
+        views.append(ws[at:at + n].as_strided(t.shape, _dense_strides(t)))
+        at += n
+    ks = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    return (ks, ws, *views, *([None, None] if ns == 1 else []))
+
+
+def _pre(k: Tensor, ks: Tensor, ws: Tensor) -> None:
+    """One launch: ``ks`` = ``k`` with non-finite entries zeroed, ``ws`` zeroed."""
+    b, hkv, sk, d = k.shape
+    r = b * hkv * sk
+    block_r = max(1, configs.ATTN_PREP_TILE_ELEMS // d)
+    block_z = configs.ATTN_PREP_TILE_ELEMS
+    kprog = configs.cdiv(r, block_r)
+    args = (k, ks, ws, *k.stride()[:3], hkv, sk, r, ws.numel(), kprog)
+    _PRE((kprog + configs.cdiv(ws.numel(), block_z),), _key(args[:3], (*args[3:6], hkv, sk, kprog, fits_int32(r, ws.numel()))),
+         args, dict(D=d, BLOCK_R=block_r, BLOCK_Z=block_z))
+
+
+def _buffers(q: Tensor, k: Tensor, v: Tensor, od: torch.dtype, ns: int) -> tuple:
+    """``(dq, dk, dv)`` of the deterministic path: dQ in ``od``, dK/dV in ``od`` (one split) or
+    ``(ns, ...)`` float32 partials; each with its input's strides where that is dense."""
+    dq = torch.empty_like(q, dtype=od)
     if ns == 1:
         return dq, torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
-    if atomic:
-        return dq, torch.zeros_like(k, dtype=f32), torch.zeros_like(v, dtype=f32)
+    f32 = torch.float32
     return (dq, torch.empty((ns, *k.shape), dtype=f32, device=k.device),
             torch.empty((ns, *v.shape), dtype=f32, device=v.device))
 
@@ -522,9 +587,9 @@ def _grad_strides(t: Tensor) -> tuple:
     return t.stride()[:4] if t.dim() == 5 else (0, *t.stride()[:3])
 
 
-def _launch_kv(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int, mask: Mask,
+def _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int, mask: Mask,
                tile: tuple, nh: int, nq: int, atomic: bool) -> None:
-    """The dK/dV kernel over every key block (with dQ added into ``dq`` where ``atomic``)."""
+    """The dK/dV kernel over every key block (with dQ, from ``ks``, added into ``dq`` where ``atomic``)."""
     b, h, sq, d = q.shape
     hkv, sk, dvd = k.shape[1], k.shape[2], v.shape[-1]
     bm, bn, warps, stages = tile
@@ -532,19 +597,20 @@ def _launch_kv(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool
     rb = row_blocks(rows, sk, bn) if flags["HAS_ROWS"] else lse
     dkv_atomic = atomic and nh * nq > 1
     if atomic:
-        ops = (_descriptor(q, bm), _descriptor(k, bn), _descriptor(v, bn), _descriptor(dout, bm), lse, delta,
-               _descriptor(dq, bm))
+        ops = (_descriptor(q, bm), _descriptor(k, bn), _descriptor(ks, bn), _descriptor(v, bn), _descriptor(dout, bm),
+               lse, delta, _descriptor(dq, bm))
     else:
-        ops = (q, k, v, dout, lse, delta, lse)
+        ops = (q, k, k, v, dout, lse, delta, lse)
     grads = (_descriptor(dk, bn), _descriptor(dv, bn)) if dkv_atomic else (dk, dv)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(),
                *delta.stride(), *_grad_strides(dk), *_grad_strides(dv), *mstrides, hkv, h // hkv, nh, nq)
     lo = mask.lo if mask.lo is not None else 0
     args = (*ops, *grads, kvr, off, rows, rb, *strides, sq, sk, diag, lo, scale * LOG2E, scale, mask.softcap * LOG2E)
-    key = _key(args[:13], (*strides, fits_int32(sq, sk, diag, lo)))
+    key = _key(args[:14], (*strides, fits_int32(sq, sk, diag, lo)))
     _KV((b * hkv * nh * nq, configs.cdiv(sk, bn)), key, args,
         dict(D=d, DV=dvd, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dvd), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
-             TMA=atomic, DQ_ATOMIC=atomic, DKV_ATOMIC=dkv_atomic, PREC=dot_precision(q.dtype), **flags,
+             TMA=atomic, DQ_ATOMIC=atomic, DKV_ATOMIC=dkv_atomic, GUARD=configs.ATTN_BWD_GUARD,
+             PREC=dot_precision(q.dtype), **flags,
              num_warps=warps, num_stages=stages))
 
 
@@ -585,10 +651,16 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
         dout = dout.contiguous()
     tile = attn_tile("bwd" if atomic else "bwd_kv", q.dtype, q.shape[-1], v.shape[-1])
     nh, nq = splits(q, k, tile)
-    dq, dk, dv = _buffers(q, k, v, od, atomic, nh * nq)
-    _launch_kv(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, tile, nh, nq, atomic)
     if not atomic:
+        dq, dk, dv = _buffers(q, k, v, od, nh * nq)
+        _launch_kv(q, k, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, tile, nh, nq, False)
         _launch_q(q, k, v, dout, lse, delta, dq, scale, causal, diag, mask)
-    if dk.dim() == 5:  # partials of the splits, summed in split order
-        dk, dv = (torch.empty_like(t, dtype=od).copy_(p.sum(0)) for t, p in ((k, dk), (v, dv)))
+        if dk.dim() == 5:  # partials of the splits, summed in split order
+            dk, dv = (torch.empty_like(t, dtype=od).copy_(p.sum(0)) for t, p in ((k, dk), (v, dv)))
+        return dq, dk, dv
+    ks, ws, dq, dk, dv = _zeroed(q, k, v, nh * nq)
+    if dk is None:
+        dk, dv = torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
+    _pre(k, ks, ws)
+    _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, tile, nh, nq, True)
     return dq.to(od), dk.to(od), dv.to(od)

@@ -33,9 +33,11 @@ ATTN_TILES = {
     ("bwd_q", 4, 64): (32, 32, 4, 2),
     ("bwd_q", 4, 256): (16, 16, 4, 2),
     # the five-product backward: a key block (BLOCK_N) and its dK/dV in registers walks query blocks
-    # (BLOCK_M), adding their dQ into a float32 buffer through TMA reductions
-    ("bwd", 2, 64): (64, 128, 8, 2),
-    ("bwd", 2, 128): (64, 128, 8, 2),
+    # (BLOCK_M), adding their dQ into a float32 buffer through TMA reductions. sm_90 ptxas (Triton
+    # 3.6, D=128, causal): 32x128 w8 s2 28 bytes of spills without the Q/dO guard, 332 with it;
+    # 64x128 w8 s2 288 / 548; 32x64 w4 s2 12 / 412.
+    ("bwd", 2, 64): (32, 128, 8, 2),
+    ("bwd", 2, 128): (32, 128, 8, 2),
 }
 ATTN_TILE_DEFAULT = (16, 16, 4, 2)
 # The five-product backward runs for head dims up to this (its dK/dV accumulators stay in registers) ...
@@ -45,6 +47,9 @@ ATTN_BWD_ATOMIC_MAX_DIM = 128
 # query blocks long.
 ATTN_BWD_PROGRAMS_PER_SM = 2
 ATTN_BWD_SPLIT_MIN_BLOCKS = 4
+# The dK/dV kernel's masked tiles keep a NaN/Inf in a row of Q or dO from the keys that row does not
+# see (torch's own attention lets it through: 0 * NaN); it costs registers there.
+ATTN_BWD_GUARD = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

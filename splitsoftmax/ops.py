@@ -128,17 +128,26 @@ def _attn_fwd_fake(q, k, v, scale, causal, diag):
     return q.new_empty((b, h, sq, v.shape[-1])), q.new_empty((b, h, sq), dtype=stat_dtype(q.dtype))
 
 
+def _grad(g: Tensor, like: Tensor) -> Tensor:
+    """``g`` in ``like``'s dtype and ``torch.empty_like(like)``'s strides (a ``(B, H, S, D)`` view of
+    ``(B, S, H, D)`` gets its gradient as one), with no copy when it already is that."""
+    if g.dtype == like.dtype and g.stride() == like.stride():
+        return g
+    return torch.empty_like(like).copy_(g)
+
+
 @_op("attn_bwd")
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
              scale: float, causal: bool, diag: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` in the dtypes of ``q, k, v``; ``lse``, ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``."""
-    dq, dk, dv = op("attn_bwd", q)(q, k, v, dout, lse, delta, scale, causal, diag)
-    return _out(dq, q.dtype), _out(dk, k.dtype), _out(dv, v.dtype)
+    """``(dq, dk, dv)`` like ``q, k, v`` (dtype, and strides where dense); ``lse``,
+    ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``."""
+    dq, dk, dv = op("attn_bwd", q)(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype)
+    return _grad(dq, q), _grad(dk, k), _grad(dv, v)
 
 
 @register_fake("splitsoftmax::attn_bwd")
 def _attn_bwd_fake(q, k, v, dout, lse, delta, scale, causal, diag):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @_op("attn_bwd_prep")

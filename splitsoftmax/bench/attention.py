@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import splitsoftmax as ss
 from splitsoftmax import state
 from splitsoftmax.kernels import attention as A
+from splitsoftmax.kernels import attention_bwd as AB
 from splitsoftmax.kernels import configs, decode, merge
 
 from . import best_ms, graph_ms
@@ -233,7 +234,7 @@ def sweep() -> list[dict]:
             for tile in SWEEP[kind]:
                 configs.ATTN_TILES[(kind, 2, 128)] = tile
                 _try_tile(res, {"kind": kind, "tile": tile, "causal": causal}, lambda: {
-                    "ms": _ms(lambda: A.attn_bwd(q, k, v, dout, lse_, delta, sc, causal))})
+                    "ms": _ms(lambda: AB.attn_bwd(q, k, v, dout, lse_, delta, sc, causal))})
             configs.ATTN_TILES[(kind, 2, 128)] = saved
     del q, k, v, dout, out
     qd = torch.randn(1, 32, 1, DIM, device="cuda", dtype=torch.bfloat16)

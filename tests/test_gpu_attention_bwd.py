@@ -18,6 +18,7 @@ pytestmark = pytest.mark.gpu
 
 import splitsoftmax as ss  # noqa: E402
 from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
+from splitsoftmax.kernels import configs  # noqa: E402
 from splitsoftmax.mask import NO_MASK, Mask, visible  # noqa: E402
 
 DEV = "cuda"
@@ -26,12 +27,15 @@ BF16 = torch.bfloat16
 
 @contextlib.contextmanager
 def deterministic(on: bool):
-    was = torch.are_deterministic_algorithms_enabled()
+    """Deterministic algorithms on (the atomic-free pair), or off with the five-product path chosen."""
+    was, atomic = torch.are_deterministic_algorithms_enabled(), configs.ATTN_BWD_ATOMIC
     torch.use_deterministic_algorithms(on, warn_only=True)
+    configs.ATTN_BWD_ATOMIC = True
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(was)
+        configs.ATTN_BWD_ATOMIC = atomic
 
 
 def masked_attention(q, k, v, scale, causal, diag, mask):
@@ -150,7 +154,8 @@ def test_deterministic_is_bitwise_and_atomic_agrees():
     with deterministic(True):
         a = AB.attn_bwd(q, k, v, dout, lse, delta, scale, True)
         b = AB.attn_bwd(q, k, v, dout, lse, delta, scale, True)
-    fast = AB.attn_bwd(q, k, v, dout, lse, delta, scale, True)
+    with deterministic(False):
+        fast = AB.attn_bwd(q, k, v, dout, lse, delta, scale, True)
     for x, y, f in zip(a, b, fast):
         assert torch.equal(x, y)
         torch.testing.assert_close(f, x, rtol=1e-4, atol=1e-4 * x.abs().max().item())

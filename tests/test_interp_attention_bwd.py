@@ -80,6 +80,8 @@ def inputs(b, h, hkv, sq, sk, d, dtype=BF16):
 
 
 def run(q, k, v, dout, lse, delta, scale, causal, diag, mask, det, monkeypatch, out_dtype=None):
+    """``attn_bwd`` on the deterministic pair (``det``) or the five-product atomic path."""
+    monkeypatch.setattr(configs, "ATTN_BWD_ATOMIC", True)
     monkeypatch.setattr(AB, "deterministic", lambda: det)
     assert AB._atomic(q, k, v) == (not det)
     return AB.attn_bwd(q, k, v, dout, lse, delta, scale, causal, diag, mask, out_dtype=out_dtype)

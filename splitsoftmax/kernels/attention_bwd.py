@@ -11,14 +11,15 @@ programs find the query rows of their key block by binary search.
 
 Two paths, the same math:
 
-- **atomic** (the default where TMA can address every operand: Hopper on, 2-byte inputs, head
-  dims 16..128 unpadded): one program per key block and kv head holds dK, dV in registers over
+- **atomic** (``configs.ATTN_BWD_ATOMIC``, where TMA can address every operand: Hopper on, 2-byte
+  inputs, head dims 16..128 unpadded): one program per key block and kv head holds dK, dV in registers over
   every query block of the G query heads that read its kv head and adds each tile's dQ into a
   float32 buffer with a TMA reduction: five products per tile pair. dQ is cast to the output dtype
   once at the end.
-- **deterministic** (``torch.use_deterministic_algorithms(True)``, and where TMA cannot reduce):
-  the dK/dV programs without the dQ product, then one dQ program per query block walking its key
-  blocks (seven products per tile pair, no atomics anywhere): bitwise reproducible.
+- **deterministic** (the default; always under ``torch.use_deterministic_algorithms(True)``): the
+  dK/dV programs without the dQ product, then one dQ program per query block walking its key
+  blocks (seven products per tile pair, no atomics anywhere): bitwise reproducible. On one H200
+  (Triton 3.6) it ran faster than the atomic path at every shape timed (configs.py has the numbers).
 
 When too few dK/dV programs would run for two per SM (batch 1, a few kv heads), each key block's
 work is split across programs by query heads (then by query range); their dK/dV partials are added
@@ -226,13 +227,13 @@ def _attn_bwd_kv_kernel(Q, K, KS, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS
                         HAS_KV: tl.constexpr, HAS_OFF: tl.constexpr, HAS_ROWS: tl.constexpr,
                         SOFTCAP: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
                         DKV_ATOMIC: tl.constexpr, GUARD: tl.constexpr, PREC: tl.constexpr):
-    """Grid ``(B * HKV * NH * NQ, key blocks)``: key block ``pid_n`` of kv head ``(b, kvh)``, split
+    """Grid ``(key blocks, B * HKV * NH * NQ)``: key block ``pid_n`` of kv head ``(b, kvh)``, split
     ``(sh, sq)`` taking query heads ``[sh * G // NH, (sh + 1) * G // NH)`` of the group and piece
     ``sq`` of ``NQ`` of the query blocks. ``TMA``: ``Q, K, V, DO`` (and ``GQ``, ``GK``, ``GV`` where
     atomic) are ``(B, H, S, D)`` descriptors, else pointers. ``DKV_ATOMIC``: dK/dV are added into
     float32 buffers, else stored (at split ``s_kgp * split`` when partials)."""
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_n = tl.program_id(0)  # key blocks of one head side by side: they share its Q/dO (and dQ) in L2
+    pid = tl.program_id(1)
     ns = NH * NQ
     split = pid % ns
     b = pid // ns // HKV
@@ -343,11 +344,12 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ, KVR, QOFF, ROWS,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_LO: tl.constexpr,
                        HAS_KV: tl.constexpr, HAS_OFF: tl.constexpr, HAS_ROWS: tl.constexpr,
                        SOFTCAP: tl.constexpr, PREC: tl.constexpr):
-    """Grid ``(B * H, query blocks)``, the blocks with the most keys first where causal."""
-    pid_bh = tl.program_id(0)
-    pid_m = tl.program_id(1)
+    """Grid ``(query blocks, B * H)``, the blocks with the most keys first where causal (the query
+    blocks of one head side by side: they share its K/V in L2)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
     if CAUSAL:
-        pid_m = tl.num_programs(1) - 1 - pid_m
+        pid_m = tl.num_programs(0) - 1 - pid_m
     b = pid_bh // H
     h = pid_bh % H
     b64 = b.to(tl.int64)
@@ -466,10 +468,12 @@ def _descriptor(t: Tensor, rows: int) -> TensorDescriptor:
 
 
 def _atomic(q: Tensor, k: Tensor, v: Tensor) -> bool:
-    """Whether the five-product backward runs (TMA loads and reductions): not deterministic, 2-byte
-    inputs, unpadded head dims up to ``configs.ATTN_BWD_ATOMIC_MAX_DIM``, TMA-addressable, Hopper on
-    (or the interpreter)."""
-    if deterministic() or q.dtype not in (torch.float16, torch.bfloat16) or not (interpreting() or hopper(q)):
+    """Whether the five-product backward runs (TMA loads and reductions): ``configs.ATTN_BWD_ATOMIC``,
+    not deterministic, 2-byte inputs, unpadded head dims up to ``configs.ATTN_BWD_ATOMIC_MAX_DIM``,
+    TMA-addressable, Hopper on (or the interpreter)."""
+    if not configs.ATTN_BWD_ATOMIC or deterministic() or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not (interpreting() or hopper(q)):
         return False
     return (max(q.shape[-1], v.shape[-1]) <= configs.ATTN_BWD_ATOMIC_MAX_DIM
             and _tma_ok(q) and _tma_ok(k) and _tma_ok(v))
@@ -607,7 +611,7 @@ def _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale: float, causal: 
     lo = mask.lo if mask.lo is not None else 0
     args = (*ops, *grads, kvr, off, rows, rb, *strides, sq, sk, diag, lo, scale * LOG2E, scale, mask.softcap * LOG2E)
     key = _key(args[:14], (*strides, fits_int32(sq, sk, diag, lo)))
-    _KV((b * hkv * nh * nq, configs.cdiv(sk, bn)), key, args,
+    _KV((configs.cdiv(sk, bn), b * hkv * nh * nq), key, args,
         dict(D=d, DV=dvd, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dvd), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
              TMA=atomic, DQ_ATOMIC=atomic, DKV_ATOMIC=dkv_atomic, GUARD=configs.ATTN_BWD_GUARD,
              PREC=dot_precision(q.dtype), **flags,
@@ -626,7 +630,7 @@ def _launch_q(q, k, v, dout, lse, delta, dq, scale: float, causal: bool, diag: i
     args = (q, k, v, dout, lse, delta, dq, kvr, off, rows, *strides, sq, sk, diag, lo, scale * LOG2E, scale,
             mask.softcap * LOG2E)
     key = _key(args[:10], (*strides, fits_int32(sq, sk, diag, lo)))
-    _Q((b * h, configs.cdiv(sq, bm)), key, args,
+    _Q((configs.cdiv(sq, bm), b * h), key, args,
        dict(D=d, DV=dvd, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dvd), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
             PREC=dot_precision(q.dtype), **flags, num_warps=warps, num_stages=stages))
 

@@ -8,6 +8,8 @@
   and replayed from a CUDA graph (the host's launch cost hidden, as decode loops run);
 - the merge of 8 float32 partials (out 1x32x8192x128 each): GB/s of partials read + result written,
   fused kernel vs torch eager (lse weights, and the pairwise sigmoid form);
+- batch 1, GQA 32/8 and 16/4, causal, S=8k, contiguous and as (B, H, S, D) views of (B, S, H, D)
+  tensors: forward and forward+backward TFLOP/s (``--no-gqa`` leaves them out);
 - optionally (``--sweep``) alternative tiles of each kernel first; the best of each is then used.
 
 Every shape is checked before it is timed: on 128 sampled query rows the error of ss against a
@@ -313,11 +315,14 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from .attention_gqa import gqa_rows, gqa_table
     ap = argparse.ArgumentParser(prog="splitsoftmax bench attention", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out", help="directory for attention.json / attention.png")
     ap.add_argument("--seqs", type=int, nargs="*", default=SEQS)
     ap.add_argument("--decode-keys", type=int, nargs="*", default=DECODE_KEYS)
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--no-gqa", dest="gqa", action="store_false",
+                    help="leave out the batch-1 GQA rows (32/8, 16/4 at 8k, both layouts)")
     ap.add_argument("--sweep", action="store_true",
                     help="first time alternative tiles (bf16, D=128) and run the rest with the best of each")
     args = ap.parse_args(argv)
@@ -333,11 +338,13 @@ def main(argv=None) -> int:
     result["merge"] = merging()
     result["decode"] = decoding(args.decode_keys)
     result["prefill"] = prefill(args.seqs, [] if args.no_flex else FLEX_SEQS)
+    result["gqa"] = gqa_rows(peers, sampled_error) if args.gqa else []
     with open(os.path.join(args.out, "attention.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, "attention.png"))
     print(table(result))
-    ok = all(r["correct"] for r in result["prefill"] + result["decode"]) and result["merge"]["correct"]
+    print("\n".join(gqa_table(result["gqa"])))
+    ok = all(r["correct"] for r in result["prefill"] + result["decode"] + result["gqa"]) and result["merge"]["correct"]
     return 0 if ok else 1
 
 

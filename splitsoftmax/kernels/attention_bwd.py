@@ -135,8 +135,9 @@ def _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV: tl.co
 
 
 @triton.jit
-def _kv_tile(dk, dv, k, ks, v, cs, q_src, do_src, GQ, l_base, e_base, ROWS, s_r, b, h, m0, kj,
-             s_qs, s_ds, s_ls, s_es, offs_d, offs_dv, dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi, scale, cap2,
+def _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, s_r, b, b64, h, m0, kj,
+             s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, offs_d, offs_dv, dmask, dvmask,
+             Sq, dg, lw, kv_lo, kv_hi, scale, cap2,
              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_LO: tl.constexpr, HAS_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
@@ -148,6 +149,14 @@ def _kv_tile(dk, dv, k, ks, v, cs, q_src, do_src, GQ, l_base, e_base, ROWS, s_r,
     row of Q or dO reaches no key the row does not see."""
     qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     qmask = qi < Sq
+    if TMA:
+        q_src = Q
+        do_src = DO
+    else:
+        q_src = Q + b64 * s_qb + h * s_qh
+        do_src = DO + b64 * s_db + h * s_dh
+    l_base = LSE + b64 * s_lb + h * s_lh
+    e_base = DELTA + b64 * s_eb + h * s_eh
     q = _tile(q_src, b, h, m0, qi, offs_d, qmask, dmask, s_qs, BLOCK_M, BLOCK_D, EVEN_D, TMA)
     do = _tile(do_src, b, h, m0, qi, offs_dv, qmask, dvmask, s_ds, BLOCK_M, BLOCK_DV, EVEN_DV, TMA)
     lse2 = tl.load(l_base + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
@@ -275,27 +284,26 @@ def _attn_bwd_kv_kernel(Q, K, KS, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS
     n_masked = n_pre + pb - ib
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    for gi in range(sh * G // NH, (sh + 1) * G // NH):  # the query heads that read this kv head
-        h = kvh * G + gi
-        if TMA:
-            q_src = Q
-            do_src = DO
-        else:
-            q_src = Q + b64 * s_qb + h * s_qh
-            do_src = DO + b64 * s_db + h * s_dh
-        l_base = LSE + b64 * s_lb + h * s_lh
-        e_base = DELTA + b64 * s_eb + h * s_eh
-        for it in tl.range(0, n_masked):
-            m0 = tl.where(it < n_pre, pa + it, ib + it - n_pre) * BLOCK_M
-            dk, dv = _kv_tile(dk, dv, k, ks, v, cs, q_src, do_src, GQ, l_base, e_base, ROWS, s_r, b, h, m0, kj,
-                              s_qs, s_ds, s_ls, s_es, offs_d, offs_dv, dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi,
-                              scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, True, CAUSAL, HAS_LO, HAS_ROWS, SOFTCAP,
-                              D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD, PREC)
-        for mb in tl.range(ia, ib):
-            dk, dv = _kv_tile(dk, dv, k, ks, v, cs, q_src, do_src, GQ, l_base, e_base, ROWS, s_r, b, h,
-                              mb * BLOCK_M, kj, s_qs, s_ds, s_ls, s_es, offs_d, offs_dv, dmask, dvmask, Sq, dg, lw,
-                              kv_lo, kv_hi, scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, False, CAUSAL, HAS_LO,
-                              HAS_ROWS, SOFTCAP, D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD, PREC)
+    # (head, query block) pairs of the query heads that read this kv head, as flat loops: masked
+    # blocks of every head, then interior blocks of every head (nested loops cost spills)
+    g0 = sh * G // NH
+    n_in = ib - ia
+    n_heads = (sh + 1) * G // NH - g0
+    for it in tl.range(0, n_heads * n_masked):
+        h = kvh * G + g0 + it // n_masked
+        j = it % n_masked
+        m0 = tl.where(j < n_pre, pa + j, ib + j - n_pre) * BLOCK_M
+        dk, dv = _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, s_r, b, b64, h, m0, kj,
+                          s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, offs_d, offs_dv,
+                          dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi, scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, True,
+                          CAUSAL, HAS_LO, HAS_ROWS, SOFTCAP, D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD, PREC)
+    for it in tl.range(0, n_heads * n_in):
+        h = kvh * G + g0 + it // n_in
+        m0 = (ia + it % n_in) * BLOCK_M
+        dk, dv = _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, s_r, b, b64, h, m0, kj,
+                          s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, offs_d, offs_dv,
+                          dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi, scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, False,
+                          CAUSAL, HAS_LO, HAS_ROWS, SOFTCAP, D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD, PREC)
     if DKV_ATOMIC:
         GK.atomic_add([b, kvh, n0, 0], dk.reshape(1, 1, BLOCK_N, BLOCK_D))
         GV.atomic_add([b, kvh, n0, 0], dv.reshape(1, 1, BLOCK_N, BLOCK_DV))

@@ -24,7 +24,9 @@ ATTN_TILES = {
     ("decode", 4, 256): (16, 16, 4, 2),
     # backward: dK/dV programs hold a key block and walk query blocks ...
     ("bwd_kv", 2, 64): (32, 128, 8, 3),
-    ("bwd_kv", 2, 128): (32, 64, 4, 3),   # H200, fwd+bwd TFLOP/s at S=1k/8k full: 299/376 (32x128 w8: 267/339)
+    # H200, fwd+bwd TFLOP/s at S=1k/8k full: 299/376 (32x128 w8: 267/339). sm_90 ptxas (Triton 3.6,
+    # D=128, causal): 4 bytes of spills at G=1, 36 at G=4 (with the (head, block) loops nested: 16 / 500)
+    ("bwd_kv", 2, 128): (32, 64, 4, 3),
     ("bwd_kv", 2, 256): (16, 64, 8, 2),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)

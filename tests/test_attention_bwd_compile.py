@@ -54,7 +54,8 @@ def _signature(fn, args, kwargs):
 
 def _launches(monkeypatch, atomic: bool, mask: Mask):
     captured = []
-    monkeypatch.setattr(launch.Launcher, "__call__", lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
+    monkeypatch.setattr(launch.Launcher, "__call__",
+                        lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
     monkeypatch.setattr(AB, "hopper", lambda t: True)
     monkeypatch.setattr(AB, "sm_count", lambda t: 132)
     monkeypatch.setattr(configs, "ATTN_BWD_ATOMIC", atomic)

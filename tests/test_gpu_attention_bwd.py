@@ -116,8 +116,9 @@ def test_flash_rule(case, det):
 
 MASKS = [
     ("window+documents", True, lambda s: Mask(lo=-700, rows=_docs([0, 300, 301, 1500, s], s))),
-    ("softcap+kv_range+offset", True, lambda s: Mask(softcap=20.0, kv_range=torch.tensor([[5, s], [0, s - 333]], dtype=torch.int32, device=DEV),
-                                                    q_offset=torch.tensor([3, 0], dtype=torch.int32, device=DEV))),
+    ("softcap+kv_range+offset", True, lambda s: Mask(
+        softcap=20.0, kv_range=torch.tensor([[5, s], [0, s - 333]], dtype=torch.int32, device=DEV),
+        q_offset=torch.tensor([3, 0], dtype=torch.int32, device=DEV))),
 ]
 
 

@@ -126,7 +126,8 @@ MASKS = {
     "documents": (True, 0, lambda b, s: Mask(rows=_docs([0, 5, 38, 39, s], s))),
     "documents_full": (False, 0, lambda b, s: Mask(rows=_docs([0, 20, 21, 34, s], s))),
     "softcap": (True, 0, lambda b, s: Mask(softcap=4.0)),
-    "all": (True, 0, lambda b, s: Mask(lo=-30, softcap=6.0, kv_range=torch.tensor([[0, s], [1, s - 17]][:b], dtype=torch.int32),
+    "all": (True, 0, lambda b, s: Mask(lo=-30, softcap=6.0,
+                                       kv_range=torch.tensor([[0, s], [1, s - 17]][:b], dtype=torch.int32),
                                        q_offset=torch.tensor([1, 2][:b], dtype=torch.int32),
                                        rows=_docs([0, 4, 30, s], s))),
 }

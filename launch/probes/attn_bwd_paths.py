@@ -72,7 +72,9 @@ def fwdbwd_tflops(fn, q, k, v, do, causal, flops):
 def grad_diff(q, k, v, do, causal):
     """max over q, k, v of |ss grad - flash grad| / |flash grad| (Frobenius)."""
     got, ref = [], []
-    for fn, dst in ((lambda a, b, c: ss.attention(a, b, c, causal=causal), got), (lambda a, b, c: sdpa(SDPBackend.FLASH_ATTENTION)(a, b, c, causal), ref)):
+    flash = sdpa(SDPBackend.FLASH_ATTENTION)
+    methods = ((lambda a, b, c: ss.attention(a, b, c, causal=causal), got), (lambda a, b, c: flash(a, b, c, causal), ref))
+    for fn, dst in methods:
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         fn(*leaves).backward(do)
         dst.extend(t.grad.float() for t in leaves)
@@ -143,7 +145,8 @@ def main():
     res.append({"rows": rows, "tile": tile, "guard": guard})
     with open(os.path.join(out_dir, "bwd_paths.json"), "w") as f:
         json.dump(res, f, indent=1)
-    print("b h hkv s causal bshd | splits | old bwd ms | new bwd ms | det bwd ms | ss f+b | flash f+b | cudnn f+b | ss/cudnn | graddiff")
+    print("b h hkv s causal bshd | splits | old bwd ms | new bwd ms | det bwd ms | ss f+b | flash f+b | cudnn f+b | "
+          "ss/cudnn | graddiff")
     for r in rows:
         sh = " ".join(str(int(x)) for x in r["shape"])
         print(f"{sh} | {r['splits']} | {r.get('old_bwd_ms', float('nan')):.3f} | {r['new_bwd_ms']:.3f} | "

@@ -71,6 +71,7 @@ def gqa_table(rows: list[dict]) -> list[str]:
         lines.append(f"{r['H']}/{r['Hkv']} S={r['S']} {r['layout']} | {r['ss_fwd']:6.0f} "
                      f"{r.get('sdpa_flash_fwd', nan):6.0f} {r.get('sdpa_cudnn_fwd', nan):6.0f} | "
                      f"{r['ss_fwdbwd']:6.0f} {r.get('sdpa_flash_fwdbwd', nan):6.0f} "
-                     f"{r.get('sdpa_cudnn_fwdbwd', nan):6.0f} {r['ss_fwdbwd'] / r.get('sdpa_cudnn_fwdbwd', nan):8.2f} | "
+                     f"{r.get('sdpa_cudnn_fwdbwd', nan):6.0f} "
+                     f"{r['ss_fwdbwd'] / r.get('sdpa_cudnn_fwdbwd', nan):8.2f} | "
                      f"{r['correct']}")
     return lines

@@ -579,8 +579,8 @@ def _pre(k: Tensor, ks: Tensor, ws: Tensor) -> None:
     block_z = configs.ATTN_PREP_TILE_ELEMS
     kprog = configs.cdiv(r, block_r)
     args = (k, ks, ws, *k.stride()[:3], hkv, sk, r, ws.numel(), kprog)
-    _PRE((kprog + configs.cdiv(ws.numel(), block_z),), _key(args[:3], (*args[3:6], hkv, sk, kprog, fits_int32(r, ws.numel()))),
-         args, dict(D=d, BLOCK_R=block_r, BLOCK_Z=block_z))
+    key = _key(args[:3], (*args[3:6], hkv, sk, kprog, fits_int32(r, ws.numel())))
+    _PRE((kprog + configs.cdiv(ws.numel(), block_z),), key, args, dict(D=d, BLOCK_R=block_r, BLOCK_Z=block_z))
 
 
 def _buffers(q: Tensor, k: Tensor, v: Tensor, od: torch.dtype, ns: int) -> tuple:

@@ -60,7 +60,7 @@ def logsumexp_backward(ctx, g: Tensor):
 def backward_stats(out: Tensor, lse: Tensor, dout: Tensor, dlse) -> tuple[Tensor, Tensor]:
     """``(lse, delta)`` rows ``(B, H, Sq)`` for the attention backward kernels (see
     ``kernels.cpu.attn_bwd_prep``: rows with all-zero cotangents drop out with ``lse = -inf``)."""
-    return _ops().attn_bwd_prep(out, lse, dout.contiguous(), dlse)
+    return _ops().attn_bwd_prep(out, lse, dout, dlse)
 
 
 def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, diag: int, *mask_args, sinks=None):
@@ -70,7 +70,7 @@ def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, d
     if dout is None:
         dout = torch.zeros_like(out)
     lse, delta = backward_stats(out, lse, dout, dlse)
-    return tuple(_ops().attn_bwd(q, k, v, dout.contiguous(), lse, delta, scale, causal, diag, *mask_args, sinks,
+    return tuple(_ops().attn_bwd(q, k, v, dout, lse, delta, scale, causal, diag, *mask_args, sinks,
                                  dlse))
 
 

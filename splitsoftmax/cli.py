@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-BENCHES = ("softmax", "attention", "ring", "cross_entropy", "host", "vocab")
+BENCHES = ("softmax", "attention", "ring", "cross_entropy", "host", "model", "vocab")
 
 
 def _env() -> int:

@@ -24,7 +24,7 @@ _TRITON_MODULE = {
     "logsumexp_bwd": "softmax",
     "attn_fwd": "attention",
     "attn_fwd_acc": "attention",
-    "attn_bwd": "attention",
+    "attn_bwd": "attention_bwd",
     "attn_bwd_prep": "attn_prep",
     "merge_out_lse": "merge",
     "ce_stats": "cross_entropy",

@@ -171,12 +171,20 @@ def _attn_fwd_fake(q, k, v, scale, causal, diag, lo=None, softcap=0.0, kv_range=
     return q.new_empty((b, h, sq, v.shape[-1])), q.new_empty((b, h, sq), dtype=stat_dtype(q.dtype))
 
 
+def _grad(g: Tensor, like: Tensor) -> Tensor:
+    """``g`` in ``like``'s dtype and ``torch.empty_like(like)``'s strides (a ``(B, H, S, D)`` view of
+    ``(B, S, H, D)`` gets its gradient as one), with no copy when it already is that."""
+    if g.dtype == like.dtype and g.stride() == like.stride():
+        return g
+    return torch.empty_like(like).copy_(g)
+
+
 @_op("attn_bwd")
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float, causal: bool,
              diag: int, lo: Optional[int] = None, softcap: float = 0.0, kv_range: Optional[Tensor] = None,
              q_offset: Optional[Tensor] = None, rows: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
              dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dsinks)``: the first three in the dtypes of ``q, k, v``; ``lse``,
+    """``(dq, dk, dv, dsinks)``: the first three like ``q, k, v`` (dtype, and strides where dense); ``lse``,
     ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``; the mask fields as in ``attn_fwd``.
 
     ``dsinks (H,)`` in ``sinks.dtype`` (``(0,)`` without sinks) is ``-sum_rows p_sink * delta``; the
@@ -186,9 +194,10 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     mask = Mask(lo, softcap, kv_range, q_offset, rows)
     fn = masked_op("attn_bwd", q, mask)
     if sinks is None:
-        return (*_bwd_outs(fn(q, k, v, dout, lse, delta, scale, causal, diag), q, k, v), q.new_zeros((0,)))
+        return (*_bwd_outs(fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype), q, k, v),
+                q.new_zeros((0,)))
     if use_triton(q):
-        dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag)
+        dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype)
     else:
         sums = torch.zeros((2, *lse.shape), dtype=torch.float64, device=q.device)
         dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, rowsum=sums)
@@ -208,14 +217,14 @@ def _exact_row_stats(lse: Tensor, sums: Tensor, sinks: Tensor, dlse: Optional[Te
 
 def _bwd_outs(grads, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     dq, dk, dv = grads
-    return _out(dq, q.dtype), _out(dk, k.dtype), _out(dv, v.dtype)
+    return _grad(dq, q), _grad(dk, k), _grad(dv, v)
 
 
 @register_fake("splitsoftmax::attn_bwd")
 def _attn_bwd_fake(q, k, v, dout, lse, delta, scale, causal, diag, lo=None, softcap=0.0, kv_range=None, q_offset=None,
                    rows=None, sinks=None, dlse=None):
     dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 @_op("attn_bwd_prep")

@@ -103,9 +103,9 @@ def test_backward_flash_rule(case, dtype):
     (ro * dout.double()).sum().backward()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     (sdpa(*leaves, scale, causal, diag) * dout).sum().backward()
-    from splitsoftmax.kernels import attention as A
+    from splitsoftmax.kernels import attention_bwd as AB
     delta = (dout.double() * ro.detach()).sum(-1).float()
-    grads = A.attn_bwd(q, k, v, dout, rl.detach().float(), delta, scale, causal, diag)
+    grads = AB.attn_bwd(q, k, v, dout, rl.detach().float(), delta, scale, causal, diag)
     for got, peer, want in zip(grads, leaves, leaves64):
         assert err(got.to(dtype), want.grad) <= 5 * err(peer.grad, want.grad) + 1e-6
 

@@ -21,6 +21,7 @@ import splitsoftmax as ss  # noqa: E402
 from splitsoftmax import reference as ref  # noqa: E402
 from splitsoftmax import state  # noqa: E402
 from splitsoftmax.kernels import attention as A  # noqa: E402
+from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
 from splitsoftmax.kernels import configs, decode, merge  # noqa: E402
 
 NEG_INF = float("-inf")
@@ -210,7 +211,7 @@ def test_backward(case, dtype):
     ro, rl = ref_attention(q64, k64, v64, scale, causal, diag)
     (ro * dout.double()).sum().backward()
     delta = (dout.double() * ro.detach()).sum(-1)
-    dq, dk, dv_ = A.attn_bwd(q, k, v, dout, rl.detach().float(), delta.float(), scale, causal, diag)
+    dq, dk, dv_ = AB.attn_bwd(q, k, v, dout, rl.detach().float(), delta.float(), scale, causal, diag)
     for got, want in ((dq, q64.grad), (dk, k64.grad), (dv_, v64.grad)):
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert rel_err(got, want) < TOL[dtype] * 2

@@ -11,6 +11,8 @@
 - the attention variants (documents, window, softcap, sinks) beside FlexAttention, and GQA at
   batch 1 contiguous and as ``(B, S, H, D)`` views beside cuDNN (``attention_variants``, forward;
   ``--no-variants`` leaves them out, ``--only-variants`` runs nothing else);
+- batch 1, GQA 32/8 and 16/4, causal, S=8k, contiguous and as (B, H, S, D) views of (B, S, H, D)
+  tensors: forward and forward+backward TFLOP/s (``--no-gqa`` leaves them out);
 - optionally (``--sweep``) alternative tiles of each kernel first; the best of each is then used.
 
 Every shape is checked before it is timed: on 128 sampled query rows the error of ss against a
@@ -31,6 +33,7 @@ import torch.nn.functional as F
 import splitsoftmax as ss
 from splitsoftmax import state
 from splitsoftmax.kernels import attention as A
+from splitsoftmax.kernels import attention_bwd as AB
 from splitsoftmax.kernels import configs, decode, merge
 
 from . import attention_variants, best_ms, graph_ms
@@ -236,7 +239,7 @@ def sweep() -> list[dict]:
             for tile in SWEEP[kind]:
                 configs.ATTN_TILES[(kind, 2, 128)] = tile
                 _try_tile(res, {"kind": kind, "tile": tile, "causal": causal}, lambda: {
-                    "ms": _ms(lambda: A.attn_bwd(q, k, v, dout, lse_, delta, sc, causal))})
+                    "ms": _ms(lambda: AB.attn_bwd(q, k, v, dout, lse_, delta, sc, causal))})
             configs.ATTN_TILES[(kind, 2, 128)] = saved
     del q, k, v, dout, out
     qd = torch.randn(1, 32, 1, DIM, device="cuda", dtype=torch.bfloat16)
@@ -315,6 +318,7 @@ def table(result: dict) -> str:
 
 
 def main(argv=None) -> int:
+    from .attention_gqa import gqa_rows, gqa_table
     ap = argparse.ArgumentParser(prog="splitsoftmax bench attention", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out", help="directory for attention.json / attention.png")
     ap.add_argument("--seqs", type=int, nargs="*", default=SEQS)
@@ -322,6 +326,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-flex", action="store_true")
     ap.add_argument("--no-variants", action="store_true", help="leave out the variant and GQA-layout rows")
     ap.add_argument("--only-variants", action="store_true", help="run the variant and GQA-layout rows only")
+    ap.add_argument("--no-gqa", dest="gqa", action="store_false",
+                    help="leave out the batch-1 GQA rows (32/8, 16/4 at 8k, both layouts)")
     ap.add_argument("--sweep", action="store_true",
                     help="first time alternative tiles (bf16, D=128) and run the rest with the best of each")
     args = ap.parse_args(argv)
@@ -346,13 +352,16 @@ def main(argv=None) -> int:
     result["merge"] = merging()
     result["decode"] = decoding(args.decode_keys)
     result["prefill"] = prefill(args.seqs, [] if args.no_flex else FLEX_SEQS)
+    result["gqa"] = gqa_rows(peers, sampled_error) if args.gqa else []
     with open(os.path.join(args.out, "attention.json"), "w") as f:
         json.dump(result, f, indent=1)
     plot(result, os.path.join(args.out, "attention.png"))
     print(table(result))
     if rows:
         print("\n".join(attention_variants.table_lines(result["variants"], result["layouts"])))
-    ok = all(r["correct"] for r in result["prefill"] + result["decode"] + rows) and result["merge"]["correct"]
+    print("\n".join(gqa_table(result["gqa"])))
+    ok = all(r["correct"] for r in result["prefill"] + result["decode"] + result["gqa"] + rows)
+    ok = ok and result["merge"]["correct"]
     return 0 if ok else 1
 
 

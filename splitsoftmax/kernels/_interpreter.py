@@ -26,3 +26,28 @@ def fix_interpreter_index() -> None:
 
 if interpreting():
     fix_interpreter_index()
+
+
+def add_interpreter_descriptor_reduce() -> None:
+    """Triton's interpreter (3.6 to 3.9) has no tensor-descriptor reduction (``desc.atomic_add``):
+    add it as the masked atomic add of the descriptor's block (rows past the end dropped, as TMA
+    drops them). Idempotent."""
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if hasattr(builder, "create_descriptor_reduce"):
+        return
+
+    def create_descriptor_reduce(self, kind, desc, value, indices):
+        if kind != ir.DESCRIPTOR_REDUCE_KIND.ADD:
+            raise NotImplementedError(f"descriptor reduction {kind}")
+        ptrs, mask = desc.materialize_pointers(indices)
+        return self.create_atomic_rmw(ir.ATOMIC_OP.FADD, ptrs, value, mask, ir.MEM_SEMANTIC.RELAXED,
+                                      ir.MEM_SYNC_SCOPE.GPU)
+
+    builder.create_descriptor_reduce = create_descriptor_reduce
+
+
+if interpreting():
+    add_interpreter_descriptor_reduce()

@@ -18,39 +18,46 @@ from . import configs
 from .configs import ATTN_PREP_TILE_ELEMS
 
 
-@triton.jit(do_not_specialize=["R"])
-def _attn_bwd_prep_kernel(O, DO, LSE, DLSE, LSE_OUT, DELTA, R, DV: tl.constexpr, HAS_DLSE: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_DV: tl.constexpr):
+@triton.jit(do_not_specialize=["S"])
+def _attn_bwd_prep_kernel(O, DO, LSE, DLSE, LSE_OUT, DELTA, s_ob, s_oh, s_os, s_db, s_dh, s_ds, s_lb, s_lh, s_ls,
+                          s_gb, s_gh, s_gs, H, S, DV: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_DV: tl.constexpr):
+    """Grid ``(row blocks, B * H)``; ``out``, ``dout``, ``lse``, ``dlse`` any strides (unit last
+    stride for the first two), the results contiguous ``(B, H, S)``."""
+    b = (tl.program_id(1) // H).to(tl.int64)
+    h = (tl.program_id(1) % H).to(tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     cols = tl.arange(0, BLOCK_DV)
-    rmask = rows < R
+    rmask = rows < S
     m = rmask[:, None] & (cols[None, :] < DV)
-    offs = rows[:, None] * DV + cols[None, :]
-    o = tl.load(O + offs, mask=m, other=0.0).to(tl.float32)  # [BLOCK_R, BLOCK_DV]
-    do = tl.load(DO + offs, mask=m, other=0.0).to(tl.float32)
+    o = tl.load(O + b * s_ob + h * s_oh + rows[:, None] * s_os + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * s_db + h * s_dh + rows[:, None] * s_ds + cols[None, :], mask=m, other=0.0).to(tl.float32)
     nz = do != 0.0
     delta = tl.sum(tl.where(nz, do * o, 0.0), 1)  # [BLOCK_R]; a zero cotangent ignores a NaN out
     active = tl.max(nz.to(tl.int32), 1) > 0
     if HAS_DLSE:
-        dl = tl.load(DLSE + rows, mask=rmask, other=0.0)
+        dl = tl.load(DLSE + b * s_gb + h * s_gh + rows * s_gs, mask=rmask, other=0.0)
         delta -= dl
         active = active | (dl != 0.0)
-    lse = tl.load(LSE + rows, mask=rmask, other=0.0)
-    tl.store(LSE_OUT + rows, tl.where(active, lse, float("-inf")), mask=rmask)
-    tl.store(DELTA + rows, delta, mask=rmask)
+    lse = tl.load(LSE + b * s_lb + h * s_lh + rows * s_ls, mask=rmask, other=0.0)
+    dst = (b * H + h) * S + rows
+    tl.store(LSE_OUT + dst, tl.where(active, lse, float("-inf")), mask=rmask)
+    tl.store(DELTA + dst, delta, mask=rmask)
 
 
 def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """``(lse, delta)`` float32 ``(B, H, Sq)`` from ``out, dout (B, H, Sq, Dv)``, ``lse, dlse (B, H, Sq)``."""
-    dv = out.shape[-1]
-    o2, do2 = out.contiguous().view(-1, dv), dout.contiguous().view(-1, dv)
-    lse1 = lse.float().contiguous().view(-1)
-    lse_out, delta = torch.empty_like(lse1), torch.empty_like(lse1)
-    rows = lse1.numel()
-    if rows:
+    """``(lse, delta)`` float32 ``(B, H, Sq)`` from ``out, dout (B, H, Sq, Dv)``, ``lse, dlse (B, H, Sq)``,
+    any strides (a ``(B, H, S, Dv)`` view of ``(B, S, H, Dv)`` is read in place)."""
+    b, h, s, dv = out.shape
+    out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (out, dout))
+    lse_out = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
+    delta = torch.empty_like(lse_out)
+    if lse_out.numel():
         block_dv = configs.next_pow2(max(dv, 1))
-        block_r = max(1, min(configs.next_pow2(rows), ATTN_PREP_TILE_ELEMS // block_dv))
-        dl = lse1 if dlse is None else dlse.float().contiguous().view(-1)
-        _attn_bwd_prep_kernel[(configs.cdiv(rows, block_r),)](
-            o2, do2, lse1, dl, lse_out, delta, rows, dv, dlse is not None, block_r, block_dv)
-    return lse_out.view(lse.shape), delta.view(lse.shape)
+        block_r = max(1, min(configs.next_pow2(s), ATTN_PREP_TILE_ELEMS // block_dv))
+        lse1 = lse.float()
+        dl = lse1 if dlse is None else dlse.float()
+        _attn_bwd_prep_kernel[(configs.cdiv(s, block_r), b * h)](
+            out, dout, lse1, dl, lse_out, delta, *out.stride()[:3], *dout.stride()[:3], *lse1.stride(), *dl.stride(),
+            h, s, dv, dlse is not None, block_r, block_dv)
+    return lse_out, delta

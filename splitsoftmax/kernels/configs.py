@@ -24,16 +24,45 @@ ATTN_TILES = {
     ("decode", 4, 256): (16, 16, 4, 2),
     # backward: dK/dV programs hold a key block and walk query blocks ...
     ("bwd_kv", 2, 64): (32, 128, 8, 3),
-    ("bwd_kv", 2, 128): (32, 64, 4, 3),   # H200, fwd+bwd TFLOP/s at S=1k/8k full: 299/376 (32x128 w8: 267/339)
+    # H200, fwd+bwd TFLOP/s at S=1k/8k full: 299/376 (32x128 w8: 267/339). sm_90 ptxas (Triton 3.6,
+    # D=128, causal): 4 bytes of spills at G=1, 36 at G=4 (with the (head, block) loops nested: 16 / 500)
+    ("bwd_kv", 2, 128): (32, 64, 4, 3),
     ("bwd_kv", 2, 256): (16, 64, 8, 2),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
-    # ... and dQ programs hold a query block and walk key blocks
+    # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
     ("bwd_q", 2, 128): (128, 64, 8, 4),
     ("bwd_q", 2, 256): (64, 32, 8, 2),
     ("bwd_q", 4, 64): (32, 32, 4, 2),
     ("bwd_q", 4, 256): (16, 16, 4, 2),
+    # the five-product backward: a key block (BLOCK_N) and its dK/dV in registers walks query blocks
+    # (BLOCK_M), adding their dQ into a float32 buffer through TMA reductions. sm_90 ptxas (Triton
+    # 3.6, D=128, causal): 32x128 w8 s2 28 bytes of spills without the Q/dO guard, 332 with it;
+    # 64x128 w8 s2 288 / 548; 32x64 w4 s2 12 / 412. H200, backward ms at B=4 H=16 S=8k causal /
+    # B=1 H=16/4 S=8k causal: 32x128 w8 s2 guard 11.16 / 2.72, no guard 11.17 / 2.54; 64x128 w8 s2
+    # no guard 10.12 / 2.39; 32x128 w8 s3 no guard 9.73 / 2.58 (launch/probes/attn_bwd_paths.py,
+    # with programs ordered heads first; the key blocks of a head are side by side since).
+    ("bwd", 2, 64): (32, 128, 8, 3),
+    ("bwd", 2, 128): (32, 128, 8, 3),
 }
 ATTN_TILE_DEFAULT = (16, 16, 4, 2)
+# The five-product backward (dQ added through TMA reductions; never under deterministic algorithms).
+# Off: on one H200 (Triton 3.6, 2026-12-01) it took 9.78 ms where the atomic-free pair took 9.45 (and
+# the pair before this module 7.98) at B=4 H=16 S=8k D=128 causal, 5.39 / 4.36 / 4.55 at B=1 H=32/8 8k
+# causal, 2.58 / 2.19 / 2.65 at B=1 H=16/4 8k causal (launch/probes/attn_bwd_paths.py; programs then
+# ordered heads first, which spread the concurrent programs over heads: the key blocks of one head
+# are side by side since, and both paths want timing again). It runs for head dims up to
+# ATTN_BWD_ATOMIC_MAX_DIM (its dK/dV accumulators stay in registers).
+ATTN_BWD_ATOMIC = False
+ATTN_BWD_ATOMIC_MAX_DIM = 128
+# ... and both backwards split a key block's work across programs (query heads, then query range)
+# while fewer than this many dK/dV programs per SM would run, each range piece at least this many
+# query blocks long.
+ATTN_BWD_PROGRAMS_PER_SM = 2
+ATTN_BWD_SPLIT_MIN_BLOCKS = 4
+# The dK/dV kernel's masked tiles keep a NaN/Inf in a row of Q or dO from the keys that row does not
+# see (torch's own attention lets it through: 0 * NaN); it costs registers there (the five-product
+# kernel: 332 bytes of spills against 28 at 32x128; H200 at B=1 H=16/4 8k causal 2.72 ms against 2.54).
+ATTN_BWD_GUARD = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

@@ -204,9 +204,10 @@ def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]
 
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-             scale: float, causal: bool, diag: int = 0, *, mask: Mask = NO_MASK,
-             rowsum: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients ``(dq, dk, dv)`` (float32, float64 for float64 inputs) of one Q/K/V block pair.
+             scale: float, causal: bool, diag: int = 0, out_dtype: Optional[torch.dtype] = None, *,
+             mask: Mask = NO_MASK, rowsum: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients ``(dq, dk, dv)`` (float32, float64 for float64 inputs; else ``out_dtype``) of one
+    Q/K/V block pair.
 
     ``lse (B, H, Sq)`` and ``delta = rowsum(dout * out) (B, H, Sq)`` are the global statistics of
     each query row, so a shard's contribution needs only its own keys. GQA gradients are summed
@@ -242,7 +243,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
             ds = torch.where(p != 0, ds * (1.0 - t * t), 0.0)  # d(c tanh(s / c)) / ds
         dq += weighted_sum(ds, kb) * scale
         dk[:, :, j:j + CPU_BLOCK_KEYS] = weighted_sum(ds.transpose(-1, -2), qg) * scale
-    return dq.reshape(b, h, sq, d).to(dt), dk, dv
+    return tuple(t.to(out_dtype or dt) for t in (dq.reshape(b, h, sq, d), dk, dv))
 
 
 def ce_stats(logits: Tensor, target: Tensor, col0: int = 0, with_sum: bool = True) -> Tensor:

@@ -1,0 +1,171 @@
+"""Benchmark of a Hugging Face training step: a Llama-shaped model with random weights.
+
+``python -m splitsoftmax bench model --out DIR`` builds, in one process on one GPU, a transformers
+``LlamaForCausalLM`` from a ``LlamaConfig`` (no download: 8 layers, hidden 2048, 16 query / 4 kv
+heads, head dim 128, bf16, random weights from a fixed seed) and times one training step (forward,
+loss, backward) at each ``--shapes`` (``S`` x batch; default 8192 x 1 and 2048 x 4) with
+
+- ``sdpa`` under SDPA's flash backend, ``sdpa`` under its cuDNN backend, and
+- ``splitsoftmax`` (``splitsoftmax.integrations.transformers.register()``),
+
+all on the same weights and tokens: median step time of ``--steps`` (after two warm-up steps), the
+peak memory of a step, and each one's loss and first-layer gradient against the truth: the same
+bf16 weights run in float32 (``sdpa``, whose float32 kernels keep float32 throughout). Writes
+``model.json`` and prints a table.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+IMPLS = ("sdpa_flash", "sdpa_cudnn", "splitsoftmax")
+
+
+def build(args):
+    """The bf16 model (random weights, seed 0) and its config."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=2048, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4,
+                         head_dim=128, max_position_embeddings=max(s for s, _ in args.shapes), rope_theta=500000.0,
+                         attention_dropout=0.0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    return model
+
+
+def _backend(name: str):
+    """The SDPA backend context of ``name`` (a null context for the others)."""
+    import contextlib
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return {"sdpa_flash": lambda: sdpa_kernel(SDPBackend.FLASH_ATTENTION),
+            "sdpa_cudnn": lambda: sdpa_kernel(SDPBackend.CUDNN_ATTENTION)}.get(name, contextlib.nullcontext)()
+
+
+def _use(model, impl: str) -> None:
+    """Switch the model's attention implementation (its config is shared by every layer)."""
+    name = "splitsoftmax" if impl == "splitsoftmax" else "sdpa"
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def step(model, ids, impl: str):
+    """One forward + backward; returns the loss (float) and the first layer's flat gradient (float32)."""
+    model.zero_grad(set_to_none=True)
+    with _backend(impl):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+    grads = [p.grad.float().flatten() for p in model.model.layers[0].parameters() if p.grad is not None]
+    return loss.item(), torch.cat(grads)
+
+
+def timed(model, ids, impl: str, steps: int) -> dict:
+    """Median step time (ms) of ``steps`` after two warm-ups, and the peak memory of a step (GiB)."""
+    for _ in range(2):
+        step(model, ids, impl)
+    times = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with _backend(impl):
+            model(input_ids=ids, labels=ids).loss.backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"ms": statistics.median(times), "times_ms": times,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30}
+
+
+def truth(model, ids):
+    """Loss and first-layer gradient of the same (bf16-valued) weights run in float32."""
+    ref = type(model)(model.config).to(ids.device)
+    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    _use(ref, "sdpa")
+    out = step(ref, ids, "sdpa_fp32")
+    del ref
+    torch.cuda.empty_cache()
+    return out
+
+
+def run_shape(model, s: int, b: int, steps: int) -> dict:
+    """Every implementation at ``S = s``, batch ``b``: time, memory, loss and gradient errors."""
+    dev = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (b, s), device=dev,
+                        generator=torch.Generator(device=dev).manual_seed(1))
+    ref_loss, ref_grad = truth(model, ids)
+    rec = {"S": s, "B": b, "loss_fp32": ref_loss}
+    for impl in IMPLS:
+        try:
+            _use(model, impl)
+            loss, grad = step(model, ids, impl)
+            rec[impl] = {"loss": loss, "loss_err": abs(loss - ref_loss),
+                         "grad_rel_err": ((grad - ref_grad).norm() / ref_grad.norm()).item(),
+                         **timed(model, ids, impl, steps)}
+        except Exception as e:  # noqa: BLE001 (a backend may refuse a shape; splitsoftmax must not)
+            if impl == "splitsoftmax":
+                raise
+            rec[impl] = {"error": repr(e)[:300]}
+        print(json.dumps({impl: {k: v for k, v in rec[impl].items() if k != "times_ms"}, "S": s, "B": b}), flush=True)
+    return rec
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["S     B | impl          ms      peak GiB  loss err   grad rel err | vs cuDNN"]
+    for r in rows:
+        cudnn = r.get("sdpa_cudnn", {}).get("ms")
+        for impl in IMPLS:
+            x = r[impl]
+            if "error" in x:
+                lines.append(f"{r['S']:<5} {r['B']} | {impl:<12} {x['error'][:60]}")
+                continue
+            ratio = f"{cudnn / x['ms']:.2f}x" if cudnn else ""
+            lines.append(f"{r['S']:<5} {r['B']} | {impl:<12} {x['ms']:7.1f} {x['peak_gib']:9.2f} "
+                         f"{x['loss_err']:9.2e} {x['grad_rel_err']:12.4e} | {ratio}")
+    return "\n".join(lines)
+
+
+def _shape(text: str) -> tuple[int, int]:
+    s, b = text.lower().split("x")
+    return int(s), int(b)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="splitsoftmax bench model", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_out", help="directory for model.json")
+    ap.add_argument("--shapes", type=_shape, nargs="*", default=[(8192, 1), (2048, 4)], help="SxB, e.g. 8192x1")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--intermediate", type=int, default=8192)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench model needs a CUDA GPU", file=sys.stderr)
+        return 2
+    os.makedirs(args.out, exist_ok=True)
+    from splitsoftmax.integrations.transformers import register
+    register()
+    import transformers
+    import triton
+    model = build(args)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "transformers": transformers.__version__, "cudnn": torch.backends.cudnn.version(), "argv": sys.argv,
+              "model": {"layers": args.layers, "hidden": 2048, "heads": "16/4", "head_dim": 128,
+                        "vocab": args.vocab, "intermediate": args.intermediate, "dtype": "bfloat16"},
+              "rows": [run_shape(model, s, b, args.steps) for s, b in args.shapes]}
+    with open(os.path.join(args.out, "model.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    print(table(result["rows"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The attention backward's kernels as compiled for sm_90 (Hopper), no GPU needed.
+
+A host call is made on meta-free CPU tensors with the launches captured (Hopper assumed, 132 SMs);
+each launch is then compiled for sm_90 with the signature it would have: the deterministic pair
+(masks on and off), the five-product kernel with its TMA descriptors and reductions, and the
+pre-pass. Each must compile and fit an SM's shared memory.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles for a GPU target: not under the interpreter", allow_module_level=True)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+
+from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
+from splitsoftmax.kernels import configs, launch  # noqa: E402
+from splitsoftmax.mask import Mask  # noqa: E402
+
+SM90_SMEM = 227 * 1024
+TY = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+
+
+def _signature(fn, args, kwargs):
+    """``(signature, constexprs, attrs)`` of a launch as Triton would specialise it."""
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if i >= len(args):
+            sig[name], consts[name] = "constexpr", kwargs.get(name, fn.params[i].default)
+            continue
+        a = args[i]
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + TY[a.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]] if a.data_ptr() % 16 == 0 else []
+        elif isinstance(a, TensorDescriptor):
+            sig[name] = f"tensordesc<{TY[a.base.dtype]}[{','.join(map(str, a.block_shape))}]>"
+        elif isinstance(a, int) and a == 1 and name not in fn.do_not_specialize:
+            sig[name], consts[name] = "constexpr", 1
+        elif isinstance(a, int):
+            sig[name] = "i32"
+            if a % 16 == 0 and name not in fn.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32"
+    return sig, consts, {k: v for k, v in attrs.items() if v}
+
+
+def _launches(monkeypatch, atomic: bool, mask: Mask):
+    captured = []
+    monkeypatch.setattr(launch.Launcher, "__call__",
+                        lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
+    monkeypatch.setattr(AB, "hopper", lambda t: True)
+    monkeypatch.setattr(AB, "sm_count", lambda t: 132)
+    monkeypatch.setattr(configs, "ATTN_BWD_ATOMIC", atomic)
+    q, dout = (torch.randn(1, 16, 512, 128).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 4, 512, 128).to(torch.bfloat16) for _ in range(2))
+    lse, delta = torch.randn(1, 16, 512), torch.randn(1, 16, 512)
+    AB.attn_bwd(q, k, v, dout, lse, delta, 0.1, True, 0, mask, out_dtype=torch.bfloat16)
+    return captured
+
+
+MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch.int32),
+            q_offset=torch.tensor([3], dtype=torch.int32),
+            rows=torch.stack((torch.zeros(512), torch.full((512,), 512))).to(torch.int32))
+
+
+@pytest.mark.parametrize("atomic,mask", [(False, Mask()), (False, MASK), (True, Mask())],
+                         ids=["pair", "pair-masks", "five-product"])
+def test_backward_compiles_for_sm90(atomic, mask, monkeypatch):
+    launches = _launches(monkeypatch, atomic, mask)
+    names = [fn.fn.__name__ for fn, _, _ in launches]
+    assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic
+                     else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"])
+    for fn, args, kwargs in launches:
+        sig, consts, attrs = _signature(fn, args, kwargs)
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+        assert kernel.metadata.shared <= SM90_SMEM, (fn.fn.__name__, kernel.metadata.shared)

@@ -1,0 +1,179 @@
+"""GPU lane: the attention backward (five-product atomic path and deterministic path) on CUDA.
+
+FlashAttention's rule for every gradient: the error against float64 at most 2x that of torch's SDPA
+(flash backend) on the same inputs and cotangent, plus twice the error of rounding the exact
+gradient to the result's dtype. Masks SDPA cannot express (softcap) take torch-op attention in the
+inputs' dtype as the peer. Launch caches are checked against Triton's own lookup (conftest).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+import splitsoftmax as ss  # noqa: E402
+from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
+from splitsoftmax.kernels import configs  # noqa: E402
+from splitsoftmax.mask import NO_MASK, Mask, visible  # noqa: E402
+
+DEV = "cuda"
+BF16 = torch.bfloat16
+
+
+@contextlib.contextmanager
+def deterministic(on: bool):
+    """Deterministic algorithms on (the atomic-free pair), or off with the five-product path chosen."""
+    was, atomic = torch.are_deterministic_algorithms_enabled(), configs.ATTN_BWD_ATOMIC
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    configs.ATTN_BWD_ATOMIC = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+        configs.ATTN_BWD_ATOMIC = atomic
+
+
+def masked_attention(q, k, v, scale, causal, diag, mask):
+    """Attention over ``mask``'s visibility in the inputs' dtype: ``(out, lse)`` (empty rows 0)."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if mask.softcap:
+        s = mask.softcap * torch.tanh(s / mask.softcap)
+    vis = visible(mask, causal, diag, q.shape[0], q.shape[2], k.shape[2], device=q.device).unsqueeze(1)
+    s = s.masked_fill(~vis, float("-inf"))
+    lse = torch.logsumexp(s.float() if s.dtype != torch.float64 else s, -1)
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v, lse
+
+
+def err(x, ref):
+    assert not torch.isnan(x).any()
+    return (x.double() - ref).abs().max().item()
+
+
+def rule(got, peer, want):
+    atol = 2 * err(want.to(got.dtype), want)
+    return err(got, want) <= 2 * err(peer, want) + atol, (err(got, want), err(peer, want), atol / 2)
+
+
+def oracle(q, k, v, dout, scale, causal, diag, mask):
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    out, lse = masked_attention(*leaves, scale, causal, diag, mask)
+    out.backward(dout.double())
+    delta = (dout.float() * out.detach().to(q.dtype).float()).sum(-1)
+    return [t.grad for t in leaves], lse.detach().float(), delta
+
+
+def sdpa_grads(q, k, v, dout, scale, causal):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = F.scaled_dot_product_attention(*leaves, is_causal=causal, scale=scale, enable_gqa=True)
+    out.backward(dout)
+    return [t.grad for t in leaves]
+
+
+def inputs(b, h, hkv, s, d, dtype=BF16, bshd=False):
+    if bshd:
+        q, dout = (torch.randn(b, s, h, d, device=DEV, dtype=dtype).transpose(1, 2) for _ in range(2))
+        k, v = (torch.randn(b, s, hkv, d, device=DEV, dtype=dtype).transpose(1, 2) for _ in range(2))
+        return q, k, v, dout
+    return (torch.randn(b, h, s, d, device=DEV, dtype=dtype), torch.randn(b, hkv, s, d, device=DEV, dtype=dtype),
+            torch.randn(b, hkv, s, d, device=DEV, dtype=dtype), torch.randn(b, h, s, d, device=DEV, dtype=dtype))
+
+
+CASES = [
+    # b, h, hkv, s, d, causal, bshd, dtype
+    (2, 8, 8, 1000, 128, False, False, BF16),
+    (1, 16, 4, 2048, 128, True, False, BF16),   # GQA at batch 1: the dK/dV work split by heads
+    (1, 32, 8, 1111, 128, True, True, BF16),    # (B, S, H, D) views
+    (1, 4, 4, 777, 64, True, False, torch.float16),
+    (2, 4, 2, 513, 80, False, False, BF16),     # padded head dim: the deterministic pair
+]
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("case", CASES)
+def test_flash_rule(case, det):
+    b, h, hkv, s, d, causal, bshd, dtype = case
+    q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
+    scale = 1 / math.sqrt(d)
+    want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, NO_MASK)
+    peers = sdpa_grads(q, k, v, dout, scale, causal)
+    with deterministic(det):
+        assert AB._atomic(q, k, v) == (not det and d != 80)
+        got = AB.attn_bwd(q, k, v, dout, lse, delta, scale, causal, 0, out_dtype=dtype)
+    for name, g, t, p, w in zip("qkv", got, (q, k, v), peers, want):
+        assert g.dtype == dtype and g.stride() == t.stride()
+        ok, nums = rule(g, p, w)
+        assert ok, (name, nums)
+
+
+MASKS = [
+    ("window+documents", True, lambda s: Mask(lo=-700, rows=_docs([0, 300, 301, 1500, s], s))),
+    ("softcap+kv_range+offset", True, lambda s: Mask(
+        softcap=20.0, kv_range=torch.tensor([[5, s], [0, s - 333]], dtype=torch.int32, device=DEV),
+        q_offset=torch.tensor([3, 0], dtype=torch.int32, device=DEV))),
+]
+
+
+def _docs(cu, s):
+    cu = torch.tensor(cu, device=DEV)
+    doc = torch.searchsorted(cu, torch.arange(s, device=DEV), right=True) - 1
+    return torch.stack((cu[doc], cu[doc + 1])).to(torch.int32)
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("name,causal,make", MASKS, ids=[m[0] for m in MASKS])
+def test_flash_rule_masks(name, causal, make, det):
+    b, h, hkv, s, d = 2, 8, 2, 1800, 128
+    mask = make(s)
+    q, k, v, dout = inputs(b, h, hkv, s, d)
+    scale = 1 / math.sqrt(d)
+    want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    masked_attention(*leaves, scale, causal, 0, mask)[0].backward(dout)  # the peer in bf16
+    with deterministic(det):
+        got = AB.attn_bwd(q, k, v, dout, lse, delta, scale, causal, 0, mask, out_dtype=BF16)
+    for gname, g, p, w in zip("qkv", got, leaves, want):
+        ok, nums = rule(g, p.grad, w)
+        assert ok, (gname, nums)
+
+
+def test_deterministic_is_bitwise_and_atomic_agrees():
+    """Two deterministic runs agree bit for bit; the atomic path agrees within float32 rounding."""
+    from splitsoftmax.kernels import attention as A
+    q, k, v, dout = inputs(1, 16, 4, 3000, 128)
+    scale = 1 / math.sqrt(128)
+    out, lse = A.attn_fwd(q, k, v, scale, True, out_dtype=BF16)
+    delta = (dout.float() * out.float()).sum(-1)
+    with deterministic(True):
+        a = AB.attn_bwd(q, k, v, dout, lse, delta, scale, True)
+        b = AB.attn_bwd(q, k, v, dout, lse, delta, scale, True)
+    with deterministic(False):
+        fast = AB.attn_bwd(q, k, v, dout, lse, delta, scale, True)
+    for x, y, f in zip(a, b, fast):
+        assert torch.equal(x, y)
+        torch.testing.assert_close(f, x, rtol=1e-4, atol=1e-4 * x.abs().max().item())
+
+
+def test_public_autograd_bshd_views():
+    """Hugging Face's layout through ``ss.attention``: the leaves' gradients arrive contiguous in
+    (B, S, H, D), within the rule against SDPA flash."""
+    b, s, h, hkv, d = 1, 2048, 16, 4, 128
+    leaves = [torch.randn(b, s, n, d, device=DEV, dtype=BF16, requires_grad=True) for n in (h, hkv, hkv)]
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    out = ss.attention(q, k, v, causal=True)
+    g = torch.randn_like(out)
+    out.backward(g)
+    want, _, _ = oracle(q.detach(), k.detach(), v.detach(), g, 1 / math.sqrt(d), True, 0, NO_MASK)
+    peers = sdpa_grads(q.detach(), k.detach(), v.detach(), g, 1 / math.sqrt(d), True)
+    for leaf, p, w in zip(leaves, peers, want):
+        assert leaf.grad.is_contiguous()
+        ok, nums = rule(leaf.grad.transpose(1, 2), p, w)
+        assert ok, nums

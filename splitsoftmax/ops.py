@@ -10,7 +10,9 @@ The public functions reach the ops through :func:`call`, which runs the implemen
 when no autograd, transform, mode or tracing needs the dispatcher (the same result, tens of
 microseconds less host time per call).
 
-Every output is a fresh contiguous tensor; statistics are float32 (float64 for float64 inputs).
+Every output is a fresh dense tensor: contiguous, except that attention outputs and gradients
+follow the ``(B, S, H, D)`` layout of inputs given as ``(B, H, S, D)`` views of it; statistics are
+float32 (float64 for float64 inputs).
 Python scalars (``log``, ``scale``, ``causal``, ``diag``) are op arguments.
 """
 from __future__ import annotations
@@ -161,14 +163,32 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
         out, lse = state.add_sinks(*fn(q, k, v, scale, causal, diag), sinks)
     else:  # the torch path merges the sinks before rounding its float64 result
         out, lse = fn(q, k, v, scale, causal, diag, out_dtype=q.dtype, sinks=sinks)
-    return _out(out, q.dtype), _out(lse, stat_dtype(q.dtype))
+    return _out_like_q(out, q), _out(lse, stat_dtype(q.dtype))
+
+
+def _heads_inner(q: Tensor) -> bool:
+    """Whether ``q (B, H, S, D)`` is a view of a ``(B, S, H, D)`` tensor (Hugging Face's layout)."""
+    return q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
+
+
+def _out_like_q(out: Tensor, q: Tensor) -> Tensor:
+    """The attention output in ``q.dtype``: a ``(B, H, S, Dv)`` view of a ``(B, S, H, Dv)`` tensor when
+    ``q`` is one (so that the caller's ``out.transpose(1, 2).contiguous()`` copies nothing), else
+    contiguous; no copy when the kernel wrote it so (the Triton forward does)."""
+    if _heads_inner(q):
+        t = out.transpose(1, 2)
+        return out if out.dtype == q.dtype and t.is_contiguous() else t.to(q.dtype).contiguous().transpose(1, 2)
+    return _out(out, q.dtype)
 
 
 @register_fake("splitsoftmax::attn_fwd")
 def _attn_fwd_fake(q, k, v, scale, causal, diag, lo=None, softcap=0.0, kv_range=None, q_offset=None, rows=None,
                    sinks=None):
     b, h, sq, _ = q.shape
-    return q.new_empty((b, h, sq, v.shape[-1])), q.new_empty((b, h, sq), dtype=stat_dtype(q.dtype))
+    lse = q.new_empty((b, h, sq), dtype=stat_dtype(q.dtype))
+    if _heads_inner(q):
+        return q.new_empty((b, sq, h, v.shape[-1])).transpose(1, 2), lse
+    return q.new_empty((b, h, sq, v.shape[-1])), lse
 
 
 def _grad(g: Tensor, like: Tensor) -> Tensor:

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _checks
+from ._autocast import like_sdpa
 from .ops import call
 
 
@@ -46,6 +47,7 @@ def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
     return call("logsumexp_fwd", x2).float().reshape(shape[:-1])
 
 
+@like_sdpa
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
               return_lse: bool = False):
     """Exact softmax attention, laid out like ``scaled_dot_product_attention``.
@@ -58,7 +60,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
         return_lse: also return ``lse (B, H, Sq)``, float32, natural log.
 
     Returns ``out (B, H, Sq, Dv)`` in ``q.dtype`` (or ``(out, lse)``). A query that sees no key
-    gets ``out = 0``, ``lse = -inf`` and zero gradients.
+    gets ``out = 0``, ``lse = -inf`` and zero gradients. Under ``torch.autocast`` q, k, v are cast
+    to the autocast dtype, as SDPA's are. The rules in full: docs/API.md.
     """
     s = _checks.attention_args(q, k, v, scale, causal)
     _checks.flag("return_lse", return_lse)

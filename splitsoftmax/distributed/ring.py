@@ -12,6 +12,8 @@ by ``splitsoftmax.state``. The allgather schedule reuses the same visits.
 """
 from __future__ import annotations
 
+import time
+from logging import DEBUG
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor
 
 from .. import state
+from .._log import LOG, nbytes
 from ..local import op
 from . import layout
 from .comm import Communicator
@@ -48,7 +51,11 @@ class AttnSpec:
 
     def pairs(self, origin: int) -> list:
         qs = layout.segments(self.layout, self.q_lens, self.rank)
-        return layout.block_pairs(qs, layout.segments(self.layout, self.k_lens, origin), self.causal)
+        pairs = layout.block_pairs(qs, layout.segments(self.layout, self.k_lens, origin), self.causal)
+        if LOG.isEnabledFor(DEBUG):
+            LOG.debug("rank %d, keys of rank %d: %d block pair(s) (kind, queries, keys) %s", self.rank, origin,
+                      len(pairs), [(p[3], p[1].n, p[2].n) for p in pairs])
+        return pairs
 
 
 def pack(a: Tensor, b: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -66,6 +73,8 @@ def unpack(buf: Tensor, spec: AttnSpec, origin: int) -> tuple[Tensor, Tensor]:
 def _transfer(comm: Communicator, send: Tensor, recv: Tensor, tag: int) -> list:
     """Send to the next rank, receive from the previous one; empty buffers are not sent."""
     nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    LOG.debug("rank %d: send %d bytes to rank %d, receive %d bytes from rank %d (tag %d)", comm.rank, nbytes(send),
+              nxt, nbytes(recv), prv, tag)
     return comm.post([(send, nxt)] if send.numel() else [], [(recv, prv)] if recv.numel() else [], tag)
 
 
@@ -85,7 +94,10 @@ def ring_loop(comm: Communicator, first: Tensor, numel: Callable[[int], int], vi
         if s < p - 1:
             nbuf = first.new_empty(numel((origin - 1) % p))
             kv_h = _transfer(comm, cur, nbuf, TAG_KV)
+        t0 = time.perf_counter()
         contrib = visit(origin, cur)
+        LOG.debug("%s step %d/%d: rank %d on the K/V of rank %d, %.3f ms host time", step, s, p, r, origin,
+                  1e3 * (time.perf_counter() - t0))
         if carry is not None and s == 0:
             home = contrib
         elif carry is not None:

@@ -19,7 +19,7 @@ from ..local import op
 from . import layout as lay
 from .allgather import allgather_attention_bwd, allgather_attention_fwd, allgather_var
 from .comm import as_comm
-from .handshake import encode_dtype, encode_float, handshake, start_handshake
+from .handshake import encode_dtype, encode_float, fingerprint, handshake, start_handshake
 from .ring import AttnSpec, ring_attention_bwd, ring_attention_fwd
 from .tree import allreduce_sum, early_local, merge_lse, tree_attention_bwd, tree_attention_fwd
 
@@ -144,8 +144,9 @@ def _attention_meta(comm, q, k, v, causal, scale, schedule, layout, return_lse):
         agree = {"B": b, "H": h, "Hkv": hkv, "D": d, "Dv": dv, "dtype": encode_dtype(q.dtype),
                  "causal": int(causal), "scale": encode_float(s), "schedule": _checks.SCHEDULES.index(schedule),
                  "layout": _checks.LAYOUTS.index(layout)}
-        if schedule == "tree":
+        if schedule == "tree":  # q is replicated: its shape and its values must agree
             agree["Sq"] = sq
+            agree["q"] = fingerprint(q)
         per = {"Sq_local": sq, "Sk_local": k.shape[2]}
     except (TypeError, ValueError) as e:
         err, s = e, None

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import state
+from .._log import LOG, nbytes
 from ..local import op
 from . import layout
 from .comm import Communicator
@@ -44,6 +45,8 @@ def bruck_allgather(comm: Communicator, mine: Tensor, step: str) -> Tensor:
         got = held.new_empty((n, held.shape[1]))
         if held.shape[1]:
             send = held[:n].contiguous().reshape(-1)
+            LOG.debug("%s: tree round %d, rank %d sends %d bytes to rank %d, receives from rank %d", step,
+                      k.bit_length(), r, nbytes(send), (r - k) % p, (r + k) % p)
             hs = comm.post([(send, (r - k) % p)], [(got.view(-1), (r + k) % p)], TAG_TREE)
             comm.wait(hs, f"{step}: tree round {k.bit_length()} with ranks {(r - k) % p} and {(r + k) % p}")
         held = torch.cat((held, got))
@@ -66,7 +69,10 @@ def merge_lse(comm: Communicator, lse: Tensor, step: str) -> Tensor:
 def _tree_block(spec: AttnSpec, sq: int) -> tuple[str, int]:
     """Decision for this rank's keys: the queries are the last ``sq`` global key positions."""
     total, off = sum(spec.k_lens), sum(spec.k_lens[:spec.rank])
-    return layout.decide(total - sq, sq, off, spec.k_lens[spec.rank], spec.causal)
+    kind, diag = layout.decide(total - sq, sq, off, spec.k_lens[spec.rank], spec.causal)
+    LOG.debug("tree: rank %d holds keys [%d, %d) of %d: %s (diag %d)", spec.rank, off, off + spec.k_lens[spec.rank],
+              total, kind, diag)
+    return kind, diag
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kind: str, diag: int) -> tuple[Tensor, Tensor]:

@@ -44,7 +44,7 @@ def _settings() -> str:
         timeout = f"{timeout_s():g} s"
     except ValueError as e:
         timeout = f"invalid ({e})"
-    source = "" if "SPLITSOFTMAX_TIMEOUT" in os.environ else " (default)"
+    source = "" if os.environ.get("SPLITSOFTMAX_TIMEOUT") else " (default)"
     log = os.environ.get("SPLITSOFTMAX_LOG", "") or "unset (warnings only)"
     return f"SPLITSOFTMAX_TIMEOUT {timeout}{source}; SPLITSOFTMAX_LOG {log}"
 

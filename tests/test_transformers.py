@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist_util import assert_ok, spawn  # noqa: E402
-from _hf_util import CLOSE, SMALL, VOCAB, assert_grads_close, ids_of, pair  # noqa: E402
+from _hf_util import CLOSE, SMALL, VERSION, VOCAB, assert_grads_close, ids_of, pair  # noqa: E402
 
 import splitsoftmax as ss  # noqa: E402
 from splitsoftmax.integrations import _hf_masks  # noqa: E402
@@ -92,8 +92,20 @@ def test_autocast_training_step_matches_sdpa():
         assert (go - w).abs().max() <= 4 * (gs - w).abs().max() + 1e-3 * w.abs().max()
 
 
+def test_meta_tensors_through_the_mask_and_attention_functions():
+    """Deferred initialisation runs layers on meta tensors: no data is read, shapes come out."""
+    from transformers import masking_utils as mu
+    q, k = torch.empty(2, 4, 9, 16, device="meta"), torch.empty(2, 2, 9, 16, device="meta")
+    pad = torch.ones(2, 9, dtype=torch.bool, device="meta")
+    vis = _hf_masks.build(2, q_length=9, kv_length=9, mask_function=mu.causal_mask_function, attention_mask=pad)
+    out, _ = sst.attention_forward(_Module(True, 2), q, k, k, vis, position_ids=torch.empty(1, 9, device="meta"))
+    assert out.is_meta and out.shape == (2, 9, 4, 16)
+
+
+@pytest.mark.skipif(VERSION < (5, 0), reason="transformers 4.5x's rotary embedding opens an autocast region on the "
+                    "meta device, which torch refuses (before any attention runs)")
 def test_meta_device_forward_gives_shapes():
-    """Deferred initialisation: a model built on the meta device runs its forward (shapes only)."""
+    """Deferred initialisation: a model moved to the meta device runs its forward (shapes only)."""
     sst.register()
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attn_implementation="splitsoftmax"))
     model.to("meta")

@@ -15,9 +15,14 @@ CLOSE = dict(atol=2e-5, rtol=2e-5)
 VERSION = tuple(int(p) for p in transformers.__version__.split(".")[:2])
 
 
+# families whose causal-LM class is not named after their config
+_LM = {"Gemma3Text": "Gemma3ForCausalLM"}
+
+
 def classes(family: str):
     """``(Config, ForCausalLM)`` of a model family, or None where this transformers has none."""
-    cfg, model = getattr(transformers, f"{family}Config", None), getattr(transformers, f"{family}ForCausalLM", None)
+    cfg = getattr(transformers, f"{family}Config", None)
+    model = getattr(transformers, _LM.get(family, f"{family}ForCausalLM"), None)
     return None if cfg is None or model is None else (cfg, model)
 
 

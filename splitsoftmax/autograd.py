@@ -52,27 +52,38 @@ def backward_stats(out: Tensor, lse: Tensor, dout: Tensor, dlse) -> tuple[Tensor
     return _ops().attn_bwd_prep(out, lse, dout.contiguous(), dlse)
 
 
-def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, diag: int):
+def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, diag: int, *mask_args):
     """``(dq, dk, dv)`` from the saved ``out (B,H,Sq,Dv)``, ``lse (B,H,Sq)``; ``dout`` or ``dlse``
-    may be ``None`` (no gradient through that output)."""
+    may be ``None`` (no gradient through that output); ``mask_args``: the op's mask fields."""
     if dout is None:
         dout = torch.zeros_like(out)
     lse, delta = backward_stats(out, lse, dout, dlse)
-    return tuple(_ops().attn_bwd(q, k, v, dout.contiguous(), lse, delta, scale, causal, diag))
+    return tuple(_ops().attn_bwd(q, k, v, dout.contiguous(), lse, delta, scale, causal, diag, *mask_args)), delta
 
 
 def setup_attention(ctx, inputs, output) -> None:
-    """``attn_fwd(q, k, v, scale, causal, diag) -> (out, lse)``: saves tensors and scalars."""
-    q, k, v, scale, causal, diag = inputs
+    """``attn_fwd(q, k, v, scale, causal, diag, lo, softcap, kv_range, q_offset, rows, sinks) -> (out, lse)``:
+    saves tensors and scalars."""
+    q, k, v, scale, causal, diag, lo, softcap, kv_range, q_offset, rows, sinks = _attn_inputs(inputs)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
-    ctx.args = (scale, causal, diag)
+    ctx.save_for_backward(q, k, v, out, lse, kv_range, q_offset, rows, sinks)
+    ctx.args = (scale, causal, diag, lo, softcap)
+
+
+def _attn_inputs(inputs) -> tuple:
+    """The ``attn_fwd`` arguments with the trailing defaults filled in."""
+    return (*inputs, None, 0.0, None, None, None, None)[:12]
 
 
 def attention_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
-    """``(dq, dk, dv)`` and no gradient for the scalars."""
-    q, k, v, out, lse = ctx.saved_tensors
-    return (*attention_grads(q, k, v, out, lse, dout, dlse, *ctx.args), None, None, None)
+    """``(dq, dk, dv)``, no gradient for the scalars and the mask, and the sinks' gradient
+    ``-sum_rows p_sink * delta`` (see :func:`splitsoftmax.state.sink_grad`)."""
+    q, k, v, out, lse, kv_range, q_offset, rows, sinks = ctx.saved_tensors
+    scale, causal, diag, lo, softcap = ctx.args
+    grads, delta = attention_grads(q, k, v, out, lse, dout, dlse, scale, causal, diag, lo, softcap, kv_range,
+                                   q_offset, rows)
+    dsinks = None if sinks is None or not ctx.needs_input_grad[11] else state.sink_grad(lse, delta, sinks)
+    return (*grads, None, None, None, None, None, None, None, None, dsinks)
 
 
 def setup_merge(ctx, inputs, output) -> None:

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 from torch import Tensor
 
 from .kernels import cpu
+from .mask import Mask
 
 # op name -> module of splitsoftmax.kernels holding its Triton launcher
 _TRITON_MODULE = {
@@ -59,3 +61,22 @@ def op(name: str, t: Tensor):
     if use_triton(t):
         return getattr(importlib.import_module(f"splitsoftmax.kernels.{_TRITON_MODULE[name]}"), name)
     return getattr(cpu, name)
+
+
+@lru_cache(maxsize=None)
+def takes_mask(fn) -> bool:
+    """Whether the local op ``fn`` has the ``mask`` keyword (the variants' visibility)."""
+    return "mask" in inspect.signature(fn).parameters
+
+
+def masked_op(name: str, t: Tensor, mask: Mask):
+    """:func:`op` with ``mask`` bound; the plain mask calls the op as it always was. A launcher
+    without the ``mask`` keyword cannot run a variant: ``NotImplementedError``."""
+    fn = op(name, t)
+    if mask.plain():
+        return fn
+    if not takes_mask(fn):
+        fields = [f for f, d in zip(Mask._fields, Mask()) if getattr(mask, f) is not d and getattr(mask, f) != d]
+        raise NotImplementedError(f"the Triton {name} kernel does not take attention variants yet (mask fields "
+                                  f"{', '.join(fields)}); CPU tensors outside TRITON_INTERPRET=1 do")
+    return partial(fn, mask=mask)

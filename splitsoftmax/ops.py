@@ -23,7 +23,8 @@ from torch import Tensor
 
 from . import autograd as ag
 from . import state
-from .local import op
+from .local import masked_op, op
+from .mask import Mask
 from .state import stat_dtype
 
 register_fake, register_autograd = torch.library.register_fake, torch.library.register_autograd
@@ -114,31 +115,44 @@ def _logsumexp_bwd_fake(x, lse, g):
 
 
 @_op("attn_fwd")
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int) -> tuple[Tensor, Tensor]:
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int, lo: Optional[int] = None,
+             softcap: float = 0.0, kv_range: Optional[Tensor] = None, q_offset: Optional[Tensor] = None,
+             rows: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Attention of ``q (B,H,Sq,D)`` over ``k (B,Hkv,Sk,D)``, ``v (B,Hkv,Sk,Dv)``.
 
     Returns ``(out (B,H,Sq,Dv) q.dtype, lse (B,H,Sq))``; causal: query ``i`` sees key ``j <= i + diag``.
+    ``lo, softcap, kv_range, q_offset, rows`` are the fields of :class:`splitsoftmax.mask.Mask`;
+    ``sinks (H,)``: one more partial ``(0, sinks[h])`` merged into every row after the keys.
     """
-    out, lse = op("attn_fwd", q)(q, k, v, scale, causal, diag, out_dtype=q.dtype)
+    mask = Mask(lo, softcap, kv_range, q_offset, rows)
+    out_dtype = q.dtype if sinks is None else None
+    out, lse = masked_op("attn_fwd", q, mask)(q, k, v, scale, causal, diag, out_dtype=out_dtype)
+    if sinks is not None:
+        out, lse = state.add_sinks(out, lse, sinks)
     return _out(out, q.dtype), _out(lse, stat_dtype(q.dtype))
 
 
 @register_fake("splitsoftmax::attn_fwd")
-def _attn_fwd_fake(q, k, v, scale, causal, diag):
+def _attn_fwd_fake(q, k, v, scale, causal, diag, lo=None, softcap=0.0, kv_range=None, q_offset=None, rows=None,
+                   sinks=None):
     b, h, sq, _ = q.shape
     return q.new_empty((b, h, sq, v.shape[-1])), q.new_empty((b, h, sq), dtype=stat_dtype(q.dtype))
 
 
 @_op("attn_bwd")
-def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-             scale: float, causal: bool, diag: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` in the dtypes of ``q, k, v``; ``lse``, ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``."""
-    dq, dk, dv = op("attn_bwd", q)(q, k, v, dout, lse, delta, scale, causal, diag)
+def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float, causal: bool,
+             diag: int, lo: Optional[int] = None, softcap: float = 0.0, kv_range: Optional[Tensor] = None,
+             q_offset: Optional[Tensor] = None, rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` in the dtypes of ``q, k, v``; ``lse``, ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``;
+    the mask fields as in ``attn_fwd``."""
+    mask = Mask(lo, softcap, kv_range, q_offset, rows)
+    dq, dk, dv = masked_op("attn_bwd", q, mask)(q, k, v, dout, lse, delta, scale, causal, diag)
     return _out(dq, q.dtype), _out(dk, k.dtype), _out(dv, v.dtype)
 
 
 @register_fake("splitsoftmax::attn_bwd")
-def _attn_bwd_fake(q, k, v, dout, lse, delta, scale, causal, diag):
+def _attn_bwd_fake(q, k, v, dout, lse, delta, scale, causal, diag, lo=None, softcap=0.0, kv_range=None, q_offset=None,
+                   rows=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

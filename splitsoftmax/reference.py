@@ -119,3 +119,51 @@ def two_pass_softmax_np(rows: np.ndarray) -> np.ndarray:
     rows = np.asarray(rows, dtype=np.float64)
     e = np.exp(rows - rows.max(axis=-1, keepdims=True))
     return e / e.sum(axis=-1, keepdims=True)
+
+
+def variant_visible(batch: int, sq: int, sk: int, *, causal: bool = False, cu_seqlens=None, window_size=None,
+                    kv_range: Optional[Tensor] = None, q_offset=0) -> Tensor:
+    """The contract's visibility rule of the attention keywords as a dense ``(B, Sq, Sk)`` bool
+    tensor (CPU): ``[b, i, j]`` is whether query ``i`` of element ``b`` sees key ``j``."""
+    from .mask import Mask, visible
+    left, right = (-1, -1) if window_size is None else window_size
+    off = q_offset if isinstance(q_offset, Tensor) else torch.full((batch,), int(q_offset))
+    band = Mask(q_offset=off.cpu(), kv_range=None if kv_range is None else kv_range.cpu())
+    ok = visible(band, causal, 0, batch, sq, sk)
+    pos = torch.arange(sq).view(1, sq, 1) + off.cpu().long().view(batch, 1, 1)
+    j = torch.arange(sk).view(1, 1, sk)
+    if left >= 0:
+        ok &= j >= pos - left
+    if right >= 0:
+        ok &= j <= pos + right
+    if cu_seqlens is not None:
+        cu = torch.as_tensor(list(cu_seqlens) if not isinstance(cu_seqlens, Tensor) else cu_seqlens.cpu())
+        doc = torch.bucketize(torch.arange(sq), cu[1:].long(), right=True)  # document id of each position
+        ok &= doc.view(1, sq, 1) == doc[:sk].view(1, 1, sk)
+    return ok
+
+
+def attention_variants(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+                       cu_seqlens=None, window_size=None, softcap=None, sinks: Optional[Tensor] = None,
+                       kv_range: Optional[Tensor] = None, q_offset=0) -> tuple[Tensor, Tensor]:
+    """Float64 attention under the variant keywords with the full score matrix (differentiable):
+    ``(out (B,H,Sq,Dv), lse (B,H,Sq))``. Hidden scores are replaced by ``-inf`` and hidden values
+    weigh exactly 0, so NaN/Inf in hidden keys or values changes the output nothing; an empty row gives ``out = 0`` and ``lse = -inf`` (``sinks[h]`` with sinks)."""
+    q, k, v = q.double(), k.double(), v.double()
+    b, h, sq, d = q.shape
+    g = h // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    ok = variant_visible(b, sq, k.shape[2], causal=causal, cu_seqlens=cu_seqlens, window_size=window_size,
+                         kv_range=kv_range, q_offset=q_offset).to(q.device).unsqueeze(1)  # (B, 1, Sq, Sk)
+    s = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(d) if scale is None else scale)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~ok, NEG_INF)
+    if sinks is not None:
+        s = torch.cat((s, sinks.double().view(1, h, 1, 1).expand(b, h, sq, 1)), -1)
+    lse = logsumexp(s, -1)
+    p = torch.where(lse.unsqueeze(-1) == NEG_INF, 0.0, torch.exp(s - torch.where(lse == NEG_INF, 0.0, lse).unsqueeze(-1)))
+    p = p[..., :k.shape[2]]
+    vis = ok.expand_as(p)
+    out = state.weighted_sum(torch.where(vis, p, 0.0), v)
+    return out, lse

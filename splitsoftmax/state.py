@@ -116,3 +116,25 @@ def merge_out_lse(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     Returns ``(out, lse)`` with ``out`` in the accumulation dtype and ``lse`` float32/64.
     """
     return to_out_lse(merge_stack(from_out_lse(outs, lses)))
+
+
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge one sink per head into final results ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)``: the
+    partial ``(out = 0, lse = sinks[h])`` (a virtual key of value 0), once per row, after every key
+    partial. ``lse`` becomes ``logaddexp(lse, sinks[h])`` and ``out`` scales by the merge's weight
+    ``exp(lse - lse')`` of the key part (0 in rows that saw no key). Returns ``(out, lse)`` in the
+    dtypes of ``out`` and ``lse``."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    both = State(torch.stack((lse, sink)), torch.stack(((lse != NEG_INF).to(lse.dtype), torch.ones_like(lse))))
+    lse2 = lse_of(merge_stack(both))
+    w = torch.where(lse == NEG_INF, 0.0, torch.exp(lse - safe_max(lse2)))
+    return (out * w.unsqueeze(-1).to(out.dtype)), lse2
+
+
+def sink_grad(lse: Tensor, delta: Tensor, sinks: Tensor) -> Tensor:
+    """Gradient of the sinks ``(H,)`` (in ``sinks.dtype``) from the final ``lse`` and
+    ``delta = rowsum(dout * out) - dlse`` ``(B, H, Sq)``: ``-sum_rows p_sink * delta``, where
+    ``p_sink = exp(sinks[h] - lse)`` is the weight the sink took in each row (0 where ``lse = -inf``)."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1)
+    p = torch.where(lse == NEG_INF, 0.0, torch.exp(sink - safe_max(lse)))
+    return -(p * delta.to(lse.dtype)).sum((0, 2)).to(sinks.dtype)

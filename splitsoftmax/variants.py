@@ -1,0 +1,259 @@
+"""The attention variants' keywords (CONTRACT.md, "Attention variants"): checked once, held as a
+small frozen :class:`Variants`, and turned into the local ops' :class:`~splitsoftmax.mask.Mask` for
+any query segment and key segment of the global sequence (:func:`local_mask`).
+
+Positions are global: query ``i`` of the segment that starts at ``q_start`` sits at key position
+``q_offset[b] + q_start + i``; key ``j`` of the segment that starts at ``k_start`` is key
+``k_start + j``. An int ``q_offset`` and the segments' starts fold into the band's edges (``diag``
+and ``Mask.lo``); a tensor ``q_offset`` travels as ``Mask.q_offset``. Documents become per-row key
+intervals (``Mask.rows``), computed on the host from ``cu_seqlens``: a sequence or CPU tensor costs
+no synchronisation, a CUDA tensor is read once and its reading kept while the tensor is unmodified
+(same object, same ``_version``). Sinks are not part of the mask: the caller merges them once per
+row (:func:`splitsoftmax.state.add_sinks`).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import weakref
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from .mask import NO_MASK, Mask
+
+_INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+@dataclass(frozen=True)
+class Variants:
+    """The checked keywords of one attention call (defaults: today's full / causal rule).
+
+    causal:   key ``j <= p`` for a query at key position ``p``.
+    cu:       document boundaries ``(N+1,)`` as host ints (global positions), or ``None``.
+    left, right: the window's edges, ``-1`` unbounded.
+    softcap:  ``c > 0`` caps scores as ``c * tanh(s / c)``; ``0.0``: none.
+    sinks:    ``(H,)`` float tensor or ``None`` (merged by the caller, not in the mask).
+    kv_range: ``(B, 2)`` int32 on the queries' device, global key positions, or ``None``.
+    q_offset: an int, or a ``(B,)`` int32 tensor on the queries' device.
+    """
+
+    causal: bool = False
+    cu: Optional[tuple] = None
+    left: int = -1
+    right: int = -1
+    softcap: float = 0.0
+    sinks: Optional[Tensor] = None
+    kv_range: Optional[Tensor] = None
+    q_offset: Union[int, Tensor] = 0
+
+    def plain(self) -> bool:
+        """Whether every keyword is at its default (the mask is ``NO_MASK``, no sinks)."""
+        return (self.cu is None and self.left == -1 and self.right == -1 and self.softcap == 0.0
+                and self.sinks is None and self.kv_range is None and isinstance(self.q_offset, int)
+                and self.q_offset == 0)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _int_tensor(name: str, t: Tensor) -> None:
+    if t.dtype not in _INT_DTYPES:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
+
+
+_CU_CACHE: "weakref.WeakKeyDictionary[Tensor, tuple]" = weakref.WeakKeyDictionary()
+
+
+def _cu_values(cu) -> tuple:
+    """The boundaries as host ints. A CUDA tensor is read once per (tensor, ``_version``)."""
+    if isinstance(cu, Tensor):
+        if cu.dim() != 1:
+            raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu.shape)}")
+        _int_tensor("cu_seqlens", cu)
+        if cu.device.type == "cpu":
+            return tuple(cu.tolist())
+        hit = _CU_CACHE.get(cu)
+        if hit is not None and hit[0] == cu._version:
+            return hit[1]
+        values = tuple(cu.tolist())
+        _CU_CACHE[cu] = (cu._version, values)
+        return values
+    if isinstance(cu, (str, bytes)) or not hasattr(cu, "__len__"):
+        raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a sequence of ints, got {type(cu).__name__}")
+    values = tuple(cu)
+    if not all(_is_int(c) for c in values):
+        raise ValueError(f"cu_seqlens must hold ints, got {list(values)!r}")
+    return tuple(int(c) for c in values)
+
+
+def check_cu_seqlens(cu, sq: int, sk: int, q_offset) -> Optional[tuple]:
+    """``cu_seqlens`` as a tuple of host ints, checked against the (global) lengths ``sq``, ``sk``."""
+    if cu is None:
+        return None
+    values = _cu_values(cu)
+    if len(values) < 1:
+        raise ValueError("cu_seqlens must have at least one entry (cu[0] = 0)")
+    if values[0] != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {values[0]}")
+    if any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {list(values)}")
+    if sq != sk:
+        raise ValueError(f"cu_seqlens needs self-attention (Sq == Sk), got Sq={sq}, Sk={sk}")
+    if values[-1] != sq:
+        raise ValueError(f"cu_seqlens[-1] must equal the sequence length {sq}, got {values[-1]}")
+    if isinstance(q_offset, Tensor) or q_offset != 0:
+        raise ValueError(f"cu_seqlens needs q_offset == 0, got {q_offset!r}")
+    return values
+
+
+def check_window(window) -> tuple[int, int]:
+    """``window_size`` as ``(left, right)``, ``-1`` unbounded."""
+    if window is None:
+        return -1, -1
+    if isinstance(window, (str, bytes)) or not hasattr(window, "__len__") or len(window) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window!r}")
+    left, right = window
+    if not (_is_int(left) and _is_int(right)):
+        raise ValueError(f"window_size entries must be ints, got {window!r}")
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1, got {tuple(window)}")
+    return int(left), int(right)
+
+
+def check_softcap(softcap) -> float:
+    """``softcap`` as a float (0.0: none)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise ValueError(f"softcap must be a positive float, got {type(softcap).__name__} {softcap!r}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be finite and > 0, got {softcap}")
+    return float(softcap)
+
+
+def check_sinks(sinks, heads: int, device) -> Optional[Tensor]:
+    if sinks is None:
+        return None
+    if not isinstance(sinks, Tensor) or not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a float tensor (H,), got {getattr(sinks, 'dtype', type(sinks).__name__)}")
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (H,) = ({heads},), got {tuple(sinks.shape)}")
+    if sinks.device != device:
+        raise ValueError(f"sinks is on {sinks.device} but q is on {device}")
+    return sinks
+
+
+def _device_check(ok: Tensor, message: str) -> None:
+    """``ValueError`` when ``ok`` is false; a device-side assertion where reading it would
+    synchronise (CUDA) or break a traced graph (``torch.compile``)."""
+    if ok.device.type != "cpu" or torch.compiler.is_compiling():
+        torch._assert_async(ok, message)
+    elif not bool(ok):
+        raise ValueError(message)
+
+
+def check_kv_range(kv_range, batch: int, sk: int, device) -> Optional[Tensor]:
+    """``kv_range`` as ``(B, 2)`` int32 on ``device`` (global key positions)."""
+    if kv_range is None:
+        return None
+    if not isinstance(kv_range, Tensor):
+        raise ValueError(f"kv_range must be an integer tensor (B, 2), got {type(kv_range).__name__}")
+    _int_tensor("kv_range", kv_range)
+    if tuple(kv_range.shape) != (batch, 2):
+        raise ValueError(f"kv_range must have shape (B, 2) = ({batch}, 2), got {tuple(kv_range.shape)}")
+    if kv_range.device != device:
+        raise ValueError(f"kv_range is on {kv_range.device} but q is on {device}")
+    lo, hi = kv_range[:, 0], kv_range[:, 1]
+    _device_check(((lo <= hi) & (lo >= 0) & (hi <= sk)).all(),
+                  f"kv_range must satisfy 0 <= kv_range[b, 0] <= kv_range[b, 1] <= Sk = {sk}")
+    return kv_range.to(torch.int32)
+
+
+def check_q_offset(q_offset, batch: int, device) -> Union[int, Tensor]:
+    """``q_offset`` as an int or a ``(B,)`` int32 tensor on ``device``."""
+    if _is_int(q_offset):
+        return int(q_offset)
+    if not isinstance(q_offset, Tensor):
+        raise ValueError(f"q_offset must be an int or an integer tensor (B,), got {type(q_offset).__name__}")
+    _int_tensor("q_offset", q_offset)
+    if tuple(q_offset.shape) != (batch,):
+        raise ValueError(f"q_offset must be an int or have shape (B,) = ({batch},), got {tuple(q_offset.shape)}")
+    if q_offset.device != device:
+        raise ValueError(f"q_offset is on {q_offset.device} but q is on {device}")
+    return q_offset.to(torch.int32)
+
+
+def parse(*, batch: int, heads: int, sq: int, sk: int, device, causal: bool, cu_seqlens=None, window_size=None,
+          softcap=None, sinks=None, kv_range=None, q_offset=0) -> Variants:
+    """Check the keywords for queries ``(batch, heads, sq)`` over ``sk`` keys (global lengths when
+    sharded) on ``device``; raises ``ValueError`` naming the argument."""
+    if q_offset is None:
+        q_offset = 0
+    off = check_q_offset(q_offset, batch, device)
+    cu = check_cu_seqlens(cu_seqlens, sq, sk, off)
+    left, right = check_window(window_size)
+    return Variants(causal=bool(causal), cu=cu, left=left, right=right, softcap=check_softcap(softcap),
+                    sinks=check_sinks(sinks, heads, device), kv_range=check_kv_range(kv_range, batch, sk, device),
+                    q_offset=off)
+
+
+def _band(spec: Variants, shift: int) -> tuple[bool, int, Optional[int]]:
+    """``(causal, diag, lo)`` of the local op for a query/key shift ``q_off + q_start - k_start``:
+    key ``j`` in ``[i + shift - left, i + shift + min(0 if causal, right)]``."""
+    upper = [e for e, on in ((0, spec.causal), (spec.right, spec.right >= 0)) if on]
+    lo = None if spec.left < 0 else shift - spec.left
+    return bool(upper), shift + (min(upper) if upper else 0), lo
+
+
+@lru_cache(maxsize=64)
+def _doc_rows_host(cu: tuple, q_start: int, q_len: int, k_start: int, k_len: int) -> Tensor:
+    """``(2, q_len)`` int32: the key interval of each query row's document, local to the key segment
+    and clamped to ``[0, k_len]``."""
+    if q_start < 0 or q_start + q_len > cu[-1]:
+        raise ValueError(f"query positions [{q_start}, {q_start + q_len}) lie outside cu_seqlens {list(cu)}")
+    if q_len == 0:
+        return torch.zeros(2, 0, dtype=torch.int32)
+    pos = torch.arange(q_start, q_start + q_len, dtype=torch.long)
+    bounds = torch.tensor(cu, dtype=torch.long)
+    doc = (torch.searchsorted(bounds, pos, right=True) - 1).clamp_(0, len(cu) - 2)
+    rows = torch.stack((bounds[doc], bounds[doc + 1])) - k_start
+    return rows.clamp_(0, k_len).to(torch.int32)
+
+
+_ROWS_CACHE: dict = {}
+
+
+def doc_rows(cu: tuple, q_start: int, q_len: int, k_start: int, k_len: int, device) -> Tensor:
+    """:func:`_doc_rows_host` on ``device`` (the copy kept per device: one upload per plan)."""
+    if torch.compiler.is_compiling():  # a traced constant: no cache to mutate
+        return _doc_rows_host.__wrapped__(cu, q_start, q_len, k_start, k_len).to(device)
+    key = (cu, q_start, q_len, k_start, k_len, torch.device(device))
+    hit = _ROWS_CACHE.get(key)
+    if hit is None:
+        hit = _doc_rows_host(cu, q_start, q_len, k_start, k_len).to(device)
+        if len(_ROWS_CACHE) >= 64:
+            _ROWS_CACHE.pop(next(iter(_ROWS_CACHE)))
+        _ROWS_CACHE[key] = hit
+    return hit
+
+
+def local_mask(spec: Variants, q_start: int, q_len: int, k_start: int, k_len: int, device) -> tuple[Mask, bool, int]:
+    """``(mask, causal, diag)`` for the local op of the queries at global rows ``[q_start, q_start + q_len)``
+    over the keys at global positions ``[k_start, k_start + k_len)``.
+
+    Local query ``i`` and key ``j`` see each other iff the contract's rule holds for global query
+    ``q_start + i`` and key ``k_start + j`` (see :mod:`splitsoftmax.mask` for the local rule).
+    """
+    tensor_off = isinstance(spec.q_offset, Tensor)
+    causal, diag, lo = _band(spec, (0 if tensor_off else spec.q_offset) + q_start - k_start)
+    rows = None if spec.cu is None else doc_rows(spec.cu, q_start, q_len, k_start, k_len, device)
+    kv = None
+    if spec.kv_range is not None:
+        kv = (spec.kv_range - k_start).clamp_(0, k_len)
+    mask = Mask(lo=lo, softcap=spec.softcap, kv_range=kv, q_offset=spec.q_offset if tensor_off else None, rows=rows)
+    return (NO_MASK if mask.plain() else mask), causal, diag

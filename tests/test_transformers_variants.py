@@ -122,6 +122,31 @@ def test_padding_matches_sdpa(family, left):
     assert_grads_close(ref, ours)
 
 
+@pytest.mark.skipif(not getattr(transformers.BertModel, "_supports_attention_backend", False),
+                    reason="this transformers' BertModel has its own attention classes")
+def test_bidirectional_padding_matches_sdpa():
+    """An encoder: padding hides keys from every query (kv_range), on either side."""
+    torch.manual_seed(0)
+    kw = dict(vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+              attention_probs_dropout_prob=0.0, hidden_dropout_prob=0.0)
+    sst.register()
+    ref = transformers.BertModel(transformers.BertConfig(**kw, attn_implementation="sdpa"), add_pooling_layer=False)
+    ours = transformers.BertModel(transformers.BertConfig(**kw, attn_implementation="splitsoftmax"),
+                                  add_pooling_layer=False)
+    ours.load_state_dict(ref.state_dict())
+    ids = ids_of(3, 12)
+    for left in (True, False):
+        mask = _padded(3, 12, left)
+        a = ref(ids, attention_mask=mask).last_hidden_state
+        b = ours(ids, attention_mask=mask).last_hidden_state
+        real = mask.bool()
+        torch.testing.assert_close(b[real], a[real], **CLOSE)
+        w = torch.randn(a.shape, generator=torch.Generator().manual_seed(3)) * real[..., None]
+        (a * w).sum().backward()
+        (b * w).sum().backward()
+    assert_grads_close(ref, ours)
+
+
 def _generate(model, ids, **kw):
     with torch.no_grad():
         return model.generate(ids, max_new_tokens=6, do_sample=False, output_scores=True,
@@ -154,8 +179,12 @@ def case_sharded_packed(group):
         ids, pos = ids_of(1, sum(lengths)), _packed_positions(lengths)
         want = ref(ids, position_ids=pos, labels=ids, use_cache=False)
         want.loss.backward()
-        inp = sst.shard_inputs(ids, pos, labels=ids)
         cu = torch.tensor([0, 9, 10, 10, 22, 25])
+        # Llama: the documents from position_ids (which cannot show the empty one); Mistral: as cu_seqlens
+        inp = sst.shard_inputs(ids, pos, labels=ids) if family == "Llama" else \
+            sst.shard_inputs(ids, labels=ids, cu_seqlens=cu)
+        if family == "Llama":
+            cu = torch.tensor([0, 9, 10, 22, 25])
         assert torch.equal(inp["cu_seq_lens_q"].cpu().long(), cu)
         got = ours(**inp, use_cache=False)
         torch.testing.assert_close(got.logits, ss.shard(want.logits.detach(), 1, layout="zigzag", cu_seqlens=cu),

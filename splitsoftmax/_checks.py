@@ -23,7 +23,7 @@ def tensor(name: str, x, *, floating: bool = True) -> Tensor:
 
 
 def dtensor_message(name: str, x) -> str:
-    """Why a DTensor is refused, and what to pass instead (docs/API.md, "DTensor")."""
+    """Why a DTensor is refused, and what to pass instead (docs/API.md, "Conventions")."""
     placements = ", ".join(map(str, getattr(x, "placements", ())))
     return (f"{name} is a DTensor (placements [{placements}]): splitsoftmax takes plain tensors. Pass "
             f"{name}.to_local() to the single-device op when the dims it reduces over are whole on every rank "

@@ -1,4 +1,4 @@
-"""Public single-device ops (CONTRACT.md's first table), over the custom ops of ``splitsoftmax.ops``."""
+"""Public single-device ops (docs/API.md, "Single device"), over the custom ops of ``splitsoftmax.ops``."""
 from __future__ import annotations
 
 import math

@@ -126,7 +126,7 @@ def sdpa(causal: bool, groups: int):
 
 
 def single_device_rows(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[Row]:
-    """The single-device table of CONTRACT.md on odd sizes, with an all ``-inf`` row."""
+    """The single-device table of docs/API.md on odd sizes, with an all ``-inf`` row."""
     x = torch.randn(33, 1000, device=device, dtype=dtype) * 4
     x[3] = float("-inf")
     rows = []

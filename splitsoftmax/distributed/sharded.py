@@ -1,4 +1,4 @@
-"""Public sharded ops (CONTRACT.md's Distributed table) and their autograd Functions.
+"""Public sharded ops (docs/API.md, "Across ranks") and their autograd Functions.
 
 Every call: local argument checks, then the metadata handshake (``handshake.py``) so that a
 mismatch raises on every rank before any bulk transfer, then the schedule. The gradient of each

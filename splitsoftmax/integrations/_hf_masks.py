@@ -66,8 +66,10 @@ class _Pattern:
     """The pieces of a mask function, read from its closure: ``causal``, ``window``, ``docs``, or why not."""
 
     def __init__(self):
-        self.causal, self.full, self.window, self.docs, self.remapped, self.refused = False, False, \
-            [UNBOUNDED, UNBOUNDED], None, False, None
+        self.causal = self.full = self.remapped = False
+        self.window = [UNBOUNDED, UNBOUNDED]
+        self.docs: Optional[Tensor] = None
+        self.refused: Optional[str] = None
 
     def read(self, fn) -> "_Pattern":
         name = getattr(fn, "__qualname__", type(fn).__name__).split(".<locals>")[0]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 import warnings
 
 LOG = logging.getLogger("splitsoftmax")
@@ -42,6 +43,9 @@ def configure(value: str | None = None) -> None:
 
 def nbytes(t) -> int:
     return t.numel() * t.element_size()
+
+
+clock = time.perf_counter  # host time of a step (CUDA work may still be running: launch cost, not GPU time)
 
 
 configure()

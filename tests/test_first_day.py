@@ -179,7 +179,7 @@ def test_debug_log_traces_steps_transfers_and_times(caplog):
     for rank in (0, 1):
         assert f"ring forward step 1/2: rank {rank} on the K/V of rank {1 - rank}" in text, text
         assert f"rank {rank}: send 640 bytes to rank {1 - rank}" in text  # B*Hkv*5*(D+Dv) float32
-    assert "block pair(s)" in text and "ms host time" in text
+    assert "ms host time" in text
 
 
 def test_log_switch_from_the_environment():

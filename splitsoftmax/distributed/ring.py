@@ -12,8 +12,6 @@ by ``splitsoftmax.state``. The allgather schedule reuses the same visits.
 """
 from __future__ import annotations
 
-import time
-from logging import DEBUG
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -21,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .. import state
-from .._log import LOG, nbytes
+from .._log import LOG, clock, nbytes
 from ..local import op
 from . import layout
 from .comm import Communicator
@@ -51,11 +49,7 @@ class AttnSpec:
 
     def pairs(self, origin: int) -> list:
         qs = layout.segments(self.layout, self.q_lens, self.rank)
-        pairs = layout.block_pairs(qs, layout.segments(self.layout, self.k_lens, origin), self.causal)
-        if LOG.isEnabledFor(DEBUG):
-            LOG.debug("rank %d, keys of rank %d: %d block pair(s) (kind, queries, keys) %s", self.rank, origin,
-                      len(pairs), [(p[3], p[1].n, p[2].n) for p in pairs])
-        return pairs
+        return layout.block_pairs(qs, layout.segments(self.layout, self.k_lens, origin), self.causal)
 
 
 def pack(a: Tensor, b: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
@@ -94,10 +88,10 @@ def ring_loop(comm: Communicator, first: Tensor, numel: Callable[[int], int], vi
         if s < p - 1:
             nbuf = first.new_empty(numel((origin - 1) % p))
             kv_h = _transfer(comm, cur, nbuf, TAG_KV)
-        t0 = time.perf_counter()
+        t0 = clock()
         contrib = visit(origin, cur)
         LOG.debug("%s step %d/%d: rank %d on the K/V of rank %d, %.3f ms host time", step, s, p, r, origin,
-                  1e3 * (time.perf_counter() - t0))
+                  1e3 * (clock() - t0))
         if carry is not None and s == 0:
             home = contrib
         elif carry is not None:

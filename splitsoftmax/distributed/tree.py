@@ -69,10 +69,7 @@ def merge_lse(comm: Communicator, lse: Tensor, step: str) -> Tensor:
 def _tree_block(spec: AttnSpec, sq: int) -> tuple[str, int]:
     """Decision for this rank's keys: the queries are the last ``sq`` global key positions."""
     total, off = sum(spec.k_lens), sum(spec.k_lens[:spec.rank])
-    kind, diag = layout.decide(total - sq, sq, off, spec.k_lens[spec.rank], spec.causal)
-    LOG.debug("tree: rank %d holds keys [%d, %d) of %d: %s (diag %d)", spec.rank, off, off + spec.k_lens[spec.rank],
-              total, kind, diag)
-    return kind, diag
+    return layout.decide(total - sq, sq, off, spec.k_lens[spec.rank], spec.causal)
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, kind: str, diag: int) -> tuple[Tensor, Tensor]:

@@ -1,6 +1,7 @@
 """Tiny random transformers models for the integration tests (built here, nothing downloaded)."""
 import os
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -52,3 +53,29 @@ def assert_grads_close(ref, ours, rel: float = 2e-5):
             continue
         err, scale = (q.grad - p.grad).abs().max().item(), max(1.0, p.grad.abs().max().item())
         assert err <= rel * scale, f"{name}: max abs error {err:.3g}, largest gradient entry {scale:.3g}"
+
+
+WINDOW = dict(sliding_window=4)
+# family -> (reference implementation, config overrides); sdpa has no softcap or sinks: eager there
+FAMILIES = {
+    "Mistral": ("sdpa", WINDOW),
+    "Qwen2": ("sdpa", dict(WINDOW, use_sliding_window=True, max_window_layers=1)),
+    "Gemma2": ("eager", dict(WINDOW, attn_logit_softcapping=3.0, final_logit_softcapping=None,
+                             query_pre_attn_scalar=16)),
+    "Gemma3Text": ("sdpa", dict(WINDOW, query_pre_attn_scalar=16,
+                                layer_types=["sliding_attention", "full_attention"])),
+    "GptOss": ("eager", dict(WINDOW, num_local_experts=2, num_experts_per_tok=1)),
+}
+
+
+def family_pair(family: str, **extra):
+    """The reference and splitsoftmax models of a family with a window (and softcap or sinks)."""
+    if classes(family) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {family} model")
+    impl, kw = FAMILIES[family]
+    return pair(family, impl, **{**kw, **extra})
+
+
+def packed_positions(lengths, rows=1):
+    """position_ids of documents of ``lengths`` packed in one row (restarting at 0), ``rows`` times."""
+    return torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).expand(rows, -1).contiguous()

@@ -1,5 +1,6 @@
 """attn_implementation="splitsoftmax" on tiny random models (no downloads) against "sdpa": the
-two modes, KV caches (dynamic and static), autocast, meta tensors, refusals, shard_inputs."""
+two modes (data parallel, and sequence parallel with packed documents and windows on 2 and 3
+Gloo ranks), KV caches (dynamic and static), autocast, meta tensors, refusals, shard_inputs."""
 import os
 import sys
 
@@ -10,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _dist_util import assert_ok, spawn  # noqa: E402
-from _hf_util import CLOSE, SMALL, VERSION, VOCAB, assert_grads_close, ids_of, pair  # noqa: E402
+from _hf_util import (CLOSE, SMALL, VERSION, VOCAB, assert_grads_close, family_pair, ids_of,  # noqa: E402
+                      packed_positions, pair)
 
 import splitsoftmax as ss  # noqa: E402
 from splitsoftmax.integrations import _hf_masks  # noqa: E402
@@ -273,10 +275,45 @@ def case_sharded(group):
     assert (low.float() - exact).abs().max() <= 2 * (low_sdpa.float() - exact).abs().max() + 1e-3
     with pytest.raises(ValueError, match="zigzag shards"):  # unsharded positions are refused on every rank
         ours(input_ids=inp["input_ids"], position_ids=torch.arange(inp["input_ids"].shape[1]).unsqueeze(0))
+    _sharded_packed(group)  # in the same processes: their start-up is most of the time
+
+
+def _sharded_packed(group):
+    """Packed documents (and a window) zigzagged per document across the ranks equal
+    the single-process reference, forward and backward; the losses sum to its loss."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    for family in ("Llama", "Mistral"):
+        ref, ours = pair() if family == "Llama" else family_pair(family)
+        sst.register(sequence_parallel=True)
+        lengths = [9, 1, 0, 12, 3]  # one empty document, one shorter than 2P
+        ids, pos = ids_of(1, sum(lengths)), packed_positions(lengths)
+        want = ref(ids, position_ids=pos, labels=ids, use_cache=False)
+        want.loss.backward()
+        cu = torch.tensor([0, 9, 10, 10, 22, 25])
+        # Llama: the documents from position_ids (which cannot show the empty one); Mistral: as cu_seqlens
+        inp = sst.shard_inputs(ids, pos, labels=ids) if family == "Llama" else \
+            sst.shard_inputs(ids, labels=ids, cu_seqlens=cu)
+        if family == "Llama":
+            cu = torch.tensor([0, 9, 10, 22, 25])
+        assert torch.equal(inp["cu_seq_lens_q"].cpu().long(), cu)
+        got = ours(**inp, use_cache=False)
+        torch.testing.assert_close(got.logits, ss.shard(want.logits.detach(), 1, layout="zigzag", cu_seqlens=cu),
+                                   **CLOSE)
+        got.loss.backward()
+        loss = got.loss.detach().reshape(1)
+        dist.all_reduce(loss)
+        torch.testing.assert_close(loss[0], want.loss.detach(), **CLOSE)
+        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
+            g = q.grad.clone()
+            dist.all_reduce(g)
+            err, scale = (g - p.grad).abs().max().item(), max(1.0, p.grad.abs().max().item())
+            assert err <= 5e-5 * scale, f"{family} {name}: {err:.3g} of {scale:.3g}"
+        sst.register()
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("size", [2, 3])
 def test_sharded_gloo_matches_single_process_sdpa(size):
-    assert_ok(spawn(size, "tests/test_transformers.py:case_sharded", timeout=240,
+    assert_ok(spawn(size, "tests/test_transformers.py:case_sharded", timeout=300,
                     env={"SPLITSOFTMAX_TIMEOUT": "60"}), f"transformers sharded on {size} Gloo ranks")

@@ -1,6 +1,6 @@
-"""Real model shapes through attn_implementation="splitsoftmax": packed documents, padding,
-sliding windows, softcap and sinks, with KV caches and across ranks; tiny random configs built
-here (no downloads), logits and gradients against transformers' "sdpa" or "eager"."""
+"""Real model shapes through attn_implementation="splitsoftmax" on one process: packed documents,
+padding, sliding windows, softcap and sinks, with KV caches (across ranks: test_transformers.py);
+tiny random configs built here (no downloads), logits and gradients against "sdpa" or "eager"."""
 import os
 import sys
 
@@ -10,29 +10,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist_util import assert_ok, spawn  # noqa: E402
-from _hf_util import CLOSE, assert_grads_close, classes, ids_of, pair  # noqa: E402
+from _hf_util import (CLOSE, FAMILIES, assert_grads_close, family_pair, ids_of,  # noqa: E402
+                      packed_positions, pair)
 
-import splitsoftmax as ss  # noqa: E402
 from splitsoftmax.integrations import transformers as sst  # noqa: E402
-
-WINDOW = dict(sliding_window=4)
-# family -> (reference implementation, config overrides); sdpa has no softcap or sinks: eager there
-FAMILIES = {
-    "Mistral": ("sdpa", WINDOW),
-    "Qwen2": ("sdpa", dict(WINDOW, use_sliding_window=True, max_window_layers=1)),
-    "Gemma2": ("eager", dict(WINDOW, attn_logit_softcapping=3.0, final_logit_softcapping=None,
-                             query_pre_attn_scalar=16)),
-    "Gemma3Text": ("sdpa", dict(WINDOW, query_pre_attn_scalar=16, layer_types=["sliding_attention", "full_attention"])),
-    "GptOss": ("eager", dict(WINDOW, num_local_experts=2, num_experts_per_tok=1)),
-}
-
-
-def family_pair(family: str, **extra):
-    if classes(family) is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {family} model")
-    impl, kw = FAMILIES[family]
-    return pair(family, impl, **{**kw, **extra})
 
 
 def loss_and_grads(ref, ours, ids, **kw):
@@ -58,21 +39,17 @@ def test_window_at_least_as_long_as_the_keys_is_plain_causal():
     loss_and_grads(ref, ours, ids_of(1, 11))
 
 
-def _packed_positions(lengths, rows=1):
-    return torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).expand(rows, -1).contiguous()
-
-
 @pytest.mark.parametrize("family", ["Llama", "Mistral"])
 def test_packed_position_ids_match_sdpa(family):
     """Documents of 5, 1, 7 and 3 tokens in one row (position_ids restart): no attention across them."""
     ref, ours = pair() if family == "Llama" else family_pair(family)
-    pos = _packed_positions([5, 1, 7, 3])
+    pos = packed_positions([5, 1, 7, 3])
     loss_and_grads(ref, ours, ids_of(1, 16), position_ids=pos, use_cache=False)
 
 
 def test_rows_packed_differently_match_sdpa():
     ref, ours = pair()
-    pos = torch.cat((_packed_positions([5, 1, 7, 3]), _packed_positions([9, 7])))
+    pos = torch.cat((packed_positions([5, 1, 7, 3]), packed_positions([9, 7])))
     loss_and_grads(ref, ours, ids_of(2, 16), position_ids=pos, use_cache=False)
 
 
@@ -165,44 +142,3 @@ def test_padded_batch_generation_matches(family, cache):
     assert torch.equal(a.sequences, b.sequences)
     for x, y in zip(a.scores, b.scores):
         torch.testing.assert_close(y, x, **CLOSE)
-
-
-def case_sharded_packed(group):
-    """Gloo worker: packed documents (and a window) zigzagged per document across the ranks equal
-    the single-process reference, forward and backward; the losses sum to its loss."""
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    for family in ("Llama", "Mistral"):
-        ref, ours = pair() if family == "Llama" else family_pair(family)
-        sst.register(sequence_parallel=True)
-        lengths = [9, 1, 0, 12, 3]  # one empty document, one shorter than 2P
-        ids, pos = ids_of(1, sum(lengths)), _packed_positions(lengths)
-        want = ref(ids, position_ids=pos, labels=ids, use_cache=False)
-        want.loss.backward()
-        cu = torch.tensor([0, 9, 10, 10, 22, 25])
-        # Llama: the documents from position_ids (which cannot show the empty one); Mistral: as cu_seqlens
-        inp = sst.shard_inputs(ids, pos, labels=ids) if family == "Llama" else \
-            sst.shard_inputs(ids, labels=ids, cu_seqlens=cu)
-        if family == "Llama":
-            cu = torch.tensor([0, 9, 10, 22, 25])
-        assert torch.equal(inp["cu_seq_lens_q"].cpu().long(), cu)
-        got = ours(**inp, use_cache=False)
-        torch.testing.assert_close(got.logits, ss.shard(want.logits.detach(), 1, layout="zigzag", cu_seqlens=cu),
-                                   **CLOSE)
-        got.loss.backward()
-        loss = got.loss.detach().reshape(1)
-        dist.all_reduce(loss)
-        torch.testing.assert_close(loss[0], want.loss.detach(), **CLOSE)
-        for (name, p), q in zip(ref.named_parameters(), ours.parameters()):
-            g = q.grad.clone()
-            dist.all_reduce(g)
-            err, scale = (g - p.grad).abs().max().item(), max(1.0, p.grad.abs().max().item())
-            assert err <= 5e-5 * scale, f"{family} {name}: {err:.3g} of {scale:.3g}"
-        sst.register()
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("size", [2, 3])
-def test_sharded_packed_gloo_matches_one_process(size):
-    assert_ok(spawn(size, "tests/test_transformers_variants.py:case_sharded_packed", timeout=300,
-                    env={"SPLITSOFTMAX_TIMEOUT": "60"}), f"transformers packed sharded on {size} Gloo ranks")

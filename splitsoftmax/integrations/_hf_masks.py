@@ -62,6 +62,12 @@ class Visibility:
         return (-1 if left >= UNBOUNDED else left, -1 if right >= UNBOUNDED else right)
 
 
+# mask pieces transformers composes that the keywords cannot express, as the refusal names them
+_UNSUPPORTED = {"or_masks": "a union of mask patterns (or_mask_function)", "chunked_overlay": "chunked attention",
+                "blockwise_overlay": "blockwise (bidirectional block) attention",
+                "padding_mask_function": "a padding mask inside the mask pattern"}
+
+
 class _Pattern:
     """The pieces of a mask function, read from its closure: ``causal``, ``window``, ``docs``, or why not."""
 
@@ -92,10 +98,7 @@ class _Pattern:
             self.remapped = True  # positions within a document differ from indices by a constant
             self.read(cells["mask_function"])
         else:
-            what = {"or_masks": "a union of mask patterns (or_mask_function)", "chunked_overlay": "chunked attention",
-                    "blockwise_overlay": "blockwise (bidirectional block) attention",
-                    "padding_mask_function": "a padding mask inside the mask pattern"}.get(name, f"the mask pattern {name}")
-            self.refused = self.refused or f"cannot express {what}"
+            self.refused = self.refused or f"cannot express {_UNSUPPORTED.get(name, f'the mask pattern {name}')}"
         return self
 
     def check(self) -> Optional[str]:

@@ -97,8 +97,9 @@ def _visibility(attention_mask, module, is_causal, query: Tensor, key: Tensor) -
     if attention_mask is None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
         if causal and sq != sk:
-            raise ValueError(f"{WHO}{where}: a causal layer got {sq} queries and {sk} keys but no mask description; "
-                             "where the queries sit among the keys is unknown (a cache transformers builds no mask for)")
+            raise ValueError(f"{WHO}{where}: a causal layer got {sq} queries and {sk} keys but no mask "
+                             "description; where the queries sit among the keys is unknown (a cache transformers "
+                             "builds no mask for)")
         return Visibility(causal, b, sq, sk)
     if not isinstance(attention_mask, Visibility):
         raise ValueError(f"{WHO}{where} got an explicit attention mask ({type(attention_mask).__name__}); it expresses "

@@ -89,10 +89,8 @@ def _require(ok: Tensor, message: str) -> None:
         torch._assert_async(ok.all(), message)
 
 
-def _visibility(attention_mask, module, is_causal, query: Tensor, key: Tensor) -> Visibility:
+def _visibility(attention_mask, module, is_causal, query: Tensor, key: Tensor, where: str) -> Visibility:
     """The layer's :class:`Visibility`: from the mask function, or plain causal/full without one."""
-    layer = getattr(module, "layer_idx", None)
-    where = f" (layer {layer})" if layer is not None else ""
     b, sq, sk = query.shape[0], query.shape[2], key.shape[2]
     if attention_mask is None:
         causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
@@ -140,9 +138,9 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
     """transformers attention function: ``query (B, H, Sq, D)``, ``key/value (B, Hkv, Sk, D)``
     -> ``(out (B, Sq, H, Dv), None)``. GQA by ``H % Hkv``, ``scaling`` as the score scale."""
     _refuse_extras(dropout, kwargs)
-    vis = _visibility(attention_mask, module, is_causal, query, key)
     layer = getattr(module, "layer_idx", None)
     where = f" (layer {layer})" if layer is not None else ""
+    vis = _visibility(attention_mask, module, is_causal, query, key, where)
     kw = dict(_variants(vis, sliding_window, softcap, s_aux, where), causal=vis.causal, scale=scaling)
     if _sharded():
         out = _sharded_forward(module, query, key, value, vis, kw, kwargs, where)

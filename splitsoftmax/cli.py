@@ -57,7 +57,8 @@ def _verify(args: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="splitsoftmax", description=__doc__,
+    parser = argparse.ArgumentParser(prog="splitsoftmax", description="exact softmax, logsumexp and attention "
+                                     "over rows split across tiles, GPUs and nodes",
                                      epilog="\n".join(f"{k}: {v}" for k, v in HELP.items()),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("trace", "verify", "bench", "env"))

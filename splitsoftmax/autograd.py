@@ -52,13 +52,15 @@ def backward_stats(out: Tensor, lse: Tensor, dout: Tensor, dlse) -> tuple[Tensor
     return _ops().attn_bwd_prep(out, lse, dout.contiguous(), dlse)
 
 
-def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, diag: int, *mask_args):
-    """``(dq, dk, dv)`` from the saved ``out (B,H,Sq,Dv)``, ``lse (B,H,Sq)``; ``dout`` or ``dlse``
-    may be ``None`` (no gradient through that output); ``mask_args``: the op's mask fields."""
+def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, diag: int, *mask_args, sinks=None):
+    """``(dq, dk, dv, dsinks)`` from the saved ``out (B,H,Sq,Dv)``, ``lse (B,H,Sq)``; ``dout`` or ``dlse``
+    may be ``None`` (no gradient through that output); ``mask_args``: the op's mask fields; ``dsinks``
+    is ``(0,)`` without ``sinks``."""
     if dout is None:
         dout = torch.zeros_like(out)
     lse, delta = backward_stats(out, lse, dout, dlse)
-    return tuple(_ops().attn_bwd(q, k, v, dout.contiguous(), lse, delta, scale, causal, diag, *mask_args)), delta
+    return tuple(_ops().attn_bwd(q, k, v, dout.contiguous(), lse, delta, scale, causal, diag, *mask_args, sinks,
+                                 dlse))
 
 
 def setup_attention(ctx, inputs, output) -> None:
@@ -68,6 +70,7 @@ def setup_attention(ctx, inputs, output) -> None:
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, kv_range, q_offset, rows, sinks)
     ctx.args = (scale, causal, diag, lo, softcap)
+    ctx.sinks_grad = sinks is not None and sinks.requires_grad  # (not needs_input_grad: call() shifts it)
 
 
 def _attn_inputs(inputs) -> tuple:
@@ -77,13 +80,13 @@ def _attn_inputs(inputs) -> tuple:
 
 def attention_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
     """``(dq, dk, dv)``, no gradient for the scalars and the mask, and the sinks' gradient
-    ``-sum_rows p_sink * delta`` (see :func:`splitsoftmax.state.sink_grad`)."""
+    ``-sum_rows p_sink * delta`` (``attn_bwd``, :func:`splitsoftmax.state.sink_grad`)."""
     q, k, v, out, lse, kv_range, q_offset, rows, sinks = ctx.saved_tensors
     scale, causal, diag, lo, softcap = ctx.args
-    grads, delta = attention_grads(q, k, v, out, lse, dout, dlse, scale, causal, diag, lo, softcap, kv_range,
-                                   q_offset, rows)
-    dsinks = None if sinks is None or not ctx.needs_input_grad[11] else state.sink_grad(lse, delta, sinks)
-    return (*grads, None, None, None, None, None, None, None, None, dsinks)
+    sinks = sinks if ctx.sinks_grad else None
+    dq, dk, dv, dsinks = attention_grads(q, k, v, out, lse, dout, dlse, scale, causal, diag, lo, softcap, kv_range,
+                                         q_offset, rows, sinks=sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None if sinks is None else dsinks
 
 
 def setup_merge(ctx, inputs, output) -> None:

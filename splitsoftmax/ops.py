@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import autograd as ag
 from . import state
-from .local import masked_op, op
+from .local import masked_op, op, use_triton
 from .mask import Mask
 from .state import stat_dtype
 
@@ -124,11 +124,13 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     ``lo, softcap, kv_range, q_offset, rows`` are the fields of :class:`splitsoftmax.mask.Mask`;
     ``sinks (H,)``: one more partial ``(0, sinks[h])`` merged into every row after the keys.
     """
-    mask = Mask(lo, softcap, kv_range, q_offset, rows)
-    out_dtype = q.dtype if sinks is None else None
-    out, lse = masked_op("attn_fwd", q, mask)(q, k, v, scale, causal, diag, out_dtype=out_dtype)
-    if sinks is not None:
-        out, lse = state.add_sinks(out, lse, sinks)
+    fn = masked_op("attn_fwd", q, Mask(lo, softcap, kv_range, q_offset, rows))
+    if sinks is None:
+        out, lse = fn(q, k, v, scale, causal, diag, out_dtype=q.dtype)
+    elif use_triton(q):
+        out, lse = state.add_sinks(*fn(q, k, v, scale, causal, diag), sinks)
+    else:  # the torch path merges the sinks before rounding its float64 result
+        out, lse = fn(q, k, v, scale, causal, diag, out_dtype=q.dtype, sinks=sinks)
     return _out(out, q.dtype), _out(lse, stat_dtype(q.dtype))
 
 
@@ -142,18 +144,48 @@ def _attn_fwd_fake(q, k, v, scale, causal, diag, lo=None, softcap=0.0, kv_range=
 @_op("attn_bwd")
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float, causal: bool,
              diag: int, lo: Optional[int] = None, softcap: float = 0.0, kv_range: Optional[Tensor] = None,
-             q_offset: Optional[Tensor] = None, rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv)`` in the dtypes of ``q, k, v``; ``lse``, ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``;
-    the mask fields as in ``attn_fwd``."""
+             q_offset: Optional[Tensor] = None, rows: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+             dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)``: the first three in the dtypes of ``q, k, v``; ``lse``,
+    ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``; the mask fields as in ``attn_fwd``.
+
+    ``dsinks (H,)`` in ``sinks.dtype`` (``(0,)`` without sinks) is ``-sum_rows p_sink * delta``; the
+    torch path forms ``delta`` from its own ``P`` and ``dout . v_j`` (and ``dlse``) rather than from
+    the rounded ``out``.
+    """
     mask = Mask(lo, softcap, kv_range, q_offset, rows)
-    dq, dk, dv = masked_op("attn_bwd", q, mask)(q, k, v, dout, lse, delta, scale, causal, diag)
+    fn = masked_op("attn_bwd", q, mask)
+    if sinks is None:
+        return (*_bwd_outs(fn(q, k, v, dout, lse, delta, scale, causal, diag), q, k, v), q.new_zeros((0,)))
+    if use_triton(q):
+        dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag)
+    else:
+        sums = torch.zeros((2, *lse.shape), dtype=torch.float64, device=q.device)
+        dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, rowsum=sums)
+        lse, delta = _exact_row_stats(lse, sums, sinks, dlse)
+    return (*_bwd_outs((dq, dk, dv), q, k, v), state.sink_grad(lse, delta, sinks))
+
+
+def _exact_row_stats(lse: Tensor, sums: Tensor, sinks: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """float64 ``(lse, delta)`` of rows that the torch path's backward saw whole: ``sums`` holds each
+    row's ``sum_j P_ij dout . v_j`` and ``sum_j P_ij`` under the rounded ``lse``; the row's mass with its
+    sink renormalises both (the rounding of ``lse`` and of ``out`` cancel out)."""
+    lse64 = lse.to(torch.float64)
+    exact = state.sink_lse(lse64, sums[1], sinks)
+    rowsum = sums[0] * torch.exp(lse64 - state.safe_max(exact))
+    return exact, rowsum if dlse is None else rowsum - dlse.to(torch.float64)
+
+
+def _bwd_outs(grads, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = grads
     return _out(dq, q.dtype), _out(dk, k.dtype), _out(dv, v.dtype)
 
 
 @register_fake("splitsoftmax::attn_bwd")
 def _attn_bwd_fake(q, k, v, dout, lse, delta, scale, causal, diag, lo=None, softcap=0.0, kv_range=None, q_offset=None,
-                   rows=None):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+                   rows=None, sinks=None, dlse=None):
+    dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 @_op("attn_bwd_prep")

@@ -148,7 +148,8 @@ def attention_variants(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                        kv_range: Optional[Tensor] = None, q_offset=0) -> tuple[Tensor, Tensor]:
     """Float64 attention under the variant keywords with the full score matrix (differentiable):
     ``(out (B,H,Sq,Dv), lse (B,H,Sq))``. Hidden scores are replaced by ``-inf`` and hidden values
-    weigh exactly 0, so NaN/Inf in hidden keys or values changes the output nothing; an empty row gives ``out = 0`` and ``lse = -inf`` (``sinks[h]`` with sinks)."""
+    weigh exactly 0, so NaN/Inf in hidden keys or values changes the output nothing; an empty row
+    gives ``out = 0`` and ``lse = -inf`` (``sinks[h]`` with sinks)."""
     q, k, v = q.double(), k.double(), v.double()
     b, h, sq, d = q.shape
     g = h // k.shape[1]
@@ -162,8 +163,5 @@ def attention_variants(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     if sinks is not None:
         s = torch.cat((s, sinks.double().view(1, h, 1, 1).expand(b, h, sq, 1)), -1)
     lse = logsumexp(s, -1)
-    p = torch.where(lse.unsqueeze(-1) == NEG_INF, 0.0, torch.exp(s - torch.where(lse == NEG_INF, 0.0, lse).unsqueeze(-1)))
-    p = p[..., :k.shape[2]]
-    vis = ok.expand_as(p)
-    out = state.weighted_sum(torch.where(vis, p, 0.0), v)
-    return out, lse
+    p = torch.exp(s - state.safe_max(lse).unsqueeze(-1))[..., :k.shape[2]]  # [B, H, Sq, Sk]
+    return state.weighted_sum(torch.where(ok, p, 0.0), v), lse

@@ -118,15 +118,20 @@ def merge_out_lse(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     return to_out_lse(merge_stack(from_out_lse(outs, lses)))
 
 
+def sink_lse(lse: Tensor, mass: Tensor, sinks: Tensor) -> Tensor:
+    """The ``lse`` of a row with its sink: the keys' state ``(m = lse, l = mass)`` merged with the sink's
+    ``(m = sinks[h], l = 1)``. ``lse, mass (B, H, Sq)``, ``sinks (H,)``; in ``lse.dtype``."""
+    sink = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
+    return lse_of(merge_stack(State(torch.stack((lse, sink)), torch.stack((mass.to(lse.dtype), torch.ones_like(lse))))))
+
+
 def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     """Merge one sink per head into final results ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)``: the
     partial ``(out = 0, lse = sinks[h])`` (a virtual key of value 0), once per row, after every key
     partial. ``lse`` becomes ``logaddexp(lse, sinks[h])`` and ``out`` scales by the merge's weight
     ``exp(lse - lse')`` of the key part (0 in rows that saw no key). Returns ``(out, lse)`` in the
     dtypes of ``out`` and ``lse``."""
-    sink = sinks.to(lse.dtype).view(1, -1, 1).expand_as(lse)
-    both = State(torch.stack((lse, sink)), torch.stack(((lse != NEG_INF).to(lse.dtype), torch.ones_like(lse))))
-    lse2 = lse_of(merge_stack(both))
+    lse2 = sink_lse(lse, (lse != NEG_INF).to(lse.dtype), sinks)
     w = torch.where(lse == NEG_INF, 0.0, torch.exp(lse - safe_max(lse2)))
     return (out * w.unsqueeze(-1).to(out.dtype)), lse2
 

@@ -15,30 +15,33 @@ from __future__ import annotations
 
 import math
 import numbers
-import weakref
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional, Union
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .mask import NO_MASK, Mask
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Variants:
     """The checked keywords of one attention call (defaults: today's full / causal rule).
 
     causal:   key ``j <= p`` for a query at key position ``p``.
-    cu:       document boundaries ``(N+1,)`` as host ints (global positions), or ``None``.
+    cu:       document boundaries ``(N+1,)`` as host ints (global positions), or ``None``; inside
+              ``torch.compile`` a ``cu_seqlens`` tensor stays an int64 tensor on its device.
     left, right: the window's edges, ``-1`` unbounded.
     softcap:  ``c > 0`` caps scores as ``c * tanh(s / c)``; ``0.0``: none.
     sinks:    ``(H,)`` float tensor or ``None`` (merged by the caller, not in the mask).
     kv_range: ``(B, 2)`` int32 on the queries' device, global key positions, or ``None``.
     q_offset: an int, or a ``(B,)`` int32 tensor on the queries' device.
+
+    Holds tensors, so it compares by identity (``eq=False``).
     """
 
     causal: bool = False
@@ -66,23 +69,32 @@ def _int_tensor(name: str, t: Tensor) -> None:
         raise ValueError(f"{name} must be an integer tensor, got dtype {t.dtype}")
 
 
-_CU_CACHE: "weakref.WeakKeyDictionary[Tensor, tuple]" = weakref.WeakKeyDictionary()
+# a CUDA cu_seqlens tensor -> (its _version when read, its values): one host read per tensor while unmodified
+_CU_CACHE = WeakIdKeyDictionary()
+
+
+def _host_values(cu: Tensor) -> tuple:
+    return tuple(cu.tolist())
+
+
+def cached_values(cu: Tensor) -> tuple:
+    """``cu``'s values, read to the host once per (tensor, ``_version``)."""
+    hit = _CU_CACHE.get(cu)
+    if hit is not None and hit[0] == cu._version:
+        return hit[1]
+    values = _host_values(cu)
+    _CU_CACHE[cu] = (cu._version, values)
+    return values
 
 
 def _cu_values(cu) -> tuple:
-    """The boundaries as host ints. A CUDA tensor is read once per (tensor, ``_version``)."""
+    """The boundaries as host ints: a CPU tensor or a sequence costs no synchronisation, another
+    device's tensor is read once (:func:`cached_values`)."""
     if isinstance(cu, Tensor):
         if cu.dim() != 1:
             raise ValueError(f"cu_seqlens must be 1-D, got shape {tuple(cu.shape)}")
         _int_tensor("cu_seqlens", cu)
-        if cu.device.type == "cpu":
-            return tuple(cu.tolist())
-        hit = _CU_CACHE.get(cu)
-        if hit is not None and hit[0] == cu._version:
-            return hit[1]
-        values = tuple(cu.tolist())
-        _CU_CACHE[cu] = (cu._version, values)
-        return values
+        return _host_values(cu) if cu.device.type == "cpu" else cached_values(cu)
     if isinstance(cu, (str, bytes)) or not hasattr(cu, "__len__"):
         raise ValueError(f"cu_seqlens must be a 1-D integer tensor or a sequence of ints, got {type(cu).__name__}")
     values = tuple(cu)
@@ -91,10 +103,28 @@ def _cu_values(cu) -> tuple:
     return tuple(int(c) for c in values)
 
 
-def check_cu_seqlens(cu, sq: int, sk: int, q_offset) -> Optional[tuple]:
-    """``cu_seqlens`` as a tuple of host ints, checked against the (global) lengths ``sq``, ``sk``."""
+def _traced_cu(cu: Tensor, sq: int) -> Tensor:
+    """A ``cu_seqlens`` tensor inside ``torch.compile``: kept on its device (reading it would break the
+    graph), its values checked by device-side assertions."""
+    if cu.dim() != 1 or cu.shape[0] < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with at least one entry, got shape {tuple(cu.shape)}")
+    _int_tensor("cu_seqlens", cu)
+    steps_ok = (cu[1:] >= cu[:-1]).all()
+    _device_check(steps_ok & (cu[0] == 0) & (cu[-1] == sq), f"cu_seqlens must rise from 0 to {sq}")
+    return cu.to(torch.long)
+
+
+def check_cu_seqlens(cu, sq: int, sk: int, q_offset) -> Optional[Union[tuple, Tensor]]:
+    """``cu_seqlens`` as a tuple of host ints, checked against the (global) lengths ``sq``, ``sk``
+    (inside ``torch.compile``, a tensor stays a tensor: :func:`_traced_cu`)."""
     if cu is None:
         return None
+    if sq != sk:
+        raise ValueError(f"cu_seqlens needs self-attention (Sq == Sk), got Sq={sq}, Sk={sk}")
+    if isinstance(q_offset, Tensor) or q_offset != 0:
+        raise ValueError(f"cu_seqlens needs q_offset == 0, got {q_offset!r}")
+    if isinstance(cu, Tensor) and torch.compiler.is_compiling():
+        return _traced_cu(cu, sq)
     values = _cu_values(cu)
     if len(values) < 1:
         raise ValueError("cu_seqlens must have at least one entry (cu[0] = 0)")
@@ -102,12 +132,8 @@ def check_cu_seqlens(cu, sq: int, sk: int, q_offset) -> Optional[tuple]:
         raise ValueError(f"cu_seqlens[0] must be 0, got {values[0]}")
     if any(b < a for a, b in zip(values, values[1:])):
         raise ValueError(f"cu_seqlens must be non-decreasing, got {list(values)}")
-    if sq != sk:
-        raise ValueError(f"cu_seqlens needs self-attention (Sq == Sk), got Sq={sq}, Sk={sk}")
     if values[-1] != sq:
         raise ValueError(f"cu_seqlens[-1] must equal the sequence length {sq}, got {values[-1]}")
-    if isinstance(q_offset, Tensor) or q_offset != 0:
-        raise ValueError(f"cu_seqlens needs q_offset == 0, got {q_offset!r}")
     return values
 
 
@@ -210,19 +236,23 @@ def _band(spec: Variants, shift: int) -> tuple[bool, int, Optional[int]]:
     return bool(upper), shift + (min(upper) if upper else 0), lo
 
 
-@lru_cache(maxsize=64)
-def _doc_rows_host(cu: tuple, q_start: int, q_len: int, k_start: int, k_len: int) -> Tensor:
-    """``(2, q_len)`` int32: the key interval of each query row's document, local to the key segment
-    and clamped to ``[0, k_len]``."""
-    if q_start < 0 or q_start + q_len > cu[-1]:
-        raise ValueError(f"query positions [{q_start}, {q_start + q_len}) lie outside cu_seqlens {list(cu)}")
-    if q_len == 0:
-        return torch.zeros(2, 0, dtype=torch.int32)
-    pos = torch.arange(q_start, q_start + q_len, dtype=torch.long)
-    bounds = torch.tensor(cu, dtype=torch.long)
-    doc = (torch.searchsorted(bounds, pos, right=True) - 1).clamp_(0, len(cu) - 2)
+def _rows_of(bounds: Tensor, q_start: int, q_len: int, k_start: int, k_len: int) -> Tensor:
+    """``(2, q_len)`` int32: the key interval of each query row's document (``bounds`` the int64
+    boundaries), local to the key segment and clamped to ``[0, k_len]``."""
+    if q_len == 0 or bounds.shape[0] < 2:
+        return torch.zeros(2, 0, dtype=torch.int32, device=bounds.device)
+    pos = torch.arange(q_start, q_start + q_len, dtype=torch.long, device=bounds.device)
+    doc = (torch.searchsorted(bounds, pos, right=True) - 1).clamp_(0, bounds.shape[0] - 2)
     rows = torch.stack((bounds[doc], bounds[doc + 1])) - k_start
     return rows.clamp_(0, k_len).to(torch.int32)
+
+
+@lru_cache(maxsize=64)
+def _doc_rows_host(cu: tuple, q_start: int, q_len: int, k_start: int, k_len: int) -> Tensor:
+    """:func:`_rows_of` for host boundaries ``cu``."""
+    if q_start < 0 or q_start + q_len > cu[-1]:
+        raise ValueError(f"query positions [{q_start}, {q_start + q_len}) lie outside cu_seqlens {list(cu)}")
+    return _rows_of(torch.tensor(cu, dtype=torch.long), q_start, q_len, k_start, k_len)
 
 
 _ROWS_CACHE: dict = {}
@@ -251,7 +281,10 @@ def local_mask(spec: Variants, q_start: int, q_len: int, k_start: int, k_len: in
     """
     tensor_off = isinstance(spec.q_offset, Tensor)
     causal, diag, lo = _band(spec, (0 if tensor_off else spec.q_offset) + q_start - k_start)
-    rows = None if spec.cu is None else doc_rows(spec.cu, q_start, q_len, k_start, k_len, device)
+    if isinstance(spec.cu, Tensor):
+        rows = _rows_of(spec.cu, q_start, q_len, k_start, k_len)
+    else:
+        rows = None if spec.cu is None else doc_rows(spec.cu, q_start, q_len, k_start, k_len, device)
     kv = None
     if spec.kv_range is not None:
         kv = (spec.kv_range - k_start).clamp_(0, k_len)

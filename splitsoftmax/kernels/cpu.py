@@ -19,8 +19,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..state import (NEG_INF, State, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state, to_out_lse,
-                     weighted_sum)
+from ..state import (NEG_INF, State, add_sinks, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state,
+                     to_out_lse, weighted_sum)
 from ..state import merge_out_lse
 from ..mask import NO_MASK, Mask
 from .configs import CPU_BLOCK_KEYS, CPU_BLOCK_COLS
@@ -117,12 +117,12 @@ def _row_bounds(mask: Mask, causal: bool, diag: int, q: Tensor, sk: int, g: int)
     return tuple(t.repeat(1, g).view(b, 1, g * sq, 1) for t in (lo, hi))
 
 
-def _key_blocks(bounds: Optional[tuple], sq: int, sk: int, causal: bool, diag: int) -> list[int]:
+def _key_blocks(bounds: Optional[tuple], mask: Mask, sq: int, sk: int, causal: bool, diag: int) -> list[int]:
     """Starts of the key blocks some row sees (the others are never read). Read on the host only for
-    CPU bounds; elsewhere the causal edge alone prunes (no synchronisation)."""
+    CPU bounds; elsewhere the causal edge alone prunes (no synchronisation), when no tensor offset moves it."""
     starts = range(0, sk, CPU_BLOCK_KEYS)
     if bounds is None or bounds[0].device.type != "cpu":
-        end = max(0, min(sk, sq + diag)) if causal else sk
+        end = max(0, min(sk, sq + diag)) if causal and mask.q_offset is None else sk
         return [j for j in starts if j < end]
     lo, hi = (t.flatten() for t in bounds)
     lo, hi = lo[lo < hi], hi[lo < hi]
@@ -149,13 +149,15 @@ def _block_scores(qg: Tensor, kb: Tensor, scale: float, j0: int, bounds: Optiona
 
 
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int = 0,
-             out_dtype: Optional[torch.dtype] = None, *, mask: Mask = NO_MASK) -> tuple[Tensor, Tensor]:
+             out_dtype: Optional[torch.dtype] = None, *, mask: Mask = NO_MASK,
+             sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """Partial attention: ``(out (B, H, Sq, Dv), lse (B, H, Sq))``, empty rows ``(0, -inf)``.
 
     ``lse`` and ``out`` are float32 (float64 for float64 inputs); ``out_dtype`` overrides ``out``.
     ``mask``: the variants' visibility and softcap (see :mod:`splitsoftmax.mask`). The tiles and the
     state are float64 whatever the inputs, so ``lse`` is exact to its last rounding (the backward's
-    ``exp(S - lse)`` would otherwise carry the float32 scores' error of this pass).
+    ``exp(S - lse)`` would otherwise carry the float32 scores' error of this pass). ``sinks (H,)``:
+    merged into the float64 result (:func:`splitsoftmax.state.add_sinks`): the row is final.
     """
     b, h, sq, _ = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -163,12 +165,13 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     qg = _grouped(q, hkv).to(acc)
     bounds = _row_bounds(mask, causal, diag, q, sk, h // hkv)
     s = empty_state(qg.shape[:3], dv, dtype=acc, device=q.device)
-    for j in _key_blocks(bounds, sq, sk, causal, diag):
+    for j in _key_blocks(bounds, mask, sq, sk, causal, diag):
         kb, vb = k[:, :, j:j + CPU_BLOCK_KEYS].to(acc), v[:, :, j:j + CPU_BLOCK_KEYS].to(acc)
         s = merge(s, tile_state(_block_scores(qg, kb, scale, j, bounds, mask.softcap)[0], vb))
-    out, lse = to_out_lse(s)
-    out = out.reshape(b, h, sq, dv).to(out_dtype or dt)
-    return out, lse.reshape(b, h, sq).to(dt)
+    out, lse = (t.reshape(b, h, sq, -1).squeeze(-1) for t in to_out_lse(s))
+    if sinks is not None:
+        out, lse = add_sinks(out, lse, sinks)
+    return out.to(out_dtype or dt), lse.to(dt)
 
 
 def attn_fwd_acc(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int,
@@ -201,7 +204,8 @@ def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]
 
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-             scale: float, causal: bool, diag: int = 0, *, mask: Mask = NO_MASK) -> tuple[Tensor, Tensor, Tensor]:
+             scale: float, causal: bool, diag: int = 0, *, mask: Mask = NO_MASK,
+             rowsum: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv)`` (float32, float64 for float64 inputs) of one Q/K/V block pair.
 
     ``lse (B, H, Sq)`` and ``delta = rowsum(dout * out) (B, H, Sq)`` are the global statistics of
@@ -209,7 +213,10 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     over the query heads of each kv head. The tiles are computed in float64 whatever the inputs:
     in float32, ``P = exp(S - lse)`` and ``dS = P (dout . v_j - delta)`` lose up to a few ulps of
     ``lse`` and of the difference (which cancels in rows whose weight sits on few keys), twice the
-    error of torch's float32 attention; in float64 only the final rounding remains.
+    error of torch's float32 attention; in float64 only the final rounding remains. ``rowsum``: a
+    float64 ``(2, B, H, Sq)`` buffer that receives ``sum_j P_ij dout_i . v_j`` and ``sum_j P_ij`` over
+    these keys (``dout . out`` without the rounding of ``out``, and the row's mass under the given
+    ``lse``: what an exact sinks' gradient needs).
     """
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -222,12 +229,15 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     dq = torch.zeros_like(qg)
     dk = torch.zeros(k.shape, dtype=dt, device=k.device)
     dv = torch.zeros(v.shape, dtype=dt, device=v.device)
-    for j in _key_blocks(bounds, sq, sk, causal, diag):
+    for j in _key_blocks(bounds, mask, sq, sk, causal, diag):
         kb, vb = k[:, :, j:j + CPU_BLOCK_KEYS].to(acc), v[:, :, j:j + CPU_BLOCK_KEYS].to(acc)
         s, t = _block_scores(qg, kb, scale, j, bounds, mask.softcap)
         p = torch.exp(s - lse_g).masked_fill(empty, 0.0)  # [B, Hkv, G*Sq, n]
         dv[:, :, j:j + CPU_BLOCK_KEYS] = weighted_sum(p.transpose(-1, -2), dog)
-        ds = torch.where(p != 0, p * (dog @ vb.transpose(-1, -2) - delta_g), 0.0)
+        dp = torch.where(p != 0, dog @ vb.transpose(-1, -2), 0.0)
+        if rowsum is not None:
+            rowsum.view(2, b, hkv, -1).add_(torch.stack(((p * dp).sum(-1), p.sum(-1))))
+        ds = torch.where(p != 0, p * (dp - delta_g), 0.0)
         if t is not None:
             ds = torch.where(p != 0, ds * (1.0 - t * t), 0.0)  # d(c tanh(s / c)) / ds
         dq += weighted_sum(ds, kb) * scale

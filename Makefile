@@ -1,6 +1,8 @@
 # `make verify` and `make test` work on a fresh clone: each builds .venv first.
 # torch 2.13.0 is installed before anything that depends on torch so pip takes the local CPU
 # build instead of fetching a multi-GB CUDA one.
+# The editable install is in compat mode (a path entry, not an import hook), so that a clone named
+# splitsoftmax in the working directory cannot shadow the package with an empty namespace package.
 PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest
 NPROC   ?= 4
@@ -13,7 +15,11 @@ TRITON_OLDEST := 3.6.0
 OLDEST        := .venv-triton-oldest
 OLDEST_SUBSET := not 1000 and not many_partials
 
-.PHONY: venv verify test test-cpu test-interpreter test-interpreter-oldest test-gpu bench clean
+# the oldest transformers the hf extra declares: its tests run there too, in a venv of their own
+HF_OLDEST := 4.53.3
+HF_PY     := .venv-hf-oldest/bin/python
+
+.PHONY: venv verify test test-cpu test-interpreter test-interpreter-oldest test-hf-oldest test-gpu bench clean
 
 venv: .venv/.done
 
@@ -21,7 +27,13 @@ venv: .venv/.done
 	python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,mpi,bench,hf]"
+	$(PY) -m pip install -q -e ".[test,mpi,bench,hf]" --config-settings editable_mode=compat
+	touch $@
+
+.venv-hf-oldest/.done: pyproject.toml Makefile
+	python3 -m venv .venv-hf-oldest
+	$(HF_PY) -m pip install -q torch==2.13.0
+	$(HF_PY) -m pip install -q numpy "transformers==$(HF_OLDEST)" "pytest>=7" "hypothesis>=6" "pytest-timeout>=2"
 	touch $@
 
 $(OLDEST)/.done: .venv/.done Makefile
@@ -32,7 +44,7 @@ $(OLDEST)/.done: .venv/.done Makefile
 verify: venv
 	$(PY) -m splitsoftmax verify --nproc $(NPROC)
 
-test: test-cpu test-interpreter test-interpreter-oldest
+test: test-cpu test-interpreter test-interpreter-oldest test-hf-oldest
 
 test-cpu: venv
 	$(PYTEST) -q -m "not interpreter and not gpu" -p no:cacheprovider
@@ -44,9 +56,13 @@ test-interpreter-oldest: venv $(OLDEST)/.done
 	PYTHONPATH=$(CURDIR)/$(OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) TRITON_INTERPRET=1 \
 	    $(PYTEST) -q -m interpreter -k "$(OLDEST_SUBSET)" -p no:cacheprovider
 
+# the transformers tests on the oldest declared transformers (the cpu lane runs them on the newest)
+test-hf-oldest: .venv-hf-oldest/.done
+	$(HF_PY) -m pytest -q -m "not gpu" -p no:cacheprovider tests/test_transformers*.py
+
 # GPU lane: run on a CUDA machine (see launch/gpu_check.sh); skipped in CI.
 test-gpu:
 	python3 -m pytest -q -m gpu -p no:cacheprovider
 
 clean:
-	rm -rf .venv $(OLDEST) build *.egg-info
+	rm -rf .venv $(OLDEST) .venv-hf-oldest build *.egg-info

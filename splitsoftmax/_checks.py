@@ -15,9 +15,20 @@ REDUCTIONS = ("mean", "sum", "none")
 def tensor(name: str, x, *, floating: bool = True) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if type(x).__name__ == "DTensor":
+        raise TypeError(dtensor_message(name, x))
     if floating and not x.is_floating_point():
         raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
     return x
+
+
+def dtensor_message(name: str, x) -> str:
+    """Why a DTensor is refused, and what to pass instead (docs/API.md, "Conventions")."""
+    placements = ", ".join(map(str, getattr(x, "placements", ())))
+    return (f"{name} is a DTensor (placements [{placements}]): splitsoftmax takes plain tensors. Pass "
+            f"{name}.to_local() to the single-device op when the dims it reduces over are whole on every rank "
+            f"(Replicate, or Shard of another dim), or to the ss.sharded_* op with group=<that mesh dim> when they "
+            f"are sharded (attention: Shard(2), the sequence); wrap the result with DTensor.from_local")
 
 
 def dim(name: str, d, ndim: int) -> int:

@@ -7,15 +7,32 @@ import sys
 from typing import Optional, Sequence
 
 BENCHES = ("softmax", "attention", "ring", "cross_entropy", "host", "model", "vocab")
+# benches that time one GPU (ring also runs on CPU ranks)
+CUDA_BENCHES = ("softmax", "attention", "cross_entropy", "host", "model", "vocab")
+HELP = {
+    "trace": "the online-softmax state trace of a small row, against a two-pass softmax and the wrong "
+             "no-rescale variant (no options)",
+    "verify": "every sharded op, forward and backward, against one device (see verify --help)",
+    "bench": "benchmarks against the peers: bench {" + ",".join(BENCHES) + "} --help",
+    "env": "versions, devices, backends, launchers and settings (no options)",
+    "warmup": "compile the attention kernels of every length bucket ahead (see warmup --help)",
+}
 
 
-def _env() -> int:
+def _no_options(command: str, args: Sequence[str]) -> None:
+    """``trace`` and ``env`` take no options: ``--help`` explains them, anything else is an error."""
+    argparse.ArgumentParser(prog=f"splitsoftmax {command}", description=HELP[command]).parse_args(list(args))
+
+
+def _env(args: Sequence[str]) -> int:
+    _no_options("env", args)
     from .env import report
     print(report())
     return 0
 
 
-def _trace() -> int:
+def _trace(args: Sequence[str]) -> int:
+    _no_options("trace", args)
     from .trace import main
     return main()
 
@@ -24,6 +41,13 @@ def _bench(args: Sequence[str]) -> int:
     if not args or args[0] not in BENCHES:
         print(f"usage: python -m splitsoftmax bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
         return 2
+    asks_help = any(a in ("-h", "--help") for a in args[1:])
+    if args[0] in CUDA_BENCHES and not asks_help:
+        import torch
+        if not torch.cuda.is_available():
+            print(f"bench {args[0]} needs a CUDA device (none is visible here); `python -m splitsoftmax verify` "
+                  f"checks correctness on CPU", file=sys.stderr)
+            return 2
     module = importlib.import_module(f"splitsoftmax.bench.{args[0]}")
     return module.main(list(args[1:]))
 
@@ -39,14 +63,17 @@ def _verify(args: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="splitsoftmax", description=__doc__)
+    parser = argparse.ArgumentParser(prog="splitsoftmax", description="exact softmax, logsumexp and attention "
+                                     "over rows split across tiles, GPUs and nodes",
+                                     epilog="\n".join(f"{k}: {v}" for k, v in HELP.items()),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("trace", "verify", "bench", "env", "warmup"))
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the command (see <command> --help)")
     ns = parser.parse_args(argv)
     if ns.command == "trace":
-        return _trace()
+        return _trace(ns.args)
     if ns.command == "env":
-        return _env()
+        return _env(ns.args)
     if ns.command == "bench":
         return _bench(ns.args)
     if ns.command == "warmup":

@@ -1,7 +1,10 @@
-"""``python -m splitsoftmax env``: versions, devices, backends, and whether Triton kernels run."""
+"""``python -m splitsoftmax env``: versions, devices, backends, launchers, settings, and whether Triton kernels run."""
 from __future__ import annotations
 
+import os
 import platform
+import shutil
+import sys
 
 import torch
 
@@ -21,6 +24,29 @@ def _mpi() -> str:
     except ImportError:
         return "mpi4py not installed"
     return f"mpi4py {_version('mpi4py')}, {MPI.Get_library_version().splitlines()[0].strip()}"
+
+
+def _launchers() -> str:
+    """Where ``mpirun`` and ``torchrun`` are: beside this interpreter (a venv's bin/) or on PATH."""
+    here = os.path.dirname(sys.executable)
+    found = []
+    for name in ("mpirun", "torchrun"):
+        local = os.path.join(here, name)
+        path = local if os.access(local, os.X_OK) else shutil.which(name)
+        found.append(f"{name} {path}" if path else f"{name} not found")
+    return "; ".join(found)
+
+
+def _settings() -> str:
+    """The environment variables splitsoftmax reads, with the value in force."""
+    from .distributed.comm import timeout_s
+    try:
+        timeout = f"{timeout_s():g} s"
+    except ValueError as e:
+        timeout = f"invalid ({e})"
+    source = "" if os.environ.get("SPLITSOFTMAX_TIMEOUT") else " (default)"
+    log = os.environ.get("SPLITSOFTMAX_LOG", "") or "unset (warnings only)"
+    return f"SPLITSOFTMAX_TIMEOUT {timeout}{source}; SPLITSOFTMAX_LOG {log}"
 
 
 def _devices() -> list[str]:
@@ -44,9 +70,12 @@ def report() -> str:
         ("torch", f"{torch.__version__} (CUDA {torch.version.cuda})"),
         ("triton", _version("triton")),
         ("numpy", _version("numpy")),
+        ("transformers", _version("transformers")),
         ("devices", "; ".join(_devices())),
         ("torch.distributed", ", ".join(backends) or "unavailable"),
         ("MPI", _mpi()),
+        ("launchers", _launchers()),
+        ("settings", _settings()),
         ("Triton kernels run", kernels),
     ]
     return "\n".join(f"{k:<20} {v}" for k, v in rows)

@@ -1,4 +1,4 @@
-"""Public single-device ops (CONTRACT.md's first table), over the custom ops of ``splitsoftmax.ops``."""
+"""Public single-device ops (docs/API.md, "Single device"), over the custom ops of ``splitsoftmax.ops``."""
 from __future__ import annotations
 
 import math
@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, variants
+from ._autocast import like_sdpa
 from .ops import call
 
 
@@ -46,6 +47,7 @@ def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
     return call("logsumexp_fwd", x2).float().reshape(shape[:-1])
 
 
+@like_sdpa
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
               return_lse: bool = False, cu_seqlens=None, window_size=None, softcap=None, sinks=None, kv_range=None,
               q_offset=0):
@@ -69,7 +71,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
             ``causal`` and ``window_size``.
 
     Returns ``out (B, H, Sq, Dv)`` in ``q.dtype`` (or ``(out, lse)``). A query that sees no key
-    gets ``out = 0``, ``lse = -inf`` (``sinks[h]`` with sinks) and zero gradients.
+    gets ``out = 0``, ``lse = -inf`` (``sinks[h]`` with sinks) and zero gradients. Under
+    ``torch.autocast`` q, k, v are cast to the autocast dtype, as SDPA's are. The rules in full:
+    docs/API.md.
     """
     s = _checks.attention_args(q, k, v, scale, causal)
     _checks.flag("return_lse", return_lse)

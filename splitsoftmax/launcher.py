@@ -29,9 +29,14 @@ def launched_by() -> Optional[str]:
     return None
 
 
-def rank_device(local_rank: int, world: int) -> torch.device:
-    """``cuda:<local_rank>`` when every local rank has its own GPU, else the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world))):
+def rank_device(local_rank: int, world: int, want: Optional[str] = None) -> torch.device:
+    """``cuda:<local_rank>`` when every local rank has its own GPU (or ``want="cuda"``), else the CPU
+    (always with ``want="cpu"``). ``want="cuda"`` without a GPU for this rank is a ``ValueError``."""
+    local_world = min(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if want == "cuda" and gpus < local_world:
+        raise ValueError(f"device='cuda' needs a GPU per local rank: {local_world} local ranks, {gpus} GPU(s) visible")
+    if want != "cpu" and gpus >= local_world:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -41,7 +46,8 @@ def init_ranks(kind: str, device: Optional[str] = None):
     """Initialise this rank; returns ``(group, device, rank, world)`` (``group`` for the ss.* calls).
 
     ``device="cuda"`` under MPI puts ranks on GPUs even when they must share one (the MPI
-    communicator stages CUDA tensors through the host).
+    communicator stages CUDA tensors through the host); under torchrun it needs a GPU per local rank.
+    ``device="cpu"`` keeps every rank on the CPU (Gloo) even where there are GPUs.
     """
     if kind == "mpi":
         from mpi4py import MPI
@@ -54,7 +60,7 @@ def init_ranks(kind: str, device: Optional[str] = None):
         return comm, dev, comm.Get_rank(), comm.Get_size()
     import torch.distributed as dist
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = rank_device(int(os.environ.get("LOCAL_RANK", rank)), world)
+    device = rank_device(int(os.environ.get("LOCAL_RANK", rank)), world, device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=300),

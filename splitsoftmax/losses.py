@@ -110,12 +110,6 @@ class ShardedCrossEntropyFn(torch.autograd.Function):
         return dx, None, None, None, None, None, None
 
 
-def _fingerprint(target: Tensor) -> int:
-    """A position-weighted checksum of ``target``, to catch ranks whose targets differ."""
-    w = torch.arange(1, target.numel() + 1, device=target.device, dtype=torch.int64)
-    return int((target.to(torch.int64) * w).sum() % (2**61 - 1))
-
-
 def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_index: int = -100,
                           reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
     """Cross-entropy of vocabulary-sharded logits (collective over ``group``).
@@ -132,7 +126,7 @@ def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_
         eps = _args(logits, target, ignore_index, reduction, label_smoothing)
         agree = {"N": logits.shape[0], "dtype": hs.encode_dtype(logits.dtype), "ignore_index": ignore_index,
                  "reduction": _checks.REDUCTIONS.index(reduction), "label_smoothing": hs.encode_float(eps),
-                 "target": _fingerprint(target)}
+                 "target": hs.fingerprint(target)}
         per = {"V_local": logits.shape[1]}
     except (TypeError, ValueError) as e:
         err = e

@@ -1,6 +1,6 @@
 """Which keys a query row sees, as the local attention ops take it.
 
-The public keywords of CONTRACT.md's "Attention variants" (``cu_seqlens``, ``window_size``,
+The public keywords of docs/API.md's "Attention variants" (``cu_seqlens``, ``window_size``,
 ``kv_range``, ``q_offset``) all reduce to one rule per query row: row ``i`` of batch element ``b``
 sees key ``j`` (both in the coordinates of the local op's own ``q`` and ``k``) iff
 

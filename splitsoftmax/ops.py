@@ -50,7 +50,7 @@ def _op(name: str):
 def plain_tensors(tensors) -> bool:
     """Whether nothing but plain eager autograd can see ops on ``tensors``: plain ``torch.Tensor``
     inputs, no forward-mode level, functorch transform, torch function or dispatch mode."""
-    return (all(type(t) is Tensor for t in tensors) and torch.autograd.forward_ad._current_level < 0
+    return (all(type(t) is Tensor and not t.is_meta for t in tensors) and torch.autograd.forward_ad._current_level < 0
             and not torch._C._are_functorch_transforms_active() and torch._C._len_torch_dispatch_stack() == 0
             and torch._C._len_torch_function_stack() == 0)
 
@@ -58,7 +58,8 @@ def plain_tensors(tensors) -> bool:
 def plain_eager(*tensors: Tensor) -> bool:
     """Whether running an op's implementation directly does exactly what the op would: no autograd
     to record (reverse or forward mode), no functorch transform, no tracing or compiling, no torch
-    function or dispatch mode, and plain ``torch.Tensor`` inputs."""
+    function or dispatch mode, and plain ``torch.Tensor`` inputs off the meta device (meta tensors,
+    as deferred initialisation makes them, take the op's fake implementation: shapes only)."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
         return False  # (compiling first: Dynamo folds it, and traces none of the checks below)
     return plain_tensors(tensors)

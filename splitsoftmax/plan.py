@@ -1,6 +1,6 @@
 """Masks as plans: which (query, key) pairs of two buffers are visible, as pieces to compute.
 
-The rule (CONTRACT.md's "Attention variants", in global positions): query ``p`` sees key ``j``
+The rule (docs/API.md, "Attention variants", in global positions): query ``p`` sees key ``j``
 iff both lie in the same document and ``p + lo <= j <= p + hi``, the :class:`Band` that
 ``causal`` and ``window_size`` give (``lo = -left``, ``hi = min(0 if causal, right)``, ``None``:
 unbounded; so ``lo <= 0 <= hi`` and every query sees itself). ``kv_range`` and ``q_offset``

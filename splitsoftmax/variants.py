@@ -1,4 +1,4 @@
-"""The attention variants' keywords (CONTRACT.md, "Attention variants"): checked once, held as a
+"""The attention variants' keywords (docs/API.md, "Attention variants"): checked once, held as a
 small frozen :class:`Variants`, and turned into the local ops' :class:`~splitsoftmax.mask.Mask` for
 any query segment and key segment of the global sequence (:func:`local_mask`).
 

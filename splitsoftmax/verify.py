@@ -22,7 +22,7 @@ from .verify_sharded import Job, sharded_rows
 
 
 def single_device_rows(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[Row]:
-    """The single-device table of CONTRACT.md on odd sizes, with an all ``-inf`` row."""
+    """The single-device table of docs/API.md on odd sizes, with an all ``-inf`` row."""
     x = torch.randn(33, 1000, device=device, dtype=dtype) * 4
     x[3] = float("-inf")
     rows = []
@@ -57,13 +57,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--deadline", type=float, default=1800.0, help="seconds before --nproc ranks are stopped")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
-                        help="under mpirun: put ranks on GPUs even when they share one (default: cuda only "
-                             "when every rank has its own GPU)")
+                        help="cpu: CPU ranks (Gloo) even with GPUs; cuda: ranks on GPUs (under mpirun even when "
+                             "they share one); default: cuda when every rank has its own GPU, else cpu")
     ns = parser.parse_args(argv)
+    if ns.nproc is not None and ns.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {ns.nproc}")
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible here (torch.cuda.is_available() is False)")
     from . import launcher
     kind = launcher.launched_by()
     if kind is None:
-        return launcher.spawn(ns.nproc or launcher.default_nproc(), ["verify", "--dtype", ns.dtype], ns.deadline)
+        device = ["--device", ns.device] if ns.device else []
+        return launcher.spawn(ns.nproc or launcher.default_nproc(), ["verify", "--dtype", ns.dtype, *device],
+                              ns.deadline)
     return _verify_ranks(kind, getattr(torch, ns.dtype), ns.device)
 
 

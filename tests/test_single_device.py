@@ -1,4 +1,4 @@
-"""CONTRACT.md's single-device table on CPU tensors, against float64 oracles."""
+"""docs/API.md's single-device table on CPU tensors, against float64 oracles."""
 import math
 
 import pytest

@@ -8,7 +8,6 @@ S = 1k, 2k, 8k (B*S = 32k, H=16, D=128, bf16), causal and not. Backs
 ``ATTN_TILES[("bwd_q", 2, 128)]`` (128x64, 8 warps, 4 stages); numbers in BENCHMARKS.md,
 "Attention" history.
 """
-import sys
 
 import torch
 import torch.nn.functional as F

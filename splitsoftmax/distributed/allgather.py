@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from .._log import LOG, nbytes
 from .comm import Communicator
 from .ring import attn_bwd_visit, attn_fwd_visit, by_origin, empty_acc
 from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
@@ -28,6 +29,8 @@ def allgather_var(comm: Communicator, mine: Tensor, numel: Callable[[int], int],
     bufs = [mine if q == r else mine.new_empty(numel(q)) for q in range(comm.size)]
     peers = [q for q in range(comm.size) if q != r]
     sends = [(mine, q) for q in peers if mine.numel()]
+    LOG.debug("%s: rank %d sends %d bytes to each of %d peer(s), receives %d bytes", step, r, nbytes(mine),
+              len(sends), sum(nbytes(bufs[q]) for q in peers))
     handles = comm.post(sends, [(bufs[q], q) for q in peers if bufs[q].numel()], TAG_GATHER)
     comm.wait(handles, step)
     return bufs
@@ -38,6 +41,8 @@ def reduce_scatter_var(comm: Communicator, parts: list, step: str) -> Tensor:
     r = comm.rank
     got = [parts[r] if q == r else parts[r].new_empty(parts[r].numel()) for q in range(comm.size)]
     peers = [q for q in range(comm.size) if q != r]
+    LOG.debug("%s: rank %d sends %d bytes, receives %d bytes", step, r, sum(nbytes(parts[q]) for q in peers),
+              sum(nbytes(got[q]) for q in peers))
     handles = comm.post([(parts[q], q) for q in peers if parts[q].numel()],
                         [(got[q], q) for q in peers if got[q].numel()], TAG_SCATTER)
     comm.wait(handles, step)

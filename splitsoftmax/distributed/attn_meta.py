@@ -17,7 +17,7 @@ from torch import Tensor
 from .. import _checks
 from .. import variants as vs
 from . import layout as lay
-from .handshake import encode_dtype, encode_float, encode_sinks, encode_window, start_handshake
+from .handshake import _BITS, encode_dtype, encode_float, encode_sinks, encode_window, start_handshake
 
 _M, _A, _C = 2147483629, 48271, 12345  # fingerprint modulus (prime < 2^31) and weights
 
@@ -38,6 +38,15 @@ def fingerprint(t: Tensor) -> Tensor:
     v = torch.remainder(t.reshape(-1).to(torch.int64), _M)
     w = torch.remainder(torch.arange(1, v.numel() + 1, device=t.device, dtype=torch.int64) * _A + _C, _M)
     return torch.remainder(torch.remainder(v * w, _M).sum(), _M)
+
+
+def replica_fingerprint(t: Tensor):
+    """:func:`fingerprint` of the bits of ``t`` (any dtype): 0-d, on its device, for a tensor every rank
+    must hold alike (the tree's ``q``); 0 for a meta tensor (no values to compare)."""
+    if t.is_meta:
+        return 0
+    flat = t.detach().contiguous().reshape(-1)
+    return fingerprint(flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() else flat)
 
 
 def doc_values(cu_seqlens) -> Optional[tuple]:
@@ -152,7 +161,8 @@ def start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords: 
         (b, h, sq, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
         agree = {"B": b, "H": h, "Hkv": hkv, "D": d, "Dv": dv, "dtype": encode_dtype(q.dtype),
                  "causal": int(causal), "scale": encode_float(s), "schedule": _checks.SCHEDULES.index(schedule),
-                 "layout": _checks.LAYOUTS.index(layout), "Sq": sq if schedule == "tree" else 0}
+                 "layout": _checks.LAYOUTS.index(layout), "Sq": sq if schedule == "tree" else 0,
+                 "q": replica_fingerprint(q) if schedule == "tree" else 0}
         extra_agree, extra_per = _fields(kw, b)
         agree.update(extra_agree)
         per = {"Sq_local": sq, "Sk_local": k.shape[2], **extra_per}

@@ -75,6 +75,24 @@ _DECODE = {"dtype": _dtype_of, "scale": _float_of, "label_smoothing": _float_of,
            "cu_seqlens": _fingerprint_of, "kv_range": _fingerprint_of, "q_offset": _fingerprint_of}
 
 
+# fields holding a checksum of a tensor that must be equal on every rank (shown as "differs", not as numbers)
+FINGERPRINTS = ("target", "q")
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprint(t: torch.Tensor) -> int:
+    """A position-weighted checksum of the bits of ``t`` (any dtype), to catch ranks whose copies of
+    a tensor that must be replicated differ. One pass over ``t`` and one read to the host; 0 for a
+    meta tensor (no data to compare)."""
+    if t.is_meta:
+        return 0
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view(_BITS[flat.element_size()])
+    w = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
+    return int((flat.to(torch.int64) * w).sum() % (2**61 - 1))
+
+
 def encode_dtype(dtype: torch.dtype) -> int:
     return DTYPES.index(dtype) if dtype in DTYPES else len(DTYPES)
 
@@ -107,6 +125,8 @@ def _describe(name: str, values: list) -> str:
     groups: dict = {}
     for rank, v in enumerate(values):
         groups.setdefault(v, []).append(rank)
+    if name in FINGERPRINTS:  # a checksum means nothing to the user: say which ranks hold equal copies
+        return "; ".join(f"rank(s) {ranks} hold copy {i + 1}" for i, ranks in enumerate(groups.values()))
     return "; ".join(f"rank(s) {ranks}: {decode(v)}" for v, ranks in groups.items())
 
 

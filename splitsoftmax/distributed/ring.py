@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from .. import state
+from .._log import LOG, clock, nbytes
 from ..local import masked_op
 from .comm import Communicator
 from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
@@ -35,6 +36,8 @@ TAG_KV, TAG_DKV = 21, 22
 def _transfer(comm: Communicator, send: Tensor, recv: Tensor, tag: int) -> list:
     """Send to the next rank, receive from the previous one; empty buffers are not sent."""
     nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    LOG.debug("rank %d: send %d bytes to rank %d, receive %d bytes from rank %d (tag %d)", comm.rank, nbytes(send),
+              nxt, nbytes(recv), prv, tag)
     return comm.post([(send, nxt)] if send.numel() else [], [(recv, prv)] if recv.numel() else [], tag)
 
 
@@ -54,7 +57,10 @@ def ring_loop(comm: Communicator, first: Tensor, numel: Callable[[int], int], vi
         if s < p - 1:
             nbuf = first.new_empty(numel((origin - 1) % p))
             kv_h = _transfer(comm, cur, nbuf, TAG_KV)
+        t0 = clock()
         contrib = visit(origin, cur)
+        LOG.debug("%s step %d/%d: rank %d on the K/V of rank %d, %.3f ms host time", step, s, p, r, origin,
+                  1e3 * (clock() - t0))
         if carry is not None and s == 0:
             home = contrib
         elif carry is not None:

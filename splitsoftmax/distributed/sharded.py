@@ -1,4 +1,4 @@
-"""Public sharded ops (CONTRACT.md's Distributed table) and their autograd Functions.
+"""Public sharded ops (docs/API.md, "Across ranks") and their autograd Functions.
 
 Every call: local argument checks, then the metadata handshake (``handshake.py``) so that a
 mismatch raises on every rank before any bulk transfer, then the schedule. The gradient of each
@@ -159,7 +159,7 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     ``q_offset + i`` (default ``Sk - Sq``: ``causal`` is bottom-right). Causal everywhere means a
     query at global position ``i`` sees keys at ``j <= i``.
 
-    The variant keywords (CONTRACT.md, "Attention variants") are in global positions:
+    The variant keywords (docs/API.md, "Attention variants") are in global positions:
     ``cu_seqlens (N+1,)`` packed documents (ring / allgather), ``window_size=(left, right)``,
     ``softcap``, ``sinks (H,)`` (merged once per row; under ring / allgather each rank's gradient
     is its rows' share, under tree the full one), ``kv_range (B, 2)``, ``q_offset`` (0 on ring /

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .. import plan as pl
 from .. import state
+from .._log import LOG, nbytes
 from ..local import masked_op, op
 from .comm import Communicator
 from .work import AttnSpec, Call, make_mask
@@ -47,6 +48,8 @@ def bruck_allgather(comm: Communicator, mine: Tensor, step: str) -> Tensor:
         got = held.new_empty((n, held.shape[1]))
         if held.shape[1]:
             send = held[:n].contiguous().reshape(-1)
+            LOG.debug("%s: tree round %d, rank %d sends %d bytes to rank %d, receives from rank %d", step,
+                      k.bit_length(), r, nbytes(send), (r - k) % p, (r + k) % p)
             hs = comm.post([(send, (r - k) % p)], [(got.view(-1), (r + k) % p)], TAG_TREE)
             comm.wait(hs, f"{step}: tree round {k.bit_length()} with ranks {(r - k) % p} and {(r + k) % p}")
         held = torch.cat((held, got))

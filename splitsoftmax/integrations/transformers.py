@@ -1,16 +1,24 @@
-"""Hugging Face transformers integration: ``attn_implementation="splitsoftmax"``.
+"""Hugging Face transformers integration: ``attn_implementation="splitsoftmax"`` (docs/API.md).
 
-``register()`` adds an attention function through transformers' ``AttentionInterface`` and a mask
-function through its ``AttentionMaskInterface``. The mask function never builds a mask: it checks
-that the mask the model asked for is one the attention function computes exactly (causal or
-full, no padding, no sliding window, no custom mask pattern) and raises ``ValueError`` otherwise,
-so nothing is silently dropped.
+:func:`register` adds an attention function through transformers' ``AttentionInterface`` and a
+mask function through its ``AttentionMaskInterface`` (transformers 4.53 and later, 4.x and 5.x).
+The mask function never builds a dense mask: it describes the one the model asked for
+(``_hf_masks.Visibility``) and the attention function maps that, with the layer's own arguments,
+to the keywords of ``ss.attention``:
 
-- One process (or ``sequence_parallel=False``): ``ss.attention`` (causal is aligned bottom-right
-  when a KV cache makes the keys longer than the queries, as transformers expects).
-- Inside an initialised ``torch.distributed`` group of size > 1: every rank holds its zigzag
-  shard of the sequence (see :func:`shard_inputs`) and the layers run ``ss.sharded_attention``
-  with ``layout="zigzag"``; ``position_ids`` are checked to be the zigzag shard of ``0..S-1``.
+- causal or bidirectional, where the queries sit among the keys (KV caches, dynamic or static,
+  with unfilled slots) -> ``causal``, ``q_offset``; padding masks -> ``kv_range``;
+- packed sequences (``position_ids`` that restart, or ``cu_seq_lens_q/k`` as
+  ``DataCollatorWithFlattening`` gives them) -> ``cu_seqlens``; ``sliding_window`` -> ``window_size``;
+  ``softcap`` -> ``softcap``; ``s_aux`` (attention sinks) -> ``sinks``.
+
+Two modes. By default every process computes attention over its own batch with ``ss.attention``
+(one process, or data parallelism: DDP, FSDP). With ``register(group, sequence_parallel=True)``
+every rank of ``group`` holds its zigzag shard of the sequence (per document when packed; see
+:func:`shard_inputs`) and the layers run ``ss.sharded_attention``. Under ``torch.autocast`` q, k, v
+are cast like SDPA's. What cannot be expressed (dropout, attention weights, a 4-D mask tensor,
+custom mask patterns, padding with holes) raises ``ValueError``; nothing silently differs from
+``attn_implementation="sdpa"``.
 """
 from __future__ import annotations
 
@@ -19,154 +27,197 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _checks
-from ..distributed import layout as lay
+from .._autocast import like_sdpa
 from ..distributed import shard, sharded_attention
+from ..distributed.comm import as_comm
 from ..functional import attention
-from ..ops import call
+from . import _hf_docs as docs
+from ._hf_masks import Visibility, build
 
 NAME = "splitsoftmax"
-_CONFIG = {"group": None, "sequence_parallel": True}
-# attention kwargs that change the math and that this implementation cannot honour
-_REFUSED = {"sliding_window": "sliding-window attention", "softcap": "logit soft-capping",
-            "s_aux": "attention sinks", "position_bias": "an additive position bias"}
+WHO = "attn_implementation='splitsoftmax'"
+_CONFIG = {"group": None, "sequence_parallel": False}
 
 
-def _sharded() -> bool:
-    """Whether attention runs sequence-parallel: an initialised group of size > 1, and allowed."""
-    import torch.distributed as dist
-    if not _CONFIG["sequence_parallel"] or not (dist.is_available() and dist.is_initialized()):
-        return False
-    group = _CONFIG["group"]
-    return dist.get_world_size(group) > 1
-
-
-def _zigzag_positions(local: int, device) -> Tensor:
-    """The global positions of this rank's zigzag shard (total length from one small all-reduce)."""
-    import torch.distributed as dist
-    group = _CONFIG["group"]
-    total = torch.tensor([local], dtype=torch.int64,
-                         device=device if dist.get_backend(group) == "nccl" else "cpu")
-    dist.all_reduce(total, group=group)
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    lengths = lay.shard_lengths(int(total.item()), size, "zigzag")
-    segs = lay.segments("zigzag", lengths, rank)
-    return torch.cat([torch.arange(s.glob, s.glob + s.n) for s in segs]).to(device)
-
-
-def _check_positions(module, position_ids: Optional[Tensor], local: int) -> None:
-    """On the first layer: ``position_ids`` must be this rank's zigzag shard of ``0..S-1``."""
-    if position_ids is None or getattr(module, "layer_idx", 0) != 0:
-        return
-    want = _zigzag_positions(local, position_ids.device)
-    if position_ids.shape[-1] != local or not bool((position_ids == want).all()):
-        raise ValueError("attn_implementation='splitsoftmax' (sequence-parallel): position_ids are not this rank's "
-                         "zigzag shard of 0..S-1; shard input_ids, position_ids and labels with "
-                         "splitsoftmax.integrations.transformers.shard_inputs (packed sequences are not supported)")
-
-
-def _check_runs(module, position_ids: Optional[Tensor]) -> None:
-    """One process, first layer: each row of ``position_ids`` must be one contiguous run (no packing)."""
-    if position_ids is None or getattr(module, "layer_idx", 0) != 0 or position_ids.shape[-1] < 2:
-        return
-    if not bool((position_ids.diff(dim=-1) == 1).all()):
-        raise ValueError("attn_implementation='splitsoftmax' cannot express packed sequences (position_ids that "
-                         "restart or jump within a row)")
-
-
-def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor],
-                      dropout: float = 0.0, scaling: Optional[float] = None, is_causal: Optional[bool] = None,
-                      **kwargs) -> tuple[Tensor, None]:
-    """transformers attention function: ``query (B, H, Sq, D)``, ``key/value (B, Hkv, Sk, D)``
-    -> ``(out (B, Sq, H, D), None)``. GQA by ``H % Hkv``, ``scaling`` as the score scale."""
-    if attention_mask is not None:
-        raise ValueError("attn_implementation='splitsoftmax' got an explicit attention mask; it computes causal or "
-                         "full attention only (no padding, no custom mask)")
-    if dropout:
-        raise ValueError(f"attn_implementation='splitsoftmax' does not implement attention dropout (dropout={dropout}); "
-                         "set the config's attention_dropout to 0 or use model.eval()")
-    for name, what in _REFUSED.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(f"attn_implementation='splitsoftmax' does not implement {what} ({name}={kwargs[name]!r})")
-    if kwargs.get("output_attentions"):
-        raise ValueError("attn_implementation='splitsoftmax' cannot return attention weights (output_attentions=True)")
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    sq, sk = query.shape[2], key.shape[2]
-    if _sharded():
-        if sq != sk:
-            raise ValueError(f"attn_implementation='splitsoftmax' (sequence-parallel): queries ({sq}) and keys ({sk}) "
-                             "differ in length; a KV cache is not supported across ranks")
-        _check_positions(module, kwargs.get("position_ids"), sq)
-        out = sharded_attention(query, key, value, causal=causal, scale=scaling, group=_CONFIG["group"],
-                                layout="zigzag")
-        return out.transpose(1, 2).contiguous(), None
-    _check_runs(module, kwargs.get("position_ids"))
-    if causal and sk != sq:
-        # a KV cache: query i sits at key position sk - sq + i (bottom-right alignment)
-        s = _checks.attention_args(query, key, value, scaling, causal)
-        out, _ = call("attn_fwd", query, key, value, s, True, sk - sq)
-    else:
-        out = attention(query, key, value, causal=causal, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-def check_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                  mask_function=None, attention_mask: Optional[Tensor] = None, local_size: Optional[int] = None,
-                  use_vmap: bool = False, **kwargs) -> None:
-    """transformers mask function: returns ``None`` (the attention function knows causal vs full)
-    when that is exactly the requested mask; raises ``ValueError`` for what it cannot express."""
-    from transformers import masking_utils as mu
-
-    if local_size is not None:
-        raise ValueError(f"attn_implementation='splitsoftmax' does not implement sliding-window or chunked "
-                         f"attention (window {local_size})")
-    if use_vmap:
-        raise ValueError("attn_implementation='splitsoftmax' cannot express a custom mask pattern "
-                         "(or_mask_function / and_mask_function)")
-    padding = mu.prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    if padding is not None and not bool(padding.all()):
-        raise ValueError("attn_implementation='splitsoftmax' does not support padding (attention_mask with zeros); "
-                         "use unpadded batches of equal length")
-    plain = mask_function in (mu.causal_mask_function, mu.bidirectional_mask_function)
-    if not plain and not _sharded():  # sharded: the zigzag position jumps look like packing; checked later
-        raise ValueError("attn_implementation='splitsoftmax' cannot express this mask (packed sequences, i.e. "
-                         "position_ids that restart, or a model-specific mask pattern)")
-    return None
-
-
-def register(*, group=None, sequence_parallel: bool = True) -> str:
+def register(group=None, *, sequence_parallel: bool = False) -> str:
     """Register ``attn_implementation="splitsoftmax"`` with transformers; returns the name.
 
-    ``group``: the ``torch.distributed`` group the sequence is sharded over (default: the world);
-    ``sequence_parallel=False`` keeps attention single-process even in an initialised group
-    (e.g. plain data parallelism).
+    By default every process computes attention over its own batch (one process, or data
+    parallelism). ``sequence_parallel=True``: the layers run ``ss.sharded_attention`` over ``group``
+    (None: the default group; a ProcessGroup, a 1-d DeviceMesh) on inputs sharded by :func:`shard_inputs`.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
+    if not isinstance(sequence_parallel, bool):
+        raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
     _CONFIG.update(group=group, sequence_parallel=sequence_parallel)
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, check_mask)
+    AttentionMaskInterface.register(NAME, build)
     return NAME
 
 
-def shard_inputs(input_ids: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
-                 group=None, layout: str = "zigzag", ignore_index: int = -100) -> dict:
-    """This rank's shards (along the sequence, dim 1) of ``input_ids (B, S)``, ``position_ids``
-    (default ``0..S-1``) and, if given, ``labels``: a dict to pass to the model as keyword arguments.
+def _sharded() -> bool:
+    """Whether the layers run sequence-parallel: asked for, and a group of more than one rank."""
+    import torch.distributed as dist
+    if not _CONFIG["sequence_parallel"]:
+        return False
+    if not (dist.is_available() and dist.is_initialized()) and _CONFIG["group"] is None:
+        raise ValueError(f"{WHO}: register(sequence_parallel=True) needs an initialised torch.distributed "
+                         "group (or pass group=...)")
+    return as_comm(_CONFIG["group"]).size > 1
 
-    Every rank passes the full tensors. Labels are shifted on the full sequence first (position
-    ``i`` predicts token ``i + 1``; the last position gets ``ignore_index``) and returned sharded as
-    both ``labels`` and ``shift_labels`` (so the model's loss does not shift again across a shard
-    boundary), with ``num_items_in_batch`` = the global count of predicted tokens: each rank's loss
-    is then its tokens' share of the global mean, and the ranks' losses (and gradients) sum to it.
+
+def _refuse_extras(dropout: float, kwargs: dict) -> None:
+    if dropout:
+        raise ValueError(f"{WHO} does not implement attention dropout (dropout={dropout}); set the config's "
+                         "attention dropout to 0 or use model.eval()")
+    if kwargs.get("output_attentions"):
+        raise ValueError(f"{WHO} cannot return attention weights (output_attentions=True)")
+    if kwargs.get("position_bias") is not None:
+        raise ValueError(f"{WHO} does not implement an additive position bias (position_bias)")
+
+
+def _require(ok: Tensor, message: str) -> None:
+    """``ValueError(message)`` unless ``ok`` (a bool tensor) holds: read on the host for CPU tensors,
+    a device-side assertion on accelerators (no host synchronisation); nothing for meta tensors."""
+    if ok.is_meta:
+        return
+    if ok.device.type == "cpu":
+        if not bool(ok.all()):
+            raise ValueError(message)
+    else:
+        torch._assert_async(ok.all(), message)
+
+
+def _visibility(attention_mask, module, is_causal, query: Tensor, key: Tensor, where: str) -> Visibility:
+    """The layer's :class:`Visibility`: from the mask function, or plain causal/full without one."""
+    b, sq, sk = query.shape[0], query.shape[2], key.shape[2]
+    if attention_mask is None:
+        causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+        if causal and sq != sk:
+            raise ValueError(f"{WHO}{where}: a causal layer got {sq} queries and {sk} keys but no mask "
+                             "description; where the queries sit among the keys is unknown (a cache transformers "
+                             "builds no mask for)")
+        return Visibility(causal, b, sq, sk)
+    if not isinstance(attention_mask, Visibility):
+        raise ValueError(f"{WHO}{where} got an explicit attention mask ({type(attention_mask).__name__}); it expresses "
+                         "padding, packing, windows and caches through transformers' own mask arguments, not 4-D masks")
+    vis = attention_mask
+    if vis.refused:
+        raise ValueError(f"{WHO}{where} {vis.refused}")
+    if (vis.q_length, vis.kv_length) != (sq, sk):
+        raise ValueError(f"{WHO}{where}: the mask is for {vis.q_length} queries and {vis.kv_length} keys, the layer "
+                         f"got {sq} and {sk}")
+    if vis.holes is not None:
+        _require(~vis.holes, f"{WHO}{where}: an attention_mask row whose ones are not one contiguous run (padding "
+                             "inside a sequence) cannot be expressed; pad on the left or the right only")
+        vis.holes = None  # checked once for every layer that shares this mask
+    return vis
+
+
+def _variants(vis: Visibility, sliding_window, softcap, s_aux, where: str) -> dict:
+    """``window_size``, ``softcap``, ``sinks`` keywords; the mask's window is the one SDPA applies,
+    and a layer's ``sliding_window`` that contradicts it is refused."""
+    kw = {}
+    window = vis.window_size()
+    if window is not None:
+        if vis.causal and sliding_window is not None and window[0] != int(sliding_window) - 1:
+            raise ValueError(f"{WHO}{where}: the mask's sliding window ({window[0] + 1}) differs from the layer's "
+                             f"sliding_window={sliding_window}")
+        kw["window_size"] = window
+    if softcap is not None:
+        kw["softcap"] = float(softcap)
+    if s_aux is not None:
+        kw["sinks"] = s_aux
+    return kw
+
+
+def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
+                      scaling: Optional[float] = None, is_causal: Optional[bool] = None, sliding_window=None,
+                      softcap: Optional[float] = None, s_aux: Optional[Tensor] = None, **kwargs) -> tuple:
+    """transformers attention function: ``query (B, H, Sq, D)``, ``key/value (B, Hkv, Sk, D)``
+    -> ``(out (B, Sq, H, Dv), None)``. GQA by ``H % Hkv``, ``scaling`` as the score scale."""
+    _refuse_extras(dropout, kwargs)
+    layer = getattr(module, "layer_idx", None)
+    where = f" (layer {layer})" if layer is not None else ""
+    vis = _visibility(attention_mask, module, is_causal, query, key, where)
+    kw = dict(_variants(vis, sliding_window, softcap, s_aux, where), causal=vis.causal, scale=scaling)
+    if _sharded():
+        out = _sharded_forward(module, query, key, value, vis, kw, kwargs, where)
+    else:
+        out = _local_forward(module, query, key, value, vis, kw, kwargs, where)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _flatten(t: Tensor) -> Tensor:
+    """``(B, H, S, D)`` -> ``(1, H, B*S, D)``: the batch as one packed row."""
+    b, h, s, d = t.shape
+    return t.transpose(0, 1).reshape(1, h, b * s, d)
+
+
+def _local_forward(module, q, k, v, vis: Visibility, kw: dict, kwargs: dict, where: str) -> Tensor:
+    """One process: ``ss.attention`` over this process's batch."""
+    cu, flat = docs.local(vis, kwargs, q, where)
+    if cu is None:
+        docs.check_runs(module, kwargs.get("position_ids"), vis, where)
+    if not q.is_meta:  # meta tensors: shapes only, the data-dependent keywords mean nothing
+        if vis.kv_range is not None:
+            kw["kv_range"] = vis.kv_range
+        if isinstance(vis.q_offset, Tensor) or vis.q_offset:
+            kw["q_offset"] = vis.q_offset
+        if cu is not None:
+            kw["cu_seqlens"] = cu
+    if not flat:
+        return attention(q, k, v, **kw)
+    out = attention(_flatten(q), _flatten(k), _flatten(v), **kw)  # [1, H, B*S, Dv]
+    return out.reshape(out.shape[1], q.shape[0], q.shape[2], out.shape[-1]).transpose(0, 1)
+
+
+def _sharded_forward(module, q, k, v, vis: Visibility, kw: dict, kwargs: dict, where: str) -> Tensor:
+    """Sequence parallel: this rank's zigzag shard of the sequence, ``ss.sharded_attention``."""
+    if q.shape[2] != k.shape[2] or (isinstance(vis.q_offset, int) and vis.q_offset):
+        raise ValueError(f"{WHO}{where} (sequence-parallel): queries ({q.shape[2]}) and keys ({k.shape[2]}) differ; "
+                         "a KV cache is not supported across ranks")
+    if vis.kv_range is not None:
+        raise ValueError(f"{WHO}{where} (sequence-parallel) does not take padding masks; pack the sequences "
+                         "instead (shard_inputs with position_ids that restart, or cu_seqlens)")
+    cu = docs.given(kwargs)
+    group = _CONFIG["group"]
+    docs.check_shard_positions(module, kwargs.get("position_ids"), q.shape[2], cu, group, where)
+    if cu is not None:
+        kw["cu_seqlens"] = cu
+    return like_sdpa(sharded_attention)(q, k, v, group=group, layout="zigzag", **kw)
+
+
+def shard_inputs(input_ids: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
+                 group=None, layout: str = "zigzag", ignore_index: int = -100, cu_seqlens=None) -> dict:
+    """This rank's shards (along the sequence, dim 1) of ``input_ids (B, S)``, ``position_ids``
+    (default ``0..S-1``, restarting per document when packed) and ``labels``: a dict to pass to
+    the model as keyword arguments, for ``register(group, sequence_parallel=True)``.
+
+    Every rank passes the full tensors. ``group`` defaults to the group given to :func:`register`.
+    Packed documents, from ``position_ids`` that restart (the same in every row) or ``cu_seqlens``
+    ``(N+1,)``, are zigzagged per document and passed on as ``cu_seq_lens_q/k``. Labels are shifted
+    on the full sequence first (position ``i`` predicts token ``i + 1``; the last position gets
+    ``ignore_index``) and returned sharded as ``labels`` and ``shift_labels``, with
+    ``num_items_in_batch`` the global count of predicted tokens: each rank's loss is its tokens'
+    share of the global mean, so the ranks' losses (and gradients) **sum** to the one-process loss.
+    A data-parallel wrapper over the same ranks averages instead: see docs/API.md ("2-D meshes").
     """
-    _checks.choice("layout", layout, _checks.LAYOUTS)
+    if layout != "zigzag":
+        raise ValueError(f"shard_inputs: layout={layout!r}; the sequence-parallel layers run layout='zigzag' "
+                         "(per document when packed), so the inputs must be sharded that way")
+    group = _CONFIG["group"] if group is None else group
+    cu = docs.from_inputs(input_ids, position_ids, cu_seqlens)
     if position_ids is None:
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-    out = {"input_ids": shard(input_ids, 1, group=group, layout=layout),
-           "position_ids": shard(position_ids.contiguous(), 1, group=group, layout=layout)}
+        position_ids = docs.positions(cu, input_ids.shape[1], input_ids.device).expand(input_ids.shape[0], -1)
+    extra = {} if cu is None else {"cu_seqlens": cu}
+    out = {"input_ids": shard(input_ids, 1, group=group, layout="zigzag", **extra),
+           "position_ids": shard(position_ids.contiguous(), 1, group=group, layout="zigzag", **extra)}
+    if cu is not None:
+        out.update(docs.flash_kwargs(cu, input_ids.device))
     if labels is not None:
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
-        out["shift_labels"] = out["labels"] = shard(shifted, 1, group=group, layout=layout)
+        out["shift_labels"] = out["labels"] = shard(shifted, 1, group=group, layout="zigzag", **extra)
         out["num_items_in_batch"] = int((shifted != ignore_index).sum())
     return out

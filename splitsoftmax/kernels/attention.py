@@ -46,7 +46,7 @@ from ..mask import NO_MASK, Mask
 from ..state import stat_dtype
 from . import configs
 from .attn_mask import KernelMask, band_tiles, capped, kernel_mask, row_bounds
-from .decode import Plan, attn_tile, dot_precision, hopper, pad_dim, plan
+from .decode import Plan, dot_precision, hopper, pad_dim, plan
 from .launch import Launcher, fits_int32
 from ..local import interpreting
 from .merge import inv_or_zero, lse2_of, merge_into

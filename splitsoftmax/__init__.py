@@ -7,6 +7,7 @@ from .distributed import (shard, sharded_attention, sharded_log_softmax, sharded
                           unshard)
 from .functional import attention, log_softmax, logsumexp, merge_states, softmax
 from .losses import cross_entropy, sharded_cross_entropy
+from .sampling import sample, sharded_sample, sharded_topk, topk
 
 __version__ = "0.1.0"
 
@@ -14,4 +15,5 @@ __all__ = [
     "softmax", "log_softmax", "logsumexp", "attention", "merge_states",
     "sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
     "cross_entropy", "sharded_cross_entropy",
+    "topk", "sharded_topk", "sample", "sharded_sample",
 ]

@@ -213,3 +213,20 @@ CE_INTERPRET_SMS = 4
 
 # attention backward row statistics (attn_prep.py): elements of out/dout per program
 ATTN_PREP_TILE_ELEMS = 4096
+
+# --- vocabulary sampling (sampling.py) ----------------------------------------------------------
+# Records: the filtered draws keep per row the top SAMPLE_RECORDS_MIN (value, id) pairs, or the
+# next power of two above top_k; a top_k needing more than SAMPLE_RECORDS_MAX takes its threshold
+# from a full sort instead. The records pass ranks groups of SAMPLE_GROUP columns by their maxima
+# and sorts only the best groups' columns.
+SAMPLE_RECORDS_MIN = 64
+SAMPLE_RECORDS_MAX = 256
+SAMPLE_GROUP = 16
+# Top-p without a small top-k: a first histogram of d = log2(p / p_max) over SAMPLE_BINS bins
+# (the last one holds d <= -SAMPLE_BIN_SPAN) brackets the crossing of top_p * Z; a bracket of at
+# most SAMPLE_CAP tokens is listed by the sampling pass, a larger one refined by up to
+# SAMPLE_REFINE_ROUNDS histograms of its order keys.
+SAMPLE_BINS = 2048
+SAMPLE_BIN_SPAN = 16.0
+SAMPLE_CAP = 4096
+SAMPLE_REFINE_ROUNDS = 4

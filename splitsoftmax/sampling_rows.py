@@ -105,7 +105,10 @@ def merge_partials(vals: Tensor, ids: Tensor, ties: Tensor, kr: int) -> tuple[Te
 
 
 def _winner(zz: Tensor, ids: Tensor, kept: Tensor, seed: Tensor, offset: Tensor) -> Tensor:
-    """Packed best Gumbel key among the records ``kept`` (``zz``, ``ids`` ``(N, R)``)."""
+    """Packed best Gumbel key among the records ``kept`` (a prefix of each row of ``zz``, ``ids`` ``(N, R)``)."""
+    if not zz.is_cuda and zz.shape[0]:
+        width = max(1, int(kept.sum(dim=1).max()))   # noise only for the columns some row keeps
+        zz, ids, kept = zz[:, :width], ids[:, :width], kept[:, :width]
     safe = torch.where(ids == SENT_ID, 0, ids)
     key = sm.gumbel_key(zz, sm.words_at(seed.unsqueeze(1), offset.unsqueeze(1), safe))
     return torch.where(kept, sm.pack(key, safe), sm.PACKED_NONE).amax(dim=1)
@@ -118,12 +121,12 @@ def token_of(packed: Tensor) -> Tensor:
 
 
 def _tau(d: Tensor, q: Tensor, kept: Tensor, need: Tensor, extra_d: Tensor, extra_q: Tensor) -> Tensor:
-    """``max d_i`` over kept records whose mass ``S(d >= d_i)`` (plus ``extra_q`` at ``extra_d``)
-    reaches ``need``; -inf where none does."""
-    ge = d.unsqueeze(1) >= d.unsqueeze(2)  # [N, R, R]: d_j >= d_i
-    s = (ge & kept.unsqueeze(1)).to(torch.int64).mul(q.unsqueeze(1)).sum(dim=2)
-    s = s + torch.where(extra_d.unsqueeze(1) >= d, extra_q.unsqueeze(1), 0)
-    ok = kept & (s.to(torch.float64) >= need.unsqueeze(1))
+    """The top-p threshold among sorted records (``d`` non-increasing, ``kept`` a prefix): the ``d``
+    of the first record whose running mass (with ``extra_q`` more at ``d <= extra_d``) reaches
+    ``need``; -inf where none does. The first record reaching it lies in the threshold's tie group."""
+    cum = torch.cumsum(torch.where(kept, q, 0), dim=1)
+    cum = cum + torch.where(d <= extra_d.unsqueeze(1), extra_q.unsqueeze(1), 0)
+    ok = kept & (cum.to(torch.float64) >= need.unsqueeze(1))
     return torch.where(ok, d, sm.NEG_INF).amax(dim=1)
 
 

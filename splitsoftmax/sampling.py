@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 from typing import Optional
 
 import torch
@@ -22,13 +21,11 @@ from torch import Tensor
 from . import _checks
 from .distributed import handshake as hs
 from .distributed.comm import as_comm
+from .distributed.session import collective
 from .kernels import configs
 from .kernels import sampling_math as sm
-from .sampling_flow import ConfigMismatch, Exchange, draw, top_records
+from .sampling_flow import Exchange, draw, top_records
 from .sampling_rows import Spec
-
-_WIDTHS: dict = {}             # (op, group, rank, size, V_local) -> (group, widths of every rank)
-_MAX_CACHED = 64
 
 
 def _logits(logits) -> Tensor:
@@ -103,40 +100,6 @@ def _spec(t: float, k: int, p: float, m: float, vocab: int) -> tuple[Spec, bool]
     return spec, not greedy and not k and p >= 1.0 and m <= 0.0
 
 
-def _fingerprint(values) -> int:
-    """A process-independent 63-bit hash (FNV-1a) of integers."""
-    h = 0xCBF29CE484222325
-    for v in values:
-        for byte in int(v).to_bytes(9, "little", signed=True):
-            h = ((h ^ byte) * 0x100000001B3) % 2 ** 64
-    return h >> 1
-
-
-def _widths(comm, group, op: str, agree: dict, v_local: int, error) -> list:
-    """Every rank's vocabulary width: handshaken once per (group, width) unless
-    ``SPLITSOFTMAX_HANDSHAKE=always``; later calls check the configuration inside their exchanges."""
-    key = (op, id(group), comm.rank, comm.size, v_local)
-    hit = _WIDTHS.get(key)
-    if error is None and hit is not None and hit[0] is group and os.environ.get("SPLITSOFTMAX_HANDSHAKE") != "always":
-        return hit[1]
-    widths = hs.handshake(comm, op, agree, {"V_local": v_local}, error)["V_local"]
-    if len(_WIDTHS) >= _MAX_CACHED:
-        _WIDTHS.clear()
-    _WIDTHS[key] = (group, widths)
-    return widths
-
-
-def _run(comm, op: str, agree: dict, v_local: int, fn):
-    """``fn()``, whose exchanges check the configuration's fingerprint: on a mismatch every rank runs
-    the full handshake, which names the field that differs (else the fingerprint error stands)."""
-    try:
-        return fn()
-    except ConfigMismatch:
-        _WIDTHS.clear()
-        hs.handshake(comm, op, agree, {"V_local": v_local}, None)
-        raise
-
-
 def topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` largest entries of each row of ``logits (N, V)``: ``(values (N, k) logits.dtype,
     indices (N, k) int64)``, values descending, ties to the lower index (NaN counts as largest,
@@ -145,7 +108,7 @@ def topk(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
     k = _int("k", k, 0)
     if k > logits.shape[1]:
         raise ValueError(f"k={k} exceeds the vocabulary V={logits.shape[1]}")
-    return _topk(Exchange(None, 0, "topk", logits.device), logits, 0, k)
+    return _topk(Exchange(None, None, "topk", logits.device), logits, 0, k)
 
 
 def _topk(ex: Exchange, logits: Tensor, col0: int, k: int) -> tuple[Tensor, Tensor]:
@@ -169,12 +132,14 @@ def sharded_topk(logits: Tensor, k: int, *, group=None) -> tuple[Tensor, Tensor]
     except (TypeError, ValueError) as e:
         err = e
     v_local = logits.shape[1] if err is None else 0
-    widths = _widths(comm, group, "sharded_topk", agree, v_local, err)
-    if k > sum(widths):
-        raise ValueError(f"k={k} exceeds the vocabulary V={sum(widths)}")
-    col0 = sum(widths[:comm.rank])
-    ex = Exchange(comm, _fingerprint([*agree.values(), *widths]), "sharded_topk: records", logits.device)
-    return _run(comm, "sharded_topk", agree, v_local, lambda: _topk(ex, logits, col0, k))
+
+    def body(meta: dict, guard):
+        widths = meta["V_local"]
+        if k > sum(widths):
+            raise ValueError(f"k={k} exceeds the vocabulary V={sum(widths)}")
+        ex = Exchange(comm, guard, "sharded_topk: records", logits.device)
+        return _topk(ex, logits, sum(widths[:comm.rank]), k)
+    return collective(comm, group, "sharded_topk", agree, {"V_local": v_local}, err, (), body)
 
 
 def sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, top_k: Optional[int] = None,
@@ -197,7 +162,7 @@ def sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, top_k: Opt
     n = logits.shape[0]
     seeds, _ = _per_row("seed", seed, n, logits.device)
     offsets, _ = _per_row("offset", offset, n, logits.device)
-    return _draw(Exchange(None, 0, "sample", logits.device), logits, 0, logits.shape[1], (t, k, p, m), seeds,
+    return _draw(Exchange(None, None, "sample", logits.device), logits, 0, logits.shape[1], (t, k, p, m), seeds,
                  offsets)
 
 
@@ -218,10 +183,10 @@ def sharded_sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, to
     every rank.
 
     The logits are never gathered: each pass exchanges per-row records only (one exchange for
-    greedy, plain sampling and top-k; min-p and top-p one or two more). The ranks' widths are
-    exchanged once per group and width (``SPLITSOFTMAX_HANDSHAKE=always``: every call); every
-    exchange carries a fingerprint of the configuration, so ranks that disagree on ``N``, dtype,
-    the filters or integer seeds and offsets raise ``ValueError`` on every rank.
+    greedy, plain sampling and top-k; min-p and top-p one or two more). The metadata handshake runs
+    once per configuration (``splitsoftmax.distributed.session``; ``SPLITSOFTMAX_HANDSHAKE=always``:
+    every call); ranks that disagree on ``N``, dtype, the filters or integer seeds and offsets raise
+    ``ValueError`` on every rank, as do all ranks when one rejects its arguments.
     """
     comm = as_comm(group)
     agree, err, codes = None, None, (0, 0)
@@ -237,8 +202,9 @@ def sharded_sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, to
     except (TypeError, ValueError) as e:
         err = e
     v_local = logits.shape[1] if err is None else 0
-    widths = _widths(comm, group, "sharded_sample", agree, v_local, err)
-    ex = Exchange(comm, _fingerprint([*agree.values(), *codes, *widths]), "sharded_sample", logits.device)
-    col0 = sum(widths[:comm.rank])
-    return _run(comm, "sharded_sample", agree, v_local,
-                lambda: _draw(ex, logits, col0, sum(widths), filters, seeds, offsets))
+
+    def body(meta: dict, guard):
+        widths = meta["V_local"]
+        ex = Exchange(comm, guard, "sharded_sample", logits.device)
+        return _draw(ex, logits, sum(widths[:comm.rank]), sum(widths), filters, seeds, offsets)
+    return collective(comm, group, "sharded_sample", agree, {"V_local": v_local}, err, codes, body)

@@ -20,14 +20,11 @@ from torch import Tensor
 
 from . import sampling_rows as rows
 from .distributed.comm import Communicator
+from .distributed.session import Guard
 from .distributed.tree import allgather
 from .kernels import configs, sampling_cpu
 from .local import use_triton
 from .sampling_rows import COLLECT, MASS, REFINE, THRESH, Spec
-
-
-class ConfigMismatch(ValueError):
-    pass
 
 
 def ops_for(x: Tensor):
@@ -40,10 +37,11 @@ def ops_for(x: Tensor):
 
 class Exchange:
     """All-gathers of per-row int64 records over ``comm`` (None: one device, no exchange), each
-    carrying ``fingerprint``; ``sync``: whether mode tests may read the device (not on one CUDA device)."""
+    carrying ``guard``'s fingerprint; ``sync``: whether mode tests may read the device (not on one
+    CUDA device)."""
 
-    def __init__(self, comm: Optional[Communicator], fingerprint: int, step: str, device: torch.device):
-        self.comm, self.fingerprint, self.step = comm, fingerprint, step
+    def __init__(self, comm: Optional[Communicator], guard: Optional[Guard], step: str, device: torch.device):
+        self.comm, self.guard, self.step = comm, guard, step
         self.sync = comm is not None or device.type == "cpu"
 
     def gather(self, *parts: Tensor) -> list[Tensor]:
@@ -52,13 +50,9 @@ class Exchange:
             return [p.unsqueeze(1) for p in parts]
         n = parts[0].shape[0]
         widths = [p.shape[1] for p in parts]
-        flat = torch.cat([p.reshape(-1) for p in parts] + [parts[0].new_tensor([self.fingerprint])])
+        flat = torch.cat([p.reshape(-1) for p in parts] + [parts[0].new_tensor([self.guard.fingerprint])])
         got = allgather(self.comm, flat, self.step)  # [P, total + 1]
-        prints = got[:, -1].tolist()
-        if len(set(prints)) > 1:
-            raise ConfigMismatch(f"{self.step}: ranks sampled with different configurations "
-                                 f"(fingerprints by rank: {prints}); every rank must pass the same "
-                                 f"N, dtype, temperature, top_k, top_p, min_p, seed and offset")
+        self.guard.check(got[:, -1].tolist(), flat.numel(), flat.device)
         out, start = [], 0
         for w in widths:
             out.append(got[:, start:start + n * w].reshape(got.shape[0], n, w).transpose(0, 1))
@@ -109,15 +103,15 @@ def _mass_rounds(ex: Exchange, ops, x: Tensor, col0: int, plan, spec: Spec, vals
     z, hist = ops.mass(x, col0, plan, *consts)
     gz, gh = ex.gather(z.unsqueeze(1), hist)
     plan = rows.after_mass(plan, gz.sum(dim=1)[:, 0], gh.sum(dim=1), vals, ids, spec, seed, offset)
-    for _ in range(configs.SAMPLE_REFINE_ROUNDS):
+    rounds = configs.sample_refine_rounds(spec.bins)
+    for _ in range(rounds):
         if not ex.any(plan.mode, REFINE):
             break
-        above, hist = ops.refine(x, col0, plan, *consts)
-        ga, gh = ex.gather(above.unsqueeze(1), hist)
-        plan = rows.after_refine(plan, ga.sum(dim=1)[:, 0], gh.sum(dim=1), spec)
+        above, hist, hmass = ops.refine(x, col0, plan, *consts)
+        ga, gh, gm = ex.gather(above.unsqueeze(1), hist, hmass)
+        plan = rows.after_refine(plan, ga.sum(dim=1)[:, 0], gh.sum(dim=1), gm.sum(dim=1), spec)
     if ex.sync and bool((plan.mode == REFINE).any()):
-        raise RuntimeError("sharded_sample: a top-p bracket did not narrow within "
-                           f"{configs.SAMPLE_REFINE_ROUNDS} refinements")
+        raise RuntimeError(f"sharded_sample: a top-p bracket did not narrow within {rounds} refinements")
     return plan
 
 

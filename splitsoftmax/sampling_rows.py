@@ -7,7 +7,8 @@ every split of the vocabulary. A row moves through the modes
 - ``MASS``: top-p needs the total mass ``Z`` of the tokens kept by top-k (first round: ``Z`` and a
   histogram of ``d = log2(p / p_max)`` over ``bins`` bins of ``[-span, 0]``);
 - ``REFINE``: the crossing of ``top_p * Z`` lies in a bracket holding more than ``cap`` tokens:
-  exact mass above it and a histogram of its sub-bins (order keys of ``d``, linear);
+  the exact mass above it and the count and exact mass of each of its sub-bins (linear in the
+  order keys of ``d``): the crossing sub-bin is the next bracket;
 - ``COLLECT``: the sampling pass lists the bracket's tokens; the exact threshold follows from them;
 - ``THRESH``: thresholds known, the sampling pass draws among the kept tokens;
 - ``DONE``: the token is known (greedy, an invalid row, or every kept token among the records).
@@ -29,7 +30,7 @@ DONE, THRESH, COLLECT, REFINE, MASS = 0, 1, 2, 3, 4
 SENT_ID = 2 ** 63 - 1          # the id of a missing record (value -inf, after every real -inf)
 INT32_LO, INT32_END = -(2 ** 31), 2 ** 31
 SLACK_D = 2e-6                 # first-round bins: |error| of a token's bin edge in d
-SLACK_Q = 4e-7                 # relative error of an integer mass against 2^d * 2^S
+SLACK_Q = 4e-7                 # relative error of an integer mass against 2^d * 2^S (first round)
 
 
 @dataclass
@@ -239,7 +240,8 @@ def after_mass(plan: RowPlan, z: Tensor, hist: Tensor, vals: Tensor, ids: Tensor
     b = torch.arange(spec.bins, device=z.device)
     count = torch.where((b >= first.unsqueeze(1)) & (b <= last.unsqueeze(1)), hist, 0).sum(dim=1)
     w = spec.span / (spec.bins - 1)
-    d_lo = torch.where(last == spec.bins - 1, sm.NEG_INF, -(last + 1).double() * w * (1 + 1e-5) - SLACK_D)
+    # the threshold is a token with a positive mass: d > -(shift + 1)
+    d_lo = torch.where(last == spec.bins - 1, -(spec.shift + 1.0), -(last + 1).double() * w * (1 + 1e-5) - SLACK_D)
     d_hi = -first.double() * w * (1 - 1e-5) + SLACK_D
     orng = torch.stack((sm.ord32(d_lo.to(torch.float32)), sm.ord32(d_hi.to(torch.float32)) + 1), dim=1)
     wide = count > spec.cap
@@ -254,33 +256,16 @@ def _sub_edges(orng: Tensor, bins: int) -> Tensor:
     return lo + (j * width + bins - 1) // bins
 
 
-def _sub_bounds(edges: Tensor, shift: int) -> tuple[Tensor, Tensor]:
-    """Integer mass bounds ``(N, bins)`` float64 of a token in each sub-bin (exact for one-key bins)."""
-    d_lo = sm.unord32(edges[:, :-1].clamp(INT32_LO, INT32_END - 1))
-    d_hi = sm.unord32((edges[:, 1:] - 1).clamp(INT32_LO, INT32_END - 1))
-    q_lo = sm.qmass(d_lo, shift).to(torch.float64)
-    q_hi = sm.qmass(d_hi, shift).to(torch.float64)
-    exact = (edges[:, 1:] - edges[:, :-1]) == 1
-    lo = torch.where(exact, q_lo, (torch.floor(torch.exp2(d_lo.double()) * 2.0 ** shift * (1 - SLACK_Q)) - 1))
-    hi = torch.where(exact, q_hi, torch.ceil(torch.exp2(d_hi.double()) * 2.0 ** shift * (1 + SLACK_Q)) + 1)
-    return lo.clamp_min(0), hi
-
-
-def after_refine(plan: RowPlan, above: Tensor, hist: Tensor, spec: Spec) -> RowPlan:
-    """REFINE rows given the exact mass above the bracket ``(N,)`` and its sub-bin histogram."""
+def after_refine(plan: RowPlan, above: Tensor, hist: Tensor, hmass: Tensor, spec: Spec) -> RowPlan:
+    """REFINE rows given the exact mass above the bracket ``(N,)``, the count and the exact mass of
+    each of its sub-bins ``(N, bins)``: the new bracket is the sub-bin where the mass crosses."""
     rows = plan.mode == REFINE
     edges = _sub_edges(plan.orng, spec.bins)
-    lo, hi = _sub_bounds(edges, spec.shift)
-    h = hist.to(torch.float64)
-    base = above.to(torch.float64).unsqueeze(1)
-    low = base + torch.flip(torch.cumsum(torch.flip(h * lo, [1]), dim=1), [1])   # tokens in sub-bins >= j
-    high = base + torch.flip(torch.cumsum(torch.flip(h * hi, [1]), dim=1), [1])
-    need = plan.need.unsqueeze(1)
-    top = spec.bins - 1 - _first(torch.flip(high >= need, [1]), spec.bins - 1)
-    bot = torch.minimum(spec.bins - 1 - _first(torch.flip(low >= need, [1]), spec.bins - 1), top)
-    j = torch.arange(spec.bins, device=hist.device)
-    count = torch.where((j >= bot.unsqueeze(1)) & (j <= top.unsqueeze(1)), hist, 0).sum(dim=1)
-    orng = torch.stack((edges.gather(1, bot.unsqueeze(1))[:, 0], edges.gather(1, top.unsqueeze(1) + 1)[:, 0]), 1)
+    reach = above.unsqueeze(1) + torch.flip(torch.cumsum(torch.flip(hmass, [1]), dim=1), [1])  # sub-bins >= j
+    ok = reach.to(torch.float64) >= plan.need.unsqueeze(1)
+    j = (spec.bins - 1 - _first(torch.flip(ok, [1]), spec.bins - 1)).unsqueeze(1)
+    count = hist.gather(1, j)[:, 0]
+    orng = torch.cat((edges.gather(1, j), edges.gather(1, j + 1)), dim=1)
     single = rows & (count > spec.cap) & (orng[:, 1] - orng[:, 0] == 1)
     tau = sm.unord32(orng[:, 0].clamp(INT32_LO, INT32_END - 1))
     plan = replace(plan, mode=torch.where(single, THRESH, plan.mode),

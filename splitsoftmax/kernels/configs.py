@@ -224,9 +224,12 @@ SAMPLE_RECORDS_MAX = 256
 SAMPLE_GROUP = 16
 # Top-p without a small top-k: a first histogram of d = log2(p / p_max) over SAMPLE_BINS bins
 # (the last one holds d <= -SAMPLE_BIN_SPAN) brackets the crossing of top_p * Z; a bracket of at
-# most SAMPLE_CAP tokens is listed by the sampling pass, a larger one refined by up to
-# SAMPLE_REFINE_ROUNDS histograms of its order keys.
+# most SAMPLE_CAP tokens is listed by the sampling pass, a larger one refined by histograms of its
+# order keys (sample_refine_rounds: enough for a 2^31-key bracket to narrow to one key).
 SAMPLE_BINS = 2048
 SAMPLE_BIN_SPAN = 16.0
 SAMPLE_CAP = 4096
-SAMPLE_REFINE_ROUNDS = 4
+
+
+def sample_refine_rounds(bins: int) -> int:
+    return -(-31 // max(1, bins.bit_length() - 1)) + 1

@@ -103,19 +103,24 @@ def sub_bin(o: Tensor, orng: Tensor, bins: int) -> Tensor:
 
 
 def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, span: float):
-    """``(mass above (N,) int64, hist (N, bins) int64)`` for the rows in mode REFINE: the integer
-    mass above each row's bracket and the histogram of the bracket's sub-bins (others: zeros)."""
+    """``(mass above (N,), hist (N, bins), hist mass (N, bins))`` int64 for the rows in mode REFINE:
+    the integer mass above each row's bracket, the count and the integer mass of the bracket's
+    columns in each sub-bin (others: zeros)."""
     n, v = x.shape
     above_mass = torch.zeros(n, dtype=torch.int64, device=x.device)
     hist = torch.zeros((n, bins), dtype=torch.int64, device=x.device)
+    hmass = torch.zeros((n, bins), dtype=torch.int64, device=x.device)
     rows = _active(plan, REFINE)
     for lo in _blocks(v):
         zz, d, keep = _scaled(x[rows, lo:lo + configs.CPU_BLOCK_COLS], plan, rows, c)
         inside, above, o = _bracket(d, plan, rows, bins, span)
-        above_mass[rows] += torch.where(keep & above, sm.qmass(d, shift), 0).sum(dim=1)
+        q = sm.qmass(d, shift)
+        above_mass[rows] += torch.where(keep & above, q, 0).sum(dim=1)
         sub = sub_bin(o, plan.orng[rows], bins)
-        hist[rows] += torch.zeros_like(hist[rows]).scatter_add_(1, sub, (keep & inside).to(torch.int64))
-    return above_mass, hist
+        take = keep & inside
+        hist[rows] += torch.zeros_like(hist[rows]).scatter_add_(1, sub, take.to(torch.int64))
+        hmass[rows] += torch.zeros_like(hmass[rows]).scatter_add_(1, sub, torch.where(take, q, 0))
+    return above_mass, hist, hmass
 
 
 def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c: float, shift: int, bins: int,

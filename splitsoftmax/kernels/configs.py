@@ -222,6 +222,13 @@ ATTN_PREP_TILE_ELEMS = 4096
 SAMPLE_RECORDS_MIN = 64
 SAMPLE_RECORDS_MAX = 256
 SAMPLE_GROUP = 16
+SAMPLE_GROUP_INTERPRET = 2
+# columns per tile of the mass, refinement and sampling passes; programs per SM a row is spread
+# over (a batch of one row then runs on every SM); the SM count assumed under the interpreter
+SAMPLE_TILE = 2048
+SAMPLE_TILE_INTERPRET = 16
+SAMPLE_PROGRAMS_PER_SM = 2
+SAMPLE_INTERPRET_SMS = 4
 # Top-p without a small top-k: a first histogram of d = log2(p / p_max) over SAMPLE_BINS bins
 # (the last one holds d <= -SAMPLE_BIN_SPAN) brackets the crossing of top_p * Z; a bracket of at
 # most SAMPLE_CAP tokens is listed by the sampling pass, a larger one refined by histograms of its

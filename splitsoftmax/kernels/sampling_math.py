@@ -144,7 +144,8 @@ def gumbel_key(zz: Tensor, word: Tensor) -> Tensor:
 
 def qmass(d: Tensor, shift: int) -> Tensor:
     """Integer masses ``floor(2^d * 2^shift)`` (int64) of ``d = zz - zz_max <= 0`` (float32); 0 below 2^-shift."""
-    d = torch.clamp(d, min=-float(shift) - 2.0)
+    low = f32(-float(shift) - 2.0, d)
+    d = torch.where(d > low, torch.clamp(d, max=0.0), low)   # also NaN, which no kept token has
     n = torch.floor(d)
     p = _horner(EXP2_POLY, d - n)
     sh = (n + f32(float(shift), n)).to(torch.int32)

@@ -1,0 +1,386 @@
+"""Triton passes of sampling over a slice of the vocabulary: same signatures and results as
+``kernels.sampling_cpu`` (the element math is ``kernels.sampling_math``'s, bit for bit).
+
+Every kernel runs on a grid ``(N, splits)``: a row's columns are cut into ``splits`` spans of whole
+tiles, so that a batch of one row still spreads over the GPU; the spans' records merge exactly
+(maxima of packed keys, integer sums). Kernels are compiled without FMA contraction
+(``enable_fp_fusion=False``): a fused multiply-add rounds once where the torch path rounds twice.
+
+- ``_records_kernel``: the span's top ``KR`` packed keys ``(ord32(x), global id)``: each tile of
+  ``KR * G`` columns gives the maxima of its ``KR`` groups of ``G``; the best ``KR`` groups over the
+  span are kept, and only their columns are sorted (the top ``KR`` columns lie in the top ``KR``
+  groups). Ties to the last record are counted only when a top-k needs them.
+- ``_mass_kernel``: integer masses and the first-round histogram (``tl.histogram``) of top-p.
+- ``_refine_kernel``: the mass above a bracket and its sub-bins' counts and masses (atomics; rare).
+- ``_sample_kernel``: the Gumbel-max draw; tiles start at global ids divisible by 4, so one Philox
+  call gives the noise of four consecutive tokens; bracket candidates are appended with one
+  atomic per tile.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..local import interpreting
+from ..sampling_rows import COLLECT, MASS, REFINE, SENT_ID, THRESH, RowPlan, merge_partials
+from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
+from . import configs
+from . import sampling_math as sm
+
+NONE = tl.constexpr(-(2 ** 63))
+U32 = tl.constexpr(0xFFFFFFFF)
+
+
+@triton.jit
+def _ord32(x):
+    """Monotone int32 order key of float32 ``x`` (``-0`` as ``+0``, NaN on top)."""
+    x = x + 0.0
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(x != x, 0x7FFFFFFF, key)
+
+
+@triton.jit
+def _log2_core(f):
+    """``f * poly(f) ~ log2(1 + f)`` (Horner, the coefficients of ``sampling_math.LOG2_POLY``)."""
+    p = f * 0.0 + 0.12614846229553223
+    p = p * f + -0.20742103457450867
+    p = p * f + 0.21566985547542572
+    p = p * f + -0.23892034590244293
+    p = p * f + 0.2879183292388916
+    p = p * f + -0.36070483922958374
+    p = p * f + 0.48091059923171997
+    p = p * f + -0.7213473320007324
+    p = p * f + 1.4426950216293335
+    return f * p
+
+
+@triton.jit
+def _split_log2(y):
+    bits = y.to(tl.int32, bitcast=True)
+    e = (bits >> 23) - 127
+    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    big = m > 1.4142135381698608
+    m = tl.where(big, m * 0.5, m)
+    e = tl.where(big, e + 1, e)
+    return e.to(tl.float32), m - 1.0
+
+
+@triton.jit
+def _gumbel(zz, word):
+    """``zz - log2(-log2(1 - v))`` of the uniform ``v`` of the random words (``sampling_math.gumbel_key``)."""
+    v = word.to(tl.float32) * 2.3283064365386963e-10
+    v = tl.minimum(tl.maximum(v, 1.1641532182693481e-10), 0.9999999403953552)
+    small = v < 0.29289323091506958
+    e, f = _split_log2(tl.where(small, 0.5, 1.0 - v))
+    f = tl.where(small, -v, f)
+    e1 = -(tl.where(small, 0.0, e) + _log2_core(f))
+    e2, f2 = _split_log2(e1)
+    return zz - (e2 + _log2_core(f2))
+
+
+@triton.jit
+def _qmass(d, shift):
+    """Integer masses ``floor(2^d * 2^shift)`` (``sampling_math.qmass``)."""
+    d = tl.where(d > -shift - 2.0, tl.minimum(d, 0.0), -shift - 2.0)
+    n = tl.floor(d)
+    f = d - n
+    p = f * 0.0 + 0.00021877505059819669
+    p = p * f + 0.0012387821916490793
+    p = p * f + 0.009684580378234386
+    p = p * f + 0.05548042804002762
+    p = p * f + 0.2402305006980896
+    p = p * f + 0.6931469440460205
+    p = p * f + 1.0
+    sh = (n + shift).to(tl.int32)
+    scale = ((tl.maximum(sh, 0) + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(sh >= 0, (p * scale).to(tl.int64), 0)
+
+
+@triton.jit
+def _bin1(d, inv_w, BINS: tl.constexpr):
+    b = tl.floor(-d * inv_w)
+    return tl.minimum(tl.maximum(b, 0.0), BINS - 1.0).to(tl.int32)
+
+
+@triton.jit
+def _keys(xrow, cols, valid, col0):
+    """Packed record keys ``ord32(x) << 32 | (2^32 - 1 - id)`` of columns ``cols``; NONE where not valid."""
+    x = tl.load(xrow + cols, mask=valid, other=0.0).to(tl.float32)
+    key = (_ord32(x).to(tl.int64) << 32) | (U32 - (cols + col0).to(tl.int64))
+    return tl.where(valid, key, NONE)
+
+
+@triton.jit(do_not_specialize=["col0", "span"])
+def _records_kernel(X, OUT, TIES, V, col0, span, s_xn, s_on, s_os, s_tn, KR: tl.constexpr, G: tl.constexpr,
+                    K_TIE: tl.constexpr):
+    """Grid ``(N, splits)``: the top ``KR`` packed keys of columns ``[split * span, +span)`` of a row,
+    descending, and (only where ``K_TIE`` needs it) the count of columns equal to the last one."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lo = split * span
+    hi = tl.minimum(lo + span, V)
+    xrow = X + row * s_xn
+    TILE: tl.constexpr = KR * G
+    lanes = tl.arange(0, TILE)
+    if KR == 1:
+        best = tl.full([1], NONE, tl.int64)
+        for t0 in range(lo, hi, TILE):
+            cols = t0 + lanes
+            best = tl.maximum(best, tl.max(_keys(xrow, cols, cols < hi, col0), axis=0))
+        rec = best
+    else:
+        best = tl.full([KR], NONE, tl.int64)
+        for t0 in range(lo, hi, TILE):
+            cols = t0 + lanes
+            gmax = tl.max(tl.reshape(_keys(xrow, cols, cols < hi, col0), [KR, G]), axis=1)  # [KR]
+            best = tl.topk(tl.reshape(tl.join(best, gmax), [2 * KR]), KR)
+        gcol = (U32 - (best & U32)) - col0                  # [KR]: column of each group's maximum
+        gcol = lo + ((gcol - lo) // G) * G
+        cols = gcol[:, None] + tl.arange(0, G)[None, :]      # [KR, G]: the best groups' columns
+        valid = (best != NONE)[:, None] & (cols < hi)
+        rec = tl.topk(tl.reshape(_keys(xrow, cols, valid, col0), [KR * G]), KR)  # [KR]
+    out = OUT + row * s_on + split * s_os
+    tl.store(out + tl.arange(0, KR), rec)
+    last = tl.min(rec, axis=0)
+    ties = tl.sum(tl.zeros([1], tl.int64), axis=0) - 1
+    if K_TIE > 0:
+        kth = tl.sum(tl.where(tl.arange(0, KR) == K_TIE - 1, rec, 0), axis=0)
+        if ((kth >> 32) == (last >> 32)) & (last != NONE):
+            v_last = (last >> 32).to(tl.int32)
+            count = ties + 1
+            for t0 in range(lo, hi, TILE):
+                cols = t0 + lanes
+                x = tl.load(xrow + cols, mask=cols < hi, other=0.0).to(tl.float32)
+                count += tl.sum(((_ord32(x) == v_last) & (cols < hi)).to(tl.int64), axis=0)
+            ties = count
+    tl.store(TIES + row * s_tn + split, ties)
+
+
+@triton.jit
+def _row_inputs(X, XTHR, ZMAX, row, cols, valid, s_xn, c):
+    """``(x, zz, d, kept by top-k)`` of a tile of a row."""
+    x = tl.load(X + row * s_xn + cols, mask=valid, other=0.0).to(tl.float32)
+    zz = x * c
+    d = zz - tl.load(ZMAX + row)
+    return x, zz, d, valid & (x >= tl.load(XTHR + row))
+
+
+@triton.jit(do_not_specialize=["span", "c", "inv_w", "shift"])
+def _mass_kernel(X, MODE, XTHR, ZMAX, Z, H, V, span, s_xn, c, inv_w, shift, s_zn, s_hn, s_hs,
+                 BINS: tl.constexpr, TILE: tl.constexpr):
+    """Grid ``(N, splits)``, rows in mode MASS: the span's integer mass of the columns kept by
+    top-k and their first-round histogram."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lo = split * span
+    hi = tl.minimum(lo + span, V)
+    hi = tl.where(tl.load(MODE + row) == MASS, hi, lo)
+    lanes = tl.arange(0, TILE)
+    z = tl.zeros([TILE], tl.int64)
+    hist = tl.zeros([BINS], tl.int32)
+    for t0 in range(lo, hi, TILE):
+        cols = t0 + lanes
+        x, zz, d, keep = _row_inputs(X, XTHR, ZMAX, row, cols, cols < hi, s_xn, c)
+        z += tl.where(keep, _qmass(d, shift), 0)
+        hist += tl.histogram(_bin1(d, inv_w, BINS), BINS, mask=keep)
+    tl.store(Z + row * s_zn + split, tl.sum(z, axis=0))
+    tl.store(H + row * s_hn + split * s_hs + tl.arange(0, BINS), hist)
+
+
+@triton.jit
+def _bracket(d, B1, ORNG, row, inv_w, BINS: tl.constexpr):
+    """``(inside, above, order key)`` of a tile against the row's bracket (``sampling_cpu._bracket``)."""
+    b = _bin1(d, inv_w, BINS)
+    o = _ord32(d).to(tl.int64)
+    b_lo, b_hi = tl.load(B1 + 2 * row), tl.load(B1 + 2 * row + 1)
+    o_lo, o_hi = tl.load(ORNG + 2 * row), tl.load(ORNG + 2 * row + 1)
+    in_b1 = (b >= b_lo) & (b <= b_hi)
+    inside = in_b1 & (o >= o_lo) & (o < o_hi)
+    above = (b < b_lo) | (in_b1 & (o >= o_hi))
+    return inside, above, o
+
+
+@triton.jit(do_not_specialize=["span", "c", "inv_w", "shift"])
+def _refine_kernel(X, MODE, XTHR, ZMAX, B1, ORNG, A, H, HM, V, span, s_xn, c, inv_w, shift, s_an, s_hn, s_hs,
+                   BINS: tl.constexpr, TILE: tl.constexpr):
+    """Grid ``(N, splits)``, rows in mode REFINE: the span's mass above the bracket, the count of
+    its columns per sub-bin (``H``, per split) and their mass (``HM (N, BINS)``, atomics)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lo = split * span
+    hi = tl.minimum(lo + span, V)
+    hi = tl.where(tl.load(MODE + row) == REFINE, hi, lo)
+    o_lo = tl.load(ORNG + 2 * row)
+    width = tl.maximum(tl.load(ORNG + 2 * row + 1) - o_lo, 1)
+    lanes = tl.arange(0, TILE)
+    above_mass = tl.zeros([TILE], tl.int64)
+    hist = tl.zeros([BINS], tl.int32)
+    for t0 in range(lo, hi, TILE):
+        cols = t0 + lanes
+        x, zz, d, keep = _row_inputs(X, XTHR, ZMAX, row, cols, cols < hi, s_xn, c)
+        inside, above, o = _bracket(d, B1, ORNG, row, inv_w, BINS)
+        q = _qmass(d, shift)
+        above_mass += tl.where(keep & above, q, 0)
+        sub = tl.minimum(tl.maximum((o - o_lo) * BINS // width, 0), BINS - 1).to(tl.int32)
+        take = keep & inside
+        hist += tl.histogram(sub, BINS, mask=take)
+        tl.atomic_add(HM + row * BINS + sub, q, mask=take)
+    tl.store(A + row * s_an + split, tl.sum(above_mass, axis=0))
+    tl.store(H + row * s_hn + split * s_hs + tl.arange(0, BINS), hist)
+
+
+@triton.jit(do_not_specialize=["col0", "span", "c", "inv_w", "shift", "cap"])
+def _sample_kernel(X, MODE, XTHR, ZMAX, DTHR, B1, ORNG, SEED, OFFSET, BEST, A, CD, CK, COUNT, V, col0, span,
+                   s_xn, s_bn, c, inv_w, shift, cap, SHIFT4: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr):
+    """Grid ``(N, splits)``, rows THRESH or COLLECT: the best packed Gumbel key of the kept columns
+    of the span (COLLECT: those above the bracket), the mass above the bracket, and the bracket's
+    columns appended to the row's candidates. Spans cut ``u = column + SHIFT4`` (``SHIFT4 =
+    col0 % 4``), so every tile starts at a global id divisible by 4."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    mode = tl.load(MODE + row)
+    lo = split * span
+    hi = tl.minimum(lo + span, V + SHIFT4)
+    hi = tl.where((mode == COLLECT) | (mode == THRESH), hi, lo)
+    seed = tl.load(SEED + row)
+    off = tl.load(OFFSET + row)
+    q4: tl.constexpr = TILE // 4
+    c1 = tl.full([q4], 0, tl.int64) + (off & U32)
+    c2 = tl.full([q4], 0, tl.int64) + ((off >> 32) & U32)
+    c3 = tl.full([q4], 0x53414D50, tl.int64)
+    dthr = tl.load(DTHR + row)
+    lanes = tl.arange(0, TILE)
+    # a block, not a scalar: the interpreter's & of an int1 scalar and an int1 block gives int32
+    collect = (lanes * 0 + mode) == COLLECT
+    best = tl.full([TILE], NONE, tl.int64)
+    above_mass = tl.zeros([TILE], tl.int64)
+    for u0 in range(lo, hi, TILE):
+        cols = u0 - SHIFT4 + lanes
+        valid = (cols >= 0) & (cols < V)
+        x, zz, d, keep = _row_inputs(X, XTHR, ZMAX, row, cols, valid, s_xn, c)
+        ctr = ((col0 - SHIFT4 + u0) >> 2) + tl.arange(0, q4).to(tl.int64)
+        r0, r1, r2, r3 = tl.philox(seed, ctr.to(tl.uint32), c1.to(tl.uint32), c2.to(tl.uint32), c3.to(tl.uint32))
+        word = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [TILE])  # word of id 4 * ctr + lane
+        gid = (cols + col0).to(tl.int64)
+        packed = (_ord32(_gumbel(zz, word)).to(tl.int64) << 32) | (U32 - gid)
+        inside, above, o = _bracket(d, B1, ORNG, row, inv_w, BINS)
+        kept = keep & (d >= dthr)
+        win = tl.where(collect, kept & above, kept | (valid & (x != x)))
+        best = tl.maximum(best, tl.where(win, packed, NONE))
+        above_mass += tl.where(collect & keep & above, _qmass(d, shift), 0)
+        take = collect & keep & inside
+        one = tl.where(take, 1, 0)
+        n_take = tl.sum(one, axis=0)
+        if n_take > 0:
+            base = tl.atomic_add(COUNT + row, n_take)
+            pos = base + tl.cumsum(one, axis=0) - 1
+            ok = take & (pos < cap)
+            tl.store(CD + row * cap + pos, d, mask=ok)
+            tl.store(CK + row * cap + pos, packed, mask=ok)
+    tl.store(BEST + row * s_bn + split, tl.max(best, axis=0))
+    tl.store(A + row * s_bn + split, tl.sum(above_mass, axis=0))
+
+
+def _sms(device: torch.device) -> int:
+    return configs.SAMPLE_INTERPRET_SMS if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _splits(n: int, width: int, tile: int, device: torch.device) -> tuple[int, int]:
+    """``(splits, span)``: programs per row and the columns each covers (whole tiles)."""
+    want = configs.cdiv(configs.SAMPLE_PROGRAMS_PER_SM * _sms(device), max(n, 1))
+    splits = max(1, min(want, configs.cdiv(max(width, 1), tile)))
+    span = configs.cdiv(configs.cdiv(max(width, 1), splits), tile) * tile
+    return configs.cdiv(max(width, 1), span), span
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """``(values (N, kr) float64, ids (N, kr) int64, ties (N,) int64)`` (see ``sampling_cpu.records``;
+    ``ties`` is -1 where no top-k of ``k_tie`` needs it)."""
+    x = _rows(x)
+    n, v = x.shape
+    g = 1024 if kr == 1 else (configs.SAMPLE_GROUP_INTERPRET if interpreting() else configs.SAMPLE_GROUP)
+    splits, span = _splits(n, v, kr * g, x.device)
+    part = torch.empty((n, splits, kr), dtype=torch.int64, device=x.device)
+    ties = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    if n:
+        _records_kernel[(n, splits)](x, part, ties, v, col0, span, x.stride(0), part.stride(0), part.stride(1),
+                                     ties.stride(0), KR=kr, G=g, K_TIE=k_tie if k_tie < kr else 0,
+                                     num_warps=4, enable_fp_fusion=False)
+    vals, ids = decode(part)
+    return merge_partials(vals, ids, torch.where(ids[:, :, -1] == SENT_ID, 0, ties), kr)
+
+
+def decode(part: Tensor) -> tuple[Tensor, Tensor]:
+    """Packed record keys to ``(values float64, ids)``; missing ones to ``(-inf, SENT_ID)``."""
+    none = part == sm.PACKED_NONE
+    vals = torch.where(none, sm.NEG_INF, sm.unord32(part >> 32).to(torch.float64))
+    return vals, torch.where(none, SENT_ID, sm.packed_gid(part))
+
+
+def _plan_args(plan: RowPlan):
+    return (plan.mode.to(torch.int32), plan.xthr.to(torch.float32), plan.zmax.contiguous())
+
+
+def _tile() -> int:
+    return configs.SAMPLE_TILE_INTERPRET if interpreting() else configs.SAMPLE_TILE
+
+
+def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, span: float):
+    """``(Z (N,) int64, hist (N, bins) int64)`` (see ``sampling_cpu.mass``)."""
+    x = _rows(x)
+    n, v = x.shape
+    tile = _tile()
+    splits, cols = _splits(n, v, tile, x.device)
+    z = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    h = torch.empty((n, splits, bins), dtype=torch.int32, device=x.device)
+    if n:
+        _mass_kernel[(n, splits)](x, *_plan_args(plan), z, h, v, cols, x.stride(0), c, (bins - 1) / span, shift,
+                                  z.stride(0), h.stride(0), h.stride(1), BINS=bins, TILE=tile, num_warps=4,
+                                  enable_fp_fusion=False)
+    return z.sum(dim=1), h.sum(dim=1, dtype=torch.int64)
+
+
+def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, span: float):
+    """``(mass above (N,), hist (N, bins), hist mass (N, bins))`` int64 (see ``sampling_cpu.refine``)."""
+    x = _rows(x)
+    n, v = x.shape
+    tile = _tile()
+    splits, cols = _splits(n, v, tile, x.device)
+    above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    h = torch.empty((n, splits, bins), dtype=torch.int32, device=x.device)
+    hm = torch.zeros((n, bins), dtype=torch.int64, device=x.device)
+    if n:
+        _refine_kernel[(n, splits)](x, *_plan_args(plan), plan.b1.contiguous(), plan.orng.contiguous(), above, h, hm,
+                                    v, cols, x.stride(0), c, (bins - 1) / span, shift, above.stride(0),
+                                    h.stride(0), h.stride(1), BINS=bins, TILE=tile, num_warps=4,
+                                    enable_fp_fusion=False)
+    return above.sum(dim=1), h.sum(dim=1, dtype=torch.int64), hm
+
+
+def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c: float, shift: int, bins: int,
+           span: float, cap: int):
+    """``(best, mass above, cand_d, cand_key, count)`` (see ``sampling_cpu.sample``)."""
+    x = _rows(x)
+    n, v = x.shape
+    tile = _tile()
+    shift4 = col0 % 4
+    splits, cols = _splits(n, v + shift4, tile, x.device)
+    best = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    cand_d = torch.full((n, max(cap, 1)), sm.NEG_INF, dtype=torch.float32, device=x.device)
+    cand_k = torch.full((n, max(cap, 1)), sm.PACKED_NONE, dtype=torch.int64, device=x.device)
+    count = torch.zeros(n, dtype=torch.int32, device=x.device)
+    if n:
+        _sample_kernel[(n, splits)](x, *_plan_args(plan), plan.dthr.contiguous(), plan.b1.contiguous(),
+                                    plan.orng.contiguous(), seed.contiguous(), offset.contiguous(), best, above,
+                                    cand_d, cand_k, count, v, col0, cols, x.stride(0), best.stride(0), c,
+                                    (bins - 1) / span, shift, cap, SHIFT4=shift4, BINS=bins, TILE=tile,
+                                    num_warps=4, enable_fp_fusion=False)
+    return (best.amax(dim=1), above.sum(dim=1), cand_d[:, :cap], cand_k[:, :cap], count.to(torch.int64))

@@ -18,7 +18,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import sampling_rows as rows
 from .distributed.comm import Communicator
 from .distributed.session import Guard
 from .distributed.tree import allgather
@@ -36,7 +35,7 @@ def ops_for(x: Tensor):
 
 
 class Exchange:
-    """All-gathers of per-row int64 records over ``comm`` (None: one device, no exchange), each
+    """All-gathers of per-row partial records over ``comm`` (None: one device, no exchange), each
     carrying ``guard``'s fingerprint; ``sync``: whether mode tests may read the device (not on one
     CUDA device)."""
 
@@ -44,20 +43,21 @@ class Exchange:
         self.comm, self.guard, self.step = comm, guard, step
         self.sync = comm is not None or device.type == "cpu"
 
-    def gather(self, *parts: Tensor) -> list[Tensor]:
-        """``parts`` ``(N, F_i)`` int64 of this rank: the same of every rank, ``(N, P, F_i)``."""
+    def gather(self, parts: tuple) -> tuple:
+        """Partials ``(N, Q, *rest)`` (int64, float64, int32 or float32) of this rank: those of every
+        rank, concatenated along ``Q`` in rank order ``(N, P * Q, *rest)``."""
         if self.comm is None:
-            return [p.unsqueeze(1) for p in parts]
-        n = parts[0].shape[0]
-        widths = [p.shape[1] for p in parts]
-        flat = torch.cat([p.reshape(-1) for p in parts] + [parts[0].new_tensor([self.guard.fingerprint])])
+            return parts
+        words = [_as_words(p) for p in parts]
+        flat = torch.cat([w.reshape(-1) for w in words] + [words[0].new_tensor([self.guard.fingerprint])])
         got = allgather(self.comm, flat, self.step)  # [P, total + 1]
         self.guard.check(got[:, -1].tolist(), flat.numel(), flat.device)
         out, start = [], 0
-        for w in widths:
-            out.append(got[:, start:start + n * w].reshape(got.shape[0], n, w).transpose(0, 1))
-            start += n * w
-        return out
+        for p, w in zip(parts, words):
+            block = got[:, start:start + w.numel()].reshape(got.shape[0], *w.shape).transpose(0, 1)
+            out.append(_from_words(block.flatten(1, 2), p.dtype))
+            start += w.numel()
+        return tuple(out)
 
     def any(self, plan_mode: Tensor, *modes: int) -> bool:
         """Whether a row is in one of ``modes`` (True without looking when reading would sync)."""
@@ -66,25 +66,26 @@ class Exchange:
         return bool(torch.isin(plan_mode, torch.tensor(modes, device=plan_mode.device)).any())
 
 
-def _f64(t: Tensor) -> Tensor:
-    return t.view(torch.int64)
+def _as_words(t: Tensor) -> Tensor:
+    if t.dtype in (torch.float64, torch.int64):
+        return t.contiguous().view(torch.int64)
+    return (t.contiguous().view(torch.int32) if t.dtype == torch.float32 else t).to(torch.int64)
 
 
-def gathered_records(ex: Exchange, x: Tensor, col0: int, kr: int, k_tie: int, large: bool):
-    """Every rank's records ``(N, P, kr)`` (values float64, ids) and tie counts ``(N, P)``."""
-    ops = sampling_cpu if large else ops_for(x)
-    vals, ids, ties = ops.records(x, col0, kr, k_tie)
-    gv, gi, gt = ex.gather(_f64(vals.contiguous()), ids, ties.unsqueeze(1))
-    return gv.view(torch.float64), gi, gt[:, :, 0]
+def _from_words(t: Tensor, dtype: torch.dtype) -> Tensor:
+    if dtype in (torch.float64, torch.int64):
+        return t.contiguous().view(dtype)
+    t = t.to(torch.int32)
+    return t.view(torch.float32) if dtype == torch.float32 else t
 
 
 def top_records(ex: Exchange, x: Tensor, col0: int, k: int) -> tuple[Tensor, Tensor]:
-    """The global top-``k`` ``(values float64, ids)`` ``(N, k)``."""
+    """The global top-``k`` ``(values float64, ids)`` ``(N, k)``; a ``k`` above the records' limit
+    takes the torch path's sort."""
     large = configs.next_pow2(k) > configs.SAMPLE_RECORDS_MAX
+    ops = sampling_cpu if large else ops_for(x)
     kr = k if large else configs.next_pow2(k)
-    vals, ids, _ = gathered_records(ex, x, col0, kr, 0, large)
-    n = x.shape[0]
-    return rows.merge_records(vals.reshape(n, -1), ids.reshape(n, -1), k)
+    return ops.merge_top(ex.gather(ops.records(x, col0, kr, 0)), k)
 
 
 def _large_top_k(ex: Exchange, x: Tensor, col0: int, spec: Spec) -> Optional[Tensor]:
@@ -92,25 +93,24 @@ def _large_top_k(ex: Exchange, x: Tensor, col0: int, spec: Spec) -> Optional[Ten
     if not spec.top_k or spec.top_k < spec.kr:
         return None
     vals, _ = top_records(ex, x, col0, spec.top_k)
-    return vals[:, -1]
+    return vals[:, -1].contiguous()
 
 
-def _mass_rounds(ex: Exchange, ops, x: Tensor, col0: int, plan, spec: Spec, vals, ids, seed, offset):
-    """MASS and REFINE rows: the first histogram, then refinements until each bracket is listable."""
-    if not ex.any(plan.mode, MASS):
+def _mass_rounds(ex: Exchange, ops, x: Tensor, col0: int, plan, recs, spec: Spec, seed, offset):
+    """MASS and REFINE rows: the first histogram, then refinements until each bracket is listable.
+    Needed only by top-p without a top-k the records hold."""
+    if spec.top_p >= 1.0 or (spec.top_k and spec.top_k < spec.kr) or not ex.any(plan.mode, MASS):
         return plan
     consts = (spec.c, spec.shift, spec.bins, spec.span)
-    z, hist = ops.mass(x, col0, plan, *consts)
-    gz, gh = ex.gather(z.unsqueeze(1), hist)
-    plan = rows.after_mass(plan, gz.sum(dim=1)[:, 0], gh.sum(dim=1), vals, ids, spec, seed, offset)
+    plan = ops.after_mass(plan, ex.gather(ops.mass(x, col0, plan, *consts)), recs, spec, seed, offset)
+    if ex.comm is None and not ex.sync:
+        return ops.refine_rows(x, plan, spec)    # one launch, every round, on the device
     rounds = configs.sample_refine_rounds(spec.bins)
     for _ in range(rounds):
         if not ex.any(plan.mode, REFINE):
             break
-        above, hist, hmass = ops.refine(x, col0, plan, *consts)
-        ga, gh, gm = ex.gather(above.unsqueeze(1), hist, hmass)
-        plan = rows.after_refine(plan, ga.sum(dim=1)[:, 0], gh.sum(dim=1), gm.sum(dim=1), spec)
-    if ex.sync and bool((plan.mode == REFINE).any()):
+        plan = ops.after_refine(plan, ex.gather(ops.refine(x, col0, plan, *consts)), spec)
+    if bool((plan.mode == REFINE).any()):
         raise RuntimeError(f"sharded_sample: a top-p bracket did not narrow within {rounds} refinements")
     return plan
 
@@ -118,27 +118,26 @@ def _mass_rounds(ex: Exchange, ops, x: Tensor, col0: int, plan, spec: Spec, vals
 def draw(ex: Exchange, x: Tensor, col0: int, spec: Spec, seed: Tensor, offset: Tensor, plain: bool) -> Tensor:
     """The tokens ``(N,)`` int64 (global ids, -1 for rows with nothing to draw) of one draw."""
     ops = ops_for(x)
-    n = x.shape[0]
     if plain:
-        plan = rows.plain_plan(n, x.device)
+        plan = ops.plain_plan(x.shape[0], x.device)
     else:
         xk = _large_top_k(ex, x, col0, spec)
-        vq, iq, tq = gathered_records(ex, x, col0, spec.kr, spec.top_k, False)
-        plan, vals, ids = rows.after_records(vq, iq, tq, spec, xk, seed, offset)
+        parts = ex.gather(ops.records(x, col0, spec.kr, spec.top_k))
+        plan, recs = ops.after_records(parts, spec, xk, seed, offset)
         if spec.greedy:
             return plan.token
-        plan = _mass_rounds(ex, ops, x, col0, plan, spec, vals, ids, seed, offset)
+        plan = _mass_rounds(ex, ops, x, col0, plan, recs, spec, seed, offset)
     if not ex.any(plan.mode, THRESH, COLLECT):
         return plan.token
-    cap = _cap(ex, plan, spec)
-    best, above, cd, ck, _ = ops.sample(x, col0, plan, seed, offset, spec.c, spec.shift, spec.bins, spec.span, cap)
-    gb, ga, gd, gk = ex.gather(best.unsqueeze(1), above.unsqueeze(1), _f64(cd.double()), ck)
-    return rows.after_sample(plan, gb.amax(dim=1)[:, 0], ga.sum(dim=1)[:, 0], gd.view(torch.float64).reshape(n, -1)
-                             .float(), gk.reshape(n, -1), spec)
+    parts = ops.sample(x, col0, plan, seed, offset, spec.c, spec.shift, spec.bins, spec.span, _cap(ex, plan, spec))
+    return ops.after_sample(plan, ex.gather(parts), spec)
 
 
 def _cap(ex: Exchange, plan, spec: Spec) -> int:
-    """Candidate slots per row: ``cap`` on one CUDA device, else as many as the fullest bracket needs."""
+    """Candidate slots per row: none unless top-p brackets can occur, ``cap`` on one CUDA device,
+    else as many as the fullest bracket needs."""
+    if spec.top_p >= 1.0 or (spec.top_k and spec.top_k < spec.kr):
+        return 0
     if not ex.sync:
         return spec.cap
     counts = plan.count[plan.mode == COLLECT]

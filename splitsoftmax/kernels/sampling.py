@@ -24,86 +24,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ..local import interpreting
-from ..sampling_rows import COLLECT, MASS, REFINE, SENT_ID, THRESH, RowPlan, merge_partials
+from ..sampling_rows import COLLECT, MASS, REFINE, SENT_ID, THRESH, RowPlan
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
 from . import sampling_math as sm
-
-NONE = tl.constexpr(-(2 ** 63))
-U32 = tl.constexpr(0xFFFFFFFF)
-
-
-@triton.jit
-def _ord32(x):
-    """Monotone int32 order key of float32 ``x`` (``-0`` as ``+0``, NaN on top)."""
-    x = x + 0.0
-    bits = x.to(tl.int32, bitcast=True)
-    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    return tl.where(x != x, 0x7FFFFFFF, key)
-
-
-@triton.jit
-def _log2_core(f):
-    """``f * poly(f) ~ log2(1 + f)`` (Horner, the coefficients of ``sampling_math.LOG2_POLY``)."""
-    p = f * 0.0 + 0.12614846229553223
-    p = p * f + -0.20742103457450867
-    p = p * f + 0.21566985547542572
-    p = p * f + -0.23892034590244293
-    p = p * f + 0.2879183292388916
-    p = p * f + -0.36070483922958374
-    p = p * f + 0.48091059923171997
-    p = p * f + -0.7213473320007324
-    p = p * f + 1.4426950216293335
-    return f * p
-
-
-@triton.jit
-def _split_log2(y):
-    bits = y.to(tl.int32, bitcast=True)
-    e = (bits >> 23) - 127
-    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
-    big = m > 1.4142135381698608
-    m = tl.where(big, m * 0.5, m)
-    e = tl.where(big, e + 1, e)
-    return e.to(tl.float32), m - 1.0
-
-
-@triton.jit
-def _gumbel(zz, word):
-    """``zz - log2(-log2(1 - v))`` of the uniform ``v`` of the random words (``sampling_math.gumbel_key``)."""
-    v = word.to(tl.float32) * 2.3283064365386963e-10
-    v = tl.minimum(tl.maximum(v, 1.1641532182693481e-10), 0.9999999403953552)
-    small = v < 0.29289323091506958
-    e, f = _split_log2(tl.where(small, 0.5, 1.0 - v))
-    f = tl.where(small, -v, f)
-    e1 = -(tl.where(small, 0.0, e) + _log2_core(f))
-    e2, f2 = _split_log2(e1)
-    return zz - (e2 + _log2_core(f2))
-
-
-@triton.jit
-def _qmass(d, shift):
-    """Integer masses ``floor(2^d * 2^shift)`` (``sampling_math.qmass``)."""
-    d = tl.where(d > -shift - 2.0, tl.minimum(d, 0.0), -shift - 2.0)
-    n = tl.floor(d)
-    f = d - n
-    p = f * 0.0 + 0.00021877505059819669
-    p = p * f + 0.0012387821916490793
-    p = p * f + 0.009684580378234386
-    p = p * f + 0.05548042804002762
-    p = p * f + 0.2402305006980896
-    p = p * f + 0.6931469440460205
-    p = p * f + 1.0
-    sh = (n + shift).to(tl.int32)
-    scale = ((tl.maximum(sh, 0) + 127) << 23).to(tl.float32, bitcast=True)
-    return tl.where(sh >= 0, (p * scale).to(tl.int64), 0)
-
-
-@triton.jit
-def _bin1(d, inv_w, BINS: tl.constexpr):
-    b = tl.floor(-d * inv_w)
-    return tl.minimum(tl.maximum(b, 0.0), BINS - 1.0).to(tl.int32)
-
+from .sampling_finish import _finish_refine
+from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
+from .sampling_jit import NONE, U32, _bin1, _gumbel, _ord32, _qmass
 
 @triton.jit
 def _keys(xrow, cols, valid, col0):
@@ -203,16 +130,11 @@ def _bracket(d, B1, ORNG, row, inv_w, BINS: tl.constexpr):
     return inside, above, o
 
 
-@triton.jit(do_not_specialize=["span", "c", "inv_w", "shift"])
-def _refine_kernel(X, MODE, XTHR, ZMAX, B1, ORNG, A, H, HM, V, span, s_xn, c, inv_w, shift, s_an, s_hn, s_hs,
-                   BINS: tl.constexpr, TILE: tl.constexpr):
-    """Grid ``(N, splits)``, rows in mode REFINE: the span's mass above the bracket, the count of
-    its columns per sub-bin (``H``, per split) and their mass (``HM (N, BINS)``, atomics)."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    lo = split * span
-    hi = tl.minimum(lo + span, V)
-    hi = tl.where(tl.load(MODE + row) == REFINE, hi, lo)
+@triton.jit
+def _refine_span(X, XTHR, ZMAX, B1, ORNG, HM, row, lo, hi, s_xn, c, inv_w, shift, BINS: tl.constexpr,
+                 TILE: tl.constexpr):
+    """Columns ``[lo, hi)`` of a REFINE row: ``(mass above the bracket, count per sub-bin [BINS])``;
+    the mass per sub-bin is added to ``HM + row * BINS`` (atomics)."""
     o_lo = tl.load(ORNG + 2 * row)
     width = tl.maximum(tl.load(ORNG + 2 * row + 1) - o_lo, 1)
     lanes = tl.arange(0, TILE)
@@ -228,7 +150,21 @@ def _refine_kernel(X, MODE, XTHR, ZMAX, B1, ORNG, A, H, HM, V, span, s_xn, c, in
         take = keep & inside
         hist += tl.histogram(sub, BINS, mask=take)
         tl.atomic_add(HM + row * BINS + sub, q, mask=take)
-    tl.store(A + row * s_an + split, tl.sum(above_mass, axis=0))
+    return tl.sum(above_mass, axis=0), hist
+
+
+@triton.jit(do_not_specialize=["span", "c", "inv_w", "shift"])
+def _refine_kernel(X, MODE, XTHR, ZMAX, B1, ORNG, A, H, HM, V, span, s_xn, c, inv_w, shift, s_an, s_hn, s_hs,
+                   BINS: tl.constexpr, TILE: tl.constexpr):
+    """Grid ``(N, splits)``, rows in mode REFINE: the span's mass above the bracket, the count of
+    its columns per sub-bin (``H``, per split) and their mass (``HM (N, BINS)``, atomics)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lo = split * span
+    hi = tl.minimum(lo + span, V)
+    hi = tl.where(tl.load(MODE + row) == REFINE, hi, lo)
+    above, hist = _refine_span(X, XTHR, ZMAX, B1, ORNG, HM, row, lo, hi, s_xn, c, inv_w, shift, BINS, TILE)
+    tl.store(A + row * s_an + split, above)
     tl.store(H + row * s_hn + split * s_hs + tl.arange(0, BINS), hist)
 
 
@@ -284,6 +220,24 @@ def _sample_kernel(X, MODE, XTHR, ZMAX, DTHR, B1, ORNG, SEED, OFFSET, BEST, A, C
     tl.store(A + row * s_bn + split, tl.sum(above_mass, axis=0))
 
 
+@triton.jit(do_not_specialize=["c", "inv_w", "shift", "cap"])
+def _refine_rows_kernel(X, MODE, XTHR, ZMAX, DTHR, NEED, B1, ORNG, COUNT, HM, V, s_xn, c, inv_w, shift, cap,
+                        ROUNDS: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr):
+    """One program per row, every refinement round in turn (one device: no exchange between rounds;
+    rows in no other mode than REFINE return at once)."""
+    row = tl.program_id(0).to(tl.int64)
+    bi = tl.arange(0, BINS)
+    for _ in range(ROUNDS):
+        if tl.load(MODE + row) == REFINE:
+            tl.store(HM + row * BINS + bi, tl.zeros([BINS], tl.int64))
+            tl.debug_barrier()
+            above, hist = _refine_span(X, XTHR, ZMAX, B1, ORNG, HM, row, 0, V, s_xn, c, inv_w, shift, BINS, TILE)
+            tl.debug_barrier()
+            hmass = tl.load(HM + row * BINS + bi)
+            _finish_refine(row, above, hist.to(tl.int64), hmass, MODE, DTHR, NEED, ORNG, COUNT, cap, BINS)
+            tl.debug_barrier()
+
+
 def _sms(device: torch.device) -> int:
     return configs.SAMPLE_INTERPRET_SMS if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
 
@@ -300,9 +254,14 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """``(values (N, kr) float64, ids (N, kr) int64, ties (N,) int64)`` (see ``sampling_cpu.records``;
-    ``ties`` is -1 where no top-k of ``k_tie`` needs it)."""
+def _tile() -> int:
+    return configs.SAMPLE_TILE_INTERPRET if interpreting() else configs.SAMPLE_TILE
+
+
+def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tensor]:
+    """Partial records of ``x (N, V_r)``: ``(packed keys (N, splits, kr) int64, ties (N, splits) int64)``,
+    each split's top ``kr`` descending and the count of its columns equal to its last record (-1
+    where no top-k of ``k_tie`` needs it)."""
     x = _rows(x)
     n, v = x.shape
     g = 1024 if kr == 1 else (configs.SAMPLE_GROUP_INTERPRET if interpreting() else configs.SAMPLE_GROUP)
@@ -313,8 +272,7 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
         _records_kernel[(n, splits)](x, part, ties, v, col0, span, x.stride(0), part.stride(0), part.stride(1),
                                      ties.stride(0), KR=kr, G=g, K_TIE=k_tie if k_tie < kr else 0,
                                      num_warps=4, enable_fp_fusion=False)
-    vals, ids = decode(part)
-    return merge_partials(vals, ids, torch.where(ids[:, :, -1] == SENT_ID, 0, ties), kr)
+    return part, ties
 
 
 def decode(part: Tensor) -> tuple[Tensor, Tensor]:
@@ -324,16 +282,19 @@ def decode(part: Tensor) -> tuple[Tensor, Tensor]:
     return vals, torch.where(none, SENT_ID, sm.packed_gid(part))
 
 
+def merge_top(parts: tuple, k: int) -> tuple[Tensor, Tensor]:
+    """The top ``k`` ``(values float64, ids)`` of partial records: packed keys are distinct, so
+    ``torch.topk`` of them is exact."""
+    keys = parts[0].flatten(1)
+    return decode(torch.topk(keys, k, dim=1).values)
+
+
 def _plan_args(plan: RowPlan):
-    return (plan.mode.to(torch.int32), plan.xthr.to(torch.float32), plan.zmax.contiguous())
-
-
-def _tile() -> int:
-    return configs.SAMPLE_TILE_INTERPRET if interpreting() else configs.SAMPLE_TILE
+    return plan.mode, plan.xthr, plan.zmax
 
 
 def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, span: float):
-    """``(Z (N,) int64, hist (N, bins) int64)`` (see ``sampling_cpu.mass``)."""
+    """Partials ``(Z (N, splits) int64, hist (N, splits, bins) int32)`` (see ``sampling_cpu.mass``)."""
     x = _rows(x)
     n, v = x.shape
     tile = _tile()
@@ -344,29 +305,43 @@ def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, s
         _mass_kernel[(n, splits)](x, *_plan_args(plan), z, h, v, cols, x.stride(0), c, (bins - 1) / span, shift,
                                   z.stride(0), h.stride(0), h.stride(1), BINS=bins, TILE=tile, num_warps=4,
                                   enable_fp_fusion=False)
-    return z.sum(dim=1), h.sum(dim=1, dtype=torch.int64)
+    return z, h
 
 
 def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, span: float):
-    """``(mass above (N,), hist (N, bins), hist mass (N, bins))`` int64 (see ``sampling_cpu.refine``)."""
+    """Partials ``(mass above (N, splits) int64, hist (N, splits, bins) int32, hist mass (N, 1, bins)
+    int64)`` (see ``sampling_cpu.refine``)."""
     x = _rows(x)
     n, v = x.shape
     tile = _tile()
     splits, cols = _splits(n, v, tile, x.device)
     above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     h = torch.empty((n, splits, bins), dtype=torch.int32, device=x.device)
-    hm = torch.zeros((n, bins), dtype=torch.int64, device=x.device)
+    hm = torch.zeros((n, 1, bins), dtype=torch.int64, device=x.device)
     if n:
-        _refine_kernel[(n, splits)](x, *_plan_args(plan), plan.b1.contiguous(), plan.orng.contiguous(), above, h, hm,
-                                    v, cols, x.stride(0), c, (bins - 1) / span, shift, above.stride(0),
-                                    h.stride(0), h.stride(1), BINS=bins, TILE=tile, num_warps=4,
-                                    enable_fp_fusion=False)
-    return above.sum(dim=1), h.sum(dim=1, dtype=torch.int64), hm
+        _refine_kernel[(n, splits)](x, *_plan_args(plan), plan.b1, plan.orng, above, h, hm, v, cols, x.stride(0), c,
+                                    (bins - 1) / span, shift, above.stride(0), h.stride(0), h.stride(1), BINS=bins,
+                                    TILE=tile, num_warps=4, enable_fp_fusion=False)
+    return above, h, hm
+
+
+def refine_rows(x: Tensor, plan: RowPlan, spec) -> RowPlan:
+    """Every refinement round of the REFINE rows, in one launch (one device); the plan is updated in place."""
+    x = _rows(x)
+    n, v = x.shape
+    hm = torch.empty((n, spec.bins), dtype=torch.int64, device=x.device)
+    if n:
+        _refine_rows_kernel[(n,)](x, *_plan_args(plan), plan.dthr, plan.need, plan.b1, plan.orng, plan.count, hm, v,
+                                  x.stride(0), spec.c, (spec.bins - 1) / spec.span, spec.shift, spec.cap,
+                                  ROUNDS=configs.sample_refine_rounds(spec.bins), BINS=spec.bins, TILE=_tile(),
+                                  num_warps=4, enable_fp_fusion=False)
+    return plan
 
 
 def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c: float, shift: int, bins: int,
            span: float, cap: int):
-    """``(best, mass above, cand_d, cand_key, count)`` (see ``sampling_cpu.sample``)."""
+    """Partials ``(best (N, splits), mass above (N, splits), cand_d (N, 1, cap) float32, cand_key (N, 1, cap))``
+    (see ``sampling_cpu.sample``)."""
     x = _rows(x)
     n, v = x.shape
     tile = _tile()
@@ -374,13 +349,13 @@ def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c:
     splits, cols = _splits(n, v + shift4, tile, x.device)
     best = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
-    cand_d = torch.full((n, max(cap, 1)), sm.NEG_INF, dtype=torch.float32, device=x.device)
-    cand_k = torch.full((n, max(cap, 1)), sm.PACKED_NONE, dtype=torch.int64, device=x.device)
+    cand_d = torch.full((n, 1, max(cap, 1)), sm.NEG_INF, dtype=torch.float32, device=x.device)
+    cand_k = torch.full((n, 1, max(cap, 1)), sm.PACKED_NONE, dtype=torch.int64, device=x.device)
     count = torch.zeros(n, dtype=torch.int32, device=x.device)
     if n:
-        _sample_kernel[(n, splits)](x, *_plan_args(plan), plan.dthr.contiguous(), plan.b1.contiguous(),
-                                    plan.orng.contiguous(), seed.contiguous(), offset.contiguous(), best, above,
+        _sample_kernel[(n, splits)](x, *_plan_args(plan), plan.dthr, plan.b1, plan.orng, seed, offset, best, above,
                                     cand_d, cand_k, count, v, col0, cols, x.stride(0), best.stride(0), c,
                                     (bins - 1) / span, shift, cap, SHIFT4=shift4, BINS=bins, TILE=tile,
                                     num_warps=4, enable_fp_fusion=False)
-    return (best.amax(dim=1), above.sum(dim=1), cand_d[:, :cap], cand_k[:, :cap], count.to(torch.int64))
+    return best, above, cand_d[:, :, :cap], cand_k[:, :, :cap]
+

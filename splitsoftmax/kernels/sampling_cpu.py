@@ -21,7 +21,8 @@ from torch import Tensor
 
 from . import configs
 from . import sampling_math as sm
-from ..sampling_rows import COLLECT, MASS, REFINE, THRESH, RowPlan, SENT_ID, merge_records
+from .. import sampling_rows as rows
+from ..sampling_rows import COLLECT, MASS, REFINE, THRESH, RowPlan, SENT_ID, merge_records, plain_plan  # noqa: F401
 
 
 def _blocks(v: int):
@@ -30,7 +31,8 @@ def _blocks(v: int):
 
 
 def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """``(values (N, kr) float64, ids (N, kr) int64, ties (N,) int64)`` of ``x (N, V_r)``.
+    """Partial records ``(values (N, 1, kr) float64, ids (N, 1, kr) int64, ties (N, 1) int64)`` of
+    ``x (N, V_r)``: the top ``kr`` of the slice.
 
     Missing entries (fewer than ``kr`` columns) have value ``-inf`` and id ``SENT_ID``; ``ties`` counts
     the columns equal to the last value (0 when it is missing). ``k_tie`` is ignored (the Triton
@@ -49,7 +51,34 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     ties = torch.zeros(n, dtype=torch.int64, device=x.device)
     for lo in _blocks(v):
         ties += (x[:, lo:lo + configs.CPU_BLOCK_COLS].to(torch.float64) == last).sum(dim=1)
-    return vals, ids, torch.where(ids[:, -1] == SENT_ID, 0, ties)
+    return vals.unsqueeze(1), ids.unsqueeze(1), torch.where(ids[:, -1] == SENT_ID, 0, ties).unsqueeze(1)
+
+
+def merge_top(parts: tuple, k: int) -> tuple[Tensor, Tensor]:
+    """The top ``k`` ``(values float64, ids)`` ``(N, k)`` of partial records ``(N, Q, kr)``."""
+    vals, ids, _ = parts
+    return merge_records(vals.flatten(1), ids.flatten(1), k)
+
+
+def after_records(parts: tuple, spec, xk_large, seed: Tensor, offset: Tensor):
+    """``(plan, merged records)`` from every rank's partial records (``sampling_rows.after_records``)."""
+    plan, vals, ids = rows.after_records(*parts, spec, xk_large, seed, offset)
+    return plan, (vals, ids)
+
+
+def after_mass(plan: RowPlan, parts: tuple, recs: tuple, spec, seed: Tensor, offset: Tensor) -> RowPlan:
+    z, hist = parts
+    return rows.after_mass(plan, z.sum(dim=1), hist.sum(dim=1), *recs, spec, seed, offset)
+
+
+def after_refine(plan: RowPlan, parts: tuple, spec) -> RowPlan:
+    above, hist, hmass = parts
+    return rows.after_refine(plan, above.sum(dim=1), hist.sum(dim=1), hmass.sum(dim=1), spec)
+
+
+def after_sample(plan: RowPlan, parts: tuple, spec) -> Tensor:
+    best, above, cand_d, cand_k = parts
+    return rows.after_sample(plan, best.amax(dim=1), above.sum(dim=1), cand_d.flatten(1), cand_k.flatten(1), spec)
 
 
 def _scaled(blk: Tensor, plan: RowPlan, rows: Tensor, c: float):
@@ -83,8 +112,8 @@ def _active(plan: RowPlan, *modes: int) -> Tensor:
 
 
 def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, span: float):
-    """``(Z (N,) int64, hist (N, bins) int64)`` for the rows in mode MASS: the integer mass of the
-    columns that pass the top-k test and their first-round histogram (others: zeros)."""
+    """``(Z (N, 1) int64, hist (N, 1, bins) int64)`` for the rows in mode MASS: the integer mass of
+    the columns that pass the top-k test and their first-round histogram (others: zeros)."""
     n, v = x.shape
     z = torch.zeros(n, dtype=torch.int64, device=x.device)
     hist = torch.zeros((n, bins), dtype=torch.int64, device=x.device)
@@ -93,7 +122,7 @@ def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, s
         zz, d, keep = _scaled(x[rows, lo:lo + configs.CPU_BLOCK_COLS], plan, rows, c)
         z[rows] += torch.where(keep, sm.qmass(d, shift), 0).sum(dim=1)
         hist[rows] += torch.zeros_like(hist[rows]).scatter_add_(1, bin1(d, bins, span), keep.to(torch.int64))
-    return z, hist
+    return z.unsqueeze(1), hist.unsqueeze(1)
 
 
 def sub_bin(o: Tensor, orng: Tensor, bins: int) -> Tensor:
@@ -103,7 +132,7 @@ def sub_bin(o: Tensor, orng: Tensor, bins: int) -> Tensor:
 
 
 def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, span: float):
-    """``(mass above (N,), hist (N, bins), hist mass (N, bins))`` int64 for the rows in mode REFINE:
+    """``(mass above (N, 1), hist (N, 1, bins), hist mass (N, 1, bins))`` int64 for the rows in mode REFINE:
     the integer mass above each row's bracket, the count and the integer mass of the bracket's
     columns in each sub-bin (others: zeros)."""
     n, v = x.shape
@@ -120,15 +149,15 @@ def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int,
         take = keep & inside
         hist[rows] += torch.zeros_like(hist[rows]).scatter_add_(1, sub, take.to(torch.int64))
         hmass[rows] += torch.zeros_like(hmass[rows]).scatter_add_(1, sub, torch.where(take, q, 0))
-    return above_mass, hist, hmass
+    return above_mass.unsqueeze(1), hist.unsqueeze(1), hmass.unsqueeze(1)
 
 
 def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c: float, shift: int, bins: int,
            span: float, cap: int):
     """The sampling pass over the rows in mode THRESH or COLLECT.
 
-    Returns ``(best (N,) packed int64, mass above (N,) int64, cand_d (N, cap) float32,
-    cand_key (N, cap) packed int64, count (N,) int64)``: THRESH rows take the best key among the
+    Returns partials ``(best (N, 1) packed int64, mass above (N, 1) int64, cand_d (N, 1, cap) float32,
+    cand_key (N, 1, cap) packed int64)``: THRESH rows take the best key among the
     columns kept by ``x >= xthr`` and ``d >= dthr`` (and any NaN, which makes the row's winner NaN);
     COLLECT rows take it among the columns above the bracket that pass both tests, sum their mass,
     and list the bracket's columns as candidates ``(d, packed key)``. ``seed``, ``offset``: ``(N,)`` int64.
@@ -155,7 +184,7 @@ def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c:
         best[rows] = torch.maximum(best[rows], torch.where(win, packed, sm.PACKED_NONE).amax(dim=1))
         above_mass[rows] += torch.where(collect & keep & above, sm.qmass(d, shift), 0).sum(dim=1)
         _collect(cand_d, cand_k, count, rows, collect & keep & inside, d, packed)
-    return best, above_mass, cand_d, cand_k, count
+    return best.unsqueeze(1), above_mass.unsqueeze(1), cand_d.unsqueeze(1), cand_k.unsqueeze(1)
 
 
 def _collect(cand_d: Tensor, cand_k: Tensor, count: Tensor, rows: Tensor, take: Tensor, d: Tensor,

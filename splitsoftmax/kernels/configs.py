@@ -223,9 +223,14 @@ SAMPLE_RECORDS_MIN = 64
 SAMPLE_RECORDS_MAX = 256
 SAMPLE_GROUP = 16
 SAMPLE_GROUP_INTERPRET = 2
-# columns per tile of the mass, refinement and sampling passes; programs per SM a row is spread
-# over (a batch of one row then runs on every SM); the SM count assumed under the interpreter
+# at most this many partial records per row (splits * records) for the merge
+SAMPLE_MERGE_MAX = 2048
+# columns per tile of the mass and refinement passes and of the draw (8 warps each; sm_90 ptxas:
+# mass 128 registers at 2048, the draw 102 at 1024 and 232 at 2048, no spills); programs per SM a
+# row is spread over (a batch of one row then runs on every SM); the SM count assumed under the
+# interpreter
 SAMPLE_TILE = 2048
+SAMPLE_DRAW_TILE = 1024
 SAMPLE_TILE_INTERPRET = 16
 SAMPLE_PROGRAMS_PER_SM = 2
 SAMPLE_INTERPRET_SMS = 4

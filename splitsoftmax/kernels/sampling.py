@@ -24,13 +24,13 @@ import triton.language as tl
 from torch import Tensor
 
 from ..local import interpreting
-from ..sampling_rows import COLLECT, MASS, REFINE, SENT_ID, THRESH, RowPlan
+from ..sampling_rows import SENT_ID, RowPlan
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
 from . import sampling_math as sm
 from .sampling_finish import _finish_refine
 from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
-from .sampling_jit import NONE, U32, _bin1, _gumbel, _ord32, _qmass
+from .sampling_jit import COLLECT, MASS, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
 
 @triton.jit
 def _keys(xrow, cols, valid, col0):
@@ -40,11 +40,10 @@ def _keys(xrow, cols, valid, col0):
     return tl.where(valid, key, NONE)
 
 
-@triton.jit(do_not_specialize=["col0", "span"])
-def _records_kernel(X, OUT, TIES, V, col0, span, s_xn, s_on, s_os, s_tn, KR: tl.constexpr, G: tl.constexpr,
-                    K_TIE: tl.constexpr):
+@triton.jit(do_not_specialize=["col0", "span", "k_tie"])
+def _records_kernel(X, OUT, TIES, V, col0, span, s_xn, s_on, s_os, s_tn, k_tie, KR: tl.constexpr, G: tl.constexpr):
     """Grid ``(N, splits)``: the top ``KR`` packed keys of columns ``[split * span, +span)`` of a row,
-    descending, and (only where ``K_TIE`` needs it) the count of columns equal to the last one."""
+    descending, and (only where a top-``k_tie`` needs it) the count of columns equal to the last one."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     lo = split * span
@@ -73,15 +72,15 @@ def _records_kernel(X, OUT, TIES, V, col0, span, s_xn, s_on, s_os, s_tn, KR: tl.
     tl.store(out + tl.arange(0, KR), rec)
     last = tl.min(rec, axis=0)
     ties = tl.sum(tl.zeros([1], tl.int64), axis=0) - 1
-    if K_TIE > 0:
-        kth = tl.sum(tl.where(tl.arange(0, KR) == K_TIE - 1, rec, 0), axis=0)
+    if k_tie > 0:
+        kth = tl.sum(tl.where(tl.arange(0, KR) == k_tie - 1, rec, 0), axis=0)
         if ((kth >> 32) == (last >> 32)) & (last != NONE):
             v_last = (last >> 32).to(tl.int32)
             count = ties + 1
             for t0 in range(lo, hi, TILE):
-                cols = t0 + lanes
-                x = tl.load(xrow + cols, mask=cols < hi, other=0.0).to(tl.float32)
-                count += tl.sum(((_ord32(x) == v_last) & (cols < hi)).to(tl.int64), axis=0)
+                tcols = t0 + lanes
+                tx = tl.load(xrow + tcols, mask=tcols < hi, other=0.0).to(tl.float32)
+                count += tl.sum(((_ord32(tx) == v_last) & (tcols < hi)).to(tl.int64), axis=0)
             ties = count
     tl.store(TIES + row * s_tn + split, ties)
 
@@ -242,9 +241,9 @@ def _sms(device: torch.device) -> int:
     return configs.SAMPLE_INTERPRET_SMS if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _splits(n: int, width: int, tile: int, device: torch.device) -> tuple[int, int]:
-    """``(splits, span)``: programs per row and the columns each covers (whole tiles)."""
-    want = configs.cdiv(configs.SAMPLE_PROGRAMS_PER_SM * _sms(device), max(n, 1))
+def _splits(n: int, width: int, tile: int, device: torch.device, most: int = 1 << 30) -> tuple[int, int]:
+    """``(splits, span)``: programs per row (at most ``most``) and the columns each covers (whole tiles)."""
+    want = min(most, configs.cdiv(configs.SAMPLE_PROGRAMS_PER_SM * _sms(device), max(n, 1)))
     splits = max(1, min(want, configs.cdiv(max(width, 1), tile)))
     span = configs.cdiv(configs.cdiv(max(width, 1), splits), tile) * tile
     return configs.cdiv(max(width, 1), span), span
@@ -254,8 +253,14 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def _tile() -> int:
-    return configs.SAMPLE_TILE_INTERPRET if interpreting() else configs.SAMPLE_TILE
+def _tile(draw: bool = False) -> int:
+    if interpreting():
+        return configs.SAMPLE_TILE_INTERPRET
+    return configs.SAMPLE_DRAW_TILE if draw else configs.SAMPLE_TILE
+
+
+def _warps(tile: int) -> int:
+    return max(1, min(8, tile // 128))
 
 
 def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tensor]:
@@ -265,13 +270,13 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     x = _rows(x)
     n, v = x.shape
     g = 1024 if kr == 1 else (configs.SAMPLE_GROUP_INTERPRET if interpreting() else configs.SAMPLE_GROUP)
-    splits, span = _splits(n, v, kr * g, x.device)
+    splits, span = _splits(n, v, kr * g, x.device, max(1, configs.SAMPLE_MERGE_MAX // kr))
     part = torch.empty((n, splits, kr), dtype=torch.int64, device=x.device)
     ties = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     if n:
         _records_kernel[(n, splits)](x, part, ties, v, col0, span, x.stride(0), part.stride(0), part.stride(1),
-                                     ties.stride(0), KR=kr, G=g, K_TIE=k_tie if k_tie < kr else 0,
-                                     num_warps=4, enable_fp_fusion=False)
+                                     ties.stride(0), k_tie if k_tie < kr else 0, KR=kr, G=g, num_warps=4,
+                                     enable_fp_fusion=False)
     return part, ties
 
 
@@ -303,7 +308,7 @@ def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, s
     h = torch.empty((n, splits, bins), dtype=torch.int32, device=x.device)
     if n:
         _mass_kernel[(n, splits)](x, *_plan_args(plan), z, h, v, cols, x.stride(0), c, (bins - 1) / span, shift,
-                                  z.stride(0), h.stride(0), h.stride(1), BINS=bins, TILE=tile, num_warps=4,
+                                  z.stride(0), h.stride(0), h.stride(1), BINS=bins, TILE=tile, num_warps=_warps(tile),
                                   enable_fp_fusion=False)
     return z, h
 
@@ -321,7 +326,7 @@ def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int,
     if n:
         _refine_kernel[(n, splits)](x, *_plan_args(plan), plan.b1, plan.orng, above, h, hm, v, cols, x.stride(0), c,
                                     (bins - 1) / span, shift, above.stride(0), h.stride(0), h.stride(1), BINS=bins,
-                                    TILE=tile, num_warps=4, enable_fp_fusion=False)
+                                    TILE=tile, num_warps=_warps(tile), enable_fp_fusion=False)
     return above, h, hm
 
 
@@ -334,7 +339,7 @@ def refine_rows(x: Tensor, plan: RowPlan, spec) -> RowPlan:
         _refine_rows_kernel[(n,)](x, *_plan_args(plan), plan.dthr, plan.need, plan.b1, plan.orng, plan.count, hm, v,
                                   x.stride(0), spec.c, (spec.bins - 1) / spec.span, spec.shift, spec.cap,
                                   ROUNDS=configs.sample_refine_rounds(spec.bins), BINS=spec.bins, TILE=_tile(),
-                                  num_warps=4, enable_fp_fusion=False)
+                                  num_warps=_warps(_tile()), enable_fp_fusion=False)
     return plan
 
 
@@ -344,7 +349,7 @@ def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c:
     (see ``sampling_cpu.sample``)."""
     x = _rows(x)
     n, v = x.shape
-    tile = _tile()
+    tile = _tile(draw=True)
     shift4 = col0 % 4
     splits, cols = _splits(n, v + shift4, tile, x.device)
     best = torch.empty((n, splits), dtype=torch.int64, device=x.device)
@@ -356,6 +361,6 @@ def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c:
         _sample_kernel[(n, splits)](x, *_plan_args(plan), plan.dthr, plan.b1, plan.orng, seed, offset, best, above,
                                     cand_d, cand_k, count, v, col0, cols, x.stride(0), best.stride(0), c,
                                     (bins - 1) / span, shift, cap, SHIFT4=shift4, BINS=bins, TILE=tile,
-                                    num_warps=4, enable_fp_fusion=False)
+                                    num_warps=_warps(tile), enable_fp_fusion=False)
     return best, above, cand_d[:, :, :cap], cand_k[:, :, :cap]
 

@@ -27,9 +27,8 @@ from torch import Tensor
 from .. import sampling_rows as rows
 from ..sampling_rows import RowPlan, Spec
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
-from .sampling_jit import NONE, U32, _gumbel, _ord32, _qmass, _unord32
+from .sampling_jit import COLLECT, DONE, MASS, NONE, REFINE, THRESH, U32, _gumbel, _ord32, _qmass, _unord32
 
-DONE, THRESH, COLLECT, REFINE, MASS = 0, 1, 2, 3, 4
 NEG_INF = tl.constexpr(float("-inf"))
 INT32_LO = tl.constexpr(-(2 ** 31))
 INT32_END = tl.constexpr(2 ** 31)
@@ -104,10 +103,10 @@ def _count_equal(keys, ties, ord_t):
     return tl.where(unknown, -1, tl.sum(tl.where(at_end, ties, in_rec.to(tl.int64)), axis=0))
 
 
-@triton.jit(do_not_specialize=["Q", "c", "shift", "top_p_bits", "cmin"])
+@triton.jit(do_not_specialize=["Q", "c", "shift", "top_p_bits", "cmin", "top_k"])
 def _finish_records_kernel(PART, TIES, Q, SEED, OFFSET, XK, MODE, TOKEN, XTHR, ZMAX, DTHR, NEED, B1, ORNG, COUNT,
-                           MERGED, s_pn, s_tn, c, shift, top_p_bits, cmin, KR: tl.constexpr, QP: tl.constexpr,
-                           TOP_K: tl.constexpr, LARGE_K: tl.constexpr, GREEDY: tl.constexpr, TOP_P: tl.constexpr):
+                           MERGED, s_pn, s_tn, c, shift, top_p_bits, cmin, top_k, KR: tl.constexpr,
+                           QP: tl.constexpr, LARGE_K: tl.constexpr, GREEDY: tl.constexpr, TOP_P: tl.constexpr):
     """One program per row: ``sampling_rows.after_records`` on packed partial records ``(N, Q, KR)``."""
     row = tl.program_id(0).to(tl.int64)
     qi = tl.arange(0, QP)
@@ -136,8 +135,8 @@ def _finish_records_kernel(PART, TIES, Q, SEED, OFFSET, XK, MODE, TOKEN, XTHR, Z
         if LARGE_K:
             xk = tl.load(XK + row).to(tl.float32)
             extra = zero_i - 1
-        elif TOP_K > 0:
-            xk = _pick(x, TOP_K - 1, KR)
+        elif top_k > 0:
+            xk = _pick(x, top_k - 1, KR)
             ties = tl.load(TIES + row * s_tn + qi, mask=qi < Q, other=0)
             total = _count_equal(keys, ties, _ord32(xk))
             inside = tl.sum(((x == xk) & valid).to(tl.int64), axis=0)
@@ -317,8 +316,8 @@ def after_records(parts: tuple, spec: Spec, xk_large, seed: Tensor, offset: Tens
         xk = xk_large if xk_large is not None else plan.xthr
         _finish_records_kernel[(n,)](keys, ties, q, seed, offset, xk, plan.mode, plan.token, plan.xthr, plan.zmax,
                                      plan.dthr, plan.need, plan.b1, plan.orng, plan.count, merged, keys.stride(0),
-                                     ties.stride(0), spec.c, spec.shift, _bits(spec.top_p), spec.cmin, KR=kr,
-                                     QP=triton.next_power_of_2(q), TOP_K=spec.top_k if spec.top_k < kr else 0,
+                                     ties.stride(0), spec.c, spec.shift, _bits(spec.top_p), spec.cmin,
+                                     spec.top_k if spec.top_k < kr else 0, KR=kr, QP=triton.next_power_of_2(q),
                                      LARGE_K=xk_large is not None, GREEDY=spec.greedy, TOP_P=spec.top_p < 1.0,
                                      num_warps=4, enable_fp_fusion=False)
     return plan, merged

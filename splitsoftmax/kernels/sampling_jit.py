@@ -7,6 +7,8 @@ import triton.language as tl
 
 NONE = tl.constexpr(-(2 ** 63))
 U32 = tl.constexpr(0xFFFFFFFF)
+# the row modes of ``sampling_rows``
+DONE, THRESH, COLLECT, REFINE, MASS = (tl.constexpr(m) for m in range(5))
 
 
 @triton.jit

@@ -70,7 +70,8 @@ def plain_plan(n: int, device) -> RowPlan:
                    torch.zeros(n, dtype=torch.float32, device=device),
                    torch.full((n,), sm.NEG_INF, dtype=torch.float32, device=device),
                    torch.zeros(n, dtype=torch.float64, device=device),
-                   torch.zeros((n, 2), **i64), torch.tensor([[INT32_LO, INT32_END]], **i64).expand(n, 2).clone(),
+                   torch.zeros((n, 2), **i64),
+                   torch.stack((torch.full((n,), INT32_LO, **i64), torch.full((n,), INT32_END, **i64)), dim=1),
                    torch.zeros(n, **i64))
 
 

@@ -173,8 +173,10 @@ def test_bad_arguments():
                      (dict(min_p=-0.1), "min_p"), (dict(min_p=1.01), "min_p")]:
         with pytest.raises(ValueError, match=name):
             ss.sample(x, seed=0, offset=0, **kw)
-    for seed, exc in [(torch.zeros(4, dtype=torch.int64), ValueError), (torch.zeros(3, 1, dtype=torch.int64), ValueError),
-                      (torch.zeros(3), TypeError), (1.5, TypeError)]:
+    i64 = dict(dtype=torch.int64)
+    bad_seeds = [(torch.zeros(4, **i64), ValueError), (torch.zeros(3, 1, **i64), ValueError),
+                 (torch.zeros(3), TypeError), (1.5, TypeError)]
+    for seed, exc in bad_seeds:
         with pytest.raises(exc, match="seed"):
             ss.sample(x, seed=seed, offset=0)
     with pytest.raises(ValueError, match="offset"):

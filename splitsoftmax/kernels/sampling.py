@@ -18,6 +18,8 @@ tiles, so that a batch of one row still spreads over the GPU; the spans' records
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -30,7 +32,7 @@ from . import configs
 from . import sampling_math as sm
 from .sampling_finish import _finish_refine
 from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
-from .sampling_jit import COLLECT, MASS, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
+from .sampling_jit import COLLECT, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
 
 @triton.jit
 def _keys(xrow, cols, valid, col0):
@@ -237,8 +239,13 @@ def _refine_rows_kernel(X, MODE, XTHR, ZMAX, DTHR, NEED, B1, ORNG, COUNT, HM, V,
             tl.debug_barrier()
 
 
+@lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _sms(device: torch.device) -> int:
-    return configs.SAMPLE_INTERPRET_SMS if interpreting() else torch.cuda.get_device_properties(device).multi_processor_count
+    return configs.SAMPLE_INTERPRET_SMS if interpreting() else _device_sms(device.index or 0)
 
 
 def _splits(n: int, width: int, tile: int, device: torch.device, most: int = 1 << 30) -> tuple[int, int]:
@@ -276,7 +283,7 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     if n:
         _records_kernel[(n, splits)](x, part, ties, v, col0, span, x.stride(0), part.stride(0), part.stride(1),
                                      ties.stride(0), k_tie if k_tie < kr else 0, KR=kr, G=g, num_warps=4,
-                                     enable_fp_fusion=False)
+                                     **LAUNCH)
     return part, ties
 
 
@@ -309,7 +316,7 @@ def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, s
     if n:
         _mass_kernel[(n, splits)](x, *_plan_args(plan), z, h, v, cols, x.stride(0), c, (bins - 1) / span, shift,
                                   z.stride(0), h.stride(0), h.stride(1), BINS=bins, TILE=tile, num_warps=_warps(tile),
-                                  enable_fp_fusion=False)
+                                  **LAUNCH)
     return z, h
 
 
@@ -326,7 +333,7 @@ def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int,
     if n:
         _refine_kernel[(n, splits)](x, *_plan_args(plan), plan.b1, plan.orng, above, h, hm, v, cols, x.stride(0), c,
                                     (bins - 1) / span, shift, above.stride(0), h.stride(0), h.stride(1), BINS=bins,
-                                    TILE=tile, num_warps=_warps(tile), enable_fp_fusion=False)
+                                    TILE=tile, num_warps=_warps(tile), **LAUNCH)
     return above, h, hm
 
 
@@ -339,7 +346,7 @@ def refine_rows(x: Tensor, plan: RowPlan, spec) -> RowPlan:
         _refine_rows_kernel[(n,)](x, *_plan_args(plan), plan.dthr, plan.need, plan.b1, plan.orng, plan.count, hm, v,
                                   x.stride(0), spec.c, (spec.bins - 1) / spec.span, spec.shift, spec.cap,
                                   ROUNDS=configs.sample_refine_rounds(spec.bins), BINS=spec.bins, TILE=_tile(),
-                                  num_warps=_warps(_tile()), enable_fp_fusion=False)
+                                  num_warps=_warps(_tile()), **LAUNCH)
     return plan
 
 
@@ -361,6 +368,6 @@ def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c:
         _sample_kernel[(n, splits)](x, *_plan_args(plan), plan.dthr, plan.b1, plan.orng, seed, offset, best, above,
                                     cand_d, cand_k, count, v, col0, cols, x.stride(0), best.stride(0), c,
                                     (bins - 1) / span, shift, cap, SHIFT4=shift4, BINS=bins, TILE=tile,
-                                    num_warps=_warps(tile), enable_fp_fusion=False)
+                                    num_warps=_warps(tile), **LAUNCH)
     return best, above, cand_d[:, :, :cap], cand_k[:, :, :cap]
 

@@ -27,7 +27,8 @@ from torch import Tensor
 from .. import sampling_rows as rows
 from ..sampling_rows import RowPlan, Spec
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
-from .sampling_jit import COLLECT, DONE, MASS, NONE, REFINE, THRESH, U32, _gumbel, _ord32, _qmass, _unord32
+from .sampling_jit import (COLLECT, DONE, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _gumbel, _ord32, _qmass,
+                           _unord32)
 
 NEG_INF = tl.constexpr(float("-inf"))
 INT32_LO = tl.constexpr(-(2 ** 31))
@@ -296,11 +297,10 @@ def _bits(x: float) -> int:
 
 def empty_plan(n: int, device) -> RowPlan:
     """A plan the finishers fill in full."""
-    i64 = dict(dtype=torch.int64, device=device)
-    return RowPlan(torch.empty(n, **i64), torch.empty(n, **i64), torch.empty(n, dtype=torch.float64, device=device),
-                   torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.float32, device=device),
-                   torch.empty(n, dtype=torch.float64, device=device), torch.empty((n, 2), **i64),
-                   torch.empty((n, 2), **i64), torch.empty(n, **i64))
+    def e(*shape, dtype=torch.int64):
+        return torch.empty(shape, dtype=dtype, device=device)
+    return RowPlan(e(n), e(n), e(n, dtype=torch.float64), e(n, dtype=torch.float32), e(n, dtype=torch.float32),
+                   e(n, dtype=torch.float64), e(n, 2), e(n, 2), e(n))
 
 
 plain_plan = rows.plain_plan
@@ -319,7 +319,7 @@ def after_records(parts: tuple, spec: Spec, xk_large, seed: Tensor, offset: Tens
                                      ties.stride(0), spec.c, spec.shift, _bits(spec.top_p), spec.cmin,
                                      spec.top_k if spec.top_k < kr else 0, KR=kr, QP=triton.next_power_of_2(q),
                                      LARGE_K=xk_large is not None, GREEDY=spec.greedy, TOP_P=spec.top_p < 1.0,
-                                     num_warps=4, enable_fp_fusion=False)
+                                     num_warps=4, **LAUNCH)
     return plan, merged
 
 
@@ -339,7 +339,7 @@ def after_mass(plan: RowPlan, parts: tuple, merged: Tensor, spec: Spec, seed: Te
                                   plan.zmax, plan.dthr, plan.need, plan.b1, plan.orng, plan.count, z.stride(0),
                                   hist.stride(0), hist.stride(1), spec.c, spec.shift, _bits(spec.top_p), spec.cap,
                                   W=spec.span / (spec.bins - 1), KR=merged.shape[1], BINS=spec.bins, num_warps=4,
-                                  enable_fp_fusion=False)
+                                  **LAUNCH)
     return plan
 
 
@@ -365,5 +365,5 @@ def after_sample(plan: RowPlan, parts: tuple, spec: Spec) -> Tensor:
         _finish_sample_kernel[(n,)](best, above, cand_d, cand_k, q, c, plan.mode, plan.token, plan.dthr, plan.need,
                                     out, best.stride(0), cand_k.stride(0), spec.shift,
                                     QP=triton.next_power_of_2(q), CP=triton.next_power_of_2(max(c, 1)),
-                                    num_warps=4, enable_fp_fusion=False)
+                                    num_warps=4, **LAUNCH)
     return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# launch options of every sampling kernel: no FMA contraction, the torch path rounds each + and *
+LAUNCH = dict(enable_fp_fusion=False)
 NONE = tl.constexpr(-(2 ** 63))
 U32 = tl.constexpr(0xFFFFFFFF)
 # the row modes of ``sampling_rows``

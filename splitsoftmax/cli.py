@@ -6,7 +6,7 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-BENCHES = ("softmax", "attention", "ring", "cross_entropy")
+BENCHES = ("softmax", "attention", "ring", "cross_entropy", "vocab")
 
 
 def _env() -> int:

@@ -68,6 +68,40 @@ def split_then_merge(q: Tensor, k: Tensor, v: Tensor, splits: Sequence[int], *, 
     return state.merge_out_lse(torch.stack([o for o, _ in parts]), torch.stack([l for _, l in parts]))
 
 
+def _log_softmax_kept(z: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(log softmax(z) with 0 at -inf entries, kept entries, lse (N, 1))`` of float64 ``z (N, V)``;
+    autograd through it carries no NaN from ``-inf`` entries or all ``-inf`` rows (``lse = -inf``)."""
+    kept = (z > NEG_INF) | torch.isnan(z)
+    empty = ~kept.any(-1, keepdim=True)
+    lse = torch.logsumexp(z.masked_fill(empty, 0.0), -1, keepdim=True)
+    return torch.where(kept, z - lse, 0.0), kept, lse.masked_fill(empty, NEG_INF)
+
+
+def vocab_stats(logits: Tensor, target: Tensor, *, temperature: float = 1.0,
+                ignore_index: int = -100) -> tuple[Tensor, Tensor]:
+    """float64 ``(logp, entropy)`` ``(N,)`` of ``softmax(logits / T)``, differentiable without NaN:
+    ``-inf`` entries have probability 0; an all ``-inf`` row gives ``(-inf, 0)``; rows with
+    ``target == ignore_index`` give ``(0, 0)``."""
+    z = logits.double() / temperature
+    ls, kept, lse = _log_softmax_kept(z)
+    ent = -(torch.where(kept, torch.exp(ls), 0.0) * ls).sum(-1)
+    skip = target == ignore_index
+    if not z.shape[1]:
+        return torch.where(skip, 0.0, ent + NEG_INF), ent
+    logp = z.gather(1, torch.where(skip, 0, target).unsqueeze(1)) - lse.masked_fill(lse == NEG_INF, 0.0)
+    logp = torch.where(lse == NEG_INF, NEG_INF, logp).squeeze(1)
+    return torch.where(skip, 0.0, logp), torch.where(skip, 0.0, ent)
+
+
+def kl_div(logits_p: Tensor, logits_q: Tensor, *, temperature: float = 1.0) -> Tensor:
+    """float64 ``KL(softmax(p / T) || softmax(q / T))`` ``(N,)``: 0 where ``p`` has no mass, ``+inf``
+    where ``p`` has mass on a ``-inf`` entry of ``q``; differentiable without NaN elsewhere."""
+    lp, kp, _ = _log_softmax_kept(logits_p.double() / temperature)
+    lq, kq, _ = _log_softmax_kept(logits_q.double() / temperature)
+    kl = (torch.where(kp, torch.exp(lp), 0.0) * (lp - lq)).sum(-1)
+    return torch.where((kp & ~kq).any(-1), float("inf"), kl)
+
+
 class TraceStep(NamedTuple):
     """Running state after one element: the element, the running max, the running sum."""
 

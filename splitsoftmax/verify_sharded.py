@@ -119,8 +119,34 @@ def cross_entropy_rows(job: Job) -> list[Row]:
                    [logits], sharding=replicated, layout="contiguous", schedule="tree", merges=job.world)
 
 
+def vocab_rows(job: Job) -> list[Row]:
+    """Vocabulary-sharded log-probabilities + entropy, entropy, KL (uneven slices, an all -inf row,
+    an ignored row, a temperature), per row, against torch's log_softmax on one device."""
+    import splitsoftmax as ss
+    from .bench.vocab import torch_kl, torch_stats
+    n, v = 8, 13 * job.world + 3
+    p, q = job.randn(n, v, seed=10, scale=3.0), job.randn(n, v, seed=11, scale=3.0)
+    p[2], q[2] = float("-inf"), float("-inf")
+    target = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(12)).to(job.device)
+    target[1] = -100
+    split, gather = job.contiguous(uneven_lengths(v, job.world), 1)
+    one, two = (Sharding([split] * k, [gather] * k, lambda t: t, lambda t: t) for k in (1, 2))
+    g, kw = job.group, dict(sharding=one, layout="contiguous", schedule="tree", merges=job.world)
+    both = lambda f: lambda *a: torch.stack(f(*a), -1)  # noqa: E731
+    return (compare(f"sharded_logprobs+entropy {n}xV T=0.8",
+                    both(lambda t: ss.sharded_logprobs(t, target, temperature=0.8, return_entropy=True, group=g)),
+                    both(lambda t: torch_stats(t, target, 0.8)),
+                    both(lambda t: ref.vocab_stats(t, target, temperature=0.8)), [p], **kw)
+            + compare(f"sharded_entropy {n}xV", lambda t: ss.sharded_entropy(t, group=g),
+                      lambda t: torch_stats(t, target * 0)[1], lambda t: ref.vocab_stats(t, target * 0)[1], [p], **kw)
+            + compare(f"sharded_kl_div {n}xV T=1.5", lambda a, b: ss.sharded_kl_div(a, b, temperature=1.5, group=g),
+                      lambda a, b: torch_kl(a, b, 1.5), lambda a, b: ref.kl_div(a, b, temperature=1.5), [p, q],
+                      **dict(kw, sharding=two)))
+
+
 def cases(job: Job) -> list[tuple[str, Callable[[], list[Row]]]]:
-    out = [("softmax family", lambda: softmax_rows(job)), ("cross-entropy", lambda: cross_entropy_rows(job))]
+    out = [("softmax family", lambda: softmax_rows(job)), ("cross-entropy", lambda: cross_entropy_rows(job)),
+           ("vocabulary statistics", lambda: vocab_rows(job))]
     for schedule in ("ring", "allgather"):
         for layout in ("contiguous", "zigzag"):
             for causal in (False, True):

@@ -1,6 +1,7 @@
 """Sampling part of ``bench vocab``: ``ss.sample`` against torch's sort-based samplers on one GPU.
 
-``python -m splitsoftmax.bench.vocab_sampling --out DIR`` (``bench vocab`` calls :func:`run`):
+``python -m splitsoftmax bench vocab --parts sampling --out DIR`` (``PART``), or on its own
+``python -m splitsoftmax.bench.vocab_sampling --out DIR``:
 
 1. Gate: the CUDA tokens equal the CPU path's bit for bit (the draw does not depend on the device)
    for every filter on rows of a 50k vocabulary with ties, masked and NaN rows; greedy equals
@@ -11,7 +12,8 @@
    the softmax, ``torch.topk``, and top-p by a full sort + cumsum (the ``transformers`` /
    vLLM fallback way), eager and from a graph.
 
-Writes ``vocab_sampling.json`` to ``--out`` and prints a table.
+Targets (one H200): top-p at batch 256 <= 200 us, any filter at batch 1 <= 40 us. Writes
+``vocab_sampling.json`` (on its own) or the ``sampling`` entry of ``vocab.json``, a plot, a table.
 """
 from __future__ import annotations
 
@@ -109,42 +111,99 @@ def run_bench() -> list:
     return results
 
 
-def table(gate_rows: list, results: list) -> str:
-    lines = ["gate (CUDA tokens == CPU tokens): " + ", ".join(f"{r['filter']} {r['ok']}" for r in gate_rows),
-             f"V={VOCAB} fp32: batch, filter, torch eager/graph us, ss eager/graph us, speed-up eager/graph"]
-    peer = {(r["batch"], r["filter"]): r for r in results if r["impl"] == "torch"}
-    for r in results:
-        if r["impl"] != "ss":
+TARGETS = {"top_p=0.9 at batch 256": (256, ("top_p=0.9",), 200.0),
+           "every filter at batch 1": (1, tuple(FILTERS), 40.0)}
+
+
+def _targets(results: list) -> dict:
+    """Each target: the slowest ss time it covers, eager and from a graph, and whether it is met."""
+    out = {}
+    for name, (batch, filters, limit) in TARGETS.items():
+        rows = [r for r in results if r["impl"] == "ss" and r["batch"] == batch and r["filter"] in filters]
+        eager, graph = max(r["eager_us"] for r in rows), max(r["graph_us"] for r in rows)
+        out[name] = {"limit_us": limit, "eager_us": eager, "graph_us": graph, "eager_met": eager <= limit,
+                     "graph_met": graph <= limit}
+    return out
+
+
+def sampling_part(args=None) -> dict:
+    gate_rows = gate()
+    results = run_bench()
+    return {"vocab": VOCAB, "gate": gate_rows, "results": results, "targets": _targets(results)}
+
+
+def table_sampling(r: dict) -> str:
+    lines = ["gate (CUDA tokens == CPU tokens): " + ", ".join(f"{g['filter']} {g['ok']}" for g in r["gate"]),
+             f"sampling, V={r['vocab']} fp32: batch, filter, torch eager/graph us, ss eager/graph us, "
+             f"speed-up eager/graph"]
+    peer = {(x["batch"], x["filter"]): x for x in r["results"] if x["impl"] == "torch"}
+    for x in r["results"]:
+        if x["impl"] != "ss":
             continue
-        t = peer[(r["batch"], r["filter"])]
-        lines.append(f"  {r['batch']:4} {r['filter']:20} {t['eager_us']:8.1f} {t['graph_us']:8.1f} "
-                     f"{r['eager_us']:8.1f} {r['graph_us']:8.1f} {t['eager_us'] / r['eager_us']:6.2f}x "
-                     f"{t['graph_us'] / r['graph_us']:6.2f}x")
+        t = peer[(x["batch"], x["filter"])]
+        lines.append(f"  {x['batch']:4} {x['filter']:20} {t['eager_us']:8.1f} {t['graph_us']:8.1f} "
+                     f"{x['eager_us']:8.1f} {x['graph_us']:8.1f} {t['eager_us'] / x['eager_us']:6.2f}x "
+                     f"{t['graph_us'] / x['graph_us']:6.2f}x")
+    lines += [f"  target {name}: <= {t['limit_us']:.0f} us: eager {t['eager_us']:.1f} ({t['eager_met']}), "
+              f"graph {t['graph_us']:.1f} ({t['graph_met']})" for name, t in r["targets"].items()]
     return "\n".join(lines)
 
 
-def run(out: str) -> bool:
-    """Gate, timings, ``vocab_sampling.json`` in ``out`` and the table; whether the gate passed."""
-    os.makedirs(out, exist_ok=True)
-    gate_rows = gate()
-    results = run_bench()
-    import triton
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    with open(os.path.join(out, "vocab_sampling.json"), "w") as f:
-        json.dump({"meta": meta, "gate": gate_rows, "results": results}, f, indent=1)
-    print(json.dumps(meta))
-    print(table(gate_rows, results))
-    return all(r["ok"] for r in gate_rows)
+def plot_sampling(r: dict, path: str) -> bool:
+    """Per batch, bars of torch and ss time per filter (eager and graph replay), log scale."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, len(BATCHES), figsize=(5 * len(BATCHES), 4.5), sharey=True)
+    names = list(FILTERS)
+    for ax, b in zip(axes, BATCHES):
+        for i, (impl, key) in enumerate([("torch", "eager_us"), ("torch", "graph_us"), ("ss", "eager_us"),
+                                         ("ss", "graph_us")]):
+            vals = {x["filter"]: x[key] for x in r["results"] if x["batch"] == b and x["impl"] == impl}
+            bars = ax.bar([j + 0.2 * i for j in range(len(names))], [vals[n] for n in names], 0.2,
+                          label=f"{impl} {key.split('_')[0]}")
+            ax.bar_label(bars, fmt="%.0f", fontsize=6)
+        ax.set_xticks([j + 0.3 for j in range(len(names))], names, rotation=30, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_title(f"batch {b}")
+    axes[0].set_ylabel("us")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"sampling over V = {r['vocab']} (float32)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def passed(r: dict) -> bool:
+    return all(g["ok"] for g in r["gate"])
+
+
+# the ``bench vocab`` part: (run(args), table(result), plot(result, path), passed(result))
+PART = (sampling_part, table_sampling, plot_sampling, passed)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="splitsoftmax bench vocab_sampling", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="bench_out", help="folder for vocab_sampling.json")
+    ap = argparse.ArgumentParser(prog="python -m splitsoftmax.bench.vocab_sampling",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="bench_out", help="folder for vocab_sampling.json and the plot")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench vocab_sampling needs a CUDA device", file=sys.stderr)
+        print("the sampling bench needs a CUDA device", file=sys.stderr)
         return 2
-    return 0 if run(args.out) else 1
+    os.makedirs(args.out, exist_ok=True)
+    r = sampling_part(args)
+    import triton
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
+    with open(os.path.join(args.out, "vocab_sampling.json"), "w") as f:
+        json.dump({"meta": meta, "sampling": r}, f, indent=1)
+    print(json.dumps(meta))
+    print(table_sampling(r))
+    plot_sampling(r, os.path.join(args.out, "vocab_sampling.png"))
+    return 0 if passed(r) else 1
 
 
 if __name__ == "__main__":

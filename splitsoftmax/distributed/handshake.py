@@ -23,11 +23,11 @@ TAG_META = 11
 OK = 1
 # arguments a rank's refusal can name to the other ranks
 ARGS = ("x", "dim", "q", "k", "v", "causal", "scale", "return_lse", "schedule", "layout", "logits", "target",
-        "ignore_index", "reduction", "label_smoothing",
-        "seed", "offset", "temperature", "top_k", "top_p", "min_p")
+        "ignore_index", "reduction", "label_smoothing", "temperature", "return_entropy", "logits_p", "logits_q",
+        "seed", "offset", "top_k", "top_p", "min_p")
 
 OPS = ("sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
-       "sharded_cross_entropy",
+       "sharded_cross_entropy", "sharded_logprobs", "sharded_entropy", "sharded_kl_div",
        "sharded_topk", "sharded_sample")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -44,8 +44,9 @@ def _float_of(c: int) -> float:
 # fields whose integer value is a code, shown back to the user decoded
 _DECODE = {"dtype": lambda c: DTYPES[c] if 0 <= c < len(DTYPES) else f"code {c}", "scale": _float_of,
            "label_smoothing": _float_of, "causal": bool, "schedule": _name_of(_checks.SCHEDULES),
-           "layout": _name_of(_checks.LAYOUTS), "reduction": _name_of(_checks.REDUCTIONS),
-           "temperature": _float_of, "top_p": _float_of, "min_p": _float_of}
+           "layout": _name_of(_checks.LAYOUTS), "reduction": _name_of(_checks.REDUCTIONS), "temperature": _float_of,
+           "dtype_q": lambda c: DTYPES[c] if 0 <= c < len(DTYPES) else f"code {c}", "top_p": _float_of,
+           "min_p": _float_of}
 
 
 def encode_dtype(dtype: torch.dtype) -> int:

@@ -214,6 +214,28 @@ CE_INTERPRET_SMS = 4
 # attention backward row statistics (attn_prep.py): elements of out/dout per program
 ATTN_PREP_TILE_ELEMS = 4096
 
+# --- vocabulary statistics: log-probabilities, entropy, KL (kernels/vocab.py) ----------------
+# (widest BLOCK_V, elements per tile, num_warps, stages): a tile is [BLOCK_R, BLOCK_V] with
+# BLOCK_V = min(widest, next power of 2 >= V) and BLOCK_R rows filling the elements (short rows
+# batch several per program). The forward reads (stages: tiles in flight in its loop), the
+# backward reads and writes (stages: Triton's num_stages). Chosen from the cross-entropy passes'
+# H200 probe (same access pattern: 8192 x 8 warps x 3 stages read 4467 GB/s; 4096 x 16 warps wrote
+# 4000 GB/s read + write); the KL passes hold two input tiles.
+VOCAB_FWD_TILE = (8192, 8192, 8, 3)
+VOCAB_BWD_TILE = (4096, 4096, 16, 3)
+VOCAB_KL_FWD_TILE = (4096, 4096, 8, 3)
+VOCAB_KL_BWD_TILE = (2048, 2048, 8, 3)
+VOCAB_TILE_INTERPRET = (16, 64, 1, 1)
+# split a row over several programs (and batch fewer short rows per program) while fewer than
+# this many programs per SM would run
+VOCAB_PROGRAMS_PER_SM = 4
+# a tile gets at most one warp per this many elements (small tiles of short rows: fewer warps)
+VOCAB_ELEMS_PER_WARP = 256
+# SM count assumed under the interpreter, so small tests reach the split path
+VOCAB_INTERPRET_SMS = 4
+# rows per program of the elementwise kernel turning merged records into statistics
+VOCAB_FINISH_ROWS = 1024
+
 # --- vocabulary sampling (sampling.py) ----------------------------------------------------------
 # Records: the filtered draws keep per row the top SAMPLE_RECORDS_MIN (value, id) pairs, or the
 # next power of two above top_k; a top_k needing more than SAMPLE_RECORDS_MAX takes its threshold

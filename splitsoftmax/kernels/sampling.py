@@ -361,13 +361,31 @@ def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c:
     splits, cols = _splits(n, v + shift4, tile, x.device)
     best = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
-    cand_d = torch.full((n, 1, max(cap, 1)), sm.NEG_INF, dtype=torch.float32, device=x.device)
-    cand_k = torch.full((n, 1, max(cap, 1)), sm.PACKED_NONE, dtype=torch.int64, device=x.device)
-    count = torch.zeros(n, dtype=torch.int32, device=x.device)
+    cand_d, cand_k, count = _candidates(n, cap, x.device)
     if n:
         _sample_kernel[(n, splits)](x, *_plan_args(plan), plan.dthr, plan.b1, plan.orng, seed, offset, best, above,
                                     cand_d, cand_k, count, v, col0, cols, x.stride(0), best.stride(0), c,
                                     (bins - 1) / span, shift, cap, SHIFT4=shift4, BINS=bins, TILE=tile,
                                     num_warps=_warps(tile), **LAUNCH)
-    return best, above, cand_d[:, :, :cap], cand_k[:, :, :cap]
+    return best, above, cand_d, cand_k
+
+
+_NO_CANDIDATES: dict = {}
+
+
+def _candidates(n: int, cap: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Candidate lists ``(N, 1, cap)`` (d, packed key) and their counts; with ``cap = 0`` nothing is
+    written (no bracket can occur), so empty lists and a count buffer are kept per device."""
+    if cap:
+        return (torch.full((n, 1, cap), sm.NEG_INF, dtype=torch.float32, device=device),
+                torch.full((n, 1, cap), sm.PACKED_NONE, dtype=torch.int64, device=device),
+                torch.zeros(n, dtype=torch.int32, device=device))
+    key = (n, str(device))
+    if key not in _NO_CANDIDATES:
+        if len(_NO_CANDIDATES) >= 16:
+            _NO_CANDIDATES.clear()
+        _NO_CANDIDATES[key] = (torch.empty((n, 1, 0), dtype=torch.float32, device=device),
+                               torch.empty((n, 1, 0), dtype=torch.int64, device=device),
+                               torch.zeros(n, dtype=torch.int32, device=device))
+    return _NO_CANDIDATES[key]
 

@@ -303,7 +303,19 @@ def empty_plan(n: int, device) -> RowPlan:
                    e(n, dtype=torch.float64), e(n, 2), e(n, 2), e(n))
 
 
-plain_plan = rows.plain_plan
+_PLAIN: dict = {}
+
+
+def plain_plan(n: int, device) -> RowPlan:
+    """The plan of plain sampling (every row THRESH, no filter): constant, so kept per ``(n, device)``;
+    the passes only read it."""
+    key = (n, str(device))
+    plan = _PLAIN.get(key)
+    if plan is None:
+        if len(_PLAIN) >= 16:
+            _PLAIN.clear()
+        plan = _PLAIN[key] = rows.plain_plan(n, device)
+    return plan
 
 
 def after_records(parts: tuple, spec: Spec, xk_large, seed: Tensor, offset: Tensor):

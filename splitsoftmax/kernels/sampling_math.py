@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -49,9 +50,17 @@ def mass_shift(vocab: int) -> int:
     return 62 - max(1, int(vocab)).bit_length()
 
 
+def to_f32(x: float) -> float:
+    """``x`` rounded to float32 (to nearest even; from 2^128 - 2^103 on, where float32 rounds to
+    infinity, +-inf)."""
+    if abs(x) >= 3.4028235677973366e38:
+        return math.copysign(math.inf, x)
+    return float(np.float32(x))
+
+
 def temperature_scale(temperature: float) -> float:
     """``c = float32(log2(e) / T)``, the factor turning a logit into its base-2 scaled logit ``zz``."""
-    return float(torch.tensor(math.log2(math.e) / temperature, dtype=torch.float32))
+    return to_f32(math.log2(math.e) / temperature)
 
 
 def f32(value: float, like: Tensor) -> Tensor:

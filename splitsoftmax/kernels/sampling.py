@@ -30,7 +30,8 @@ from ..sampling_rows import SENT_ID, RowPlan
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
 from . import sampling_math as sm
-from .sampling_finish import _finish_refine
+from .launch import Launcher
+from .sampling_finish import _finish_refine, _key
 from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
 from .sampling_jit import COLLECT, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
 
@@ -270,6 +271,9 @@ def _warps(tile: int) -> int:
     return max(1, min(8, tile // 128))
 
 
+_RECORDS, _MASS, _SAMPLE = Launcher(_records_kernel), Launcher(_mass_kernel), Launcher(_sample_kernel)
+
+
 def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tensor]:
     """Partial records of ``x (N, V_r)``: ``(packed keys (N, splits, kr) int64, ties (N, splits) int64)``,
     each split's top ``kr`` descending and the count of its columns equal to its last record (-1
@@ -281,9 +285,9 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     part = torch.empty((n, splits, kr), dtype=torch.int64, device=x.device)
     ties = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     if n:
-        _records_kernel[(n, splits)](x, part, ties, v, col0, span, x.stride(0), part.stride(0), part.stride(1),
-                                     ties.stride(0), k_tie if k_tie < kr else 0, KR=kr, G=g, num_warps=4,
-                                     **LAUNCH)
+        args = (x, part, ties, v, col0, span, x.stride(0), part.stride(0), part.stride(1), ties.stride(0),
+                k_tie if k_tie < kr else 0)
+        _RECORDS((n, splits), _key(args), args, dict(KR=kr, G=g, num_warps=4, **LAUNCH))
     return part, ties
 
 
@@ -314,9 +318,9 @@ def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, s
     z = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     h = torch.empty((n, splits, bins), dtype=torch.int32, device=x.device)
     if n:
-        _mass_kernel[(n, splits)](x, *_plan_args(plan), z, h, v, cols, x.stride(0), c, (bins - 1) / span, shift,
-                                  z.stride(0), h.stride(0), h.stride(1), BINS=bins, TILE=tile, num_warps=_warps(tile),
-                                  **LAUNCH)
+        args = (x, *_plan_args(plan), z, h, v, cols, x.stride(0), c, (bins - 1) / span, shift, z.stride(0),
+                h.stride(0), h.stride(1))
+        _MASS((n, splits), _key(args), args, dict(BINS=bins, TILE=tile, num_warps=_warps(tile), **LAUNCH))
     return z, h
 
 
@@ -363,10 +367,10 @@ def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c:
     above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     cand_d, cand_k, count = _candidates(n, cap, x.device)
     if n:
-        _sample_kernel[(n, splits)](x, *_plan_args(plan), plan.dthr, plan.b1, plan.orng, seed, offset, best, above,
-                                    cand_d, cand_k, count, v, col0, cols, x.stride(0), best.stride(0), c,
-                                    (bins - 1) / span, shift, cap, SHIFT4=shift4, BINS=bins, TILE=tile,
-                                    num_warps=_warps(tile), **LAUNCH)
+        args = (x, *_plan_args(plan), plan.dthr, plan.b1, plan.orng, seed, offset, best, above, cand_d, cand_k, count,
+                v, col0, cols, x.stride(0), best.stride(0), c, (bins - 1) / span, shift, cap)
+        _SAMPLE((n, splits), _key(args), args,
+                dict(SHIFT4=shift4, BINS=bins, TILE=tile, num_warps=_warps(tile), **LAUNCH))
     return best, above, cand_d, cand_k
 
 

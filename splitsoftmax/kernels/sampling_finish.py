@@ -27,6 +27,7 @@ from torch import Tensor
 from .. import sampling_rows as rows
 from ..sampling_rows import RowPlan, Spec
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
+from .launch import Launcher
 from .sampling_jit import (COLLECT, DONE, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _gumbel, _ord32, _qmass,
                            _unord32)
 
@@ -291,6 +292,15 @@ def _finish_sample_kernel(BEST, A, CD, CK, Q, C, MODE, TOKEN, DTHR, NEED, OUT, s
     tl.store(OUT + row, tl.where(mode == DONE, tl.load(TOKEN + row), _token(win)))
 
 
+_RECORDS, _SAMPLE = Launcher(_finish_records_kernel), Launcher(_finish_sample_kernel)
+
+
+def _key(args: tuple) -> tuple:
+    """``Launcher`` key: tensors by dtype and 16-byte alignment, integers by value, floats by type."""
+    return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor) else float if isinstance(a, float) else a
+                 for a in args)
+
+
 def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
@@ -326,12 +336,11 @@ def after_records(parts: tuple, spec: Spec, xk_large, seed: Tensor, offset: Tens
     merged = torch.empty((n, kr), dtype=torch.int64, device=keys.device)
     if n:
         xk = xk_large if xk_large is not None else plan.xthr
-        _finish_records_kernel[(n,)](keys, ties, q, seed, offset, xk, plan.mode, plan.token, plan.xthr, plan.zmax,
-                                     plan.dthr, plan.need, plan.b1, plan.orng, plan.count, merged, keys.stride(0),
-                                     ties.stride(0), spec.c, spec.shift, _bits(spec.top_p), spec.cmin,
-                                     spec.top_k if spec.top_k < kr else 0, KR=kr, QP=triton.next_power_of_2(q),
-                                     LARGE_K=xk_large is not None, GREEDY=spec.greedy, TOP_P=spec.top_p < 1.0,
-                                     num_warps=4, **LAUNCH)
+        args = (keys, ties, q, seed, offset, xk, plan.mode, plan.token, plan.xthr, plan.zmax, plan.dthr, plan.need,
+                plan.b1, plan.orng, plan.count, merged, keys.stride(0), ties.stride(0), spec.c, spec.shift,
+                _bits(spec.top_p), spec.cmin, spec.top_k if spec.top_k < kr else 0)
+        _RECORDS((n,), _key(args), args, dict(KR=kr, QP=triton.next_power_of_2(q), LARGE_K=xk_large is not None,
+                                              GREEDY=spec.greedy, TOP_P=spec.top_p < 1.0, num_warps=4, **LAUNCH))
     return plan, merged
 
 
@@ -374,8 +383,8 @@ def after_sample(plan: RowPlan, parts: tuple, spec: Spec) -> Tensor:
     out = torch.empty(n, dtype=torch.int64, device=best.device)
     if n:
         c = cand_k.shape[1]
-        _finish_sample_kernel[(n,)](best, above, cand_d, cand_k, q, c, plan.mode, plan.token, plan.dthr, plan.need,
-                                    out, best.stride(0), cand_k.stride(0), spec.shift,
-                                    QP=triton.next_power_of_2(q), CP=triton.next_power_of_2(max(c, 1)),
-                                    num_warps=4, **LAUNCH)
+        args = (best, above, cand_d, cand_k, q, c, plan.mode, plan.token, plan.dthr, plan.need, out, best.stride(0),
+                cand_k.stride(0), spec.shift)
+        _SAMPLE((n,), _key(args), args, dict(QP=triton.next_power_of_2(q), CP=triton.next_power_of_2(max(c, 1)),
+                                             num_warps=4, **LAUNCH))
     return out

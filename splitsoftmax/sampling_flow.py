@@ -66,6 +66,19 @@ class Exchange:
         return bool(torch.isin(plan_mode, torch.tensor(modes, device=plan_mode.device)).any())
 
 
+def local(ex: Exchange, ops, kind: str, parts: tuple) -> tuple:
+    """Before an exchange, this rank's partials reduced to one per row (records merged, counts and
+    masses summed, best keys maxed), so that an exchange carries per-rank records only."""
+    if ex.comm is None:
+        return parts
+    if kind == "records":
+        return ops.local_merge(parts)
+    if kind == "sample":
+        best, above, cd, ck = parts
+        return best.amax(dim=1, keepdim=True), above.sum(dim=1, keepdim=True), cd, ck
+    return tuple(p.sum(dim=1, keepdim=True, dtype=torch.int64) for p in parts)
+
+
 def _as_words(t: Tensor) -> Tensor:
     if t.dtype in (torch.float64, torch.int64):
         return t.contiguous().view(torch.int64)
@@ -85,7 +98,7 @@ def top_records(ex: Exchange, x: Tensor, col0: int, k: int) -> tuple[Tensor, Ten
     large = configs.next_pow2(k) > configs.SAMPLE_RECORDS_MAX
     ops = sampling_cpu if large else ops_for(x)
     kr = k if large else configs.next_pow2(k)
-    return ops.merge_top(ex.gather(ops.records(x, col0, kr, 0)), k)
+    return ops.merge_top(ex.gather(local(ex, ops, "records", ops.records(x, col0, kr, 0))), k)
 
 
 def _large_top_k(ex: Exchange, x: Tensor, col0: int, spec: Spec) -> Optional[Tensor]:
@@ -102,14 +115,15 @@ def _mass_rounds(ex: Exchange, ops, x: Tensor, col0: int, plan, recs, spec: Spec
     if spec.top_p >= 1.0 or (spec.top_k and spec.top_k < spec.kr) or not ex.any(plan.mode, MASS):
         return plan
     consts = (spec.c, spec.shift, spec.bins, spec.span)
-    plan = ops.after_mass(plan, ex.gather(ops.mass(x, col0, plan, *consts)), recs, spec, seed, offset)
+    plan = ops.after_mass(plan, ex.gather(local(ex, ops, "mass", ops.mass(x, col0, plan, *consts))), recs, spec,
+                          seed, offset)
     if ex.comm is None and not ex.sync:
         return ops.refine_rows(x, plan, spec)    # one launch, every round, on the device
     rounds = configs.sample_refine_rounds(spec.bins)
     for _ in range(rounds):
         if not ex.any(plan.mode, REFINE):
             break
-        plan = ops.after_refine(plan, ex.gather(ops.refine(x, col0, plan, *consts)), spec)
+        plan = ops.after_refine(plan, ex.gather(local(ex, ops, "refine", ops.refine(x, col0, plan, *consts))), spec)
     if bool((plan.mode == REFINE).any()):
         raise RuntimeError(f"sharded_sample: a top-p bracket did not narrow within {rounds} refinements")
     return plan
@@ -122,7 +136,7 @@ def draw(ex: Exchange, x: Tensor, col0: int, spec: Spec, seed: Tensor, offset: T
         plan = ops.plain_plan(x.shape[0], x.device)
     else:
         xk = _large_top_k(ex, x, col0, spec)
-        parts = ex.gather(ops.records(x, col0, spec.kr, spec.top_k))
+        parts = ex.gather(local(ex, ops, "records", ops.records(x, col0, spec.kr, spec.top_k)))
         plan, recs = ops.after_records(parts, spec, xk, seed, offset)
         if spec.greedy:
             return plan.token
@@ -130,7 +144,7 @@ def draw(ex: Exchange, x: Tensor, col0: int, spec: Spec, seed: Tensor, offset: T
     if not ex.any(plan.mode, THRESH, COLLECT):
         return plan.token
     parts = ops.sample(x, col0, plan, seed, offset, spec.c, spec.shift, spec.bins, spec.span, _cap(ex, plan, spec))
-    return ops.after_sample(plan, ex.gather(parts), spec)
+    return ops.after_sample(plan, ex.gather(local(ex, ops, "sample", parts)), spec)
 
 
 def _cap(ex: Exchange, plan, spec: Spec) -> int:

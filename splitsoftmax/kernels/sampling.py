@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..local import interpreting
-from ..sampling_rows import SENT_ID, RowPlan
+from ..sampling_rows import SENT_ID, RowPlan, merge_partials
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
 from . import sampling_math as sm
@@ -235,7 +235,7 @@ def _refine_rows_kernel(X, MODE, XTHR, ZMAX, DTHR, NEED, B1, ORNG, COUNT, HM, V,
             tl.debug_barrier()
             above, hist = _refine_span(X, XTHR, ZMAX, B1, ORNG, HM, row, 0, V, s_xn, c, inv_w, shift, BINS, TILE)
             tl.debug_barrier()
-            hmass = tl.load(HM + row * BINS + bi)
+            hmass = tl.load(HM + row * BINS + bi, cache_modifier=".cg")   # the atomics' sums, not L1's
             _finish_refine(row, above, hist.to(tl.int64), hmass, MODE, DTHR, NEED, ORNG, COUNT, cap, BINS)
             tl.debug_barrier()
 
@@ -296,6 +296,17 @@ def decode(part: Tensor) -> tuple[Tensor, Tensor]:
     none = part == sm.PACKED_NONE
     vals = torch.where(none, sm.NEG_INF, sm.unord32(part >> 32).to(torch.float64))
     return vals, torch.where(none, SENT_ID, sm.packed_gid(part))
+
+
+def local_merge(parts: tuple) -> tuple[Tensor, Tensor]:
+    """This rank's partial records ``(N, splits, kr)`` merged into one per row ``(N, 1, kr)`` (with the
+    tie count of the merged last record), so that an exchange carries ``kr`` records per rank."""
+    keys, ties = parts
+    vals, ids = decode(keys)
+    vals, ids, t = merge_partials(vals, ids, ties, keys.shape[2])
+    packed = torch.where(ids == SENT_ID, sm.PACKED_NONE, sm.pack(vals.to(torch.float32), torch.where(ids == SENT_ID,
+                                                                                                     0, ids)))
+    return packed.unsqueeze(1), t.unsqueeze(1)
 
 
 def merge_top(parts: tuple, k: int) -> tuple[Tensor, Tensor]:

@@ -54,6 +54,11 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     return vals.unsqueeze(1), ids.unsqueeze(1), torch.where(ids[:, -1] == SENT_ID, 0, ties).unsqueeze(1)
 
 
+def local_merge(parts: tuple) -> tuple:
+    """This rank's records are already one partial per row."""
+    return parts
+
+
 def merge_top(parts: tuple, k: int) -> tuple[Tensor, Tensor]:
     """The top ``k`` ``(values float64, ids)`` ``(N, k)`` of partial records ``(N, Q, kr)``."""
     vals, ids, _ = parts

@@ -8,6 +8,7 @@ from .distributed import (shard, sharded_attention, sharded_log_softmax, sharded
 from .functional import attention, log_softmax, logsumexp, merge_states, softmax
 from .losses import cross_entropy, sharded_cross_entropy
 from .vocab import entropy, kl_div, logprobs, sharded_entropy, sharded_kl_div, sharded_logprobs
+from .sampling import sample, sharded_sample, sharded_topk, topk
 
 __version__ = "0.1.0"
 
@@ -16,4 +17,5 @@ __all__ = [
     "sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
     "cross_entropy", "sharded_cross_entropy",
     "logprobs", "entropy", "kl_div", "sharded_logprobs", "sharded_entropy", "sharded_kl_div",
+    "topk", "sharded_topk", "sample", "sharded_sample",
 ]

@@ -12,6 +12,8 @@
   for the forward and the forward + backward, and the peak memory each adds above its inputs;
   the device copy of the logits (one read + one write) and a read (``amax``) as the yardsticks;
   tile variants of splitsoftmax beside the defaults.
+- ``sampling``: ``ss.sample`` against torch's samplers at batch 1, 32 and 256 over V = 128256
+  (``bench/vocab_sampling.py``).
 
 Writes ``vocab.json`` (one entry per part) and ``vocab_<part>.png`` to ``--out`` and prints tables.
 """
@@ -29,6 +31,7 @@ from splitsoftmax import reference as ref
 from splitsoftmax.kernels import configs
 
 from . import best_ms
+from . import vocab_sampling as sampling
 
 STATS_SHAPE = (8192, 128256)
 # (forward tile, backward tile) variants of ss timed beside the defaults (configs.py)
@@ -233,6 +236,7 @@ def plot_stats(r: dict, path: str) -> bool:
 # part name -> (run(args) -> result, table(result) -> str, plot(result, path) -> bool, passed(result) -> bool)
 PARTS = {"stats": (stats_part, table_stats, plot_stats,
                    lambda r: all(g["ok"] for g in r["gate"]) and r["big_check"]["ok"])}
+PARTS["sampling"] = sampling.PART
 
 
 def main(argv=None) -> int:

@@ -29,10 +29,12 @@ OK = 1
 # arguments a rank's refusal can name to the other ranks
 ARGS = ("x", "dim", "q", "k", "v", "causal", "scale", "return_lse", "schedule", "layout", "logits", "target",
         "ignore_index", "reduction", "label_smoothing", "temperature", "return_entropy", "logits_p", "logits_q",
-        "cu_seqlens", "window_size", "softcap", "sinks", "kv_range", "q_offset")
+        "cu_seqlens", "window_size", "softcap", "sinks", "kv_range", "q_offset", "seed", "offset", "top_k", "top_p",
+        "min_p")
 
 OPS = ("sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
-       "sharded_cross_entropy", "sharded_logprobs", "sharded_entropy", "sharded_kl_div")
+       "sharded_cross_entropy", "sharded_logprobs", "sharded_entropy", "sharded_kl_div",
+       "sharded_topk", "sharded_sample")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 
@@ -72,7 +74,8 @@ _DECODE = {"dtype": _dtype_of, "scale": _float_of, "label_smoothing": _float_of,
            "reduction": _name_of(_checks.REDUCTIONS), "temperature": _float_of, "dtype_q": _dtype_of,
            "softcap": lambda c: _float_of(c) or None,
            "window_size": lambda c: ((c >> 32) - 1, (c & 0xFFFFFFFF) - 1), "sinks": _sinks_of,
-           "cu_seqlens": _fingerprint_of, "kv_range": _fingerprint_of, "q_offset": _fingerprint_of}
+           "cu_seqlens": _fingerprint_of, "kv_range": _fingerprint_of, "q_offset": _fingerprint_of,
+           "top_p": _float_of, "min_p": _float_of}
 
 
 # fields holding a checksum of a tensor that must be equal on every rank (shown as "differs", not as numbers)

@@ -267,3 +267,35 @@ VOCAB_ELEMS_PER_WARP = 256
 VOCAB_INTERPRET_SMS = 4
 # rows per program of the elementwise kernel turning merged records into statistics
 VOCAB_FINISH_ROWS = 1024
+
+# --- vocabulary sampling (sampling.py) ----------------------------------------------------------
+# Records: the filtered draws keep per row the top SAMPLE_RECORDS_MIN (value, id) pairs, or the
+# next power of two above top_k; a top_k needing more than SAMPLE_RECORDS_MAX takes its threshold
+# from a full sort instead. The records pass ranks groups of SAMPLE_GROUP columns by their maxima
+# and sorts only the best groups' columns.
+SAMPLE_RECORDS_MIN = 64
+SAMPLE_RECORDS_MAX = 256
+SAMPLE_GROUP = 16
+SAMPLE_GROUP_INTERPRET = 2
+# at most this many partial records per row (splits * records) for the merge
+SAMPLE_MERGE_MAX = 2048
+# columns per tile of the mass and refinement passes and of the draw (8 warps each; sm_90 ptxas:
+# mass 128 registers at 2048, the draw 102 at 1024 and 232 at 2048, no spills); programs per SM a
+# row is spread over (a batch of one row then runs on every SM); the SM count assumed under the
+# interpreter
+SAMPLE_TILE = 2048
+SAMPLE_DRAW_TILE = 1024
+SAMPLE_TILE_INTERPRET = 16
+SAMPLE_PROGRAMS_PER_SM = 2
+SAMPLE_INTERPRET_SMS = 4
+# Top-p without a small top-k: a first histogram of d = log2(p / p_max) over SAMPLE_BINS bins
+# (the last one holds d <= -SAMPLE_BIN_SPAN) brackets the crossing of top_p * Z; a bracket of at
+# most SAMPLE_CAP tokens is listed by the sampling pass, a larger one refined by histograms of its
+# order keys (sample_refine_rounds: enough for a 2^31-key bracket to narrow to one key).
+SAMPLE_BINS = 2048
+SAMPLE_BIN_SPAN = 16.0
+SAMPLE_CAP = 4096
+
+
+def sample_refine_rounds(bins: int) -> int:
+    return -(-31 // max(1, bins.bit_length() - 1)) + 1

@@ -1,0 +1,113 @@
+"""The metadata handshake once per configuration, with every later call checked inside its data.
+
+A decode loop calls the same sharded operation with the same configuration at every step; the
+handshake (``handshake.py``, one small all-gather) is then run on the first call only. Later calls
+check agreement for free: every exchange of a call carries a fingerprint of the configuration
+(:class:`Guard`), and the ranks compare fingerprints after it. A rank whose configuration changed
+(or whose arguments are bad) cannot skip the handshake while its peers do, so it first joins their
+expected first exchange with a *poison* buffer of the size that exchange had on the previous call:
+the peers see the poison, and every rank runs the handshake, which raises the usual ``ValueError``
+naming the field and the ranks (or accepts the new configuration, and the call runs again).
+
+``SPLITSOFTMAX_HANDSHAKE=always`` runs the handshake on every call (the per-call check).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+
+from . import handshake as hs
+from .comm import Communicator
+from .tree import allgather
+
+POISON = -1                    # the fingerprint word of a poison buffer (real fingerprints are >= 0)
+_SESSIONS: dict = {}           # (op, id(group), rank, size) -> Session
+_MAX_SESSIONS = 64
+
+
+class ConfigMismatch(ValueError):
+    """Ranks exchanged data under different configurations."""
+
+
+class _Poisoned(Exception):
+    """A peer's configuration changed: the handshake must run (then the call again)."""
+
+
+def fingerprint(values) -> int:
+    """A process-independent 63-bit hash (FNV-1a) of integers."""
+    h = 0xCBF29CE484222325
+    for v in values:
+        for byte in int(v).to_bytes(9, "little", signed=True):
+            h = ((h ^ byte) * 0x100000001B3) % 2 ** 64
+    return h >> 1
+
+
+class Guard:
+    """Handed to a call's exchanges: ``fingerprint`` to append, ``check`` for the words received."""
+
+    def __init__(self, session: "Session", fingerprint_: int):
+        self.session, self.fingerprint = session, fingerprint_
+        self.first = True
+
+    def check(self, words: list, size: int, device: torch.device) -> None:
+        """``words``: every rank's fingerprint word; ``size``: this exchange's length on this rank."""
+        if self.first:
+            self.first = False
+            if self.session.first_size is None:
+                self.session.first_size, self.session.device = size, device
+        if POISON in words:
+            raise _Poisoned
+        if len(set(words)) > 1:
+            raise ConfigMismatch(f"{self.session.op}: ranks called with different configurations "
+                                 f"(fingerprints by rank: {words}); seeds and offsets given as ints "
+                                 f"must be the same on every rank")
+
+
+class Session:
+    """The last configuration handshaken on a group by this rank, the handshake's result, and
+    the length and device of that configuration's first exchange (None before one ran)."""
+
+    def __init__(self, op: str, group, config, meta: dict):
+        self.op, self.group, self.config, self.meta = op, group, config, meta
+        self.first_size: Optional[int] = None
+        self.device = torch.device("cpu")
+
+
+def collective(comm: Communicator, group, op: str, agree: Optional[dict], per_rank: Optional[dict],
+               error: Optional[BaseException], extra: tuple, body: Callable[[dict, Guard], object]):
+    """``body(meta, guard)``, ``meta`` the handshake's ``{field: [value per rank]}``, under the
+    once-per-configuration protocol above. ``extra``: values outside the handshake that must agree
+    too (integer seeds), folded into the fingerprint."""
+    key = (op, id(group), comm.rank, comm.size)
+    s = _SESSIONS.get(key)
+    s = s if s is not None and s.group is group else None
+    config = None if error is not None else (tuple((agree or {}).items()), tuple((per_rank or {}).items()))
+    cached = s is not None and s.first_size is not None and os.environ.get("SPLITSOFTMAX_HANDSHAKE") != "always"
+    if cached and config == s.config:
+        try:
+            return _run(s, body, extra)
+        except _Poisoned:
+            pass
+        except ConfigMismatch:
+            _SESSIONS.pop(key, None)
+            hs.handshake(comm, op, agree, per_rank, None)   # names a field that differs, if one does
+            raise
+    elif cached:
+        poison = torch.full((s.first_size,), POISON, dtype=torch.int64, device=s.device)
+        allgather(comm, poison, f"{op}: configuration change")
+    meta = hs.handshake(comm, op, agree, per_rank, error)
+    if len(_SESSIONS) >= _MAX_SESSIONS:
+        _SESSIONS.clear()
+    s = _SESSIONS[key] = Session(op, group, config, meta)
+    try:
+        return _run(s, body, extra)
+    except ConfigMismatch:
+        _SESSIONS.pop(key, None)
+        raise
+
+
+def _run(s: Session, body, extra: tuple):
+    values = [*(v for _, v in s.config[0]), *(x for vals in s.meta.values() for x in vals), *extra]
+    return body(s.meta, Guard(s, fingerprint(values)))

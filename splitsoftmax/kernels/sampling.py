@@ -1,0 +1,406 @@
+"""Triton passes of sampling over a slice of the vocabulary: same signatures and results as
+``kernels.sampling_cpu`` (the element math is ``kernels.sampling_math``'s, bit for bit).
+
+Every kernel runs on a grid ``(N, splits)``: a row's columns are cut into ``splits`` spans of whole
+tiles, so that a batch of one row still spreads over the GPU; the spans' records merge exactly
+(maxima of packed keys, integer sums). Kernels are compiled without FMA contraction
+(``enable_fp_fusion=False``): a fused multiply-add rounds once where the torch path rounds twice.
+
+- ``_records_kernel``: the span's top ``KR`` packed keys ``(ord32(x), global id)``: each tile of
+  ``KR * G`` columns gives the maxima of its ``KR`` groups of ``G``; the best ``KR`` groups over the
+  span are kept, and only their columns are sorted (the top ``KR`` columns lie in the top ``KR``
+  groups). Ties to the last record are counted only when a top-k needs them.
+- ``_mass_kernel``: integer masses and the first-round histogram (``tl.histogram``) of top-p.
+- ``_refine_kernel``: the mass above a bracket and its sub-bins' counts and masses (atomics; rare).
+- ``_sample_kernel``: the Gumbel-max draw; tiles start at global ids divisible by 4, so one Philox
+  call gives the noise of four consecutive tokens; bracket candidates are appended with one
+  atomic per tile.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..local import interpreting
+from ..sampling_rows import SENT_ID, RowPlan, merge_partials
+from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
+from . import configs
+from . import sampling_math as sm
+from .launch import Launcher
+from .sampling_finish import _finish_refine, _key
+from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
+from .sampling_jit import COLLECT, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
+
+@triton.jit
+def _keys(xrow, cols, valid, col0):
+    """Packed record keys ``ord32(x) << 32 | (2^32 - 1 - id)`` of columns ``cols``; NONE where not valid."""
+    x = tl.load(xrow + cols, mask=valid, other=0.0).to(tl.float32)
+    key = (_ord32(x).to(tl.int64) << 32) | (U32 - (cols + col0).to(tl.int64))
+    return tl.where(valid, key, NONE)
+
+
+@triton.jit(do_not_specialize=["col0", "span", "k_tie"])
+def _records_kernel(X, OUT, TIES, V, col0, span, s_xn, s_on, s_os, s_tn, k_tie, KR: tl.constexpr, G: tl.constexpr):
+    """Grid ``(N, splits)``: the top ``KR`` packed keys of columns ``[split * span, +span)`` of a row,
+    descending, and (only where a top-``k_tie`` needs it) the count of columns equal to the last one."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lo = split * span
+    hi = tl.minimum(lo + span, V)
+    xrow = X + row * s_xn
+    TILE: tl.constexpr = KR * G
+    lanes = tl.arange(0, TILE)
+    if KR == 1:
+        best = tl.full([1], NONE, tl.int64)
+        for t0 in range(lo, hi, TILE):
+            cols = t0 + lanes
+            best = tl.maximum(best, tl.max(_keys(xrow, cols, cols < hi, col0), axis=0))
+        rec = best
+    else:
+        best = tl.full([KR], NONE, tl.int64)
+        for t0 in range(lo, hi, TILE):
+            cols = t0 + lanes
+            gmax = tl.max(tl.reshape(_keys(xrow, cols, cols < hi, col0), [KR, G]), axis=1)  # [KR]
+            best = tl.topk(tl.reshape(tl.join(best, gmax), [2 * KR]), KR)
+        gcol = (U32 - (best & U32)) - col0                  # [KR]: column of each group's maximum
+        gcol = lo + ((gcol - lo) // G) * G
+        cols = gcol[:, None] + tl.arange(0, G)[None, :]      # [KR, G]: the best groups' columns
+        valid = (best != NONE)[:, None] & (cols < hi)
+        rec = tl.topk(tl.reshape(_keys(xrow, cols, valid, col0), [KR * G]), KR)  # [KR]
+    out = OUT + row * s_on + split * s_os
+    tl.store(out + tl.arange(0, KR), rec)
+    last = tl.min(rec, axis=0)
+    ties = tl.sum(tl.zeros([1], tl.int64), axis=0) - 1
+    if k_tie > 0:
+        kth = tl.sum(tl.where(tl.arange(0, KR) == k_tie - 1, rec, 0), axis=0)
+        if ((kth >> 32) == (last >> 32)) & (last != NONE):
+            v_last = (last >> 32).to(tl.int32)
+            count = ties + 1
+            for t0 in range(lo, hi, TILE):
+                tcols = t0 + lanes
+                tx = tl.load(xrow + tcols, mask=tcols < hi, other=0.0).to(tl.float32)
+                count += tl.sum(((_ord32(tx) == v_last) & (tcols < hi)).to(tl.int64), axis=0)
+            ties = count
+    tl.store(TIES + row * s_tn + split, ties)
+
+
+@triton.jit
+def _row_inputs(X, XTHR, ZMAX, row, cols, valid, s_xn, c):
+    """``(x, zz, d, kept by top-k)`` of a tile of a row."""
+    x = tl.load(X + row * s_xn + cols, mask=valid, other=0.0).to(tl.float32)
+    zz = x * c
+    d = zz - tl.load(ZMAX + row)
+    return x, zz, d, valid & (x >= tl.load(XTHR + row))
+
+
+@triton.jit(do_not_specialize=["span", "c", "inv_w", "shift"])
+def _mass_kernel(X, MODE, XTHR, ZMAX, Z, H, V, span, s_xn, c, inv_w, shift, s_zn, s_hn, s_hs,
+                 BINS: tl.constexpr, TILE: tl.constexpr):
+    """Grid ``(N, splits)``, rows in mode MASS: the span's integer mass of the columns kept by
+    top-k and their first-round histogram."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lo = split * span
+    hi = tl.minimum(lo + span, V)
+    hi = tl.where(tl.load(MODE + row) == MASS, hi, lo)
+    lanes = tl.arange(0, TILE)
+    z = tl.zeros([TILE], tl.int64)
+    hist = tl.zeros([BINS], tl.int32)
+    for t0 in range(lo, hi, TILE):
+        cols = t0 + lanes
+        x, zz, d, keep = _row_inputs(X, XTHR, ZMAX, row, cols, cols < hi, s_xn, c)
+        z += tl.where(keep, _qmass(d, shift), 0)
+        hist += tl.histogram(_bin1(d, inv_w, BINS), BINS, mask=keep)
+    tl.store(Z + row * s_zn + split, tl.sum(z, axis=0))
+    tl.store(H + row * s_hn + split * s_hs + tl.arange(0, BINS), hist)
+
+
+@triton.jit
+def _bracket(d, B1, ORNG, row, inv_w, BINS: tl.constexpr):
+    """``(inside, above, order key)`` of a tile against the row's bracket (``sampling_cpu._bracket``)."""
+    b = _bin1(d, inv_w, BINS)
+    o = _ord32(d).to(tl.int64)
+    b_lo, b_hi = tl.load(B1 + 2 * row), tl.load(B1 + 2 * row + 1)
+    o_lo, o_hi = tl.load(ORNG + 2 * row), tl.load(ORNG + 2 * row + 1)
+    in_b1 = (b >= b_lo) & (b <= b_hi)
+    inside = in_b1 & (o >= o_lo) & (o < o_hi)
+    above = (b < b_lo) | (in_b1 & (o >= o_hi))
+    return inside, above, o
+
+
+@triton.jit
+def _refine_span(X, XTHR, ZMAX, B1, ORNG, HM, row, lo, hi, s_xn, c, inv_w, shift, BINS: tl.constexpr,
+                 TILE: tl.constexpr):
+    """Columns ``[lo, hi)`` of a REFINE row: ``(mass above the bracket, count per sub-bin [BINS])``;
+    the mass per sub-bin is added to ``HM + row * BINS`` (atomics)."""
+    o_lo = tl.load(ORNG + 2 * row)
+    width = tl.maximum(tl.load(ORNG + 2 * row + 1) - o_lo, 1)
+    lanes = tl.arange(0, TILE)
+    above_mass = tl.zeros([TILE], tl.int64)
+    hist = tl.zeros([BINS], tl.int32)
+    for t0 in range(lo, hi, TILE):
+        cols = t0 + lanes
+        x, zz, d, keep = _row_inputs(X, XTHR, ZMAX, row, cols, cols < hi, s_xn, c)
+        inside, above, o = _bracket(d, B1, ORNG, row, inv_w, BINS)
+        q = _qmass(d, shift)
+        above_mass += tl.where(keep & above, q, 0)
+        sub = tl.minimum(tl.maximum((o - o_lo) * BINS // width, 0), BINS - 1).to(tl.int32)
+        take = keep & inside
+        hist += tl.histogram(sub, BINS, mask=take)
+        tl.atomic_add(HM + row * BINS + sub, q, mask=take)
+    return tl.sum(above_mass, axis=0), hist
+
+
+@triton.jit(do_not_specialize=["span", "c", "inv_w", "shift"])
+def _refine_kernel(X, MODE, XTHR, ZMAX, B1, ORNG, A, H, HM, V, span, s_xn, c, inv_w, shift, s_an, s_hn, s_hs,
+                   BINS: tl.constexpr, TILE: tl.constexpr):
+    """Grid ``(N, splits)``, rows in mode REFINE: the span's mass above the bracket, the count of
+    its columns per sub-bin (``H``, per split) and their mass (``HM (N, BINS)``, atomics)."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    lo = split * span
+    hi = tl.minimum(lo + span, V)
+    hi = tl.where(tl.load(MODE + row) == REFINE, hi, lo)
+    above, hist = _refine_span(X, XTHR, ZMAX, B1, ORNG, HM, row, lo, hi, s_xn, c, inv_w, shift, BINS, TILE)
+    tl.store(A + row * s_an + split, above)
+    tl.store(H + row * s_hn + split * s_hs + tl.arange(0, BINS), hist)
+
+
+@triton.jit(do_not_specialize=["col0", "span", "c", "inv_w", "shift", "cap"])
+def _sample_kernel(X, MODE, XTHR, ZMAX, DTHR, B1, ORNG, SEED, OFFSET, BEST, A, CD, CK, COUNT, V, col0, span,
+                   s_xn, s_bn, c, inv_w, shift, cap, SHIFT4: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr):
+    """Grid ``(N, splits)``, rows THRESH or COLLECT: the best packed Gumbel key of the kept columns
+    of the span (COLLECT: those above the bracket), the mass above the bracket, and the bracket's
+    columns appended to the row's candidates. Spans cut ``u = column + SHIFT4`` (``SHIFT4 =
+    col0 % 4``), so every tile starts at a global id divisible by 4."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    mode = tl.load(MODE + row)
+    lo = split * span
+    hi = tl.minimum(lo + span, V + SHIFT4)
+    hi = tl.where((mode == COLLECT) | (mode == THRESH), hi, lo)
+    seed = tl.load(SEED + row)
+    off = tl.load(OFFSET + row)
+    q4: tl.constexpr = TILE // 4
+    c1 = tl.full([q4], 0, tl.int64) + (off & U32)
+    c2 = tl.full([q4], 0, tl.int64) + ((off >> 32) & U32)
+    c3 = tl.full([q4], 0x53414D50, tl.int64)
+    dthr = tl.load(DTHR + row)
+    lanes = tl.arange(0, TILE)
+    # a block, not a scalar: the interpreter's & of an int1 scalar and an int1 block gives int32
+    collect = (lanes * 0 + mode) == COLLECT
+    best = tl.full([TILE], NONE, tl.int64)
+    above_mass = tl.zeros([TILE], tl.int64)
+    for u0 in range(lo, hi, TILE):
+        cols = u0 - SHIFT4 + lanes
+        valid = (cols >= 0) & (cols < V)
+        x, zz, d, keep = _row_inputs(X, XTHR, ZMAX, row, cols, valid, s_xn, c)
+        ctr = ((col0 - SHIFT4 + u0) >> 2) + tl.arange(0, q4).to(tl.int64)
+        r0, r1, r2, r3 = tl.philox(seed, ctr.to(tl.uint32), c1.to(tl.uint32), c2.to(tl.uint32), c3.to(tl.uint32))
+        word = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [TILE])  # word of id 4 * ctr + lane
+        gid = (cols + col0).to(tl.int64)
+        packed = (_ord32(_gumbel(zz, word)).to(tl.int64) << 32) | (U32 - gid)
+        inside, above, o = _bracket(d, B1, ORNG, row, inv_w, BINS)
+        kept = keep & (d >= dthr)
+        win = tl.where(collect, kept & above, kept | (valid & (x != x)))
+        best = tl.maximum(best, tl.where(win, packed, NONE))
+        above_mass += tl.where(collect & keep & above, _qmass(d, shift), 0)
+        take = collect & keep & inside
+        one = tl.where(take, 1, 0)
+        n_take = tl.sum(one, axis=0)
+        if n_take > 0:
+            base = tl.atomic_add(COUNT + row, n_take)
+            pos = base + tl.cumsum(one, axis=0) - 1
+            ok = take & (pos < cap)
+            tl.store(CD + row * cap + pos, d, mask=ok)
+            tl.store(CK + row * cap + pos, packed, mask=ok)
+    tl.store(BEST + row * s_bn + split, tl.max(best, axis=0))
+    tl.store(A + row * s_bn + split, tl.sum(above_mass, axis=0))
+
+
+@triton.jit(do_not_specialize=["c", "inv_w", "shift", "cap"])
+def _refine_rows_kernel(X, MODE, XTHR, ZMAX, DTHR, NEED, B1, ORNG, COUNT, HM, V, s_xn, c, inv_w, shift, cap,
+                        ROUNDS: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr):
+    """One program per row, every refinement round in turn (one device: no exchange between rounds;
+    rows in no other mode than REFINE return at once)."""
+    row = tl.program_id(0).to(tl.int64)
+    bi = tl.arange(0, BINS)
+    for _ in range(ROUNDS):
+        if tl.load(MODE + row) == REFINE:
+            tl.store(HM + row * BINS + bi, tl.zeros([BINS], tl.int64))
+            tl.debug_barrier()
+            above, hist = _refine_span(X, XTHR, ZMAX, B1, ORNG, HM, row, 0, V, s_xn, c, inv_w, shift, BINS, TILE)
+            tl.debug_barrier()
+            hmass = tl.load(HM + row * BINS + bi, cache_modifier=".cg")   # the atomics' sums, not L1's
+            _finish_refine(row, above, hist.to(tl.int64), hmass, MODE, DTHR, NEED, ORNG, COUNT, cap, BINS)
+            tl.debug_barrier()
+
+
+@lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    return configs.SAMPLE_INTERPRET_SMS if interpreting() else _device_sms(device.index or 0)
+
+
+def _splits(n: int, width: int, tile: int, device: torch.device, most: int = 1 << 30) -> tuple[int, int]:
+    """``(splits, span)``: programs per row (at most ``most``) and the columns each covers (whole tiles)."""
+    want = min(most, configs.cdiv(configs.SAMPLE_PROGRAMS_PER_SM * _sms(device), max(n, 1)))
+    splits = max(1, min(want, configs.cdiv(max(width, 1), tile)))
+    span = configs.cdiv(configs.cdiv(max(width, 1), splits), tile) * tile
+    return configs.cdiv(max(width, 1), span), span
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _tile(draw: bool = False) -> int:
+    if interpreting():
+        return configs.SAMPLE_TILE_INTERPRET
+    return configs.SAMPLE_DRAW_TILE if draw else configs.SAMPLE_TILE
+
+
+def _warps(tile: int) -> int:
+    return max(1, min(8, tile // 128))
+
+
+_RECORDS, _MASS, _SAMPLE = Launcher(_records_kernel), Launcher(_mass_kernel), Launcher(_sample_kernel)
+
+
+def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tensor]:
+    """Partial records of ``x (N, V_r)``: ``(packed keys (N, splits, kr) int64, ties (N, splits) int64)``,
+    each split's top ``kr`` descending and the count of its columns equal to its last record (-1
+    where no top-k of ``k_tie`` needs it)."""
+    x = _rows(x)
+    n, v = x.shape
+    g = 1024 if kr == 1 else (configs.SAMPLE_GROUP_INTERPRET if interpreting() else configs.SAMPLE_GROUP)
+    splits, span = _splits(n, v, kr * g, x.device, max(1, configs.SAMPLE_MERGE_MAX // kr))
+    part = torch.empty((n, splits, kr), dtype=torch.int64, device=x.device)
+    ties = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    if n:
+        args = (x, part, ties, v, col0, span, x.stride(0), part.stride(0), part.stride(1), ties.stride(0),
+                k_tie if k_tie < kr else 0)
+        _RECORDS((n, splits), _key(args), args, dict(KR=kr, G=g, num_warps=4, **LAUNCH))
+    return part, ties
+
+
+def decode(part: Tensor) -> tuple[Tensor, Tensor]:
+    """Packed record keys to ``(values float64, ids)``; missing ones to ``(-inf, SENT_ID)``."""
+    none = part == sm.PACKED_NONE
+    vals = torch.where(none, sm.NEG_INF, sm.unord32(part >> 32).to(torch.float64))
+    return vals, torch.where(none, SENT_ID, sm.packed_gid(part))
+
+
+def local_merge(parts: tuple) -> tuple[Tensor, Tensor]:
+    """This rank's partial records ``(N, splits, kr)`` merged into one per row ``(N, 1, kr)`` (with the
+    tie count of the merged last record), so that an exchange carries ``kr`` records per rank."""
+    keys, ties = parts
+    vals, ids = decode(keys)
+    vals, ids, t = merge_partials(vals, ids, ties, keys.shape[2])
+    packed = torch.where(ids == SENT_ID, sm.PACKED_NONE, sm.pack(vals.to(torch.float32), torch.where(ids == SENT_ID,
+                                                                                                     0, ids)))
+    return packed.unsqueeze(1), t.unsqueeze(1)
+
+
+def merge_top(parts: tuple, k: int) -> tuple[Tensor, Tensor]:
+    """The top ``k`` ``(values float64, ids)`` of partial records: packed keys are distinct, so
+    ``torch.topk`` of them is exact."""
+    keys = parts[0].flatten(1)
+    return decode(torch.topk(keys, k, dim=1).values)
+
+
+def _plan_args(plan: RowPlan):
+    return plan.mode, plan.xthr, plan.zmax
+
+
+def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, span: float):
+    """Partials ``(Z (N, splits) int64, hist (N, splits, bins) int32)`` (see ``sampling_cpu.mass``)."""
+    x = _rows(x)
+    n, v = x.shape
+    tile = _tile()
+    splits, cols = _splits(n, v, tile, x.device)
+    z = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    h = torch.empty((n, splits, bins), dtype=torch.int32, device=x.device)
+    if n:
+        args = (x, *_plan_args(plan), z, h, v, cols, x.stride(0), c, (bins - 1) / span, shift, z.stride(0),
+                h.stride(0), h.stride(1))
+        _MASS((n, splits), _key(args), args, dict(BINS=bins, TILE=tile, num_warps=_warps(tile), **LAUNCH))
+    return z, h
+
+
+def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, span: float):
+    """Partials ``(mass above (N, splits) int64, hist (N, splits, bins) int32, hist mass (N, 1, bins)
+    int64)`` (see ``sampling_cpu.refine``)."""
+    x = _rows(x)
+    n, v = x.shape
+    tile = _tile()
+    splits, cols = _splits(n, v, tile, x.device)
+    above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    h = torch.empty((n, splits, bins), dtype=torch.int32, device=x.device)
+    hm = torch.zeros((n, 1, bins), dtype=torch.int64, device=x.device)
+    if n:
+        _refine_kernel[(n, splits)](x, *_plan_args(plan), plan.b1, plan.orng, above, h, hm, v, cols, x.stride(0), c,
+                                    (bins - 1) / span, shift, above.stride(0), h.stride(0), h.stride(1), BINS=bins,
+                                    TILE=tile, num_warps=_warps(tile), **LAUNCH)
+    return above, h, hm
+
+
+def refine_rows(x: Tensor, plan: RowPlan, spec) -> RowPlan:
+    """Every refinement round of the REFINE rows, in one launch (one device); the plan is updated in place."""
+    x = _rows(x)
+    n, v = x.shape
+    hm = torch.empty((n, spec.bins), dtype=torch.int64, device=x.device)
+    if n:
+        _refine_rows_kernel[(n,)](x, *_plan_args(plan), plan.dthr, plan.need, plan.b1, plan.orng, plan.count, hm, v,
+                                  x.stride(0), spec.c, (spec.bins - 1) / spec.span, spec.shift, spec.cap,
+                                  ROUNDS=configs.sample_refine_rounds(spec.bins), BINS=spec.bins, TILE=_tile(),
+                                  num_warps=_warps(_tile()), **LAUNCH)
+    return plan
+
+
+def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c: float, shift: int, bins: int,
+           span: float, cap: int):
+    """Partials ``(best (N, splits), mass above (N, splits), cand_d (N, 1, cap) float32, cand_key (N, 1, cap))``
+    (see ``sampling_cpu.sample``)."""
+    x = _rows(x)
+    n, v = x.shape
+    tile = _tile(draw=True)
+    shift4 = col0 % 4
+    splits, cols = _splits(n, v + shift4, tile, x.device)
+    best = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    cand_d, cand_k, count = _candidates(n, cap, x.device)
+    if n:
+        args = (x, *_plan_args(plan), plan.dthr, plan.b1, plan.orng, seed, offset, best, above, cand_d, cand_k, count,
+                v, col0, cols, x.stride(0), best.stride(0), c, (bins - 1) / span, shift, cap)
+        _SAMPLE((n, splits), _key(args), args,
+                dict(SHIFT4=shift4, BINS=bins, TILE=tile, num_warps=_warps(tile), **LAUNCH))
+    return best, above, cand_d, cand_k
+
+
+_NO_CANDIDATES: dict = {}
+
+
+def _candidates(n: int, cap: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Candidate lists ``(N, 1, cap)`` (d, packed key) and their counts; with ``cap = 0`` nothing is
+    written (no bracket can occur), so empty lists and a count buffer are kept per device."""
+    if cap:
+        return (torch.full((n, 1, cap), sm.NEG_INF, dtype=torch.float32, device=device),
+                torch.full((n, 1, cap), sm.PACKED_NONE, dtype=torch.int64, device=device),
+                torch.zeros(n, dtype=torch.int32, device=device))
+    key = (n, str(device))
+    if key not in _NO_CANDIDATES:
+        if len(_NO_CANDIDATES) >= 16:
+            _NO_CANDIDATES.clear()
+        _NO_CANDIDATES[key] = (torch.empty((n, 1, 0), dtype=torch.float32, device=device),
+                               torch.empty((n, 1, 0), dtype=torch.int64, device=device),
+                               torch.zeros(n, dtype=torch.int32, device=device))
+    return _NO_CANDIDATES[key]
+

@@ -1,0 +1,92 @@
+"""The element math of ``kernels.sampling_math`` as Triton functions, bit for bit (no FMA: the
+kernels that call them are compiled with ``enable_fp_fusion=False``)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# launch options of every sampling kernel: no FMA contraction, the torch path rounds each + and *
+LAUNCH = dict(enable_fp_fusion=False)
+NONE = tl.constexpr(-(2 ** 63))
+U32 = tl.constexpr(0xFFFFFFFF)
+# the row modes of ``sampling_rows``
+DONE, THRESH, COLLECT, REFINE, MASS = (tl.constexpr(m) for m in range(5))
+
+
+@triton.jit
+def _ord32(x):
+    """Monotone int32 order key of float32 ``x`` (``-0`` as ``+0``, NaN on top)."""
+    x = x + 0.0
+    bits = x.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return tl.where(x != x, 0x7FFFFFFF, key)
+
+
+@triton.jit
+def _log2_core(f):
+    """``f * poly(f) ~ log2(1 + f)`` (Horner, the coefficients of ``sampling_math.LOG2_POLY``)."""
+    p = f * 0.0 + 0.12614846229553223
+    p = p * f + -0.20742103457450867
+    p = p * f + 0.21566985547542572
+    p = p * f + -0.23892034590244293
+    p = p * f + 0.2879183292388916
+    p = p * f + -0.36070483922958374
+    p = p * f + 0.48091059923171997
+    p = p * f + -0.7213473320007324
+    p = p * f + 1.4426950216293335
+    return f * p
+
+
+@triton.jit
+def _split_log2(y):
+    bits = y.to(tl.int32, bitcast=True)
+    e = (bits >> 23) - 127
+    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    big = m > 1.4142135381698608
+    m = tl.where(big, m * 0.5, m)
+    e = tl.where(big, e + 1, e)
+    return e.to(tl.float32), m - 1.0
+
+
+@triton.jit
+def _gumbel(zz, word):
+    """``zz - log2(-log2(1 - v))`` of the uniform ``v`` of the random words (``sampling_math.gumbel_key``)."""
+    v = word.to(tl.float32) * 2.3283064365386963e-10
+    v = tl.minimum(tl.maximum(v, 1.1641532182693481e-10), 0.9999999403953552)
+    small = v < 0.29289323091506958
+    e, f = _split_log2(tl.where(small, 0.5, 1.0 - v))
+    f = tl.where(small, -v, f)
+    e1 = -(tl.where(small, 0.0, e) + _log2_core(f))
+    e2, f2 = _split_log2(e1)
+    return zz - (e2 + _log2_core(f2))
+
+
+@triton.jit
+def _qmass(d, shift):
+    """Integer masses ``floor(2^d * 2^shift)`` (``sampling_math.qmass``)."""
+    d = tl.where(d > -shift - 2.0, tl.minimum(d, 0.0), -shift - 2.0)
+    n = tl.floor(d)
+    f = d - n
+    p = f * 0.0 + 0.00021877505059819669
+    p = p * f + 0.0012387821916490793
+    p = p * f + 0.009684580378234386
+    p = p * f + 0.05548042804002762
+    p = p * f + 0.2402305006980896
+    p = p * f + 0.6931469440460205
+    p = p * f + 1.0
+    sh = (n + shift).to(tl.int32)
+    scale = ((tl.maximum(sh, 0) + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(sh >= 0, (p * scale).to(tl.int64), 0)
+
+
+@triton.jit
+def _bin1(d, inv_w, BINS: tl.constexpr):
+    b = tl.floor(-d * inv_w)
+    return tl.minimum(tl.maximum(b, 0.0), BINS - 1.0).to(tl.int32)
+
+
+@triton.jit
+def _unord32(o):
+    """float32 value of an order key (``sampling_math.unord32``)."""
+    o = o.to(tl.int32)
+    return (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)

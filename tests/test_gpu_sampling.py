@@ -1,0 +1,104 @@
+"""ss.sample / ss.topk on CUDA: the same tokens as the CPU path bit for bit (dtypes, batch 1 and
+many rows, every path of the passes), CUDA-graph capture, sharded over CUDA tensors, top-k."""
+import pytest
+import torch
+
+import splitsoftmax as ss
+from _sampling_cases import CONFIGS, rows_and_seeds, split_widths
+from _sampling_util import chi_square, chi_square_limit, filtered_probs
+from splitsoftmax.distributed import LoopbackWorld
+from splitsoftmax.kernels import configs
+
+pytestmark = pytest.mark.gpu
+
+
+def _rows(v: int, dtype=torch.float32):
+    x, seeds, offset = rows_and_seeds(v)
+    return x.to(dtype), seeds, offset
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("v", [97, 5003, 128256])
+def test_cuda_tokens_equal_cpu_tokens(dtype, v):
+    x, seeds, offset = _rows(v, dtype)
+    for kw in CONFIGS:
+        cpu = ss.sample(x, seed=seeds, offset=offset, **kw)
+        cuda = ss.sample(x.cuda(), seed=seeds.cuda(), offset=offset, **kw)
+        assert torch.equal(cuda.cpu(), cpu), (kw, dtype, v)
+
+
+@pytest.mark.parametrize("v", [97, 5003])
+def test_every_path_on_cuda(monkeypatch, v):
+    """Tiny records and brackets (mass pass, refinement kernel, candidate lists, top-k by sort)."""
+    x, seeds, offset = _rows(v)
+    want = {i: ss.sample(x, seed=seeds, offset=offset, **kw) for i, kw in enumerate(CONFIGS)}
+    for name, value in [("SAMPLE_RECORDS_MIN", 4), ("SAMPLE_RECORDS_MAX", 8), ("SAMPLE_CAP", 3), ("SAMPLE_BINS", 64),
+                        ("SAMPLE_BIN_SPAN", 6.0), ("SAMPLE_TILE", 256), ("SAMPLE_DRAW_TILE", 256)]:
+        monkeypatch.setattr(configs, name, value)
+    for i, kw in enumerate(CONFIGS):
+        got = ss.sample(x.cuda(), seed=seeds.cuda(), offset=offset, **kw)
+        assert torch.equal(got.cpu(), want[i]), kw
+
+
+def test_batch_of_one_and_non_contiguous():
+    x, seeds, offset = _rows(128256)
+    xc = x.cuda()
+    wide = torch.zeros(x.shape[0], 2 * x.shape[1], device="cuda")[:, ::2]
+    wide.copy_(xc)
+    for kw in CONFIGS:
+        full = ss.sample(xc, seed=seeds.cuda(), offset=offset, **kw)
+        assert torch.equal(ss.sample(wide, seed=seeds.cuda(), offset=offset, **kw), full), kw
+        for r in (0, 6):
+            one = ss.sample(xc[r:r + 1], seed=seeds[r:r + 1].cuda(), offset=offset, **kw)
+            assert int(one) == int(full[r]), (kw, r)
+
+
+def test_distribution_on_cuda():
+    row = torch.randn(16, generator=torch.Generator().manual_seed(3)) * 1.5
+    draws = 20_000
+    for kw in (dict(), dict(top_p=0.8), dict(top_k=5, min_p=0.1)):
+        tokens = ss.sample(row.cuda().expand(draws, -1), seed=1234, offset=torch.arange(draws, device="cuda"), **kw)
+        stat, df, outside = chi_square(tokens.cpu(), filtered_probs(row, **kw))
+        assert outside == 0 and stat < chi_square_limit(df), (kw, stat, df)
+
+
+def test_cuda_graph_capture():
+    """A decode step captured with device seeds and offsets replays to the eager tokens."""
+    x, seeds, _ = _rows(128256)
+    x, seeds = x.cuda(), seeds.cuda()
+    offsets = torch.zeros_like(seeds)
+    for kw in (dict(), dict(top_k=50, top_p=0.9), dict(top_p=0.9), dict(min_p=0.1), dict(temperature=0.0)):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            ss.sample(x, seed=seeds, offset=offsets, **kw)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ss.sample(x, seed=seeds, offset=offsets, **kw)
+        for step in (3, 4):
+            offsets.fill_(step)
+            graph.replay()
+            assert torch.equal(out, ss.sample(x, seed=seeds, offset=step, **kw)), (kw, step)
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_sharded_cuda_tensors(size):
+    x, seeds, offset = _rows(5003)
+    x, seeds = x.cuda(), seeds.cuda()
+    parts = torch.split(x, split_widths(x.shape[1], size, True), dim=1)
+    for kw in CONFIGS:
+        want = ss.sample(x, seed=seeds, offset=offset, **kw)
+        for got in LoopbackWorld(size).run(lambda c: ss.sharded_sample(parts[c.rank], seed=seeds, offset=offset,
+                                                                       group=c, **kw)):
+            assert torch.equal(got, want), kw
+
+
+def test_topk_on_cuda():
+    x, _, _ = _rows(128256)
+    x = x.cuda()
+    x[4, 100:200] = 9.0
+    for k in (1, 50, 256, 1000):
+        vals, idx = ss.topk(x, k)
+        sv, si = torch.sort(x, dim=1, descending=True, stable=True)
+        assert torch.equal(idx, si[:, :k]) and torch.equal(vals.nan_to_num(7.0), sv[:, :k].nan_to_num(7.0)), k

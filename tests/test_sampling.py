@@ -1,0 +1,189 @@
+"""ss.sample / ss.topk on the torch path: the noise, the exact filtered distribution, ties, bad arguments.
+
+The distribution tests draw 20,000 tokens of one row of 16 logits (one call, 20,000 offsets) and
+compare the counts with the float64 filtered softmax by a chi-square test at a one-in-a-million
+limit. They have the power to see a wrong filter or a biased noise: the top-p draws tested against
+top-p without the crossing token (``filtered_probs(..., drop_crossing=True)``) fail with 1,490 of
+the 20,000 tokens outside its support (statistic 117 on the rest, limit 37), and the plain draws
+tested against the softmax at temperature 1.1 instead of 1.0 fail with 154 against a limit of 57,
+while the right distributions give 10 (limit 57) and below. Both failures are asserted below.
+"""
+import math
+
+import pytest
+import torch
+
+import splitsoftmax as ss
+from _sampling_util import NEG_INF, chi_square, chi_square_limit, edge_rows, filtered_probs
+from splitsoftmax.kernels import sampling_math as sm
+
+DRAWS = 20_000
+CONFIGS = [dict(), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8), dict(min_p=0.2),
+           dict(top_k=8, top_p=0.9, min_p=0.05), dict(temperature=2.0, top_p=0.6)]
+
+
+def test_philox_known_answers():
+    """Random123's known-answer vectors of Philox 4x32-10."""
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, (k0, k1), want in cases:
+        seed = torch.tensor([k0 | (k1 << 32)]).to(torch.int64) if k1 < 2 ** 31 else \
+            torch.tensor([k0 | (k1 << 32) - 2 ** 64])
+        got = sm.philox(seed, *(torch.tensor([c]) for c in ctr))
+        assert [int(g) for g in got] == list(want)
+
+
+def test_polynomials_against_float64():
+    y = torch.logspace(-12, 2, 20001, dtype=torch.float64).float()
+    rel = (sm.log2_pos(y).double() - torch.log2(y.double())).abs() / torch.log2(y.double()).abs().clamp_min(1)
+    assert rel.max() < 3e-7
+    v = torch.cat((torch.logspace(-10, -0.5, 5000, dtype=torch.float64), torch.linspace(0.3, 0.9999, 5000,
+                                                                                        dtype=torch.float64))).float()
+    want = torch.log1p(-v.double()) / math.log(2)
+    assert ((sm.log2_1m(v).double() - want).abs() / want.abs()).max() < 3e-7
+    d = -torch.linspace(0, 40, 40001).float()
+    shift = 45
+    q = sm.qmass(d, shift).double()
+    exact = torch.exp2(d.double() + shift)
+    assert ((q - torch.floor(exact)).abs() <= exact * 3e-7 + 1).all()
+    assert int(sm.qmass(torch.zeros(1), shift)) == 2 ** shift
+
+
+def test_order_keys_and_packing():
+    x = torch.tensor([NEG_INF, -3.5, -0.0, 0.0, 1e-30, 2.0, float("inf"), float("nan")])
+    o = sm.ord32(x)
+    assert o[2] == o[3] and bool((o[1:] >= o[:-1]).all()) and bool((o[4:] > o[3:-1]).all())
+    assert torch.equal(sm.unord32(o[:-1]), x[:-1].abs().where(x[:-1] == 0, x[:-1]))
+    p = sm.pack(torch.tensor([1.0, 1.0, 2.0]), torch.tensor([7, 3, 9]))
+    assert int(p.argmax()) == 2 and int(p[:2].argmax()) == 1 and sm.packed_gid(p).tolist() == [7, 3, 9]
+
+
+def _draws(x: torch.Tensor, **kw) -> torch.Tensor:
+    """``DRAWS`` tokens of the single row ``x (V,)``, one per offset."""
+    rows = x.unsqueeze(0).expand(DRAWS, -1)
+    return ss.sample(rows, seed=1234, offset=torch.arange(DRAWS), **kw)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: the many small integer ops of the noise run faster than on two shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def row16():
+    return torch.randn(16, generator=torch.Generator().manual_seed(3), dtype=torch.float64).mul(1.5).float()
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "plain")
+def test_distribution_chi_square(row16, kw):
+    probs = filtered_probs(row16, **kw)
+    stat, df, outside = chi_square(_draws(row16, **kw), probs)
+    assert outside == 0, f"{outside} draws outside the support of the filtered softmax"
+    assert stat < chi_square_limit(df), (stat, df, chi_square_limit(df))
+
+
+def test_chi_square_sees_a_wrong_filter_and_a_wrong_temperature(row16):
+    tokens = _draws(row16, top_p=0.8)
+    stat, df, outside = chi_square(tokens, filtered_probs(row16, top_p=0.8, drop_crossing=True))
+    assert outside > 1000 and stat > 2 * chi_square_limit(df), (outside, stat)
+    stat, df, _ = chi_square(_draws(row16), filtered_probs(row16, temperature=1.1))
+    assert stat > 2 * chi_square_limit(df), stat
+
+
+def test_greedy_is_argmax_with_lowest_index():
+    x = edge_rows()
+    got = ss.sample(x, seed=0, offset=0, temperature=0.0)
+    want = torch.argmax(torch.nan_to_num(x.double(), nan=NEG_INF), dim=1)  # first maximum
+    valid = ~torch.isnan(x).any(dim=1) & (x > NEG_INF).any(dim=1)
+    assert torch.equal(got, torch.where(valid, want, -1))
+    assert int(ss.sample(torch.tensor([[1.0, 3.0, 3.0, 3.0]]), seed=0, offset=0, temperature=0)) == 1
+
+
+def test_invalid_rows_give_minus_one_and_support_is_respected():
+    x = edge_rows()
+    for kw in CONFIGS + [dict(top_k=1), dict(min_p=1.0), dict(top_p=1e-6)]:
+        tok = ss.sample(x, seed=torch.arange(8) + 5, offset=3, **kw)
+        assert tok[2] == -1 and tok[3] == -1, kw
+        assert tok[5] == x.shape[1] - 1, kw
+        for r in (0, 1, 4, 6, 7):
+            assert filtered_probs(x[r], **kw)[tok[r]] > 0, (kw, r, int(tok[r]))
+
+
+def _support(x, n=4000, **kw):
+    return set(ss.sample(x.expand(n, -1), seed=9, offset=torch.arange(n), **kw).tolist())
+
+
+def test_ties_at_the_cut_offs_are_kept():
+    x = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])
+    assert _support(x, top_k=2) == {0, 1, 2, 3}
+    assert _support(x, top_k=1) == {0}
+    # top-p: token 0 holds 0.437 of the mass, the three tied 2.0's 0.482 more, token 4 0.059
+    assert _support(x, top_p=0.43) == {0}
+    assert _support(x, top_p=0.44) == {0, 1, 2, 3}
+    assert _support(x, top_p=0.92) == {0, 1, 2, 3, 4}
+    assert _support(x, top_k=4, top_p=0.99) == {0, 1, 2, 3}
+    # min-p with an exact boundary: T = log2(e) makes d = x - max, and min_p = 0.5 keeps d >= -1
+    y = torch.tensor([[0.0, -1.0, -1.0, -1.5, -0.5]])
+    assert _support(y, temperature=math.log2(math.e), min_p=0.5) == {0, 1, 2, 4}
+    assert _support(y, min_p=1.0) == {0}
+    assert _support(y, top_p=1.0) == {0, 1, 2, 3, 4}
+
+
+def test_top_p_keeps_the_crossing_token():
+    p = torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=torch.float64)
+    x = torch.log(p).float().unsqueeze(0)
+    assert _support(x, top_p=0.6) == {0, 1}
+    assert _support(x, top_p=0.49) == {0}
+    assert _support(x, top_p=0.81) == {0, 1, 2}
+    assert _support(x, top_k=3, top_p=0.9) == {0, 1, 2}   # 0.8 of 0.95: the third crosses 0.9
+
+
+def test_top_k_at_least_vocab_is_no_filter():
+    x = edge_rows()
+    base = ss.sample(x, seed=3, offset=4)
+    assert torch.equal(ss.sample(x, seed=3, offset=4, top_k=x.shape[1]), base)
+    assert torch.equal(ss.sample(x, seed=3, offset=4, top_k=10 ** 6), base)
+    assert torch.equal(ss.sample(x, seed=3, offset=4, top_p=1.0, min_p=0.0), base)
+
+
+def test_topk_matches_a_stable_sort():
+    x = edge_rows().double()
+    x[4, 10:20] = 7.0   # ties
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        xd = x.to(dtype)
+        for k in (1, 5, 64, 97):
+            vals, idx = ss.topk(xd, k)
+            sv, si = torch.sort(xd, dim=1, descending=True, stable=True)
+            assert vals.dtype == dtype and idx.dtype == torch.int64
+            assert torch.equal(idx, si[:, :k]), (dtype, k)
+            assert torch.equal(vals.nan_to_num(123.0), sv[:, :k].nan_to_num(123.0))
+    assert ss.topk(x, 0)[0].shape == (8, 0)
+
+
+def test_bad_arguments():
+    x = torch.randn(3, 10)
+    for kw, name in [(dict(temperature=-1.0), "temperature"), (dict(temperature=float("nan")), "temperature"),
+                     (dict(top_k=0), "top_k"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+                     (dict(min_p=-0.1), "min_p"), (dict(min_p=1.01), "min_p")]:
+        with pytest.raises(ValueError, match=name):
+            ss.sample(x, seed=0, offset=0, **kw)
+    i64 = dict(dtype=torch.int64)
+    bad_seeds = [(torch.zeros(4, **i64), ValueError), (torch.zeros(3, 1, **i64), ValueError),
+                 (torch.zeros(3), TypeError), (1.5, TypeError)]
+    for seed, exc in bad_seeds:
+        with pytest.raises(exc, match="seed"):
+            ss.sample(x, seed=seed, offset=0)
+    with pytest.raises(ValueError, match="offset"):
+        ss.sample(x, seed=0, offset=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(TypeError, match="top_k"):
+        ss.sample(x, seed=0, offset=0, top_k=2.0)
+    with pytest.raises(ValueError, match="k=11"):
+        ss.topk(x, 11)
+    with pytest.raises(ValueError, match="logits"):
+        ss.sample(x[0], seed=0, offset=0)

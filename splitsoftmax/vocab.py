@@ -26,7 +26,8 @@ from .distributed import handshake as hs
 from .distributed.comm import as_comm
 from .distributed.tree import allgather
 from .kernels.vocab_cpu import kl_coef, merge_kl_records, merge_records, stats_coefs
-from .losses import _check_targets, _fingerprint
+from .distributed.handshake import fingerprint
+from .losses import _check_targets
 from .ops import call
 from .vocab_ops import impl
 
@@ -200,7 +201,7 @@ def sharded_logprobs(logits: Tensor, target: Tensor, *, temperature: float = 1.0
     def local():
         inv_t = _logprob_args(logits, target, temperature, return_entropy, ignore_index)
         agree = {**_fields(logits, temperature), "ignore_index": int(ignore_index),
-                 "return_entropy": int(return_entropy), "target": _fingerprint(target)}
+                 "return_entropy": int(return_entropy), "target": fingerprint(target)}
         return agree, {"V_local": logits.shape[1]}, inv_t
     inv_t, meta = _agree(comm, "sharded_logprobs", local)
     widths = meta["V_local"]

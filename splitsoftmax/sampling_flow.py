@@ -132,6 +132,7 @@ def _mass_rounds(ex: Exchange, ops, x: Tensor, col0: int, plan, recs, spec: Spec
 def draw(ex: Exchange, x: Tensor, col0: int, spec: Spec, seed: Tensor, offset: Tensor, plain: bool) -> Tensor:
     """The tokens ``(N,)`` int64 (global ids, -1 for rows with nothing to draw) of one draw."""
     ops = ops_for(x)
+    ex.sync = ex.sync or ops is sampling_cpu     # the torch path (float64 on CUDA too) may read the device
     if plain:
         plan = ops.plain_plan(x.shape[0], x.device)
     else:

@@ -17,7 +17,7 @@ def _rows(v: int, dtype=torch.float32):
     return x.to(dtype), seeds, offset
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 @pytest.mark.parametrize("v", [97, 5003, 128256])
 def test_cuda_tokens_equal_cpu_tokens(dtype, v):
     x, seeds, offset = _rows(v, dtype)

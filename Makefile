@@ -14,6 +14,9 @@ NPROC   ?= 4
 TRITON_OLDEST := 3.6.0
 OLDEST        := .venv-triton-oldest
 OLDEST_SUBSET := not 1000 and not many_partials
+# kernels compiled for sm_90 without a GPU: on the oldest triton too, the one the GPU machines run
+SM90_TESTS    := tests/test_attention_smem.py tests/test_attention_bwd_compile.py tests/test_vocab_sm90.py \
+                 tests/test_sampling_sm90.py tests/test_sampling_compile.py
 
 # the oldest transformers the hf extra declares: its tests run there too, in a venv of their own
 HF_OLDEST := 4.53.3
@@ -55,6 +58,8 @@ test-interpreter: venv
 test-interpreter-oldest: venv $(OLDEST)/.done
 	PYTHONPATH=$(CURDIR)/$(OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) TRITON_INTERPRET=1 \
 	    $(PYTEST) -q -m interpreter -k "$(OLDEST_SUBSET)" -p no:cacheprovider
+	PYTHONPATH=$(CURDIR)/$(OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) $(PYTEST) -q -p no:cacheprovider \
+	    $(SM90_TESTS)
 
 # the transformers tests on the oldest declared transformers (the cpu lane runs them on the newest)
 test-hf-oldest: .venv-hf-oldest/.done

@@ -33,7 +33,7 @@ from . import sampling_math as sm
 from .launch import Launcher
 from .sampling_finish import _finish_refine, _key
 from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
-from .sampling_jit import COLLECT, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
+from .sampling_jit import COLLECT, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass, _top
 
 @triton.jit
 def _keys(xrow, cols, valid, col0):
@@ -65,12 +65,12 @@ def _records_kernel(X, OUT, TIES, V, col0, span, s_xn, s_on, s_os, s_tn, k_tie, 
         for t0 in range(lo, hi, TILE):
             cols = t0 + lanes
             gmax = tl.max(tl.reshape(_keys(xrow, cols, cols < hi, col0), [KR, G]), axis=1)  # [KR]
-            best = tl.topk(tl.reshape(tl.join(best, gmax), [2 * KR]), KR)
+            best = _top(tl.reshape(tl.join(best, gmax), [2 * KR]), KR)
         gcol = (U32 - (best & U32)) - col0                  # [KR]: column of each group's maximum
         gcol = lo + ((gcol - lo) // G) * G
         cols = gcol[:, None] + tl.arange(0, G)[None, :]      # [KR, G]: the best groups' columns
         valid = (best != NONE)[:, None] & (cols < hi)
-        rec = tl.topk(tl.reshape(_keys(xrow, cols, valid, col0), [KR * G]), KR)  # [KR]
+        rec = _top(tl.reshape(_keys(xrow, cols, valid, col0), [KR * G]), KR)  # [KR]
     out = OUT + row * s_on + split * s_os
     tl.store(out + tl.arange(0, KR), rec)
     last = tl.min(rec, axis=0)

@@ -4,7 +4,7 @@ Each kernel reads the partial records of a pass (every split of every rank, ``(N
 writes the row's plan, with the same operations as the torch functions, so that the plan, and the
 token, are the same bit for bit; on a GPU a draw is then a handful of launches and no host work.
 
-- ``_finish_records_kernel``: merge the records (``tl.topk`` of the packed keys), the top-k
+- ``_finish_records_kernel``: merge the records (the top keys of the packed records), the top-k
   threshold and the ties beyond the records, the top-p threshold among them, min-p, the Gumbel
   keys of the records and the winner where every kept token is a record;
 - ``_finish_mass_kernel``: ``Z``, the threshold from the records where it lies among them, else
@@ -29,7 +29,7 @@ from ..sampling_rows import RowPlan, Spec
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .launch import Launcher
 from .sampling_jit import (COLLECT, DONE, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _gumbel, _ord32, _qmass,
-                           _unord32)
+                           _top, _unord32)
 
 NEG_INF = tl.constexpr(float("-inf"))
 INT32_LO = tl.constexpr(-(2 ** 31))
@@ -114,7 +114,7 @@ def _finish_records_kernel(PART, TIES, Q, SEED, OFFSET, XK, MODE, TOKEN, XTHR, Z
     qi = tl.arange(0, QP)
     ki = tl.arange(0, KR)
     keys = tl.load(PART + row * s_pn + qi[:, None] * KR + ki[None, :], mask=(qi < Q)[:, None], other=NONE)
-    rec = tl.topk(tl.reshape(keys, [QP * KR]), KR)                   # [KR] merged, descending
+    rec = _top(tl.reshape(keys, [QP * KR]), KR)                   # [KR] merged, descending
     tl.store(MERGED + row * KR + ki, rec)
     x, gid, valid = _decode(rec)
     top = _pick(x, 0, KR)

@@ -90,3 +90,14 @@ def _unord32(o):
     """float32 value of an order key (``sampling_math.unord32``)."""
     o = o.to(tl.int32)
     return (o ^ ((o >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _top(keys, K: tl.constexpr):
+    """``tl.topk`` of a 1-D tensor of keys, descending: ``[K]``. ``K = 1`` is the maximum (Triton 3.6's
+    ``tl.topk`` fails to compile for ``K = 1``)."""
+    if K == 1:
+        top = tl.full([1], 0, keys.dtype) + tl.max(keys, axis=0)
+    else:
+        top = tl.topk(keys, K)
+    return top

@@ -63,6 +63,8 @@ def _ptxas_report(ptx: str) -> str:
 
 CASES = {
     "records": (ks._records_kernel, dict(X="*bf16", OUT="*i64", TIES="*i64"), dict(KR=64, G=configs.SAMPLE_GROUP), 4),
+    "records 256": (ks._records_kernel, dict(X="*fp32", OUT="*i64", TIES="*i64"), dict(KR=256, G=configs.SAMPLE_GROUP),
+                    8),
     "mass": (ks._mass_kernel, dict(PLAN, X="*bf16", Z="*i64", H="*i32"),
              dict(BINS=configs.SAMPLE_BINS, TILE=configs.SAMPLE_TILE), ks._warps(configs.SAMPLE_TILE)),
     "draw": (ks._sample_kernel, dict(PLAN, X="*fp32", BEST="*i64", A="*i64", CD="*fp32", CZ="*fp32", CW="*i64",

@@ -74,8 +74,8 @@ def local(ex: Exchange, ops, kind: str, parts: tuple) -> tuple:
     if kind == "records":
         return ops.local_merge(parts)
     if kind == "sample":
-        best, above, cd, ck = parts
-        return best.amax(dim=1, keepdim=True), above.sum(dim=1, keepdim=True), cd, ck
+        best, above, *candidates = parts
+        return (best.amax(dim=1, keepdim=True), above.sum(dim=1, keepdim=True), *candidates)
     return tuple(p.sum(dim=1, keepdim=True, dtype=torch.int64) for p in parts)
 
 

@@ -67,6 +67,9 @@ def check_disagreement(group) -> None:
     _expect(lambda: ss.sharded_sample(mine[:5] if last else mine[:6], seed=1, offset=2, group=group), "N")
     _expect(lambda: ss.sharded_sample(mine, seed=1, offset=2, top_p=1.5 if last else 0.5, group=group), "top_p")
     _expect(lambda: ss.sharded_topk(mine[:, :0] if last else mine, x.shape[1] + 1, group=group), "k=")
+    ss.sharded_topk(mine, 4, group=group)
+    _expect(lambda: ss.sharded_topk(mine, 3 if last else 4, group=group), "k differs")
+    _expect(lambda: ss.sharded_topk(mine.double() if last else mine, 4, group=group), "dtype differs")
     assert torch.equal(ss.sharded_sample(mine, seed=1, offset=2, top_p=0.5, group=group),
                        ss.sample(x, seed=1, offset=2, top_p=0.5))
 

@@ -102,3 +102,15 @@ def test_topk_on_cuda():
         vals, idx = ss.topk(x, k)
         sv, si = torch.sort(x, dim=1, descending=True, stable=True)
         assert torch.equal(idx, si[:, :k]) and torch.equal(vals.nan_to_num(7.0), sv[:, :k].nan_to_num(7.0)), k
+
+
+def test_near_ties_of_the_keys_on_cuda():
+    """Logits that cancel each token's noise (every key within 1e-5): the draw kernel's bound keeps
+    every lane, the exact keys and the lower id decide, as on the CPU."""
+    from splitsoftmax.kernels import sampling_math as sm
+    n, v = 4, 5003
+    seeds, offsets = torch.arange(n) + 5, torch.arange(n) + 1
+    noise = sm.gumbel_key(torch.zeros(n, v), sm.words(seeds[:, None], offsets[:, None], 0, v))
+    x = (-noise / sm.temperature_scale(1.0)).float()
+    want = ss.sample(x, seed=seeds, offset=offsets)
+    assert torch.equal(ss.sample(x.cuda(), seed=seeds.cuda(), offset=offsets.cuda()).cpu(), want)

@@ -5,7 +5,7 @@ import torch
 
 import splitsoftmax as ss
 from _dist_util import assert_ok, mpirun, mpirun_path, spawn
-from _sampling_cases import CONFIGS, case_all, check_all, check_disagreement, rows_and_seeds, split_widths
+from _sampling_cases import CONFIGS, check_all, check_disagreement, rows_and_seeds, split_widths
 from splitsoftmax.distributed import LoopbackWorld
 from splitsoftmax.kernels import configs, sampling_cpu
 

@@ -117,3 +117,19 @@ def test_device_path_reads_nothing_back(monkeypatch):
             want = ss.sample(x, seed=seeds, offset=offset, **kw)
         assert torch.equal(got, want), (kw, got, want)
     assert sum(refined) >= 2, refined   # rows went through the refinement kernel
+
+
+def test_near_ties_of_the_keys():
+    """Logits that cancel each token's noise: every key lies within 1e-5 of the others, so the
+    kernels' bound on the keys keeps every lane and the exact keys (and the lower id) decide."""
+    n, v = 3, 40
+    seeds, offsets = torch.tensor([5, 6, 7]), torch.tensor([1, 2, 3])
+    noise = sm.gumbel_key(torch.zeros(n, v), sm.words(seeds[:, None], offsets[:, None], 0, v))
+    x = (-noise / sm.temperature_scale(1.0)).float()
+    want = sampling_cpu.sample(x, 0, rows.plain_plan(n, x.device), seeds, offsets, sm.temperature_scale(1.0), 45,
+                               16, 6.0, 0)[0].amax(dim=1)
+    got = tk.sample(x, 0, rows.plain_plan(n, x.device), seeds, offsets, sm.temperature_scale(1.0), 45, 16, 6.0,
+                    0)[0].amax(dim=1)
+    assert torch.equal(got, want)
+    keys = sm.gumbel_key(x * sm.temperature_scale(1.0), sm.words(seeds[:, None], offsets[:, None], 0, v))
+    assert (keys.amax(dim=1) - keys.amin(dim=1)).max() < 1e-4

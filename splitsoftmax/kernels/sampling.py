@@ -13,8 +13,10 @@ tiles, so that a batch of one row still spreads over the GPU; the spans' records
 - ``_mass_kernel``: integer masses and the first-round histogram (``tl.histogram``) of top-p.
 - ``_refine_kernel``: the mass above a bracket and its sub-bins' counts and masses (atomics; rare).
 - ``_sample_kernel``: the Gumbel-max draw; tiles start at global ids divisible by 4, so one Philox
-  call gives the noise of four consecutive tokens; bracket candidates are appended with one
-  atomic per tile.
+  call gives the noise of four consecutive tokens. The device's ``log2`` bounds every key within
+  1e-4; only the lanes within 4e-3 of a tile's best bound (almost always one) get the exact key.
+  Bracket candidates are appended with one atomic per tile, as ``(d, zz, word, id)``: their exact
+  keys are computed by the finisher.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ from . import sampling_math as sm
 from .launch import Launcher
 from .sampling_finish import _finish_refine, _key
 from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
-from .sampling_jit import COLLECT, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass, _top
+from .sampling_jit import (COLLECT, LAUNCH, MASS, NEG_INF, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass,
+                           _top)
 
 @triton.jit
 def _keys(xrow, cols, valid, col0):
@@ -170,13 +173,47 @@ def _refine_kernel(X, MODE, XTHR, ZMAX, B1, ORNG, A, H, HM, V, span, s_xn, c, in
     tl.store(H + row * s_hn + split * s_hs + tl.arange(0, BINS), hist)
 
 
+NAN_KEY = tl.constexpr(0x7FFFFFFF << 32)      # the packed high word of a NaN key
+
+
+@triton.jit
+def _approx_noise(word):
+    """The base-2 Gumbel noise ``-log2(-log2(1 - v))`` to within 1e-4 from the device's ``log2``:
+    a cheap bound for pruning, never the draw itself."""
+    v = word.to(tl.float32) * 2.3283064365386963e-10
+    v = tl.minimum(tl.maximum(v, 1.1641532182693481e-10), 0.9999999403953552)
+    e = tl.where(v < 0.0078125, v * (1.4426950408889634 + 0.7213475204444817 * v), -tl.log2(1.0 - v))
+    return -tl.log2(e)
+
+
+@triton.jit
+def _tile_best(zz, word, gid, win):
+    """The best packed Gumbel key among the lanes ``win`` of a tile: the keys are bounded by the
+    approximate noise, and the exact key (``_gumbel``) computed only for the lanes that can win --
+    almost always one, whose scalar key is computed alone."""
+    approx = tl.where(win, zz + _approx_noise(word), NEG_INF)
+    top = tl.max(approx, axis=0)
+    best = tl.sum(tl.zeros([1], tl.int64), axis=0) + NONE
+    if top > NEG_INF:
+        near = win & (approx >= top - (4e-3 + tl.abs(top) * 2e-6))
+        if tl.sum(near.to(tl.int32), axis=0) == 1:
+            one_word = tl.sum(tl.where(near, word.to(tl.int64), 0), axis=0).to(tl.uint32)
+            key = _gumbel(tl.sum(tl.where(near, zz, 0.0), axis=0), one_word)
+            best = (_ord32(key).to(tl.int64) << 32) | (U32 - tl.sum(tl.where(near, gid, 0), axis=0))
+        else:
+            packed = (_ord32(_gumbel(zz, word)).to(tl.int64) << 32) | (U32 - gid)
+            best = tl.max(tl.where(near, packed, NONE), axis=0)
+    return best
+
+
 @triton.jit(do_not_specialize=["col0", "span", "c", "inv_w", "shift", "cap"])
-def _sample_kernel(X, MODE, XTHR, ZMAX, DTHR, B1, ORNG, SEED, OFFSET, BEST, A, CD, CK, COUNT, V, col0, span,
+def _sample_kernel(X, MODE, XTHR, ZMAX, DTHR, B1, ORNG, SEED, OFFSET, BEST, A, CD, CZ, CW, CG, COUNT, V, col0, span,
                    s_xn, s_bn, c, inv_w, shift, cap, SHIFT4: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr):
     """Grid ``(N, splits)``, rows THRESH or COLLECT: the best packed Gumbel key of the kept columns
-    of the span (COLLECT: those above the bracket), the mass above the bracket, and the bracket's
-    columns appended to the row's candidates. Spans cut ``u = column + SHIFT4`` (``SHIFT4 =
-    col0 % 4``), so every tile starts at a global id divisible by 4."""
+    of the span (COLLECT: those above the bracket; a NaN makes a THRESH row's best key NaN), the
+    mass above the bracket, and the bracket's columns appended to the row's candidates as
+    ``(d, zz, word, id)``. Spans cut ``u = column + SHIFT4`` (``SHIFT4 = col0 % 4``), so every tile
+    starts at a global id divisible by 4."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     mode = tl.load(MODE + row)
@@ -191,9 +228,7 @@ def _sample_kernel(X, MODE, XTHR, ZMAX, DTHR, B1, ORNG, SEED, OFFSET, BEST, A, C
     c3 = tl.full([q4], 0x53414D50, tl.int64)
     dthr = tl.load(DTHR + row)
     lanes = tl.arange(0, TILE)
-    # a block, not a scalar: the interpreter's & of an int1 scalar and an int1 block gives int32
-    collect = (lanes * 0 + mode) == COLLECT
-    best = tl.full([TILE], NONE, tl.int64)
+    best = tl.sum(tl.zeros([1], tl.int64), axis=0) + NONE
     above_mass = tl.zeros([TILE], tl.int64)
     for u0 in range(lo, hi, TILE):
         cols = u0 - SHIFT4 + lanes
@@ -203,22 +238,30 @@ def _sample_kernel(X, MODE, XTHR, ZMAX, DTHR, B1, ORNG, SEED, OFFSET, BEST, A, C
         r0, r1, r2, r3 = tl.philox(seed, ctr.to(tl.uint32), c1.to(tl.uint32), c2.to(tl.uint32), c3.to(tl.uint32))
         word = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [TILE])  # word of id 4 * ctr + lane
         gid = (cols + col0).to(tl.int64)
-        packed = (_ord32(_gumbel(zz, word)).to(tl.int64) << 32) | (U32 - gid)
-        inside, above, o = _bracket(d, B1, ORNG, row, inv_w, BINS)
         kept = keep & (d >= dthr)
-        win = tl.where(collect, kept & above, kept | (valid & (x != x)))
-        best = tl.maximum(best, tl.where(win, packed, NONE))
-        above_mass += tl.where(collect & keep & above, _qmass(d, shift), 0)
-        take = collect & keep & inside
-        one = tl.where(take, 1, 0)
-        n_take = tl.sum(one, axis=0)
-        if n_take > 0:
-            base = tl.atomic_add(COUNT + row, n_take)
-            pos = base + tl.cumsum(one, axis=0) - 1
-            ok = take & (pos < cap)
-            tl.store(CD + row * cap + pos, d, mask=ok)
-            tl.store(CK + row * cap + pos, packed, mask=ok)
-    tl.store(BEST + row * s_bn + split, tl.max(best, axis=0))
+        if mode == COLLECT:
+            inside, above, o = _bracket(d, B1, ORNG, row, inv_w, BINS)
+            win = kept & above
+            above_mass += tl.where(keep & above, _qmass(d, shift), 0)
+            take = keep & inside
+            one = tl.where(take, 1, 0)
+            n_take = tl.sum(one, axis=0)
+            if n_take > 0:
+                base = tl.atomic_add(COUNT + row, n_take)
+                pos = base + tl.cumsum(one, axis=0) - 1
+                at = row * cap + pos
+                ok = take & (pos < cap)
+                tl.store(CD + at, d, mask=ok)
+                tl.store(CZ + at, zz, mask=ok)
+                tl.store(CW + at, word.to(tl.int64), mask=ok)
+                tl.store(CG + at, gid, mask=ok)
+        else:
+            win = kept
+            nan = valid & (x != x)
+            if tl.sum(nan.to(tl.int32), axis=0) > 0:      # the row has no distribution: its winner is NaN
+                best = tl.maximum(best, tl.max(tl.where(nan, (U32 - gid) | NAN_KEY, NONE), axis=0))
+        best = tl.maximum(best, _tile_best(zz, word, gid, win))
+    tl.store(BEST + row * s_bn + split, best)
     tl.store(A + row * s_bn + split, tl.sum(above_mass, axis=0))
 
 
@@ -287,7 +330,8 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     if n:
         args = (x, part, ties, v, col0, span, x.stride(0), part.stride(0), part.stride(1), ties.stride(0),
                 k_tie if k_tie < kr else 0)
-        _RECORDS((n, splits), _key(args), args, dict(KR=kr, G=g, num_warps=4, **LAUNCH))
+        warps = 4 if kr * g <= 1024 else 8     # sm_90, no spills: 72 registers at 64 x 16, 80 / 202 at 128 / 256
+        _RECORDS((n, splits), _key(args), args, dict(KR=kr, G=g, num_warps=warps, **LAUNCH))
     return part, ties
 
 
@@ -367,8 +411,9 @@ def refine_rows(x: Tensor, plan: RowPlan, spec) -> RowPlan:
 
 def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c: float, shift: int, bins: int,
            span: float, cap: int):
-    """Partials ``(best (N, splits), mass above (N, splits), cand_d (N, 1, cap) float32, cand_key (N, 1, cap))``
-    (see ``sampling_cpu.sample``)."""
+    """Partials ``(best (N, splits), mass above (N, splits), and the candidates (N, 1, cap): d
+    float32, zz float32, word int64, id int64 (-1: none))`` (see ``sampling_cpu.sample``, whose
+    candidates are ``(d, packed key)``: here the finisher computes their keys)."""
     x = _rows(x)
     n, v = x.shape
     tile = _tile(draw=True)
@@ -376,31 +421,32 @@ def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c:
     splits, cols = _splits(n, v + shift4, tile, x.device)
     best = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
-    cand_d, cand_k, count = _candidates(n, cap, x.device)
+    cand_d, cand_z, cand_w, cand_g, count = _candidates(n, cap, x.device)
     if n:
-        args = (x, *_plan_args(plan), plan.dthr, plan.b1, plan.orng, seed, offset, best, above, cand_d, cand_k, count,
-                v, col0, cols, x.stride(0), best.stride(0), c, (bins - 1) / span, shift, cap)
+        args = (x, *_plan_args(plan), plan.dthr, plan.b1, plan.orng, seed, offset, best, above, cand_d, cand_z, cand_w,
+                cand_g, count, v, col0, cols, x.stride(0), best.stride(0), c, (bins - 1) / span, shift, cap)
         _SAMPLE((n, splits), _key(args), args,
                 dict(SHIFT4=shift4, BINS=bins, TILE=tile, num_warps=_warps(tile), **LAUNCH))
-    return best, above, cand_d, cand_k
+    return best, above, cand_d, cand_z, cand_w, cand_g
 
 
 _NO_CANDIDATES: dict = {}
 
 
-def _candidates(n: int, cap: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
-    """Candidate lists ``(N, 1, cap)`` (d, packed key) and their counts; with ``cap = 0`` nothing is
+def _candidates(n: int, cap: int, device: torch.device) -> tuple:
+    """Candidate lists ``(N, 1, cap)`` (d, zz, word, id) and their counts; with ``cap = 0`` nothing is
     written (no bracket can occur), so empty lists and a count buffer are kept per device."""
     if cap:
-        return (torch.full((n, 1, cap), sm.NEG_INF, dtype=torch.float32, device=device),
-                torch.full((n, 1, cap), sm.PACKED_NONE, dtype=torch.int64, device=device),
+        f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
+        return (torch.full((n, 1, cap), sm.NEG_INF, **f32), torch.empty((n, 1, cap), **f32),
+                torch.empty((n, 1, cap), **i64), torch.full((n, 1, cap), -1, **i64),
                 torch.zeros(n, dtype=torch.int32, device=device))
     key = (n, str(device))
     if key not in _NO_CANDIDATES:
         if len(_NO_CANDIDATES) >= 16:
             _NO_CANDIDATES.clear()
-        _NO_CANDIDATES[key] = (torch.empty((n, 1, 0), dtype=torch.float32, device=device),
-                               torch.empty((n, 1, 0), dtype=torch.int64, device=device),
+        f32, i64 = dict(dtype=torch.float32, device=device), dict(dtype=torch.int64, device=device)
+        _NO_CANDIDATES[key] = (torch.empty((n, 1, 0), **f32), torch.empty((n, 1, 0), **f32),
+                               torch.empty((n, 1, 0), **i64), torch.empty((n, 1, 0), **i64),
                                torch.zeros(n, dtype=torch.int32, device=device))
     return _NO_CANDIDATES[key]
-

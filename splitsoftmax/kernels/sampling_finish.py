@@ -28,10 +28,9 @@ from .. import sampling_rows as rows
 from ..sampling_rows import RowPlan, Spec
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .launch import Launcher
-from .sampling_jit import (COLLECT, DONE, LAUNCH, MASS, NONE, REFINE, THRESH, U32, _gumbel, _ord32, _qmass,
-                           _top, _unord32)
+from .sampling_jit import (COLLECT, DONE, LAUNCH, MASS, NEG_INF, NONE, REFINE, THRESH, U32, _gumbel, _ord32,
+                           _qmass, _top, _unord32)
 
-NEG_INF = tl.constexpr(float("-inf"))
 INT32_LO = tl.constexpr(-(2 ** 31))
 INT32_END = tl.constexpr(2 ** 31)
 
@@ -267,10 +266,10 @@ def _finish_refine_kernel(A, H, HM, Q, QM, MODE, DTHR, NEED, ORNG, COUNT, s_an, 
 
 
 @triton.jit(do_not_specialize=["Q", "C", "shift"])
-def _finish_sample_kernel(BEST, A, CD, CK, Q, C, MODE, TOKEN, DTHR, NEED, OUT, s_bn, s_cn, shift,
+def _finish_sample_kernel(BEST, A, CD, CZ, CW, CG, Q, C, MODE, TOKEN, DTHR, NEED, OUT, s_bn, s_cn, shift,
                           QP: tl.constexpr, CP: tl.constexpr):
     """One program per row: ``sampling_rows.after_sample`` on partials ``BEST, A (N, Q)`` and the
-    candidates ``CD, CK (N, C)``."""
+    candidates ``(d, zz, word, id) (N, C)``, whose Gumbel keys are computed here."""
     row = tl.program_id(0).to(tl.int64)
     mode = tl.load(MODE + row)
     qi = tl.arange(0, QP)
@@ -279,16 +278,20 @@ def _finish_sample_kernel(BEST, A, CD, CK, Q, C, MODE, TOKEN, DTHR, NEED, OUT, s
     if mode == COLLECT:
         above = tl.sum(tl.load(A + row * s_bn + qi, mask=qi < Q, other=0), axis=0)
         ci = tl.arange(0, CP)
-        k = tl.load(CK + row * s_cn + ci, mask=ci < C, other=NONE)
-        valid = k != NONE
-        d = tl.where(valid, tl.load(CD + row * s_cn + ci, mask=ci < C, other=NEG_INF), NEG_INF)
+        at = row * s_cn + ci
+        gid = tl.load(CG + at, mask=ci < C, other=-1)
+        valid = gid >= 0
+        d = tl.where(valid, tl.load(CD + at, mask=ci < C, other=NEG_INF), NEG_INF)
         ds = tl.sort(d, descending=True)
         live = ds > NEG_INF
         cum = tl.cumsum(tl.where(live, _qmass(ds, shift), 0), axis=0)
         reach = (above + cum).to(tl.float64) >= tl.load(NEED + row)
         tau = tl.max(tl.where(live & reach, ds, NEG_INF), axis=0)
         thr = tl.maximum(tau, tl.load(DTHR + row))
-        win = tl.maximum(best, tl.max(tl.where(valid & (d >= thr), k, NONE), axis=0))
+        zz = tl.load(CZ + at, mask=valid, other=0.0)
+        word = tl.load(CW + at, mask=valid, other=0).to(tl.uint32)
+        packed = (_ord32(_gumbel(zz, word)).to(tl.int64) << 32) | (U32 - gid)
+        win = tl.maximum(best, tl.max(tl.where(valid & (d >= thr), packed, NONE), axis=0))
     tl.store(OUT + row, tl.where(mode == DONE, tl.load(TOKEN + row), _token(win)))
 
 
@@ -376,15 +379,15 @@ def after_refine(plan: RowPlan, parts: tuple, spec: Spec) -> RowPlan:
 
 
 def after_sample(plan: RowPlan, parts: tuple, spec: Spec) -> Tensor:
-    """Tokens ``(N,)`` from partials ``best, above (N, Q)`` and candidates ``(N, Q', C)``."""
-    best, above, cand_d, cand_k = parts
-    cand_d, cand_k = cand_d.flatten(1).contiguous(), cand_k.flatten(1).contiguous()
+    """Tokens ``(N,)`` from partials ``best, above (N, Q)`` and candidates ``(N, Q', C)`` (d, zz, word, id)."""
+    best, above, *cands = parts
+    cand_d, cand_z, cand_w, cand_g = (t.flatten(1).contiguous() for t in cands)
     n, q = best.shape
     out = torch.empty(n, dtype=torch.int64, device=best.device)
     if n:
-        c = cand_k.shape[1]
-        args = (best, above, cand_d, cand_k, q, c, plan.mode, plan.token, plan.dthr, plan.need, out, best.stride(0),
-                cand_k.stride(0), spec.shift)
+        c = cand_g.shape[1]
+        args = (best, above, cand_d, cand_z, cand_w, cand_g, q, c, plan.mode, plan.token, plan.dthr, plan.need, out,
+                best.stride(0), cand_g.stride(0), spec.shift)
         _SAMPLE((n,), _key(args), args, dict(QP=triton.next_power_of_2(q), CP=triton.next_power_of_2(max(c, 1)),
                                              num_warps=4, **LAUNCH))
     return out

@@ -8,6 +8,7 @@ import triton.language as tl
 # launch options of every sampling kernel: no FMA contraction, the torch path rounds each + and *
 LAUNCH = dict(enable_fp_fusion=False)
 NONE = tl.constexpr(-(2 ** 63))
+NEG_INF = tl.constexpr(float("-inf"))
 U32 = tl.constexpr(0xFFFFFFFF)
 # the row modes of ``sampling_rows``
 DONE, THRESH, COLLECT, REFINE, MASS = (tl.constexpr(m) for m in range(5))

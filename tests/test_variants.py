@@ -1,4 +1,4 @@
-"""The attention variants on one device (CONTRACT.md, "Attention variants"): the keyword rule against
+"""The attention variants on one device (docs/API.md, "Attention variants"): the keyword rule against
 the float64 oracle, gradients (gradcheck, and FlashAttention's rule: at most 2x the error of torch's
 attention in the same precision), empty rows, NaN in hidden positions, every bad argument, the
 local mask of any segment, torch.compile and opcheck."""

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA (the cases hold CUDA tensors)", allow_module_level=True)
 
 from splitsoftmax import reference as ref  # noqa: E402
 from splitsoftmax.kernels import attention as A  # noqa: E402

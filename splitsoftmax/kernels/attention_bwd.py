@@ -48,37 +48,8 @@ from ..local import interpreting
 from ..mask import NO_MASK, Mask
 from ..state import stat_dtype
 from .decode import attn_tile, dot_precision, hopper, pad_dim, sm_count
+from .attention import LOG2E, _dot, _load_rows as _load
 from .launch import Launcher, fits_int32
-
-LOG2E = 1.4426950408889634
-# Triton 3.6's interpreter multiplies bf16 tiles as raw integers: there, tl.dot runs on float32
-# copies of the (already rounded) operands, which is the same product.
-_DOT_F32 = tl.constexpr(interpreting())
-
-
-@triton.jit
-def _dot(a, b, acc, PREC: tl.constexpr):
-    """``acc + a @ b`` with float32 accumulation."""
-    if _DOT_F32:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
-    else:
-        out = tl.dot(a, b, acc, input_precision=PREC)
-    return out
-
-
-@triton.jit
-def _load(ptrs, rmask, cmask, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr):
-    """A 2-D tile through pointers, masking rows and/or padded columns only when asked (0 there)."""
-    if MASK_ROWS and MASK_COLS:
-        x = tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
-    elif MASK_ROWS:
-        x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
-    elif MASK_COLS:
-        x = tl.load(ptrs, mask=cmask[None, :], other=0.0)
-    else:
-        x = tl.load(ptrs)
-    return x
-
 
 @triton.jit
 def _tile(src, b, h, r0, rows, offs, rmask, cmask, s_rows, ROWS: tl.constexpr, COLS: tl.constexpr,

@@ -21,6 +21,7 @@ from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows
 from .attention_bwd import _finite_or_zero
 from .decode import attn_tile, dot_precision, pad_dim
+from .launch import Launcher
 
 
 @triton.jit
@@ -178,6 +179,9 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
              mask=qmask[:, None] & dmask[None, :])
 
 
+_KV, _Q = Launcher(_attn_bwd_kv_kernel), Launcher(_attn_bwd_q_kernel)
+
+
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
              causal: bool, diag: int = 0, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq (B,H,Sq,D), dk (B,Hkv,Sk,D), dv (B,Hkv,Sk,Dv))`` in ``out_dtype`` (float32 by
@@ -192,14 +196,14 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
     if dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
-        _attn_bwd_kv_kernel[(configs.cdiv(sk, bn), b * hkv)](
-            q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
-            hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+        _KV.auto((configs.cdiv(sk, bn), b * hkv),
+                 (q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
+                  hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale),
+                 BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     if dq.numel():
         bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
-        _attn_bwd_q_kernel[(configs.cdiv(sq, bm), b * h)](
-            q, k, v, dout, lse, delta, dq, *strides, *dq.stride(),
-            h, h // hkv, sq, sk, diag, scale * LOG2E, scale,
-            BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+        _Q.auto((configs.cdiv(sq, bm), b * h),
+                (q, k, v, dout, lse, delta, dq, *strides, *dq.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E,
+                 scale),
+                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
     return dq, dk, dv

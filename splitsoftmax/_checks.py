@@ -5,6 +5,7 @@ import math
 import numbers
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 SCHEDULES = ("ring", "allgather", "tree")
@@ -102,3 +103,17 @@ def merge_args(outs, lses) -> None:
         raise ValueError(f"lses shape {tuple(lses.shape)} must equal outs.shape[:-1] = {tuple(outs.shape[:-1])}")
     if lses.device != outs.device:
         raise ValueError(f"lses is on {lses.device} but outs is on {outs.device}")
+
+
+def class_targets(target, logits: Tensor, ignore_index) -> None:
+    """``target (N,)``: integer class ids of the rows of ``logits (N, V)``, on its device;
+    ``ignore_index`` an int (``TypeError`` / ``ValueError`` naming the argument)."""
+    tensor("target", target, floating=False)
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer class ids, got dtype {target.dtype}")
+    if tuple(target.shape) != tuple(logits.shape[:1]):
+        raise ValueError(f"target shape {tuple(target.shape)} must be (N,) = ({logits.shape[0]},)")
+    if target.device != logits.device:
+        raise ValueError(f"target is on {target.device} but logits is on {logits.device}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")

@@ -23,17 +23,9 @@ from .state import stat_dtype
 def _args(logits, target, ignore_index, reduction, label_smoothing) -> float:
     """Check ``logits (N, V)`` floating, ``target (N,)`` integer class ids; return the smoothing."""
     _checks.tensor("logits", logits)
-    _checks.tensor("target", target, floating=False)
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D (N, V), got shape {tuple(logits.shape)}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(f"target must hold integer class ids, got dtype {target.dtype}")
-    if tuple(target.shape) != tuple(logits.shape[:1]):
-        raise ValueError(f"target shape {tuple(target.shape)} must be (N,) = ({logits.shape[0]},)")
-    if target.device != logits.device:
-        raise ValueError(f"target is on {target.device} but logits is on {logits.device}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+    _checks.class_targets(target, logits, ignore_index)
     _checks.choice("reduction", reduction, _checks.REDUCTIONS)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
         raise TypeError(f"label_smoothing must be a float, got {type(label_smoothing).__name__}")
@@ -82,7 +74,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
     the logits, no float32 copy); the loss has ``logits.dtype``; the gradient is written in
     ``logits.dtype``. ``reduction``: ``"mean"``, ``"sum"`` (scalars) or ``"none"`` (``(N,)``).
     """
-    eps = _args(logits, target, ignore_index, reduction, label_smoothing)
+    eps, ignore_index = _args(logits, target, ignore_index, reduction, label_smoothing), int(ignore_index)
     _check_targets(target, ignore_index, logits.shape[1], on_device=use_triton(logits))
     loss, _ = call("ce_fwd", logits, target, ignore_index, eps)
     return _reduce(loss, target, ignore_index, reduction, logits.dtype)
@@ -123,7 +115,7 @@ def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_
     comm = as_comm(group)
     agree, per, err = None, None, None
     try:
-        eps = _args(logits, target, ignore_index, reduction, label_smoothing)
+        eps, ignore_index = _args(logits, target, ignore_index, reduction, label_smoothing), int(ignore_index)
         agree = {"N": logits.shape[0], "dtype": hs.encode_dtype(logits.dtype), "ignore_index": ignore_index,
                  "reduction": _checks.REDUCTIONS.index(reduction), "label_smoothing": hs.encode_float(eps),
                  "target": hs.fingerprint(target)}

@@ -51,21 +51,9 @@ def _logits(name: str, x) -> Tensor:
     return x
 
 
-def _target(target, logits: Tensor, ignore_index) -> None:
-    _checks.tensor("target", target, floating=False)
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(f"target must hold integer class ids, got dtype {target.dtype}")
-    if tuple(target.shape) != tuple(logits.shape[:1]):
-        raise ValueError(f"target shape {tuple(target.shape)} must be (N,) = ({logits.shape[0]},)")
-    if target.device != logits.device:
-        raise ValueError(f"target is on {target.device} but logits is on {logits.device}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
-
-
 def _logprob_args(logits, target, temperature, return_entropy, ignore_index) -> float:
     _logits("logits", logits)
-    _target(target, logits, ignore_index)
+    _checks.class_targets(target, logits, ignore_index)
     _checks.flag("return_entropy", return_entropy)
     return _temperature(temperature)
 

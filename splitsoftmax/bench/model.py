@@ -9,8 +9,9 @@ loss, backward) at each ``--shapes`` (``S`` x batch; default 8192 x 1 and 2048 x
 - ``splitsoftmax`` (``splitsoftmax.integrations.transformers.register()``),
 
 all on the same weights and tokens: median step time of ``--steps`` (after two warm-up steps), the
-peak memory of a step, and each one's loss and first-layer gradient against the truth: the same
-bf16 weights run in float32 (``sdpa``, whose float32 kernels keep float32 throughout). Writes
+peak memory of a step, and each one's loss and first-layer gradient against the truth: a copy of
+the same model (bf16 weights, float32 rotary frequencies) run in float32 (``sdpa``, whose float32
+kernels keep float32 throughout). Writes
 ``model.json`` and prints a table.
 """
 from __future__ import annotations
@@ -26,16 +27,20 @@ import torch
 IMPLS = ("sdpa_flash", "sdpa_cudnn", "splitsoftmax")
 
 
-def build(args):
-    """The bf16 model (random weights, seed 0) and its config."""
+DIMS = dict(hidden_size=2048, num_attention_heads=16, num_key_value_heads=4, head_dim=128)
+
+
+def build(args, device: str = "cuda", **dims):
+    """The bf16 model (random weights, seed 0) of ``args`` (vocab, intermediate, layers, shapes) and
+    ``DIMS`` (``dims`` overrides them). Built in bf16 as transformers' loaders build it: the rotary
+    frequencies (a buffer outside the state dict) stay float32; ``.to(dtype=torch.bfloat16)`` would
+    round them, and a RoPE off by that rounding times the position is no attention error."""
     from transformers import LlamaConfig, LlamaForCausalLM
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=2048, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=16, num_key_value_heads=4,
-                         head_dim=128, max_position_embeddings=max(s for s, _ in args.shapes), rope_theta=500000.0,
-                         attention_dropout=0.0, tie_word_embeddings=False)
+    config = LlamaConfig(**{**DIMS, **dims}, vocab_size=args.vocab, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, max_position_embeddings=max(s for s, _ in args.shapes),
+                         rope_theta=500000.0, attention_dropout=0.0, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
-    return model
+    return LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).to(device)
 
 
 def _backend(name: str):
@@ -86,9 +91,14 @@ def timed(model, ids, impl: str, steps: int) -> dict:
 
 
 def truth(model, ids):
-    """Loss and first-layer gradient of the same (bf16-valued) weights run in float32."""
-    ref = type(model)(model.config).to(ids.device)
-    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    """Loss and first-layer gradient of the same model run in float32: a copy of every parameter and
+    buffer (the rotary frequencies too) and of the config, cast to float32, under ``sdpa``."""
+    import copy
+    model.zero_grad(set_to_none=True)
+    ref = copy.deepcopy(model).float()
+    low = [n for n, t in [*ref.named_parameters(), *ref.named_buffers()] if t.dtype != torch.float32]
+    if low:
+        raise RuntimeError(f"the float32 reference holds non-float32 tensors: {low[:4]}")
     _use(ref, "sdpa")
     out = step(ref, ids, "sdpa_fp32")
     del ref
@@ -96,20 +106,26 @@ def truth(model, ids):
     return out
 
 
+def errors(model, ids, impl: str, ref: tuple) -> dict:
+    """``impl``'s loss and its error, and the relative (2-norm) difference of its first-layer gradient,
+    against ``ref = truth(model, ids)``."""
+    ref_loss, ref_grad = ref
+    _use(model, impl)
+    loss, grad = step(model, ids, impl)
+    return {"loss": loss, "loss_err": abs(loss - ref_loss),
+            "grad_rel_err": ((grad - ref_grad).norm() / ref_grad.norm()).item()}
+
+
 def run_shape(model, s: int, b: int, steps: int) -> dict:
     """Every implementation at ``S = s``, batch ``b``: time, memory, loss and gradient errors."""
     dev = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (b, s), device=dev,
                         generator=torch.Generator(device=dev).manual_seed(1))
-    ref_loss, ref_grad = truth(model, ids)
-    rec = {"S": s, "B": b, "loss_fp32": ref_loss}
+    ref = truth(model, ids)
+    rec = {"S": s, "B": b, "loss_fp32": ref[0]}
     for impl in IMPLS:
         try:
-            _use(model, impl)
-            loss, grad = step(model, ids, impl)
-            rec[impl] = {"loss": loss, "loss_err": abs(loss - ref_loss),
-                         "grad_rel_err": ((grad - ref_grad).norm() / ref_grad.norm()).item(),
-                         **timed(model, ids, impl, steps)}
+            rec[impl] = {**errors(model, ids, impl, ref), **timed(model, ids, impl, steps)}
         except Exception as e:  # noqa: BLE001 (a backend may refuse a shape; splitsoftmax must not)
             if impl == "splitsoftmax":
                 raise
@@ -158,8 +174,9 @@ def main(argv=None) -> int:
     model = build(args)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "transformers": transformers.__version__, "cudnn": torch.backends.cudnn.version(), "argv": sys.argv,
-              "model": {"layers": args.layers, "hidden": 2048, "heads": "16/4", "head_dim": 128,
-                        "vocab": args.vocab, "intermediate": args.intermediate, "dtype": "bfloat16"},
+              "model": {"layers": args.layers, "hidden": DIMS["hidden_size"], "heads": "16/4",
+                        "head_dim": DIMS["head_dim"], "vocab": args.vocab, "intermediate": args.intermediate,
+                        "dtype": "bfloat16"},
               "rows": [run_shape(model, s, b, args.steps) for s, b in args.shapes]}
     with open(os.path.join(args.out, "model.json"), "w") as f:
         json.dump(result, f, indent=1)

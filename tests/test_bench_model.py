@@ -1,0 +1,72 @@
+"""The accuracy half of ``python -m splitsoftmax bench model`` on a tiny Llama on CPU: the bf16 model
+against its float32 truth (small, nonzero), a perturbed model (large), and a truth that follows the
+model's buffers (the rotary frequencies live outside the state dict)."""
+import argparse
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from splitsoftmax.bench import model as bm  # noqa: E402
+from splitsoftmax.integrations.transformers import register  # noqa: E402
+
+S, B = 128, 2
+# initializer_range 0.1: attention logits of order 1 (0.02 at hidden 64 leaves it near uniform)
+TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1)
+
+
+@pytest.fixture
+def model():
+    register()
+    args = argparse.Namespace(vocab=97, intermediate=96, layers=2, shapes=[(S, B)])
+    return bm.build(args, "cpu", **TINY)
+
+
+@pytest.fixture
+def ids():
+    return torch.randint(0, 97, (B, S), generator=torch.Generator().manual_seed(1))
+
+
+def _noise(model, frac: float) -> None:
+    """Add ``frac`` of each weight's standard deviation as Gaussian noise (fixed seed)."""
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_((frac * p.float().std() * torch.randn(p.shape, generator=gen)).to(p.dtype))
+
+
+def test_build_is_bf16_with_float32_rotary_frequencies(model):
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "splitsoftmax"])
+def test_bf16_against_float32_truth_is_small_but_nonzero(model, ids, impl):
+    ref = bm.truth(model, ids)
+    sdpa = bm.errors(model, ids, "sdpa", ref)
+    got = bm.errors(model, ids, impl, ref)
+    assert 1e-3 < got["grad_rel_err"] < 3e-2, got
+    assert got["grad_rel_err"] < 1.5 * sdpa["grad_rel_err"], (got, sdpa)
+    assert got["loss_err"] < 2e-3, got
+
+
+def test_perturbed_model_gives_a_large_difference(model, ids):
+    ref = bm.truth(model, ids)
+    _noise(model, 0.3)
+    got = bm.errors(model, ids, "sdpa", ref)
+    assert got["grad_rel_err"] > 0.2, got
+
+
+def test_truth_follows_the_models_buffers_and_keeps_its_config(model, ids):
+    """Frequencies scaled by 1.5 in the bf16 model: a truth rebuilt from the config and the state dict
+    would keep the original ones (a large difference); the copied truth keeps the metric small."""
+    with torch.no_grad():
+        model.model.rotary_emb.inv_freq.mul_(1.5)
+    bm._use(model, "splitsoftmax")
+    ref = bm.truth(model, ids)
+    assert model.config._attn_implementation == "splitsoftmax"
+    got = bm.errors(model, ids, "sdpa", ref)
+    assert got["grad_rel_err"] < 3e-2, got

@@ -216,7 +216,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     fn = masked_op("attn_bwd", q, mask)
     if sinks is None:
         return (*_bwd_outs(fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype), q, k, v),
-                q.new_zeros((0,)))
+                q.new_empty((0,)))
     if use_triton(q):
         dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype)
     else:

@@ -33,7 +33,7 @@ whose masked edge tiles run first).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -47,7 +47,7 @@ from ..state import stat_dtype
 from . import configs
 from .attn_mask import KernelMask, band_tiles, capped, kernel_mask, row_bounds
 from .decode import Plan, dot_precision, hopper, pad_dim, plan
-from .launch import Launcher, fits_int32
+from .launch import Launcher, Memo, fits_int32, geometry
 from ..local import interpreting
 from .merge import inv_or_zero, lse2_of, merge_into
 
@@ -421,22 +421,24 @@ def _row_layout(t: Tensor) -> Optional[str]:
     return "seq" if sh == d and ss >= h * d and (sb == s * ss or b == 1) else None
 
 
-def _row_descriptor(t: Tensor, layout: str, rows: int) -> TensorDescriptor:
-    """The 2-D row-view descriptor of ``t`` in ``layout`` (see :func:`_row_layout`), ``rows`` per tile."""
+def _row_spec(t: Tensor, layout: str, rows: int) -> tuple:
+    """``(shape, strides, block)`` of the 2-D row-view descriptor of ``t`` in ``layout`` (see
+    :func:`_row_layout`), ``rows`` per tile."""
     b, h, s, d = t.shape
     if layout == "heads":
-        return _descriptor(t, [b * h * s, d], [d, 1], [rows, d])
-    return _descriptor(t, [b * s, h * d], [t.stride(2), 1], [rows, d])
+        return [b * h * s, d], [d, 1], [rows, d]
+    return [b * s, h * d], [t.stride(2), 1], [rows, d]
 
 
-def _tma_operands(q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Plan, store: bool) -> Optional[tuple]:
-    """``(Q, K, V, O, o_tma, row2d, seq_rows)``: the forward's operands as TMA descriptors (``O`` too
-    where ``store``, else ``out`` itself), or None where the pointer path runs: packed rows, float32,
-    padded head dims, strides or bases TMA cannot address (16-byte units), a GPU before Hopper, or
-    ``configs.ATTN_TMA`` off. ``row2d``: 2-D row views (``configs.ATTN_TMA_ROWS``; every operand in
-    one :func:`_row_layout`, no tile crossing the end of a head or, for ``(B, S, H, D)`` views at
-    batch 1, of the tensor), ``seq_rows`` the ``(B * S, H * D)`` kind; else ``(B, H, S, D)``
-    descriptors."""
+def _tma_specs(q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Plan, store: bool) -> Optional[tuple]:
+    """``(specs, o_tma, row2d, seq_rows)``: ``specs`` gives, for each of q, k, v and out, the
+    ``(shape, strides, block)`` of its TMA descriptor (None for ``out`` unless ``o_tma``); None where
+    the pointer path runs: packed rows, float32, padded head dims, strides or bases TMA cannot
+    address (16-byte units), a GPU before Hopper, or ``configs.ATTN_TMA`` off. ``row2d``: 2-D row
+    views (``configs.ATTN_TMA_ROWS``; every operand in one :func:`_row_layout`, no tile crossing the
+    end of a head or, for ``(B, S, H, D)`` views at batch 1, of the tensor), ``seq_rows`` the
+    ``(B * S, H * D)`` kind; else ``(B, H, S, D)`` descriptors. A function of the operands' shapes,
+    strides, dtypes and alignment alone."""
     if not configs.ATTN_TMA or p.pack or q.dtype not in (torch.float16, torch.bfloat16):
         return None
     if q.is_cuda and not hopper(q):
@@ -451,10 +453,24 @@ def _tma_operands(q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Plan, store: 
     row2d = (layout is not None and (whole or (layout == "seq" and q.shape[0] == 1))
              and all(_row_layout(t) == layout for t, _ in ops[1:]))
     if row2d:
-        descs = [_row_descriptor(t, layout, rows) for t, rows in ops]
+        specs = [_row_spec(t, layout, rows) for t, rows in ops]
     else:
-        descs = [_descriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]]) for t, rows in ops]
-    return (*descs[:3], descs[3] if store else out, store, row2d, row2d and layout == "seq")
+        specs = [(list(t.shape), list(t.stride()), [1, 1, rows, t.shape[-1]]) for t, rows in ops]
+    if not store:
+        specs.append(None)
+    return tuple(specs), store, row2d, row2d and layout == "seq"
+
+
+def _operands(tensors: tuple, specs) -> tuple:
+    """``tensors`` with those that ``specs`` (from :func:`_tma_specs`) names given as TMA descriptors."""
+    return tuple(t if s is None else _descriptor(t, *s) for t, s in zip(tensors, specs))
+
+
+def _tma_operands(q: Tensor, k: Tensor, v: Tensor, out: Tensor, p: Plan, store: bool) -> Optional[tuple]:
+    """``(Q, K, V, O, o_tma, row2d, seq_rows)``: the forward's operands as TMA descriptors (``O`` too
+    where ``o_tma``, else ``out`` itself) by :func:`_tma_specs`, or None where the pointer path runs."""
+    tma = _tma_specs(q, k, v, out, p, store)
+    return None if tma is None else (*_operands((q, k, v, out), tma[0]), *tma[1:])
 
 
 _FWD = Launcher(_attn_fwd_kernel)
@@ -474,6 +490,43 @@ def _kernel_mask(mask: Mask, q: Tensor, scale: float, lse: Tensor) -> KernelMask
     return kernel_mask(mask, q, scale, lse, approx)
 
 
+class _FwdLaunch(NamedTuple):
+    """Everything of one forward launch but its tensors, a function of their geometry."""
+    grid: tuple
+    key: tuple
+    specs: tuple    # TMA descriptor of q, k, v, out: (shape, strides, block), or None (the tensor)
+    scalars: tuple  # the arguments between ``lse`` and the mask's tensors
+    tail: tuple     # the arguments after the mask's tensors
+    kwargs: dict
+
+
+# launches of the plain mask by geometry: the host work of a repeated call is a lookup
+_FWD_LAUNCHES = Memo()
+
+
+def _fwd_launch(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, diag: int,
+                p: Plan, acc: bool, split_dim: bool, km: KernelMask) -> _FwdLaunch:
+    """The launch of :func:`launch_fwd` for these operands."""
+    b, h, sq, d = q.shape
+    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
+    g = h // hkv
+    bm, bn, warps, stages = p.tile
+    so = _split_strides(out, h, sq) if split_dim else (0, *out.stride())
+    sl = _split_strides(lse, h, sq) if split_dim else (0, *lse.stride())
+    grid = (configs.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
+    tma = _tma_specs(q, k, v, out, p, store=not (acc or split_dim))
+    specs, o_tma, row2d, seq = tma if tma else ((None,) * 4, False, False, False)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g)
+    key = (strides, fits_int32(sq, sk, diag, p.chunk, km.lo_off, p.start), q.dtype, k.dtype, v.dtype, out.dtype,
+           lse.dtype, *(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse, km.kvr, km.qoff, km.rows)))
+    kwargs = dict(D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
+                  PACK=p.pack, ACC=acc, POS_SCALE=scale > 0, PREC=dot_precision(q.dtype), TMA=tma is not None,
+                  O_TMA=o_tma, ROW2D=row2d, TRIGGER=split_dim and configs.ATTN_SPLIT_TRIGGER and hopper(q),
+                  SEQ_ROWS=seq, **km.flags, num_warps=warps, num_stages=stages)
+    return _FwdLaunch(grid, key, specs, (*strides, sq, sk, diag, p.chunk, scale * LOG2E),
+                      (km.lo_off, p.start, km.cap_in, km.cap_out), kwargs)
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                diag: int, p: Plan, *, acc: bool = False, split_dim: bool = False, mask: Mask = NO_MASK) -> None:
     """Run the forward kernel into ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)`` (any strides).
@@ -482,25 +535,20 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     instead, split ``s`` covering keys ``p.start + [s * p.chunk, (s + 1) * p.chunk)``. ``acc``: merge
     into the state already in ``out``/``lse``. ``mask``: the variant's visibility (splitsoftmax.mask).
     """
-    b, h, sq, d = q.shape
-    hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
-    g = h // hkv
-    bm, bn, warps, stages = p.tile
-    km = _kernel_mask(mask, q, scale, lse)
-    so = _split_strides(out, h, sq) if split_dim else (0, *out.stride())
-    sl = _split_strides(lse, h, sq) if split_dim else (0, *lse.stride())
-    grid = (configs.cdiv(g * sq if p.pack else sq, bm), b * (hkv if p.pack else h), p.nsplit)
-    tma = _tma_operands(q, k, v, out, p, store=not (acc or split_dim))
-    operands, o_tma, row2d, seq = (tma[:4], *tma[4:]) if tma else ((q, k, v, out), False, False, False)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g)
-    key = (strides, fits_int32(sq, sk, diag, p.chunk, km.lo_off, p.start), q.dtype, k.dtype, v.dtype, out.dtype,
-           lse.dtype, *(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse, km.kvr, km.qoff, km.rows)))
-    _FWD(grid, key, (*operands, lse, *strides, sq, sk, diag, p.chunk, scale * LOG2E, km.kvr, km.qoff, km.rows,
-                     km.lo_off, p.start, km.cap_in, km.cap_out),
-         dict(D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
-              PACK=p.pack, ACC=acc, POS_SCALE=scale > 0, PREC=dot_precision(q.dtype), TMA=tma is not None,
-              O_TMA=o_tma, ROW2D=row2d, TRIGGER=split_dim and configs.ATTN_SPLIT_TRIGGER and hopper(q),
-              SEQ_ROWS=seq, **km.flags, num_warps=warps, num_stages=stages))
+    if mask is NO_MASK:  # its kernel arguments are ``lse`` as the absent tensors, and constants
+        kvr = qoff = rows = lse
+        geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
+               configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER)
+        run = _FWD_LAUNCHES.get(geo)
+        if run is None:
+            run = _FWD_LAUNCHES.put(geo, _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim,
+                                                     _kernel_mask(mask, q, scale, lse)))
+    else:
+        km = _kernel_mask(mask, q, scale, lse)
+        kvr, qoff, rows = km.kvr, km.qoff, km.rows
+        run = _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km)
+    _FWD(run.grid, run.key, (*_operands((q, k, v, out), run.specs), lse, *run.scalars, kvr, qoff, rows, *run.tail),
+         run.kwargs)
 
 
 def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,

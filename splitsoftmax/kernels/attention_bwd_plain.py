@@ -9,7 +9,7 @@ Gradients are written once, in the output dtype, with their inputs' strides wher
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -21,7 +21,7 @@ from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows
 from .attention_bwd import _finite_or_zero
 from .decode import attn_tile, dot_precision, pad_dim
-from .launch import Launcher
+from .launch import Launcher, Memo, auto_key, geometry
 
 
 @triton.jit
@@ -182,28 +182,54 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
 _KV, _Q = Launcher(_attn_bwd_kv_kernel), Launcher(_attn_bwd_q_kernel)
 
 
+class _Launches(NamedTuple):
+    """Both launches of :func:`attn_bwd` but their tensors, a function of the operands' geometry:
+    per kernel ``(grid, key, scalars, kwargs)``, None where it has nothing to write."""
+    kv: Optional[tuple]
+    q: Optional[tuple]
+
+
+# launches by geometry: the host work of a repeated backward is a lookup
+_LAUNCHES = Memo()
+
+
+def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int) -> _Launches:
+    """The launches of :func:`attn_bwd` for these operands and gradient buffers."""
+    b, h, sq, d = q.shape
+    hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
+    common = dict(D=d, DV=dv_, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv_), CAUSAL=causal,
+                  PREC=dot_precision(q.dtype))
+    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
+    kv = qp = None
+    if dk.numel() or dv.numel():
+        bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
+        scalars = (*strides, *dk.stride(), *dv.stride(), hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale)
+        kv = ((configs.cdiv(sk, bn), b * hkv), auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), scalars,
+              dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
+    if dq.numel():
+        bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
+        scalars = (*strides, *dq.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E, scale)
+        qp = ((configs.cdiv(sq, bm), b * h), auto_key((q, k, v, dout, lse, delta, dq, *scalars)), scalars,
+              dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
+    return _Launches(kv, qp)
+
+
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
              causal: bool, diag: int = 0, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq (B,H,Sq,D), dk (B,Hkv,Sk,D), dv (B,Hkv,Sk,Dv))`` in ``out_dtype`` (float32 by
     default), each with its input's strides where dense. ``lse``, ``delta = rowsum(dout * out) - dlse``
     ``(B, H, Sq)``: the rows' global statistics; rows with ``lse = -inf`` contribute nothing."""
-    b, h, sq, d = q.shape
-    hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     od = out_dtype or stat_dtype(q.dtype)
-    dq, dk, dv = (torch.empty_like(t, dtype=od) for t in (q, k, v))
-    common = dict(D=d, DV=dv_, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv_), CAUSAL=causal,
-                  PREC=dot_precision(q.dtype))
-    strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
-    if dk.numel() or dv.numel():
-        bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
-        _KV.auto((configs.cdiv(sk, bn), b * hkv),
-                 (q, k, v, dout, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
-                  hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale),
-                 BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
-    if dq.numel():
-        bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
-        _Q.auto((configs.cdiv(sq, bm), b * h),
-                (q, k, v, dout, lse, delta, dq, *strides, *dq.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E,
-                 scale),
-                BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common)
+    dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
+    geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag,  # (the gradients are laid out like q, k, v)
+           attn_tile("bwd_kv", q.dtype, q.shape[-1], v.shape[-1]), attn_tile("bwd_q", q.dtype, q.shape[-1], v.shape[-1]))
+    run = _LAUNCHES.get(geo)
+    if run is None:
+        run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))
+    if run.kv is not None:
+        grid, key, scalars, kwargs = run.kv
+        _KV(grid, key, (q, k, v, dout, lse, delta, dk, dv, *scalars), kwargs)
+    if run.q is not None:
+        grid, key, scalars, kwargs = run.q
+        _Q(grid, key, (q, k, v, dout, lse, delta, dq, *scalars), kwargs)
     return dq, dk, dv

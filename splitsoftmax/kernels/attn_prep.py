@@ -16,6 +16,7 @@ from torch import Tensor
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
 from .configs import ATTN_PREP_TILE_ELEMS
+from .launch import Launcher, Memo, auto_key, geometry
 
 
 @triton.jit(do_not_specialize=["S"])
@@ -45,19 +46,38 @@ def _attn_bwd_prep_kernel(O, DO, LSE, DLSE, LSE_OUT, DELTA, s_ob, s_oh, s_os, s_
     tl.store(DELTA + dst, delta, mask=rmask)
 
 
+_PREP = Launcher(_attn_bwd_prep_kernel)
+# launches by geometry: ``(grid, key, scalars, kwargs)``
+_LAUNCHES = Memo()
+
+
+def _launch(out: Tensor, dout: Tensor, lse: Tensor, dl: Tensor, lse_out: Tensor, delta: Tensor, has_dlse: bool) -> tuple:
+    """The prep launch for these operands, all but its tensors."""
+    b, h, s, dv = out.shape
+    block_dv = configs.next_pow2(max(dv, 1))
+    block_r = max(1, min(configs.next_pow2(s), ATTN_PREP_TILE_ELEMS // block_dv))
+    scalars = (*out.stride()[:3], *dout.stride()[:3], *lse.stride(), *dl.stride(), h, s)
+    return ((configs.cdiv(s, block_r), b * h), auto_key((out, dout, lse, dl, lse_out, delta, *scalars)), scalars,
+            dict(DV=dv, HAS_DLSE=has_dlse, BLOCK_R=block_r, BLOCK_DV=block_dv))
+
+
 def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """``(lse, delta)`` float32 ``(B, H, Sq)`` from ``out, dout (B, H, Sq, Dv)``, ``lse, dlse (B, H, Sq)``,
     any strides (a ``(B, H, S, Dv)`` view of ``(B, S, H, Dv)`` is read in place)."""
-    b, h, s, dv = out.shape
-    out, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (out, dout))
+    b, h, s, _ = out.shape
+    if out.stride(-1) != 1:
+        out = out.contiguous()
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
     lse_out = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
     delta = torch.empty_like(lse_out)
     if lse_out.numel():
-        block_dv = configs.next_pow2(max(dv, 1))
-        block_r = max(1, min(configs.next_pow2(s), ATTN_PREP_TILE_ELEMS // block_dv))
         lse1 = lse.float()
         dl = lse1 if dlse is None else dlse.float()
-        _attn_bwd_prep_kernel[(configs.cdiv(s, block_r), b * h)](
-            out, dout, lse1, dl, lse_out, delta, *out.stride()[:3], *dout.stride()[:3], *lse1.stride(), *dl.stride(),
-            h, s, dv, dlse is not None, block_r, block_dv)
+        geo = (geometry(out, dout, lse1, dl), dlse is not None)
+        run = _LAUNCHES.get(geo)
+        if run is None:
+            run = _LAUNCHES.put(geo, _launch(out, dout, lse1, dl, lse_out, delta, dlse is not None))
+        grid, key, scalars, kwargs = run
+        _PREP(grid, key, (out, dout, lse1, dl, lse_out, delta, *scalars), kwargs)
     return lse_out, delta

@@ -92,6 +92,7 @@ CASES = [
     (1, 2, 2, 1, 17, 32, False, 0),     # one query row
     (1, 4, 2, 17, 17, 32, True, 0),     # GQA group 2
     (1, 4, 1, 97, 40, 16, False, 0),    # group 4, odd length, few programs: the work is split
+    (1, 4, 1, 37, 37, 32, True, 0),     # ... 3 ways over the 4 heads, causal, tiles crossing the end
     (1, 1, 1, 129, 129, 16, True, 0),   # a row past the last whole tile
     (2, 2, 1, 33, 70, 32, True, 37),    # bottom-right causal, MQA, batch 2
 ]
@@ -173,21 +174,29 @@ def test_hidden_nan_changes_nothing_and_hidden_keys_get_zero(det, monkeypatch):
         assert torch.equal(g[hidden.unsqueeze(1).expand_as(g[..., 0])], torch.zeros(int(hidden.sum()) * hkv, d))
 
 
-@pytest.mark.parametrize("case", [(1, 1, 1, 129, 17, 16), (1, 4, 1, 50, 20, 16), (2, 4, 2, 33, 33, 16)])
+@pytest.mark.parametrize("case", [(1, 1, 1, 129, 17, 16), (1, 4, 1, 50, 20, 16), (2, 4, 2, 33, 33, 16),
+                                  (1, 4, 1, 37, 37, 16)])
 def test_atomic_matches_deterministic_and_splits(case, monkeypatch):
-    """The five-product path against the deterministic pair within float32 rounding, where the dK/dV
-    work is split by query range, by query heads, and not at all (4 SMs under the interpreter)."""
+    """The five-product path against the deterministic pair of the same math (the general pair, run
+    here through a key range that covers every key) within float32 rounding, where the dK/dV work is
+    split by query range, by query heads (evenly and not: 3 splits of 4 heads) and not at all (4 SMs
+    under the interpreter). The scale is no power of two: the plain pair (the default for plain
+    visibility) applies it after rounding dS to bf16, these two before, so they agree only to that
+    rounding, and a power-of-two scale would hide which pair a comparison reaches."""
     b, h, hkv, sq, sk, d = case
     q, k, v, dout = inputs(b, h, hkv, sq, sk, d)
-    scale = 1 / math.sqrt(d)
+    scale = 0.3
     _, lse, delta = oracle(q, k, v, dout, scale, True, sk - sq, NO_MASK)
     nh, nq = AB.splits(q, k, configs.ATTN_TILE_INTERPRET)
-    assert (nh, nq) == {129: (1, 2), 50: (4, 1), 33: (1, 1)}[sq]
+    assert (nh, nq) == {129: (1, 2), 50: (4, 1), 33: (1, 1), 37: (3, 1)}[sq]
+    every_key = Mask(kv_range=torch.tensor([[0, sk]] * b, dtype=torch.int32))
     fast = run(q, k, v, dout, lse, delta, scale, True, sk - sq, NO_MASK, False, monkeypatch)
-    slow = run(q, k, v, dout, lse, delta, scale, True, sk - sq, NO_MASK, True, monkeypatch)
-    again = run(q, k, v, dout, lse, delta, scale, True, sk - sq, NO_MASK, True, monkeypatch)
-    for f, s_, a in zip(fast, slow, again):
-        assert torch.equal(s_, a)  # the deterministic path: bitwise reproducible
+    slow = run(q, k, v, dout, lse, delta, scale, True, sk - sq, every_key, True, monkeypatch)
+    again = run(q, k, v, dout, lse, delta, scale, True, sk - sq, every_key, True, monkeypatch)
+    plain = run(q, k, v, dout, lse, delta, scale, True, sk - sq, NO_MASK, True, monkeypatch)
+    plain_again = run(q, k, v, dout, lse, delta, scale, True, sk - sq, NO_MASK, True, monkeypatch)
+    for f, s_, a, p, pa in zip(fast, slow, again, plain, plain_again):
+        assert torch.equal(s_, a) and torch.equal(p, pa)  # the deterministic pairs: bitwise reproducible
         torch.testing.assert_close(f, s_, rtol=1e-5, atol=1e-5 * s_.abs().max().item())
 
 

@@ -1,10 +1,10 @@
 """Rows of ``bench attention`` for the attention variants and the layouts real models use (forward).
 
-- Variants at S = 32k, B = 1, H = 16, D = 128, bf16: plain causal, causal with 16 documents of 2k,
+- Variants at S = 32k, B = 1, H = 16, D = 128, bf16, forward and forward+backward: plain causal, causal with 16 documents of 2k,
   causal with a window of 4096, causal with softcap 50, causal with sinks. splitsoftmax beside
   FlexAttention compiled with ``torch.compile`` and, where SDPA can express the variant, SDPA
   cuDNN (the 16 documents as a batch of 16 causal sequences). TFLOP/s count ``4 * H * D`` per
-  visible (query, key) pair.
+  visible (query, key) pair (3.5 times that forward+backward).
 - GQA 32/8 and 16/4 at batch 1, causal, S = 8k and 32k: q, k, v contiguous ``(B, H, S, D)`` and as
   ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors, the way Hugging Face passes them (the output
   then made ``(B, S, H, Dv)`` contiguous, as the model does next), beside SDPA cuDNN and flash;
@@ -150,8 +150,19 @@ def _time(rec: dict, key: str, fn, flops: float, q, k, v) -> None:
         rec[f"{key}_error"] = repr(e)[:200]
 
 
-def variant_rows() -> list[dict]:
-    """Forward TFLOP/s (over visible pairs) of each variant: ss, Flex, cuDNN where it can."""
+def _time_fb(rec: dict, key: str, fn, flops: float, q, k, v) -> None:
+    """Forward+backward TFLOP/s (3.5x the forward's products) of ``fn`` on leaf copies of q, k, v."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    dout = torch.randn_like(q)
+    try:
+        rec[key] = 3.5 * flops / best_ms(lambda: fn(*leaves).backward(dout), rep=60, grad_to_none=leaves) / 1e9
+    except Exception as e:  # noqa: BLE001 (a peer may not build here)
+        rec[f"{key}_error"] = repr(e)[:200]
+
+
+def variant_rows(backward: bool = True) -> list[dict]:
+    """Forward (and forward+backward) TFLOP/s over visible pairs of each variant: ss, Flex, cuDNN
+    where it can."""
     res = []
     q, k, v = (torch.randn(1, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     sinks = torch.randn(H, device="cuda") + 2.0
@@ -162,18 +173,22 @@ def variant_rows() -> list[dict]:
         rec = {"variant": name, "S": S, "H": H, "ss_via": via}
         with torch.no_grad():
             rec["err"], rec["torch_bf16_err"] = _err(fn(q, k, v), q, k, v, name, rows, sinks)
-        _time(rec, "ss_fwd", fn, flops, q, k, v)
+        timings = [("ss", fn)]
         try:
             flex = flex_fn(name, sinks)
             with torch.no_grad():
                 rec["flex_err"] = _err(flex(q, k, v), q, k, v, name, rows, sinks)[0]
-            _time(rec, "flex_fwd", flex, flops, q, k, v)
+            timings.append(("flex", flex))
         except Exception as e:  # noqa: BLE001
             rec["flex_error"] = repr(e)[:200]
         rec["correct"] = rec["err"] <= 2 * rec.get("flex_err", rec["torch_bf16_err"]) + 1e-6
         cudnn = cudnn_fn(name)
         if cudnn is not None:
-            _time(rec, "cudnn_fwd", cudnn, flops, q, k, v)
+            timings.append(("cudnn", cudnn))
+        for impl, f in timings:
+            _time(rec, f"{impl}_fwd", f, flops, q, k, v)
+            if backward:
+                _time_fb(rec, f"{impl}_fb", f, flops, q, k, v)
         res.append(rec)
         print(json.dumps(rec), flush=True)
     return res
@@ -225,12 +240,14 @@ def layout_rows(seqs=GQA_SEQS) -> list[dict]:
 
 def table_lines(variants: list[dict], layouts: list[dict]) -> list[str]:
     nan = float("nan")
-    lines = ["variant (32k, H=16, B=1) | ss fwd  flex  cudnn  ss/flex  ss/causal | ok"]
-    causal = next((r.get("ss_fwd", nan) for r in variants if r["variant"] == "causal"), nan)
-    for r in variants:
-        lines.append(f"{r['variant']:<10} | {r.get('ss_fwd', nan):6.0f} {r.get('flex_fwd', nan):5.0f} "
-                     f"{r.get('cudnn_fwd', nan):6.0f} {r.get('ss_fwd', nan) / r.get('flex_fwd', nan):8.2f} "
-                     f"{r.get('ss_fwd', nan) / causal:9.2f} | {r['correct']}")
+    lines = []
+    for part in ("fwd", "fb"):
+        lines.append(f"variant (32k, H=16, B=1) {part:>3} | ss     flex  cudnn  ss/flex  ss/causal | ok")
+        causal = next((r.get(f"ss_{part}", nan) for r in variants if r["variant"] == "causal"), nan)
+        for r in variants:
+            ss_, flex = r.get(f"ss_{part}", nan), r.get(f"flex_{part}", nan)
+            lines.append(f"{r['variant']:<28} | {ss_:6.0f} {flex:5.0f} {r.get(f'cudnn_{part}', nan):6.0f} "
+                         f"{ss_ / flex:8.2f} {ss_ / causal:9.2f} | {r['correct']}")
     lines.append("GQA B=1 causal            | ss fwd  kernel  cudnn  flash  ss/cudnn | ok")
     for r in layouts:
         lines.append(f"{r['S']:>5} {r['H']}/{r['Hkv']} {r['layout']:<11} | {r.get('ss_fwd', nan):6.0f} "

@@ -52,13 +52,16 @@ def _signature(fn, args, kwargs):
     return sig, consts, {k: v for k, v in attrs.items() if v}
 
 
-def _launches(monkeypatch, atomic: bool, mask: Mask):
+def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False):
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
     monkeypatch.setattr(AB, "hopper", lambda t: True)
     monkeypatch.setattr(AB, "sm_count", lambda t: 132)
+    monkeypatch.setattr(ABP, "hopper", lambda t: True)
     monkeypatch.setattr(configs, "ATTN_BWD_ATOMIC", atomic)
+    monkeypatch.setattr(configs, "ATTN_BWD_TMA", tma)
     q, dout = (torch.randn(1, 16, 512, 128).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, 4, 512, 128).to(torch.bfloat16) for _ in range(2))
     lse, delta = torch.randn(1, 16, 512), torch.randn(1, 16, 512)
@@ -71,10 +74,13 @@ MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch
             rows=torch.stack((torch.zeros(512), torch.full((512,), 512))).to(torch.int32))
 
 
-@pytest.mark.parametrize("atomic,mask", [(False, Mask()), (False, MASK), (True, Mask())],
-                         ids=["pair", "pair-masks", "five-product"])
-def test_backward_compiles_for_sm90(atomic, mask, monkeypatch):
-    launches = _launches(monkeypatch, atomic, mask)
+@pytest.mark.parametrize("atomic,mask,tma", [(False, Mask(), False), (False, Mask(), True), (False, MASK, False),
+                                             (True, Mask(), False)],
+                         ids=["pair", "pair-tma", "pair-masks", "five-product"])
+def test_backward_compiles_for_sm90(atomic, mask, tma, monkeypatch):
+    launches = _launches(monkeypatch, atomic, mask, tma)
+    if tma:
+        assert all(any(isinstance(a, TensorDescriptor) for a in args) for _, args, _ in launches)
     names = [fn.fn.__name__ for fn, _, _ in launches]
     assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic
                      else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"])

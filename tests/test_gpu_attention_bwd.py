@@ -185,3 +185,24 @@ def test_public_autograd_bshd_views():
         assert leaf.grad.is_contiguous()
         ok, nums = rule(leaf.grad.transpose(1, 2), p, w)
         assert ok, nums
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] != 80], ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}d{c[4]}")
+def test_plain_pair_tma_reads_are_bitwise_the_pointer_reads(case, monkeypatch):
+    """The plain pair with TMA reads of its streamed tiles gives the pointer path's gradients bit for
+    bit, and both meet the rule."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    b, h, hkv, s, d, causal, bshd, dtype = case
+    q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
+    scale = 1 / math.sqrt(d)
+    want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, NO_MASK)
+    peers = sdpa_grads(q, k, v, dout, scale, causal)
+    grads = {}
+    for tma in (False, True):
+        monkeypatch.setattr(configs, "ATTN_BWD_TMA", tma)
+        assert ABP._use_tma(q, k, v, dout) == tma
+        grads[tma] = ABP.attn_bwd(q, k, v, dout, lse, delta, scale, causal, out_dtype=dtype)
+    for name, a, t, p, w in zip("qkv", grads[True], grads[False], peers, want):
+        assert torch.equal(a, t), name
+        ok, nums = rule(a, p, w)
+        assert ok, (name, nums)

@@ -17,23 +17,25 @@ import triton.language as tl
 from torch import Tensor
 
 from . import configs
+from ..local import interpreting
 from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows
-from .attention_bwd import _finite_or_zero
-from .decode import attn_tile, dot_precision, pad_dim
+from .attention_bwd import _descriptor, _finite_or_zero, _tile, _tma_ok
+from .decode import attn_tile, dot_precision, hopper, pad_dim
 from .launch import Launcher, Memo, auto_key, geometry
 
 
 @triton.jit
-def _bwd_kv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, m0, kj, Sq, diag, qk_scale,
+def _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b, h, m0, kj, Sq, diag, qk_scale,
                  s_qs, s_ds, s_ls, s_es, offs_d, offs_dv, dmask, dvmask,
-                 BLOCK_M: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-                 PREC: tl.constexpr):
-    """dK, dV of one key block from one query block; ``MASKED``: the block crosses the diagonal."""
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
+                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+    """dK, dV of one key block from one query block; ``MASKED``: the block crosses the diagonal.
+    ``q_src``, ``do_src``: the ``(B, H, S, D)`` descriptors (``TMA``) or head ``(b, h)``'s base pointers."""
     qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     qmask = qi < Sq
-    q = _load_rows(q_base + qi[:, None] * s_qs + offs_d[None, :], qmask, dmask, True, not EVEN_D)  # [BLOCK_M, BLOCK_D]
-    do = _load_rows(do_base + qi[:, None] * s_ds + offs_dv[None, :], qmask, dvmask, True, not EVEN_DV)
+    q = _tile(q_src, b, h, m0, qi, offs_d, qmask, dmask, s_qs, BLOCK_M, BLOCK_D, EVEN_D, TMA)  # [BLOCK_M, BLOCK_D]
+    do = _tile(do_src, b, h, m0, qi, offs_dv, qmask, dvmask, s_ds, BLOCK_M, BLOCK_DV, EVEN_DV, TMA)
     lse2 = tl.load(l_base + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty or inactive row: p = 0
     delta = tl.load(e_base + qi * s_es, mask=qmask, other=0.0)
@@ -60,10 +62,12 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GK, GV,
                         s_kgb, s_kgh, s_kgs, s_kgd, s_vgb, s_vgh, s_vgs, s_vgd,
                         HKV, G, Sq, Sk, diag, qk_scale, scale,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+                        TMA: tl.constexpr = False):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = (pid_bh // HKV).to(tl.int64)
+    b32 = pid_bh // HKV  # (TMA coordinates are int32)
+    b = b32.to(tl.int64)
     kvh = (pid_bh % HKV).to(tl.int64)
     n0 = pid_n * BLOCK_N
     kj = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -86,18 +90,21 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GK, GV,
         m_full = tl.maximum(m_start, tl.cdiv(tl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M)
     for gi in range(G):  # the query heads that read this kv head
         h = kvh * G + gi
-        q_base = Q + b * s_qb + h * s_qh
-        do_base = DO + b * s_db + h * s_dh
+        if TMA:
+            q_src, do_src = Q, DO
+        else:
+            q_src, do_src = Q + b * s_qb + h * s_qh, DO + b * s_db + h * s_dh
         l_base = LSE + b * s_lb + h * s_lh
         e_base = DELTA + b * s_eb + h * s_eh
+        h32 = h.to(tl.int32)
         for m0 in range(m_start, tl.minimum(m_full, Sq), BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, m0, kj, Sq, diag, qk_scale,
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b32, h32, m0, kj, Sq, diag, qk_scale,
                                   s_qs, s_ds, s_ls, s_es, offs_d * s_qd, offs_dv * s_dd, dmask, dvmask,
-                                  BLOCK_M, True, BLOCK_D == D, BLOCK_DV == DV, PREC)
+                                  BLOCK_M, BLOCK_D, BLOCK_DV, True, BLOCK_D == D, BLOCK_DV == DV, PREC, TMA)
         for m0 in range(m_full, Sq, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_base, do_base, l_base, e_base, m0, kj, Sq, diag, qk_scale,
+            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b32, h32, m0, kj, Sq, diag, qk_scale,
                                   s_qs, s_ds, s_ls, s_es, offs_d * s_qd, offs_dv * s_dd, dmask, dvmask,
-                                  BLOCK_M, False, BLOCK_D == D, BLOCK_DV == DV, PREC)
+                                  BLOCK_M, BLOCK_D, BLOCK_DV, False, BLOCK_D == D, BLOCK_DV == DV, PREC, TMA)
     st = kmask[:, None]
     tl.store(GK + b * s_kgb + kvh * s_kgh + kj[:, None] * s_kgs + offs_d[None, :] * s_kgd, dk * scale,
              mask=st & dmask[None, :])
@@ -106,13 +113,20 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GK, GV,
 
 
 @triton.jit
-def _bwd_q_tile(dq, q, do, lse2, delta, k_base, v_base, kj, qi, Sk, diag, qk_scale, dmask, dvmask,
+def _bwd_q_tile(dq, q, do, lse2, delta, k_src, v_src, b, kvh, n0, kj, qi, Sk, diag, qk_scale, s_ks, s_vs,
+                dmask, dvmask, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 CAUSAL: tl.constexpr, MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-                PREC: tl.constexpr):
-    """dQ of one query block from one key block; ``MASKED``: keys past Sk or across the diagonal."""
+                PREC: tl.constexpr, TMA: tl.constexpr):
+    """dQ of one query block from one key block; ``MASKED``: keys past Sk or across the diagonal.
+    ``k_src``, ``v_src``: the ``(B, Hkv, S, D)`` descriptors (``TMA``, zeros past Sk) or kv head
+    ``(b, kvh)``'s base pointers with the column offsets."""
     kmask = kj < Sk
-    k = _load_rows(k_base, kmask, dmask, MASKED, not EVEN_D)  # [BLOCK_N, BLOCK_D]
-    v = _load_rows(v_base, kmask, dvmask, MASKED, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
+    if TMA:
+        k = k_src.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)  # [BLOCK_N, BLOCK_D]
+        v = v_src.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_DV)  # [BLOCK_N, BLOCK_DV]
+    else:
+        k = _load_rows(k_src + kj[:, None] * s_ks, kmask, dmask, MASKED, not EVEN_D)  # [BLOCK_N, BLOCK_D]
+        v = _load_rows(v_src + kj[:, None] * s_vs, kmask, dvmask, MASKED, not EVEN_DV)  # [BLOCK_N, BLOCK_DV]
     qk = _dot(q, tl.trans(k), None, PREC)  # [BLOCK_M, BLOCK_N]
     p = tl.math.exp2(qk * qk_scale - lse2[:, None])
     dp = _dot(do, tl.trans(v), None, PREC)  # [BLOCK_M, BLOCK_N]
@@ -133,14 +147,17 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
                        s_qgb, s_qgh, s_qgs, s_qgd,
                        H, G, Sq, Sk, diag, qk_scale, scale,
                        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
+                       TMA: tl.constexpr = False):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
         pid_m = tl.num_programs(0) - 1 - pid_m
     pid_bh = tl.program_id(1)
-    b = (pid_bh // H).to(tl.int64)
+    b32 = pid_bh // H  # (TMA coordinates are int32)
+    kvh32 = (pid_bh % H) // G
+    b = b32.to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
-    kvh = h // G
+    kvh = kvh32.to(tl.int64)
     m0 = pid_m * BLOCK_M
     qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     qmask = qi < Sq
@@ -162,19 +179,22 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
         full = tl.minimum(hi, tl.maximum(m0 + diag + 1, 0))
     mid = (full // BLOCK_N) * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
-    k_base = K + b * s_kb + kvh * s_kh + offs_d[None, :] * s_kd
-    v_base = V + b * s_vb + kvh * s_vh + offs_dv[None, :] * s_vd
+    if TMA:
+        k_src, v_src = K, V
+    else:
+        k_src = K + b * s_kb + kvh * s_kh + offs_d[None, :] * s_kd
+        v_src = V + b * s_vb + kvh * s_vh + offs_dv[None, :] * s_vd
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(0, mid, BLOCK_N):
         kj = n0 + offs_n
-        dq = _bwd_q_tile(dq, q, do, lse2, delta, k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs,
-                         kj, qi, Sk, diag, qk_scale, dmask, dvmask, CAUSAL, False,
-                         BLOCK_D == D, BLOCK_DV == DV, PREC)
+        dq = _bwd_q_tile(dq, q, do, lse2, delta, k_src, v_src, b32, kvh32, n0, kj, qi, Sk, diag, qk_scale, s_ks, s_vs,
+                         dmask, dvmask, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV,
+                         PREC, TMA)
     for n0 in range(mid, hi, BLOCK_N):
         kj = n0 + offs_n
-        dq = _bwd_q_tile(dq, q, do, lse2, delta, k_base + kj[:, None] * s_ks, v_base + kj[:, None] * s_vs,
-                         kj, qi, Sk, diag, qk_scale, dmask, dvmask, CAUSAL, True,
-                         BLOCK_D == D, BLOCK_DV == DV, PREC)
+        dq = _bwd_q_tile(dq, q, do, lse2, delta, k_src, v_src, b32, kvh32, n0, kj, qi, Sk, diag, qk_scale, s_ks, s_vs,
+                         dmask, dvmask, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, True, BLOCK_D == D, BLOCK_DV == DV,
+                         PREC, TMA)
     tl.store(GQ + b * s_qgb + h * s_qgh + qi[:, None] * s_qgs + offs_d[None, :] * s_qgd, dq * scale,
              mask=qmask[:, None] & dmask[None, :])
 
@@ -184,34 +204,50 @@ _KV, _Q = Launcher(_attn_bwd_kv_kernel), Launcher(_attn_bwd_q_kernel)
 
 class _Launches(NamedTuple):
     """Both launches of :func:`attn_bwd` but their tensors, a function of the operands' geometry:
-    per kernel ``(grid, key, scalars, kwargs)``, None where it has nothing to write."""
+    per kernel ``(grid, key, scalars, kwargs)``, None where it has nothing to write; ``tma``: the
+    kernels read Q/dO (dK/dV) and K/V (dQ) tiles through descriptors, ``(rows of the dK/dV kernel's
+    query tiles, rows of the dQ kernel's key tiles)``."""
     kv: Optional[tuple]
     q: Optional[tuple]
+    tma: Optional[tuple]
 
 
 # launches by geometry: the host work of a repeated backward is a lookup
 _LAUNCHES = Memo()
 
 
+def _use_tma(q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> bool:
+    """Whether the pair reads its streamed tiles through TMA: ``configs.ATTN_BWD_TMA``, 2-byte
+    inputs that a descriptor can address (unpadded head dims, 16-byte strides), Hopper on or the
+    interpreter."""
+    return (configs.ATTN_BWD_TMA and q.dtype in (torch.float16, torch.bfloat16) and dout.dtype == q.dtype
+            and (interpreting() or hopper(q)) and all(_tma_ok(t) for t in (q, k, v, dout)))
+
+
 def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int) -> _Launches:
     """The launches of :func:`attn_bwd` for these operands and gradient buffers."""
     b, h, sq, d = q.shape
     hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
+    tma = _use_tma(q, k, v, dout)
     common = dict(D=d, DV=dv_, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv_), CAUSAL=causal,
-                  PREC=dot_precision(q.dtype))
+                  PREC=dot_precision(q.dtype), TMA=tma)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
+    dtypes = (q.dtype, dout.dtype)  # (the descriptors' element types)
     kv = qp = None
+    kv_rows = q_rows = 0
     if dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
+        kv_rows = bm
         scalars = (*strides, *dk.stride(), *dv.stride(), hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale)
-        kv = ((configs.cdiv(sk, bn), b * hkv), auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), scalars,
-              dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
+        kv = ((configs.cdiv(sk, bn), b * hkv), (auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), dtypes),
+              scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
     if dq.numel():
         bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
+        q_rows = bn
         scalars = (*strides, *dq.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E, scale)
-        qp = ((configs.cdiv(sq, bm), b * h), auto_key((q, k, v, dout, lse, delta, dq, *scalars)), scalars,
+        qp = ((configs.cdiv(sq, bm), b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
-    return _Launches(kv, qp)
+    return _Launches(kv, qp, (kv_rows, q_rows) if tma else None)
 
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
@@ -221,15 +257,20 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     ``(B, H, Sq)``: the rows' global statistics; rows with ``lse = -inf`` contribute nothing."""
     od = out_dtype or stat_dtype(q.dtype)
     dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
-    geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag,  # (the gradients are laid out like q, k, v)
-           attn_tile("bwd_kv", q.dtype, q.shape[-1], v.shape[-1]), attn_tile("bwd_q", q.dtype, q.shape[-1], v.shape[-1]))
+    d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
+    geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA,
+           attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_))
     run = _LAUNCHES.get(geo)
     if run is None:
         run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))
+    qt, kt, vt, dt = q, k, v, dout
+    if run.tma:
+        qt, dt = _descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])
+        kt, vt = _descriptor(k, run.tma[1]), _descriptor(v, run.tma[1])
     if run.kv is not None:
         grid, key, scalars, kwargs = run.kv
-        _KV(grid, key, (q, k, v, dout, lse, delta, dk, dv, *scalars), kwargs)
+        _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
     if run.q is not None:
         grid, key, scalars, kwargs = run.q
-        _Q(grid, key, (q, k, v, dout, lse, delta, dq, *scalars), kwargs)
+        _Q(grid, key, (q, kt, vt, dout, lse, delta, dq, *scalars), kwargs)
     return dq, dk, dv

@@ -63,6 +63,10 @@ ATTN_BWD_SPLIT_MIN_BLOCKS = 4
 # see (torch's own attention lets it through: 0 * NaN); it costs registers there (the five-product
 # kernel: 332 bytes of spills against 28 at 32x128; H200 at B=1 H=16/4 8k causal 2.72 ms against 2.54).
 ATTN_BWD_GUARD = True
+# The plain backward pair (kernels/attention_bwd_plain.py) reads the tiles it streams (Q and dO in
+# the dK/dV kernel, K and V in the dQ kernel) through TMA descriptors where it can; the results are
+# the pointer path's bit for bit.
+ATTN_BWD_TMA = False
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

@@ -419,8 +419,9 @@ _L_softmax_fwd = Launcher(_softmax_fwd_kernel)
 
 # The launches of the short-row paths build their launcher keys by hand (see ``kernels.launch``):
 # each pointer's dtype and 16-byte alignment, each integer by value, the ``do_not_specialize``
-# ones by whether they are below this (typed i32); outputs are fresh and contiguous, so their
-# strides are the column count. Plans and launch arguments are worked out once per shape.
+# ones by whether they are below this (typed i32). Outputs are fresh contiguous torch.empty
+# tensors (which the tests fill with NaN), so their row stride is the column count. Plans and
+# launch arguments are worked out once per shape.
 _INT32 = 2 ** 31
 _MEMO_MAX = 4096
 
@@ -486,7 +487,7 @@ def lse_rows(x: Tensor) -> Tensor:
     """Natural-log logsumexp of each row of ``x (R, N)``: ``(R,)`` float32."""
     x = _unit_cols(x)
     R, N = x.shape
-    lse = x.new_empty(R, dtype=torch.float32)
+    lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if R == 0 or N == 0:
         return lse.fill_(float("-inf"))
     p, grid, kwargs = _memo(("lse", R, N, x.dtype, x.get_device()), _lse_launch, x)
@@ -513,7 +514,7 @@ def _normalize(x: Tensor, lse: Tensor, g: Optional[Tensor], log: bool,
                partials: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
     """Launch the normalising pass; with ``partials``, merge them into (and write) ``lse``."""
     R, N = x.shape
-    y = x.new_empty((R, N))
+    y = torch.empty((R, N), dtype=x.dtype, device=x.device)
     p, grid, kwargs = _memo(("normalize", R, N, x.dtype, x.get_device(), log, g is not None, partials is not None),
                             _normalize_launch, x, log, g is not None, partials is not None)
     pm, pl = partials if partials is not None else (y, y)
@@ -548,10 +549,10 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     if R == 0 or N == 0:
         return torch.empty((R, N), dtype=x.dtype, device=x.device), lse_rows(x)
     p, grid, kwargs = _memo(("fwd", R, N, x.dtype, x.get_device(), log), _fwd_launch, x, log)
-    lse = x.new_empty(R, dtype=torch.float32)
+    lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if p.path == "split":
         return _normalize(x, lse, None, log, _partials(x, p)), lse
-    y = x.new_empty((R, N))
+    y = torch.empty((R, N), dtype=x.dtype, device=x.device)
     if p.path == "coop":
         _coop(x, y, lse, log, p)
         return y, lse
@@ -586,7 +587,7 @@ def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:
     if R == 0 or N == 0:
         return torch.zeros(R, dtype=torch.float32, device=y.device)
     p, grid, kwargs = _memo(("rowsum", R, N, y.dtype, y.get_device(), log), _rowsum_launch, y, log)
-    out = y.new_empty((R, p.splits), dtype=torch.float32)
+    out = torch.empty((R, p.splits), dtype=torch.float32, device=y.device)
     sy, sd = y.stride(0), dy.stride(0)
     key = (y.dtype, dy.dtype, y.data_ptr() % 16 == 0, dy.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
            R < _INT32, N, sy, sd, p.chunk < _INT32)
@@ -610,7 +611,7 @@ def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool, rowsum: Optional[
     to the local one. Rows with ``lse = -inf`` get ``dx = 0``."""
     y, dy = _unit_cols(y), _unit_cols(dy)
     R, N = y.shape
-    dx = y.new_empty((R, N))
+    dx = torch.empty((R, N), dtype=y.dtype, device=y.device)
     if R == 0 or N == 0:
         return dx
     p, fused, grid, kwargs = _memo(("bwd", R, N, y.dtype, y.get_device(), log, rowsum is None), _bwd_launch, y, log,

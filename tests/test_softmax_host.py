@@ -29,14 +29,23 @@ def _spec(fn, args: tuple) -> tuple:
     """Each argument as the launcher's contract keys it: a tensor by dtype and 16-byte alignment,
     an integer by value (a ``do_not_specialize`` one by whether it is typed i32)."""
     out = []
-    for p, a in zip(fn.params, args):
+    for unspecialised, a in zip(_unspecialised(fn), args):
         if isinstance(a, torch.Tensor):
             out.append((a.dtype, a.data_ptr() % 16 == 0))
         elif isinstance(a, int):
-            out.append(-2 ** 31 <= a < 2 ** 31 if p.do_not_specialize else a)
+            out.append(-2 ** 31 <= a < 2 ** 31 if unspecialised else a)
         else:
             out.append(type(a))
     return tuple(out)
+
+
+def _unspecialised(fn) -> list:
+    """Per parameter of the kernel ``fn``: whether it is ``do_not_specialize`` (a ``JITFunction``,
+    or the interpreter's ``InterpretedFunction``, which keeps the decorator's arguments)."""
+    if hasattr(fn, "params"):
+        return [p.do_not_specialize for p in fn.params]
+    names = fn.kwargs.get("do_not_specialize") or ()
+    return [n in names or i in names for i, n in enumerate(fn.arg_names)]
 
 
 @pytest.fixture

@@ -14,6 +14,10 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 def tensor(name: str, x, *, floating: bool = True) -> Tensor:
+    if type(x) is Tensor:  # (the common case first: two checks less)
+        if floating and not x.is_floating_point():
+            raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
+        return x
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if type(x).__name__ == "DTensor":
@@ -34,10 +38,11 @@ def dtensor_message(name: str, x) -> str:
 
 def dim(name: str, d, ndim: int) -> int:
     """Normalise ``d`` into ``[0, ndim)`` (a 0-d tensor counts as 1-d)."""
-    if isinstance(d, bool) or not isinstance(d, numbers.Integral):  # numpy integers too, as torch
-        raise TypeError(f"{name} must be an int, got {type(d).__name__} {d!r}")
-    d = int(d)
-    n = max(ndim, 1)
+    if type(d) is not int:
+        if isinstance(d, bool) or not isinstance(d, numbers.Integral):  # numpy integers too, as torch
+            raise TypeError(f"{name} must be an int, got {type(d).__name__} {d!r}")
+        d = int(d)
+    n = ndim if ndim > 0 else 1
     if not -n <= d < n:
         raise ValueError(f"{name}={d} is out of range for a tensor with {ndim} dimensions")
     return d % n

@@ -12,18 +12,30 @@ from ._autocast import like_sdpa
 from .ops import call
 
 
-def _rows(x: Tensor, dim: int) -> tuple[Tensor, tuple]:
-    """``x`` with ``dim`` moved last, as a 2-D ``(R, N)`` view where possible; and the moved shape."""
-    xm = x.reshape(1) if x.dim() == 0 else x.movedim(dim, -1)
+def _rows(x: Tensor, dim: int) -> tuple[Tensor, Optional[tuple]]:
+    """``x`` as ``(R, N)`` rows along ``dim`` (a view where possible), and the shape of ``x`` with
+    ``dim`` moved last (``None``: ``x`` is those rows already)."""
+    n = x.dim()
+    if n == 2 and dim == 1:
+        return x, None
+    xm = x.reshape(1) if n == 0 else x if dim == n - 1 else x.movedim(dim, -1)
     return xm.reshape(math.prod(xm.shape[:-1]), xm.shape[-1]), tuple(xm.shape)
+
+
+def _unrows(y: Tensor, x: Tensor, dim: int, shape: Optional[tuple]) -> Tensor:
+    """Rows ``y (R, N)`` from :func:`_rows` back in the layout of ``x``."""
+    if shape is None:
+        return y
+    y = y.reshape(shape)
+    n = x.dim()
+    return y.reshape(()) if n == 0 else y if dim == n - 1 else y.movedim(-1, dim)
 
 
 def _softmax(x: Tensor, dim: int, log: bool) -> Tensor:
     _checks.tensor("x", x)
     d = _checks.dim("dim", dim, x.dim())
     x2, shape = _rows(x, d)
-    y = call("softmax_fwd", x2, log)[0].reshape(shape)
-    return y.reshape(()) if x.dim() == 0 else y.movedim(-1, d)
+    return _unrows(call("softmax_fwd", x2, log)[0], x, d, shape)
 
 
 def softmax(x: Tensor, dim: int = -1) -> Tensor:
@@ -44,7 +56,8 @@ def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
     _checks.tensor("x", x)
     d = _checks.dim("dim", dim, x.dim())
     x2, shape = _rows(x, d)
-    return call("logsumexp_fwd", x2).float().reshape(shape[:-1])
+    lse = call("logsumexp_fwd", x2).float()
+    return lse if shape is None else lse.reshape(shape[:-1])
 
 
 @like_sdpa

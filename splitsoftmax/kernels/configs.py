@@ -123,7 +123,12 @@ from typing import Optional  # noqa: E402
 
 @dataclass
 class SoftmaxConfig:
-    """Tiles and path thresholds of the softmax family; tests shrink them to reach every path."""
+    """Tiles and path thresholds of the softmax family; tests shrink them to reach every path.
+
+    ``memo`` (not a field) is the host code's cache of plans and launch arguments per shape,
+    emptied whenever a field is set (as ``monkeypatch.setattr`` does); a replaced config starts
+    with its own.
+    """
 
     one_pass_max_cols: int = 32768    # rows up to this length stay on chip: one read, one write (2N)
     one_pass_tile_elems: int = 4096   # short rows are batched until a tile holds this many elements
@@ -150,6 +155,11 @@ class SoftmaxConfig:
     coop_spin: int = 100000           # polls a coop program waits for its siblings' states before it
                                       # computes the row's state from the input itself
     sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)
+
+    def __setattr__(self, name: str, value) -> None:
+        """Set a field and forget :attr:`memo`, what the host code worked out from the old values."""
+        object.__setattr__(self, name, value)
+        object.__setattr__(self, "memo", {})
 
 
 SOFTMAX = SoftmaxConfig()

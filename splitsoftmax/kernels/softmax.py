@@ -417,6 +417,14 @@ _L_softmax_bwd = Launcher(_softmax_bwd_kernel)
 _L_softmax_coop = Launcher(_softmax_coop_kernel)
 _L_softmax_fwd = Launcher(_softmax_fwd_kernel)
 
+# The launches of the short-row paths build their launcher keys by hand (see ``kernels.launch``):
+# each pointer's dtype and 16-byte alignment, each integer by value, the ``do_not_specialize``
+# ones by whether they are below this (typed i32). Outputs are fresh contiguous torch.empty
+# tensors (which the tests fill with NaN), so their row stride is the column count. Plans and
+# launch arguments are worked out once per shape.
+_INT32 = 2 ** 31
+_MEMO_MAX = 4096
+
 
 @lru_cache(maxsize=None)
 def _device_sms(index: int) -> int:
@@ -430,8 +438,23 @@ def _sms(t: Tensor) -> int:
     return _device_sms(t.device.index or 0) if t.is_cuda else configs.SOFTMAX_INTERPRET_SMS
 
 
+def _memo(key: tuple, make, *args):
+    """``make(*args)``, once per ``key`` while ``configs.SOFTMAX`` stays as it is (its ``memo``)."""
+    memo = configs.SOFTMAX.memo
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) >= _MEMO_MAX:
+            memo.clear()
+        hit = memo[key] = make(*args)
+    return hit
+
+
 def _plan(x: Tensor, stats_only: bool = False) -> configs.SoftmaxPlan:
     """The launch plan for ``x (R, N)``."""
+    return _memo(("plan", *x.shape, x.dtype, x.get_device(), stats_only), _new_plan, x, stats_only)
+
+
+def _new_plan(x: Tensor, stats_only: bool) -> configs.SoftmaxPlan:
     return configs.softmax_plan(x.shape[0], x.shape[1], x.element_size(), _sms(x), configs.SOFTMAX, stats_only)
 
 
@@ -453,6 +476,13 @@ def _partials(x: Tensor, p: configs.SoftmaxPlan) -> tuple[Tensor, Tensor]:
     return pm, pl
 
 
+def _lse_launch(x: Tensor) -> tuple:
+    """``(plan, grid, kwargs)`` of :func:`lse_rows` over ``x (R, N)`` (the kwargs of one split)."""
+    p = _plan(x, stats_only=True)
+    return p, _grid(x, p), dict(BLOCK_R=p.block_r, BLOCK_N=p.block_n, PARTIAL=False, STAGES=p.stages,
+                                num_warps=p.num_warps)
+
+
 def lse_rows(x: Tensor) -> Tensor:
     """Natural-log logsumexp of each row of ``x (R, N)``: ``(R,)`` float32."""
     x = _unit_cols(x)
@@ -460,10 +490,11 @@ def lse_rows(x: Tensor) -> Tensor:
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if R == 0 or N == 0:
         return lse.fill_(float("-inf"))
-    p = _plan(x, stats_only=True)
+    p, grid, kwargs = _memo(("lse", R, N, x.dtype, x.get_device()), _lse_launch, x)
     if p.splits == 1:
-        _L_lse_fwd.auto(_grid(x, p), (x, lse, lse, lse, R, N, x.stride(0), p.chunk), BLOCK_R=p.block_r,
-                        BLOCK_N=p.block_n, PARTIAL=False, STAGES=p.stages, num_warps=p.num_warps)
+        sx = x.stride(0)
+        key = (x.dtype, x.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, R < _INT32, N, sx, p.chunk < _INT32)
+        _L_lse_fwd(grid, key, (x, lse, lse, lse, R, N, sx, p.chunk), kwargs)
         return lse
     pm, pl = _partials(x, p)
     bs = configs.next_pow2(p.splits)
@@ -472,17 +503,27 @@ def lse_rows(x: Tensor) -> Tensor:
     return lse
 
 
-def _normalize(x: Tensor, lse: Optional[Tensor], g: Optional[Tensor], log: bool,
-               partials: Optional[tuple[Tensor, Tensor]] = None, p: Optional[configs.SoftmaxPlan] = None):
+def _normalize_launch(x: Tensor, log: bool, has_g: bool, merge: bool) -> tuple:
+    """``(plan, grid, kwargs)`` of :func:`_normalize` (merging: the split plan of the forward)."""
+    p = _plan(x, stats_only=not merge)
+    return p, _grid(x, p), dict(LOG=log, HAS_G=has_g, MERGE=merge, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
+                                BLOCK_S=configs.next_pow2(p.splits) if merge else 1, num_warps=p.num_warps)
+
+
+def _normalize(x: Tensor, lse: Tensor, g: Optional[Tensor], log: bool,
+               partials: Optional[tuple[Tensor, Tensor]] = None) -> Tensor:
     """Launch the normalising pass; with ``partials``, merge them into (and write) ``lse``."""
     R, N = x.shape
     y = torch.empty((R, N), dtype=x.dtype, device=x.device)
-    p = p or _plan(x, stats_only=True)
+    p, grid, kwargs = _memo(("normalize", R, N, x.dtype, x.get_device(), log, g is not None, partials is not None),
+                            _normalize_launch, x, log, g is not None, partials is not None)
     pm, pl = partials if partials is not None else (y, y)
-    _L_normalize_fwd.auto(
-        _grid(x, p), (x, y, lse, g if g is not None else y, pm, pl, R, N, x.stride(0), y.stride(0), p.chunk, p.splits),
-        LOG=log, HAS_G=g is not None, MERGE=partials is not None, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
-        BLOCK_S=configs.next_pow2(p.splits) if partials is not None else 1, num_warps=p.num_warps)
+    g = y if g is None else g
+    sx = x.stride(0)
+    key = (x.dtype, lse.dtype, g.dtype, pm.dtype, x.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0,
+           lse.data_ptr() % 16 == 0, g.data_ptr() % 16 == 0, pm.data_ptr() % 16 == 0, pl.data_ptr() % 16 == 0,
+           R < _INT32, N, sx, p.chunk < _INT32, p.splits < _INT32)
+    _L_normalize_fwd(grid, key, (x, y, lse, g, pm, pl, R, N, sx, N, p.chunk, p.splits), kwargs)
     return y
 
 
@@ -494,22 +535,30 @@ def normalize(x: Tensor, lse: Tensor, log: bool) -> Tensor:
     return _normalize(x, lse.contiguous(), None, log)
 
 
+def _fwd_launch(x: Tensor, log: bool) -> tuple:
+    """``(plan, grid, kwargs)`` of :func:`softmax_fwd` over ``x (R, N)`` (the kwargs of whole rows)."""
+    p = _plan(x)
+    return p, _grid(x, p), dict(LOG=log, BLOCK_R=p.block_r, BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass",
+                                STAGES=p.stages, num_warps=p.num_warps)
+
+
 def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     """Softmax or log-softmax of each row of ``x (R, N)``: ``(y (R, N) x.dtype, lse (R,) float32)``."""
     x = _unit_cols(x)
     R, N = x.shape
     if R == 0 or N == 0:
         return torch.empty((R, N), dtype=x.dtype, device=x.device), lse_rows(x)
-    p = _plan(x)
+    p, grid, kwargs = _memo(("fwd", R, N, x.dtype, x.get_device(), log), _fwd_launch, x, log)
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if p.path == "split":
-        return _normalize(x, lse, None, log, _partials(x, p), p), lse
+        return _normalize(x, lse, None, log, _partials(x, p)), lse
     y = torch.empty((R, N), dtype=x.dtype, device=x.device)
     if p.path == "coop":
         _coop(x, y, lse, log, p)
         return y, lse
-    _L_softmax_fwd.auto(_grid(x, p), (x, y, lse, R, N, x.stride(0), y.stride(0)), LOG=log, BLOCK_R=p.block_r,
-                        BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass", STAGES=p.stages, num_warps=p.num_warps)
+    sx = x.stride(0)
+    key = (x.dtype, x.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, R < _INT32, N, sx)
+    _L_softmax_fwd(grid, key, (x, y, lse, R, N, sx, N), kwargs)
     return y, lse
 
 
@@ -525,17 +574,36 @@ def _coop(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) 
                          LOOP_N=_plan(x, stats_only=True).block_n, num_warps=p.num_warps)
 
 
+def _rowsum_launch(y: Tensor, log: bool) -> tuple:
+    """``(plan, grid, kwargs)`` of :func:`softmax_rowsum` over ``y (R, N)``."""
+    p = _plan(y, stats_only=True)
+    return p, _grid(y, p), dict(LOG=log, BLOCK_R=p.block_r, BLOCK_N=p.block_n, num_warps=p.num_warps)
+
+
 def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:
     """The row sum the backward needs: ``sum(dy * y)`` (softmax) or ``sum(dy)`` (log): ``(R,)`` float32."""
     y, dy = _unit_cols(y), _unit_cols(dy)
     R, N = y.shape
     if R == 0 or N == 0:
         return torch.zeros(R, dtype=torch.float32, device=y.device)
-    p = _plan(y, stats_only=True)
+    p, grid, kwargs = _memo(("rowsum", R, N, y.dtype, y.get_device(), log), _rowsum_launch, y, log)
     out = torch.empty((R, p.splits), dtype=torch.float32, device=y.device)
-    _L_rowsum_bwd.auto(_grid(y, p), (y, dy, out, R, N, y.stride(0), dy.stride(0), p.chunk), LOG=log,
-                       BLOCK_R=p.block_r, BLOCK_N=p.block_n, num_warps=p.num_warps)
+    sy, sd = y.stride(0), dy.stride(0)
+    key = (y.dtype, dy.dtype, y.data_ptr() % 16 == 0, dy.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+           R < _INT32, N, sy, sd, p.chunk < _INT32)
+    _L_rowsum_bwd(grid, key, (y, dy, out, R, N, sy, sd, p.chunk), kwargs)
     return out[:, 0] if p.splits == 1 else out.sum(1)
+
+
+def _bwd_launch(y: Tensor, log: bool, local_sum: bool) -> tuple:
+    """``(plan, fused, grid, kwargs)`` of :func:`softmax_bwd`: ``fused`` where the tile holds whole
+    rows and the row sum is the local one."""
+    p = _plan(y)
+    fused = local_sum and p.path == "one_pass"
+    if not fused:
+        p = _plan(y, stats_only=True)
+    return p, fused, _grid(y, p), dict(LOG=log, FUSED_SUM=fused, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
+                                       num_warps=p.num_warps)
 
 
 def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool, rowsum: Optional[Tensor] = None) -> Tensor:
@@ -546,15 +614,18 @@ def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool, rowsum: Optional[
     dx = torch.empty((R, N), dtype=y.dtype, device=y.device)
     if R == 0 or N == 0:
         return dx
-    p = _plan(y)
-    fused = rowsum is None and p.path == "one_pass"
-    if not fused:
-        p = _plan(y, stats_only=True)
-        rowsum = softmax_rowsum(y, dy, log) if rowsum is None else rowsum
-    rs = lse if fused else rowsum.contiguous()
-    _L_softmax_bwd.auto(_grid(y, p), (y, dy, dx, lse.contiguous(), rs, R, N, y.stride(0), dy.stride(0),
-                                      dx.stride(0), p.chunk),
-                        LOG=log, FUSED_SUM=fused, BLOCK_R=p.block_r, BLOCK_N=p.block_n, num_warps=p.num_warps)
+    p, fused, grid, kwargs = _memo(("bwd", R, N, y.dtype, y.get_device(), log, rowsum is None), _bwd_launch, y, log,
+                                   rowsum is None)
+    lse = lse.contiguous()
+    if fused:
+        rs = lse
+    else:
+        rs = (softmax_rowsum(y, dy, log) if rowsum is None else rowsum).contiguous()
+    sy, sd = y.stride(0), dy.stride(0)
+    key = (y.dtype, dy.dtype, lse.dtype, rs.dtype, y.data_ptr() % 16 == 0, dy.data_ptr() % 16 == 0,
+           dx.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, rs.data_ptr() % 16 == 0, R < _INT32, N, sy, sd,
+           p.chunk < _INT32)
+    _L_softmax_bwd(grid, key, (y, dy, dx, lse, rs, R, N, sy, sd, N, p.chunk), kwargs)
     return dx
 
 

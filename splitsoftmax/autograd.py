@@ -6,6 +6,7 @@ form ``torch.library.register_autograd`` takes. Backwards are written with torch
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -18,9 +19,11 @@ class _Ops:
     """``_ops().<name>(*args)``: the backward op ``torch.ops.splitsoftmax.<name>`` through
     ``splitsoftmax.ops.call`` (its implementation directly where nothing needs the dispatcher)."""
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str):  # (first use of ``name`` only: the result stays an attribute)
         from .ops import call  # (ops imports this module)
-        return lambda *args: call(name, *args)
+        fn = functools.partial(call, name)
+        setattr(self, name, fn)
+        return fn
 
 
 _OPS = _Ops()

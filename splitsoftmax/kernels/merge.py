@@ -10,7 +10,10 @@ and ``BLOCK_D`` columns; it first reads only the ``lse`` column of every part (s
 and ``sum w``, then streams each part's ``out`` tile once with its final weight, so the partials
 are read exactly once and nothing is rescaled. Few rows and few parts (split-KV decode: tens of
 rows, tens of splits): one program per row and column block loads every part at once, so the
-merge costs one memory round trip instead of two per part.
+merge costs one memory round trip instead of two per part. Neither kernel compiles again for a new
+length: the part tile is the part count rounded up to a power of two (at least
+``configs.MERGE_PARTS_MIN_BLOCK``, masked parts merging as empty ones), and the stride between the
+parts' ``lse`` rows, a row count, is not specialised (``splitsoftmax.warmup``).
 """
 from __future__ import annotations
 
@@ -187,7 +190,8 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, rows: Optio
     """
     n, r, dv = outs.shape
     if r:
-        _launch(outs, lses, out, lse, n, r, dv, (*outs.stride(), *lses.stride(), *(rows or (*out.stride(), lse.stride(0)))))
+        dst = rows or (*out.stride(), lse.stride(0))
+        _launch(outs, lses, out, lse, n, r, dv, (*outs.stride(), *lses.stride(), *dst))
 
 
 @lru_cache(maxsize=1024)

@@ -17,6 +17,7 @@ parts' ``lse`` rows, a row count, is not specialised (``splitsoftmax.warmup``).
 """
 from __future__ import annotations
 
+import itertools
 import math
 from functools import lru_cache
 from typing import Optional
@@ -126,6 +127,7 @@ _KERNELS = {"rows": _MERGE_ROWS, "parts": _MERGE_PARTS}
 # geometry launches, worked out once (cleared when full, like the launch cache)
 _PLANS: dict = {}
 _MAX_PLANS = 1024
+_PLAN_IDS = itertools.count()  # a plan's number: the launch cache's key for its geometry and dtypes
 
 
 def merge_plan(n: int, r: int, dv: int, sms: int, pdl: bool) -> tuple[str, tuple, dict]:
@@ -164,7 +166,7 @@ def _new_plan(key: tuple, outs: Tensor) -> tuple:
     kind, grid, kwargs = merge_plan(n, r, dv, sm_count(outs), configs.MERGE_PDL and hopper(outs))
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    plan = _PLANS[key] = (_KERNELS[kind], grid, kwargs)
+    plan = _PLANS[key] = (_KERNELS[kind], grid, kwargs, next(_PLAN_IDS))
     return plan
 
 
@@ -175,9 +177,10 @@ def _launch(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, n: int, r: int
     plan = _PLANS.get(key)
     if plan is None:
         plan = _new_plan(key, outs)
-    launcher, grid, kwargs = plan
-    # the launch cache's key: the plan's (integers by value, dtypes) and the tensors' 16-byte alignment
-    launcher(grid, (key, outs.data_ptr() % 16 == 0, lses.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+    launcher, grid, kwargs, number = plan
+    # the launch cache's key: the plan's number (its integers by value, its dtypes) and the tensors'
+    # 16-byte alignment
+    launcher(grid, (number, outs.data_ptr() % 16 == 0, lses.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
                     lse.data_ptr() % 16 == 0), (outs, lses, out, lse, n, r, dv, *strides), kwargs)
 
 
@@ -197,13 +200,13 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, rows: Optio
 @lru_cache(maxsize=1024)
 def _flat_rows(shape: tuple, outs_strides: tuple, lses_strides: tuple) -> Optional[tuple]:
     """``(R, strides)`` of ``outs (N, *rows, Dv)`` and ``lses (N, *rows)`` seen as ``(N, R, Dv)`` and
-    ``(N, R)`` without a copy: ``(s_on, s_or, s_od, s_ln, s_lr)``; None where some row dims of either
-    are not one evenly strided run."""
-    rows = shape[1:-1]
+    ``(N, R)`` without a copy, merged into contiguous ``(*rows, Dv)``, ``(*rows)``: the kernels' eight
+    strides (see :func:`_launch`); None where some row dims of either are not one evenly strided run."""
+    rows, dv = shape[1:-1], shape[-1]
     o_row, l_row = _row_stride(rows, outs_strides[1:-1]), _row_stride(rows, lses_strides[1:])
     if o_row is None or l_row is None:
         return None
-    return math.prod(rows), (outs_strides[0], o_row, outs_strides[-1], lses_strides[0], l_row)
+    return math.prod(rows), (outs_strides[0], o_row, outs_strides[-1], lses_strides[0], l_row, dv, 1, 1)
 
 
 def _row_stride(sizes: tuple, strides: tuple) -> Optional[int]:
@@ -221,16 +224,16 @@ def merge_out_lse(outs: Tensor, lses: Tensor, out_dtype: Optional[torch.dtype] =
     ``out`` is float32 unless ``out_dtype``; ``lse`` float32. Same math as
     ``splitsoftmax.state.merge_out_lse``.
     """
-    shape = outs.shape
-    out = torch.empty(shape[1:], dtype=out_dtype or torch.float32, device=outs.device)
-    lse = torch.empty(shape[1:-1], dtype=torch.float32, device=outs.device)
-    n, dv = shape[0], shape[-1]
+    shape, device = outs.shape, outs.device
+    out = torch.empty(shape[1:], dtype=out_dtype or torch.float32, device=device)
+    lse = torch.empty(shape[1:-1], dtype=torch.float32, device=device)
+    n = shape[0]
     if n == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     flat = _flat_rows(shape, outs.stride(), lses.stride())
     if flat is None:  # rows no one stride walks: merge copies of them
-        r = lse.numel()
+        r, dv = lse.numel(), shape[-1]
         merge_into(outs.reshape(n, r, dv), lses.reshape(n, r), out.view(r, dv), lse.view(r))
     elif flat[0]:
-        _launch(outs, lses, out, lse, n, flat[0], dv, (*flat[1], dv, 1, 1))
+        _launch(outs, lses, out, lse, n, flat[0], shape[-1], flat[1])
     return out, lse

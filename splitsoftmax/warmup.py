@@ -17,7 +17,8 @@ its **bucket**, worked out on the host by the planners (:func:`bucket`):
   power of two of the split count for decoding);
 - which strides proportional to a length are multiples of 16: of the row statistics (``Sq``,
   ``H * Sq``, ``B * H * Sq``) and of the tensors (those times the head dim, ``Sk`` times it, ...);
-  and whether the sizes fit int32.
+  whether the sizes fit int32; and the backward prologue's rows per program (``attn_prep``: up to
+  ``configs.ATTN_PREP_TILE_ELEMS`` elements, fewer rows only for short lengths).
 
 Warmup plans every self-attention length ``Sq = Sk`` from ``MIN_LEN`` to ``--max-len`` and every
 decode length (``Sq = 1``, ``Sk`` from 1 to ``--max-len``) at ``--batch``, then runs one forward and
@@ -34,7 +35,7 @@ import time
 
 import torch
 
-MIN_LEN = 64  # (shorter self-attention rows change the backward prologue's tile)
+MIN_LEN = 64  # shortest self-attention length planned (shorter ones: decoding, or rare)
 MAX_LEN = 16384
 LAYOUTS = ("bhsd", "bshd")  # q/k/v as contiguous (B, H, S, D), or (B, H, S, D) views of (B, S, H, D)
 
@@ -75,11 +76,12 @@ def bucket(b: int, h: int, hkv: int, sq: int, sk: int, d: int, causal: bool, lik
                                            configs.MERGE_PDL and decode.hopper(q))
         merged = kind, tuple(kwargs.items())
     bwd_split = configs.ATTN_BWD_ATOMIC and splits(q, k, decode.attn_tile("bwd", q.dtype, d, d)) != (1, 1)
+    prep_rows = min(configs.next_pow2(sq), configs.ATTN_PREP_TILE_ELEMS // configs.next_pow2(d))  # attn_prep's tile
     # the strides proportional to a length: of the row statistics (Sq, H Sq, B H Sq) and of the tensors
     strides = (*(sq * c % 16 == 0 for c in (1, h, b * h, d, h * d, b * h * d)),
                *(sk * c % 16 == 0 for c in (d, hkv * d, b * hkv * d)))
-    return (causal, p.tile, p.pack, sq % bm == 0 and sk % bn == 0, p.nsplit > 1, merged, bwd_split, strides,
-            fits_int32(b * h * sq * d * p.nsplit, b * hkv * sk * d))
+    return (causal, p.tile, p.pack, sq % bm == 0 and sk % bn == 0, p.nsplit > 1, merged, bwd_split, prep_rows,
+            strides, fits_int32(b * h * sq * d * p.nsplit, b * hkv * sk * d))
 
 
 def buckets(head_dim: int, dtype: torch.dtype, causal: tuple, heads: int = 8, kv_heads: int = 8, batch: int = 1,

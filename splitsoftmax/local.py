@@ -57,10 +57,16 @@ def use_triton(t: Tensor) -> bool:
     return triton_available() and (t.is_cuda or interpreting()) and t.dtype != torch.float64
 
 
+@lru_cache(maxsize=None)
+def _triton_module(name: str):
+    """The module of splitsoftmax.kernels holding op ``name``'s Triton launcher (imported on first use)."""
+    return importlib.import_module(f"splitsoftmax.kernels.{_TRITON_MODULE[name]}")
+
+
 def op(name: str, t: Tensor):
     """The implementation of local op ``name`` for tensors like ``t``."""
     if use_triton(t):
-        return getattr(importlib.import_module(f"splitsoftmax.kernels.{_TRITON_MODULE[name]}"), name)
+        return getattr(_triton_module(name), name)
     return getattr(cpu, name)
 
 

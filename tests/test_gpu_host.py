@@ -117,11 +117,13 @@ def test_no_compile_at_a_new_length_of_a_compiled_bucket():
     from splitsoftmax import warmup
     warmup.warm(64, torch.bfloat16, (True, False), heads=4, kv_heads=2)
     before = warmup.compiled_variants()
-    for sq in (1500, 2048, 3000, 9000):  # short partial, short whole, long partial, long partial
+    # short partial (odd, multiple of 16, of 4), short whole, long partial, long whole, past the split
+    for sq in (1001, 1040, 1500, 2048, 3000, 4097, 8192, 9000):
         for causal in (True, False):
             q, k, v = _leaf(1, 4, sq, 64), _leaf(1, 2, sq, 64), _leaf(1, 2, sq, 64)
             ss.attention(q, k, v, causal=causal).sum().backward()
-    q, k, v = _leaf(1, 4, 1, 64), _leaf(1, 2, 7777, 64), _leaf(1, 2, 7777, 64)
-    ss.attention(q, k, v).sum().backward()
+    for sk in (7777, 12345):  # decode: 30 and 48 key splits
+        q, k, v = _leaf(1, 4, 1, 64), _leaf(1, 2, sk, 64), _leaf(1, 2, sk, 64)
+        ss.attention(q, k, v).sum().backward()
     grew = {n: c - before.get(n, 0) for n, c in warmup.compiled_variants().items() if c != before.get(n, 0)}
     assert not grew, f"compiled again at a length of a warmed bucket: {grew}"

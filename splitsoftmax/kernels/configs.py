@@ -105,6 +105,9 @@ MERGE_TILE_INTERPRET = (8, 16, 1)
 # elements (H200, 128k-key decode: 33 partials x 32 rows merged in 23.5 us by the row-tiled kernel)
 MERGE_PARTS_PROGRAMS_PER_SM = 2
 MERGE_PARTS_MAX_ELEMS = 8192
+# ... holding the parts in a tile of next_pow2(N) rows, at least this many (masked parts merge as
+# empty ones), so that a split-KV forward's few splits share one compiled kernel whatever their number.
+MERGE_PARTS_MIN_BLOCK = 16
 # On Hopper and later the merge kernel is launched with programmatic dependent launch: it may start
 # while the kernel before it (the split-KV forward, say) finishes, and waits on the GPU for its
 # results (griddepcontrol.wait) instead of the launch waiting on the stream.

@@ -1,0 +1,65 @@
+"""Interpreter lane: the fused merge reads strided partials in place (rows walked by one stride) or
+through a copy, and its part tile holds more parts than there are (masked parts merge as empty)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.interpreter
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("interpreter lane: set TRITON_INTERPRET=1 before importing triton", allow_module_level=True)
+
+from splitsoftmax import state  # noqa: E402
+from splitsoftmax.kernels import configs, merge  # noqa: E402
+
+
+def _partials(n, rows, dv, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    outs = torch.randn(n, *rows, dv, generator=g)
+    lses = torch.randn(n, *rows, generator=g) * 3
+    lses[0].view(-1)[0] = float("-inf")  # an empty part holding NaN
+    outs[0].view(-1, dv)[0] = float("nan")
+    return outs, lses
+
+
+def _check(outs, lses):
+    out, lse = merge.merge_out_lse(outs, lses)
+    want_out, want_lse = state.merge_out_lse(outs.double(), lses.double())
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert out.is_contiguous() and lse.is_contiguous()
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["every other part", "sliced rows", "unit dims", "transposed rows", "one row"])
+def test_strided_partials(case):
+    """Views whose rows one stride walks are read in place; the transposed rows take a copy."""
+    if case == "every other part":
+        outs, lses = _partials(6, (3, 5), 8)
+        outs, lses = outs[::2], lses[::2]
+    elif case == "sliced rows":
+        outs, lses = _partials(3, (4, 7), 24)
+        outs, lses = outs[:, 1:3], lses[:, 1:3]
+    elif case == "unit dims":
+        outs, lses = _partials(3, (2, 1, 5, 1), 16)
+        outs, lses = outs.transpose(2, 4), lses.transpose(2, 4)
+    elif case == "transposed rows":
+        outs, lses = _partials(4, (16, 3), 8)
+        outs, lses = outs.transpose(1, 2), lses.transpose(1, 2)
+    else:
+        outs, lses = _partials(5, (), 12)
+    flat = merge._flat_rows(outs.shape, outs.stride(), lses.stride())
+    assert (flat is None) == (case == "transposed rows")
+    _check(outs, lses)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 17])
+def test_parts_kernel_with_masked_parts(n, monkeypatch):
+    """The all-parts kernel at part counts under its tile (``MERGE_PARTS_MIN_BLOCK``) and over it."""
+    monkeypatch.setattr(configs, "MERGE_PARTS_PROGRAMS_PER_SM", 1 << 20)
+    outs, lses = _partials(n, (3,), 16, seed=n)
+    kind, _, kwargs = merge.merge_plan(n, 3, 16, 4, False)
+    assert kind == "parts" and kwargs["BLOCK_P"] == max(configs.MERGE_PARTS_MIN_BLOCK, 1 << (n - 1).bit_length())
+    _check(outs, lses)

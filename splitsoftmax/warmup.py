@@ -15,8 +15,8 @@ its **bucket**, worked out on the host by the planners (:func:`bucket`):
   (``merge.merge_plan``: row-tiled, or all parts at once in ``BLOCK_P`` = the split count rounded
   up to a power of two, at least ``configs.MERGE_PARTS_MIN_BLOCK``: one for every prefill, one per
   power of two of the split count for decoding);
-- which strides proportional to a length are multiples of 16: of the row statistics (``Sq``,
-  ``H * Sq``, ``B * H * Sq``) and of the tensors (those times the head dim, ``Sk`` times it, ...);
+- which strides proportional to a length are multiples of 16: of the tensors (``Sq`` times the head
+  dim, times ``H`` times it, ``Sk`` times it, ...; the row statistics' strides are not specialised);
   whether the sizes fit int32; and the backward prologue's rows per program (``attn_prep``: up to
   ``configs.ATTN_PREP_TILE_ELEMS`` elements, fewer rows only for short lengths).
 
@@ -77,8 +77,8 @@ def bucket(b: int, h: int, hkv: int, sq: int, sk: int, d: int, causal: bool, lik
         merged = kind, tuple(kwargs.items())
     bwd_split = configs.ATTN_BWD_ATOMIC and splits(q, k, decode.attn_tile("bwd", q.dtype, d, d)) != (1, 1)
     prep_rows = min(configs.next_pow2(sq), configs.ATTN_PREP_TILE_ELEMS // configs.next_pow2(d))  # attn_prep's tile
-    # the strides proportional to a length: of the row statistics (Sq, H Sq, B H Sq) and of the tensors
-    strides = (*(sq * c % 16 == 0 for c in (1, h, b * h, d, h * d, b * h * d)),
+    # the strides proportional to a length, of the tensors (the row statistics' are not specialised)
+    strides = (*(sq * c % 16 == 0 for c in (d, h * d, b * h * d)),
                *(sk * c % 16 == 0 for c in (d, hkv * d, b * hkv * d)))
     return (causal, p.tile, p.pack, sq % bm == 0 and sk % bn == 0, p.nsplit > 1, merged, bwd_split, prep_rows,
             strides, fits_int32(b * h * sq * d * p.nsplit, b * hkv * sk * d))

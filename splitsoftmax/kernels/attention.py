@@ -239,7 +239,7 @@ def _fwd_edges(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "chunk", "lo_off", "kstart"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "chunk", "lo_off", "kstart", "s_lb", "s_lh", "s_lsplit"])
 def _attn_fwd_kernel(Q, K, V, O, L,
                      s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                      s_ob, s_oh, s_os, s_od, s_osplit, s_lb, s_lh, s_ls, s_lsplit,

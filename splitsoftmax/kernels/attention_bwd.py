@@ -198,7 +198,7 @@ def _kv_rows(RB, pid_n, n0, n1, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: tl.constexpr,
     return first, end, ia, ib
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_kv_kernel(Q, K, KS, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS, RB,
                         s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_db, s_dh, s_ds,
                         s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgp, s_kgb, s_kgh, s_kgs, s_vgp, s_vgb, s_vgh, s_vgs,
@@ -316,7 +316,7 @@ def _q_tile(dq, q, do, lse2, delta, k_base, v_base, kj, qi, rlo, rhi, dg, lw, kv
     return _dot(ds.to(k.dtype), k, dq, PREC)
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ, KVR, QOFF, ROWS,
                        s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_db, s_dh, s_ds,
                        s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_qgb, s_qgh, s_qgs, s_kvb, s_kvc, s_off, s_r,

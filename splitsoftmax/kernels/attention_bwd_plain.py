@@ -55,7 +55,7 @@ def _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b, h, m0, kj, Sq, 
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GK, GV,
                         s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                         s_db, s_dh, s_ds, s_dd, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
@@ -140,7 +140,7 @@ def _bwd_q_tile(dq, q, do, lse2, delta, k_src, v_src, b, kvh, n0, kj, qi, Sk, di
     return _dot(ds.to(k.dtype), k, dq, PREC)  # [BLOCK_M, BLOCK_D]
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
                        s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                        s_db, s_dh, s_ds, s_dd, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,

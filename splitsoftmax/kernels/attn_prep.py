@@ -19,7 +19,7 @@ from .configs import ATTN_PREP_TILE_ELEMS
 from .launch import Launcher, Memo, auto_key, geometry
 
 
-@triton.jit(do_not_specialize=["S"])
+@triton.jit(do_not_specialize=["S", "s_lb", "s_lh", "s_gb", "s_gh"])
 def _attn_bwd_prep_kernel(O, DO, LSE, DLSE, LSE_OUT, DELTA, s_ob, s_oh, s_os, s_db, s_dh, s_ds, s_lb, s_lh, s_ls,
                           s_gb, s_gh, s_gs, H, S, DV: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_DV: tl.constexpr):

@@ -17,6 +17,7 @@ Python scalars (``log``, ``scale``, ``causal``, ``diag``) are op arguments.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -278,14 +279,17 @@ def _merge_fwd_fake(outs, lses):
     return outs.new_empty(outs.shape[1:], dtype=dt), outs.new_empty(lses.shape[1:], dtype=dt)
 
 
+_CE_KERNELS: dict = {}  # use_triton -> the module
+
+
 def ce_kernels(t: Tensor):
     """The cross-entropy kernels for tensors like ``t``: ``kernels.cross_entropy`` (Triton) or
     ``kernels.cross_entropy_cpu`` (the torch path), alike in names and signatures."""
-    if use_triton(t):
-        from .kernels import cross_entropy
-        return cross_entropy
-    from .kernels import cross_entropy_cpu
-    return cross_entropy_cpu
+    triton = use_triton(t)
+    k = _CE_KERNELS.get(triton)
+    if k is None:
+        k = _CE_KERNELS[triton] = importlib.import_module(f"splitsoftmax.kernels.cross_entropy{'' if triton else '_cpu'}")
+    return k
 
 
 @_op("ce_fwd")

@@ -20,6 +20,8 @@ coefficient (the loss gradient, over the count for ``"mean"``, 0 for ignored row
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import triton
 import triton.language as tl
@@ -192,7 +194,11 @@ CE_TOTAL_MAX_PROGRAMS = 1024
 
 def _splits(n: int, v: int, block_v: int, like: Tensor) -> tuple[int, int]:
     """``(splits, span)``: programs per row and the columns each covers (a multiple of ``block_v``)."""
-    sms = CE_INTERPRET_SMS if interpreting() else sm_count(like)
+    return _split_plan(n, v, block_v, CE_INTERPRET_SMS if interpreting() else sm_count(like))
+
+
+@lru_cache(maxsize=1024)
+def _split_plan(n: int, v: int, block_v: int, sms: int) -> tuple[int, int]:
     want = configs.cdiv(CE_PROGRAMS_PER_SM * sms, max(n, 1))
     splits = max(1, min(want, configs.cdiv(max(v, 1), block_v)))
     span = configs.cdiv(configs.cdiv(max(v, 1), splits), block_v) * block_v

@@ -3,8 +3,11 @@
 Both reduce each row of logits to four float32 statistics ``(m, l, x_t, sum_j x_j)`` in one
 pass (``ce_stats``): the softmax state, the target logit and the row sum (label smoothing).
 Shards of the vocabulary merge their statistics with the state algebra after one packed
-exchange; the backward needs no communication (``dlogits = g (softmax - (1-eps) onehot - eps/V)``
-uses only the global ``lse``). No float32 copy of the logits is ever made.
+exchange. One more kernel (``ce_loss``) turns the statistics into the loss: each row's, or their
+float32 sum or mean over the rows not ignored, in the logits' dtype. The backward is one kernel
+and needs no communication (``dlogits = g (softmax - (1-eps) onehot - eps/V)`` uses only the
+global ``lse``; ``g`` over the count for the mean, 0 in ignored rows). The loss is one autograd
+node; no float32 copy of the logits is ever made.
 """
 from __future__ import annotations
 
@@ -63,7 +66,8 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
     mixes in the uniform distribution over the ``V`` classes. Statistics, the sum and the mean are
     float32 (one pass over the logits, no float32 copy); the loss has ``logits.dtype``; the gradient
     is written in ``logits.dtype``. ``reduction``: ``"mean"``, ``"sum"`` (scalars) or ``"none"``
-    (``(N,)``). One autograd node; on the GPU two launches forward, one backward.
+    (``(N,)``). One autograd node; on the GPU two launches forward (three for the sum or mean
+    of more than 16384 rows), one backward.
     """
     eps, ignore_index = _args(logits, target, ignore_index, reduction, label_smoothing), int(ignore_index)
     _check_targets(target, ignore_index, logits.shape[1], on_device=use_triton(logits))

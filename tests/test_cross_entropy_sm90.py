@@ -1,9 +1,11 @@
 """The cross-entropy loss and gradient kernels compile for sm_90 (Hopper) as a bf16 launch would
 specialise them, no GPU needed: the target check stays a device assertion, the mean divides with
-IEEE rounding (as torch does), and the loss leaves the kernel in bf16."""
+IEEE rounding (as torch does), the loss leaves the kernel in bf16, and no register spills."""
 from __future__ import annotations
 
 import os
+import subprocess
+import tempfile
 
 import pytest
 
@@ -12,6 +14,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from splitsoftmax.kernels import cross_entropy as K  # noqa: E402
@@ -34,16 +37,31 @@ def compile_sm90(fn, pointers: dict, consts: dict, warps: int, stages: int = 1):
                           options={"num_warps": warps, "num_stages": stages, "debug": bool(fn.debug)})
 
 
+def no_spills(ptx: str) -> bool:
+    """Whether ptxas (sm_90a) allocates ``ptx`` without spilling registers."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
+                         text=True)
+    os.unlink(f.name)
+    assert out.returncode == 0, out.stderr
+    return "0 bytes spill stores, 0 bytes spill loads" in out.stderr
+
+
 ROWS = dict(STATS="*fp32", T="*i64", LSE="*fp32")
 
 
 @pytest.mark.parametrize("final", [True, False])
-def test_total_kernel(final):
-    block_r, warps = K.CE_TOTAL_TILE
+@pytest.mark.parametrize("parts", [1, 3])
+def test_total_kernel(final, parts):
+    block, warps = K.CE_TOTAL_TILE
+    p2 = triton.next_power_of_2(parts)
     ptx = compile_sm90(K._ce_total_kernel, dict(ROWS, OUT="*bf16", COUNT="*fp32", PART="*fp32"),
-                       dict(P=1, BLOCK_R=block_r, BLOCK_P=1, CHECK=True, MEAN=True, FINAL=final), warps).asm["ptx"]
+                       dict(P=parts, BLOCK_R=block // p2, BLOCK_P=p2, CHECK=True, MEAN=True, FINAL=final),
+                       warps).asm["ptx"]
     assert "__assertfail" in ptx
     assert ("div.rn.f32" in ptx) == final and ("cvt.rn.bf16.f32" in ptx) == final
+    assert no_spills(ptx)
 
 
 def test_finish_and_rows_kernels():
@@ -61,4 +79,4 @@ def test_grad_kernel(mean):
     ptx = compile_sm90(K._ce_bwd_kernel, dict(X="*bf16", T="*i64", LSE="*fp32", G="*bf16", COUNT="*fp32",
                                               DX="*bf16"),
                        dict(BLOCK_V=block_v, MEAN=mean, IGNORE=True), warps, stages).asm["ptx"]
-    assert ("div.rn.f32" in ptx) == mean
+    assert ("div.rn.f32" in ptx) == mean and no_spills(ptx)

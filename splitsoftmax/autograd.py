@@ -127,17 +127,21 @@ def merge_backward(ctx, g_out: Optional[Tensor], g_lse: Optional[Tensor]):
 
 
 def setup_cross_entropy(ctx, inputs, output) -> None:
-    """``ce_fwd(logits (N, V), target, ignore_index, label_smoothing) -> (loss, lse)``."""
-    logits, target, ignore_index, smoothing = inputs
-    _, lse = output
-    ctx.save_for_backward(logits, target, lse)
-    ctx.mark_non_differentiable(lse)
-    ctx.args = (ignore_index, smoothing)
+    """``ce_fwd(logits (N, V), target, ignore_index, label_smoothing, reduction) -> (loss, lse, count)``:
+    saves the inputs, ``lse`` and ``count`` (side outputs, no gradient: none is materialised for them)."""
+    logits, target, ignore_index, smoothing, reduction = inputs
+    _, lse, count = output
+    ctx.save_for_backward(logits, target, lse, count)
+    ctx.mark_non_differentiable(lse, count)
+    ctx.set_materialize_grads(False)
+    ctx.args = (ignore_index, smoothing, reduction)
 
 
-def cross_entropy_backward(ctx, g_loss: Tensor, _g_lse: Optional[Tensor]):
-    """``dlogits = g * (softmax - (1-eps) onehot - eps/V)`` per row, 0 for ignored rows."""
-    logits, target, lse = ctx.saved_tensors
-    ignore_index, smoothing = ctx.args
-    coef = torch.where(target == ignore_index, 0.0, g_loss)
-    return _ops().ce_bwd(logits, target, lse, coef, 0, smoothing, logits.shape[1]), None, None, None
+def cross_entropy_backward(ctx, g_loss: Optional[Tensor], _g_lse: Optional[Tensor], _g_count: Optional[Tensor]):
+    """``dlogits = g * (softmax - (1-eps) onehot - eps/V)`` per row (``g`` over the count of rows not
+    ignored for ``"mean"``), 0 for ignored rows: one ``ce_bwd``."""
+    if g_loss is None:
+        return None, None, None, None, None
+    logits, target, lse, count = ctx.saved_tensors
+    ignore_index, smoothing, reduction = ctx.args
+    return _ops().ce_bwd(logits, target, lse, g_loss, count, ignore_index, smoothing, reduction), None, None, None, None

@@ -3,8 +3,11 @@
 Both reduce each row of logits to four float32 statistics ``(m, l, x_t, sum_j x_j)`` in one
 pass (``ce_stats``): the softmax state, the target logit and the row sum (label smoothing).
 Shards of the vocabulary merge their statistics with the state algebra after one packed
-exchange; the backward needs no communication (``dlogits = g (softmax - (1-eps) onehot - eps/V)``
-uses only the global ``lse``). No float32 copy of the logits is ever made.
+exchange. One more kernel (``ce_loss``) turns the statistics into the loss: each row's, or their
+float32 sum or mean over the rows not ignored, in the logits' dtype. The backward is one kernel
+and needs no communication (``dlogits = g (softmax - (1-eps) onehot - eps/V)`` uses only the
+global ``lse``; ``g`` over the count for the mean, 0 in ignored rows). The loss is one autograd
+node; no float32 copy of the logits is ever made.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from .distributed import handshake as hs
 from .distributed.comm import as_comm
 from .distributed.tree import allgather
 from .local import op, use_triton
-from .ops import call
+from .ops import call, ce_kernels
 from .state import stat_dtype
 
 
@@ -40,7 +43,7 @@ def _check_targets(target: Tensor, ignore_index: int, vocab: int, on_device: boo
     On the CPU a bad target raises ``ValueError`` naming it. On an accelerator the check does not
     wait for the device: like torch's own cross-entropy there, a bad target fails a device-side
     assertion (a host synchronisation per call would cost more than the loss itself), in the
-    Triton kernel that computes the row losses (``ce_rows``: ``on_device``), or here.
+    Triton kernel that computes the row losses (``ce_loss``: ``on_device``), or here.
     """
     if torch.compiler.is_compiling() or target.numel() == 0 or (on_device and target.is_cuda):
         return
@@ -54,52 +57,43 @@ def _check_targets(target: Tensor, ignore_index: int, vocab: int, on_device: boo
         raise ValueError(f"target holds class {value}, outside [0, {vocab}) and not ignore_index={ignore_index}")
 
 
-def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str, dtype: torch.dtype) -> Tensor:
-    """``none``: ``(N,)``; ``sum``; ``mean`` over the rows not ignored (NaN if none, like torch)."""
-    if reduction == "none":
-        return loss.to(dtype)
-    total = loss.sum()
-    if reduction == "sum":
-        return total.to(dtype)
-    return (total / (target != ignore_index).sum()).to(dtype)
-
-
 def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> Tensor:
     """Cross-entropy of ``logits (N, V)`` against class ids ``target (N,)``, like
     ``torch.nn.functional.cross_entropy``.
 
     Rows with ``target == ignore_index`` add 0 and leave the ``mean`` denominator. Label smoothing
-    mixes in the uniform distribution over the ``V`` classes. Statistics are float32 (one pass over
-    the logits, no float32 copy); the loss has ``logits.dtype``; the gradient is written in
-    ``logits.dtype``. ``reduction``: ``"mean"``, ``"sum"`` (scalars) or ``"none"`` (``(N,)``).
+    mixes in the uniform distribution over the ``V`` classes. Statistics, the sum and the mean are
+    float32 (one pass over the logits, no float32 copy); the loss has ``logits.dtype``; the gradient
+    is written in ``logits.dtype``. ``reduction``: ``"mean"``, ``"sum"`` (scalars) or ``"none"``
+    (``(N,)``). One autograd node; on the GPU two launches forward (three for the sum or mean
+    of more than 16384 rows), one backward.
     """
     eps, ignore_index = _args(logits, target, ignore_index, reduction, label_smoothing), int(ignore_index)
     _check_targets(target, ignore_index, logits.shape[1], on_device=use_triton(logits))
-    loss, _ = call("ce_fwd", logits, target, ignore_index, eps)
-    return _reduce(loss, target, ignore_index, reduction, logits.dtype)
+    return call("ce_fwd", logits, target, ignore_index, eps, reduction)[0]
 
 
 class ShardedCrossEntropyFn(torch.autograd.Function):
-    """Per-row losses ``(N,)`` of vocabulary-sharded ``logits (N, V_r)``; this slice starts at ``col0``."""
+    """The loss (``reduction``) of vocabulary-sharded ``logits (N, V_r)``; this slice starts at ``col0``."""
 
     @staticmethod
-    def forward(ctx, logits, target, comm, col0: int, vocab: int, ignore_index: int, eps: float):
+    def forward(ctx, logits, target, comm, col0: int, vocab: int, ignore_index: int, eps: float, reduction: str):
         n = logits.shape[0]
         stats = op("ce_stats", logits)(logits, target, col0, eps > 0).to(stat_dtype(logits.dtype))  # [N, 4]
         parts = allgather(comm, stats.reshape(-1).contiguous(), "sharded_cross_entropy: row statistics")
-        loss, lse = op("ce_rows", logits)(parts.view(comm.size, n, 4), target, ignore_index, eps, vocab)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.args = (col0, vocab, ignore_index, eps)
+        loss, lse, count = ce_kernels(logits).ce_loss(parts.view(comm.size, n, 4), target, ignore_index, eps, vocab,
+                                                      reduction, logits.dtype)
+        ctx.save_for_backward(logits, target, lse, count)
+        ctx.args = (col0, vocab, ignore_index, eps, reduction)
         return loss
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        logits, target, lse = ctx.saved_tensors
-        col0, vocab, ignore_index, eps = ctx.args
-        coef = torch.where(target == ignore_index, 0.0, g)
-        dx = op("ce_bwd", logits)(logits, target, lse, coef, col0, eps, vocab)
-        return dx, None, None, None, None, None, None
+        logits, target, lse, count = ctx.saved_tensors
+        col0, vocab, ignore_index, eps, reduction = ctx.args
+        dx = ce_kernels(logits).ce_grad(logits, target, lse, g, count, col0, ignore_index, eps, vocab, reduction)
+        return dx, None, None, None, None, None, None, None
 
 
 def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_index: int = -100,
@@ -126,5 +120,4 @@ def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_
     widths = meta["V_local"]
     vocab, col0 = sum(widths), sum(widths[:comm.rank])
     _check_targets(target, ignore_index, vocab, on_device=use_triton(logits))
-    loss = ShardedCrossEntropyFn.apply(logits, target, comm, col0, vocab, ignore_index, eps)
-    return _reduce(loss, target, ignore_index, reduction, logits.dtype)
+    return ShardedCrossEntropyFn.apply(logits, target, comm, col0, vocab, ignore_index, eps, reduction)

@@ -17,6 +17,7 @@ Python scalars (``log``, ``scale``, ``causal``, ``diag``) are op arguments.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Optional
 
 import torch
@@ -278,29 +279,48 @@ def _merge_fwd_fake(outs, lses):
     return outs.new_empty(outs.shape[1:], dtype=dt), outs.new_empty(lses.shape[1:], dtype=dt)
 
 
+_CE_KERNELS: dict = {}  # use_triton -> the module
+
+
+def ce_kernels(t: Tensor):
+    """The cross-entropy kernels for tensors like ``t``: ``kernels.cross_entropy`` (Triton) or
+    ``kernels.cross_entropy_cpu`` (the torch path), alike in names and signatures."""
+    triton = use_triton(t)
+    k = _CE_KERNELS.get(triton)
+    if k is None:
+        k = _CE_KERNELS[triton] = importlib.import_module(f"splitsoftmax.kernels.cross_entropy{'' if triton else '_cpu'}")
+    return k
+
+
 @_op("ce_fwd")
-def ce_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
-    """Cross-entropy of each row of ``logits (N, V)``: ``(loss (N,), lse (N,))``, statistics dtype."""
-    stats = op("ce_stats", logits)(logits, target, 0, label_smoothing > 0).to(stat_dtype(logits.dtype))
-    loss, lse = op("ce_rows", logits)(stats[None], target, ignore_index, label_smoothing, logits.shape[1])
-    return loss.contiguous(), lse.contiguous()
+def ce_fwd(logits: Tensor, target: Tensor, ignore_index: int, label_smoothing: float,
+           reduction: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Cross-entropy of ``logits (N, V)``: ``(loss, lse (N,), count)``. ``loss`` in ``logits.dtype``:
+    ``(N,)`` for ``reduction="none"``, else the scalar sum or mean; ``count``: the rows not ignored,
+    a scalar (``(0,)`` for ``"none"``); ``lse`` and ``count`` in the statistics dtype."""
+    k = ce_kernels(logits)
+    parts = k.ce_parts(logits, target, 0, label_smoothing > 0)
+    return k.ce_loss(parts, target, ignore_index, label_smoothing, logits.shape[1], reduction, logits.dtype)
 
 
 @register_fake("splitsoftmax::ce_fwd")
-def _ce_fwd_fake(logits, target, ignore_index, label_smoothing):
-    dt = stat_dtype(logits.dtype)
-    return logits.new_empty(logits.shape[:1], dtype=dt), logits.new_empty(logits.shape[:1], dtype=dt)
+def _ce_fwd_fake(logits, target, ignore_index, label_smoothing, reduction):
+    dt, rows, none = stat_dtype(logits.dtype), logits.shape[:1], reduction == "none"
+    return (logits.new_empty(rows if none else ()), logits.new_empty(rows, dtype=dt),
+            logits.new_empty((0,) if none else (), dtype=dt))
 
 
 @_op("ce_bwd")
-def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int, smoothing: float,
-           vocab: int) -> Tensor:
-    """``dlogits (N, V)`` in ``logits.dtype`` for the row-loss gradients ``coef (N,)`` (0: ignored row)."""
-    return _out(op("ce_bwd", logits)(logits, target, lse, coef, col0, smoothing, vocab), logits.dtype)
+def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, g: Tensor, count: Tensor, ignore_index: int,
+           smoothing: float, reduction: str) -> Tensor:
+    """``dlogits (N, V)`` in ``logits.dtype`` of ``ce_fwd`` for the loss gradient ``g`` (0 in ignored rows)."""
+    dx = ce_kernels(logits).ce_grad(logits, target, lse, g, count, 0, ignore_index, smoothing, logits.shape[1],
+                                    reduction)
+    return _out(dx, logits.dtype)
 
 
 @register_fake("splitsoftmax::ce_bwd")
-def _ce_bwd_fake(logits, target, lse, coef, col0, smoothing, vocab):
+def _ce_bwd_fake(logits, target, lse, g, count, ignore_index, smoothing, reduction):
     return logits.new_empty(logits.shape)
 
 

@@ -108,18 +108,33 @@ def test_bad_arguments():
         cross_entropy(x, torch.tensor([1, -3, 3, 4]))
 
 
-def test_opcheck_and_compile():
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_opcheck_and_compile(reduction):
     logits, target = make(5, 40, torch.float32)
     x = logits.requires_grad_(True)
-    torch.library.opcheck(torch.ops.splitsoftmax.ce_fwd, (x, target, -100, 0.1))
-    _, lse = torch.ops.splitsoftmax.ce_fwd(logits.detach(), target, -100, 0.1)
-    torch.library.opcheck(torch.ops.splitsoftmax.ce_bwd, (logits.detach(), target, lse, torch.randn(5), 0, 0.1, 40))
+    torch.library.opcheck(torch.ops.splitsoftmax.ce_fwd, (x, target, -100, 0.1, reduction))
+    _, lse, count = torch.ops.splitsoftmax.ce_fwd(logits.detach(), target, -100, 0.1, reduction)
+    g = torch.randn(5) if reduction == "none" else torch.tensor(0.7)
+    torch.library.opcheck(torch.ops.splitsoftmax.ce_bwd, (logits.detach(), target, lse, g, count, -100, 0.1, reduction))
     torch._dynamo.reset()
-    fn = torch.compile(lambda a, b: cross_entropy(a, b, label_smoothing=0.1), backend="aot_eager", fullgraph=True)
+    fn = torch.compile(lambda a, b: cross_entropy(a, b, label_smoothing=0.1, reduction=reduction), backend="aot_eager",
+                       fullgraph=True)
     got, g = ours(fn, logits, target)
-    want, gwant = torch_ce(logits.double(), target, label_smoothing=0.1)
+    want, gwant = torch_ce(logits.double(), target, label_smoothing=0.1, reduction=reduction)
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-6)
     torch.testing.assert_close(g.double(), gwant, atol=2e-6, rtol=2e-5)
+
+
+def test_one_autograd_node():
+    """The loss, its reduction and dtype are one node of the graph, for every reduction (no
+    SumBackward / DivBackward / ToCopyBackward between it and the logits)."""
+    logits, target = make(6, 30, torch.bfloat16)
+    x = logits.requires_grad_(True)
+    for red in REDUCTIONS:
+        loss = cross_entropy(x, target, reduction=red)
+        assert loss.dtype == torch.bfloat16 and loss.shape == ((6,) if red == "none" else ())
+        after = [f for f, _ in loss.grad_fn.next_functions if f is not None]
+        assert len(after) == 1 and type(after[0]).__name__ == "AccumulateGrad" and after[0].variable is x, red
 
 
 def _widths(p, v, seed):

@@ -14,6 +14,7 @@ from _ce_util import loss_and_grad as grad_of  # noqa: E402
 from splitsoftmax.distributed import LoopbackWorld  # noqa: E402
 from splitsoftmax.kernels import cpu  # noqa: E402
 from splitsoftmax.kernels import cross_entropy as tce  # noqa: E402
+from splitsoftmax.kernels import cross_entropy_cpu as ce_cpu  # noqa: E402
 from splitsoftmax.losses import cross_entropy, sharded_cross_entropy  # noqa: E402
 
 NEG_INF = float("-inf")
@@ -74,9 +75,75 @@ def test_rows_kernel_merges_slices_into_losses(parts, n, smoothing):
     assert torch.equal(loss[target == -100], torch.zeros(int((target == -100).sum())))
 
 
-@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("none", 0.1), ("sum", 0.3)])
-def test_cross_entropy_matches_torch(reduction, smoothing):
-    logits, target = make(6, 75, torch.float32, seed=3)
+def _stats(parts, n, seed):
+    """Random slice statistics ``(parts, N, 4)`` float64: an empty slice in the first half of the
+    rows, a row empty everywhere (ignored: its loss would be inf) and a NaN in an ignored row."""
+    g = torch.Generator().manual_seed(seed)
+    stats = torch.randn(parts, n, 4, generator=g, dtype=torch.float64) * 3
+    stats[..., 1] = stats[..., 1].abs() + 0.1
+    stats[0, : n // 2, 0], stats[0, : n // 2, 1] = NEG_INF, 0.0
+    target = torch.randint(0, 50, (n,), generator=g)
+    target[::4] = -100
+    if n > 4:
+        stats[:, 4, 0], stats[:, 4, 1] = NEG_INF, 0.0
+        stats[-1, 8 % n, 1] = float("nan")
+        target[4] = target[8 % n] = -100
+    return stats, target
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("parts,n,programs", [(1, 1, 1), (1, 6, 1), (1, 8, 1), (3, 8, 4), (1, 9, 2), (2, 37, 10),
+                                              (5, 70, 35)])
+def test_loss_kernel_reduces_like_the_torch_path(parts, n, programs, reduction):
+    """``ce_loss``: the float32 sum or mean of the row losses and the count of rows not ignored, in
+    one program or in per-program partial sums and a second launch (the interpreter's tiles: 4 rows
+    of one slice, 2 tiles a program); an ignored row that is empty or NaN adds nothing."""
+    stats, target = _stats(parts, n, seed=parts * 100 + n)
+    loss, lse, count = tce.ce_loss(stats.float(), target, -100, 0.1, 50, reduction, torch.float32)
+    want, want_lse, want_count = ce_cpu.ce_loss(stats, target, -100, 0.1, 50, reduction, torch.float64)
+    assert loss.dtype == torch.float32 and loss.shape == want.shape and count.shape == want_count.shape
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5, equal_nan=True)
+    assert lse[8 % n].isnan() == (n > 4)
+    torch.testing.assert_close(loss.double(), want, atol=1e-5, rtol=1e-5, equal_nan=True)  # n=1: all ignored
+    assert loss.isnan().any() == (n == 1 and reduction == "mean")
+    if reduction != "none":
+        assert count.dtype == torch.float32 and count.item() == int((target != -100).sum())
+        assert tce._total_plan(n, parts)[3] == programs
+
+
+def test_loss_kernel_empty_and_all_ignored():
+    """No row, or every row ignored: the mean is 0 / 0 = NaN and the sum 0, like torch."""
+    for n in (0, 5):
+        stats, target = torch.randn(1, n, 4).abs(), torch.full((n,), -100)
+        for reduction, want in (("mean", float("nan")), ("sum", 0.0)):
+            loss, lse, count = tce.ce_loss(stats, target, -100, 0.0, 7, reduction, torch.bfloat16)
+            assert loss.dtype == torch.bfloat16 and loss.shape == () and count.item() == 0
+            torch.testing.assert_close(loss.float(), torch.tensor(want), equal_nan=True)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_grad_kernel_takes_the_coefficient_in_the_kernel(reduction):
+    """``ce_grad``: the loss gradient read per row (any stride, 0 included) or once (a scalar), over
+    the count for the mean, 0 in ignored rows; a slice of the classes (``col0``)."""
+    logits, target = make(7, 40, torch.float32, seed=11)
+    target[2] = 39
+    lse = torch.logsumexp(logits.double(), 1)
+    count = (target != -100).sum().double()
+    gs = [torch.randn(14, dtype=torch.float64)[::2], torch.tensor(0.75, dtype=torch.float64).expand(7)]
+    if reduction != "none":
+        gs = [torch.tensor(-1.25, dtype=torch.float64)]
+    for g in gs:
+        want = ce_cpu.ce_grad(logits.double()[:, 10:], target, lse, g, count, 10, -100, 0.1, 40, reduction)
+        got = tce.ce_grad(logits[:, 10:], target, lse.float(), g.float(), count.float(), 10, -100, 0.1, 40, reduction)
+        assert got.dtype == torch.float32 and got.shape == (7, 30)
+        torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=2e-5)
+        assert torch.equal(got[target == -100], torch.zeros_like(got[target == -100]))
+
+
+@pytest.mark.parametrize("n", [6, 37])  # 6: rows split in 3 programs; 37: the sum in 5 programs, then one
+@pytest.mark.parametrize("reduction,smoothing", [("mean", 0.0), ("none", 0.1), ("sum", 0.3), ("mean", 0.2)])
+def test_cross_entropy_matches_torch(reduction, smoothing, n):
+    logits, target = make(n, 75, torch.float32, seed=3)
     kw = dict(reduction=reduction, label_smoothing=smoothing)
     want, gwant = grad_of(F.cross_entropy, logits.double(), target, **kw)
     got, g = grad_of(cross_entropy, logits, target, **kw)
@@ -102,7 +169,7 @@ def test_bfloat16_within_one_ulp_of_float32_math():
 def test_sharded_on_the_triton_path(monkeypatch):
     """Ranks are threads here and the interpreter keeps its grid in globals: launches take a lock."""
     lock = threading.Lock()
-    for name in ("ce_stats", "ce_bwd"):
+    for name in ("ce_stats", "ce_loss", "ce_grad"):
         real = getattr(tce, name)
         monkeypatch.setattr(tce, name, lambda *a, _real=real: _locked(lock, _real, *a))
     logits, target = make(4, 50, torch.float32, seed=5)

@@ -23,7 +23,8 @@ KV = [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)]
 Q = [(128, 64, 8, 4), (64, 64, 4, 3)]
 FWD = [(128, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3)]
 TILES = configs.ATTN_TILES
-BASE = {key: TILES[key] for key in [("bwd_kv", 2, 128), ("bwd_q", 2, 128), ("fwd", 2, 128), ("fwd_causal_short", 2, 128)]}
+BASE = {key: TILES[key] for key in [("bwd_kv", 2, 128), ("bwd_q", 2, 128), ("fwd", 2, 128),
+                                    ("fwd_causal_short", 2, 128)]}
 ROWS = []
 
 
@@ -47,8 +48,9 @@ def with_tile(kind: str, tile: tuple, fn) -> float:
 
 
 def layer(b: int, s: int) -> None:
-    mk = lambda h: torch.randn(b, s, h, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()  # noqa: E731
-    q, k, v = mk(16), mk(4), mk(4)
+    def bshd_view(heads):
+        return torch.randn(b, s, heads, 128, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    q, k, v = bshd_view(16), bshd_view(4), bshd_view(4)
     dout = torch.randn_like(q)
     fwd_flops = 4 * b * 16 * s * s * 128 / 2
 

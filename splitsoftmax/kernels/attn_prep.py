@@ -51,7 +51,8 @@ _PREP = Launcher(_attn_bwd_prep_kernel)
 _LAUNCHES = Memo()
 
 
-def _launch(out: Tensor, dout: Tensor, lse: Tensor, dl: Tensor, lse_out: Tensor, delta: Tensor, has_dlse: bool) -> tuple:
+def _launch(out: Tensor, dout: Tensor, lse: Tensor, dl: Tensor, lse_out: Tensor, delta: Tensor,
+            has_dlse: bool) -> tuple:
     """The prep launch for these operands, all but its tensors."""
     b, h, s, dv = out.shape
     block_dv = configs.next_pow2(max(dv, 1))

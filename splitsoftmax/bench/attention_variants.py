@@ -1,8 +1,8 @@
-"""Rows of ``bench attention`` for the attention variants and the layouts real models use (forward).
+"""Rows of ``bench attention`` for the attention variants and the layouts real models use.
 
 - Variants at S = 32k, B = 1, H = 16, D = 128, bf16, forward and forward+backward: plain causal,
-  causal with 16 documents of 2k,
-  causal with a window of 4096, causal with softcap 50, causal with sinks. splitsoftmax beside
+  causal with 16 documents of 2k, causal with a window of 4096, causal with softcap 50, causal
+  with sinks. splitsoftmax beside
   FlexAttention compiled with ``torch.compile`` and, where SDPA can express the variant, SDPA
   cuDNN (the 16 documents as a batch of 16 causal sequences). TFLOP/s count ``4 * H * D`` per
   visible (query, key) pair (3.5 times that forward+backward).

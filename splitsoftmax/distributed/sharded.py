@@ -15,7 +15,7 @@ from torch import Tensor
 from .. import _checks, state
 from .. import variants as vs
 from ..autograd import backward_stats
-from ..functional import _rows
+from ..functional import _rows, _unrows
 from ..local import op
 from . import attn_meta, work
 from . import layout as lay
@@ -91,8 +91,7 @@ def _row_shards(name: str, x, dim, group, log: Optional[bool]):
 
 def _sharded_softmax(name: str, x, dim, group, log: bool) -> Tensor:
     comm, d, x2, moved = _row_shards(name, x, dim, group, log)
-    y = ShardedSoftmaxFn.apply(x2, log, comm).reshape(moved)
-    return y.reshape(()) if x.dim() == 0 else y.movedim(-1, d)
+    return _unrows(ShardedSoftmaxFn.apply(x2, log, comm), x, d, moved)
 
 
 def sharded_softmax(x: Tensor, dim: int = -1, *, group=None) -> Tensor:
@@ -109,7 +108,8 @@ def sharded_log_softmax(x: Tensor, dim: int = -1, *, group=None) -> Tensor:
 def sharded_logsumexp(x: Tensor, dim: int = -1, *, group=None) -> Tensor:
     """logsumexp of the full rows (``dim`` removed), float32, identical on every rank."""
     comm, d, x2, moved = _row_shards("sharded_logsumexp", x, dim, group, None)
-    return ShardedLogSumExpFn.apply(x2, comm).reshape(moved[:-1])
+    lse = ShardedLogSumExpFn.apply(x2, comm)
+    return lse if moved is None else lse.reshape(moved[:-1])
 
 
 class ShardedAttentionFn(torch.autograd.Function):

@@ -101,7 +101,7 @@ def top_records(ex: Exchange, x: Tensor, col0: int, k: int) -> tuple[Tensor, Ten
     return ops.merge_top(ex.gather(local(ex, ops, "records", ops.records(x, col0, kr, 0))), k)
 
 
-def _large_top_k(ex: Exchange, x: Tensor, col0: int, spec: Spec) -> Optional[Tensor]:
+def large_top_k(ex: Exchange, x: Tensor, col0: int, spec: Spec) -> Optional[Tensor]:
     """The threshold of a top-k too large for the records, ``(N,)`` float64, or None."""
     if not spec.top_k or spec.top_k < spec.kr:
         return None
@@ -136,7 +136,7 @@ def draw(ex: Exchange, x: Tensor, col0: int, spec: Spec, seed: Tensor, offset: T
     if plain:
         plan = ops.plain_plan(x.shape[0], x.device)
     else:
-        xk = _large_top_k(ex, x, col0, spec)
+        xk = large_top_k(ex, x, col0, spec)
         parts = ex.gather(local(ex, ops, "records", ops.records(x, col0, spec.kr, spec.top_k)))
         plan, recs = ops.after_records(parts, spec, xk, seed, offset)
         if spec.greedy:

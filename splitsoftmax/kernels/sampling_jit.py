@@ -1,17 +1,39 @@
 """The element math of ``kernels.sampling_math`` as Triton functions, bit for bit (no FMA: the
-kernels that call them are compiled with ``enable_fp_fusion=False``)."""
+kernels that call them are compiled with ``enable_fp_fusion=False``), and the layout of the row
+plan the Triton passes share."""
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-# launch options of every sampling kernel: no FMA contraction, the torch path rounds each + and *
+# launch options of every exact sampling kernel: no FMA contraction, the torch path rounds each + and *
 LAUNCH = dict(enable_fp_fusion=False)
 NONE = tl.constexpr(-(2 ** 63))
 NEG_INF = tl.constexpr(float("-inf"))
+POS_INF = tl.constexpr(float("inf"))
 U32 = tl.constexpr(0xFFFFFFFF)
-# the row modes of ``sampling_rows``
-DONE, THRESH, COLLECT, REFINE, MASS = (tl.constexpr(m) for m in range(5))
+INT32_MIN = tl.constexpr(-(2 ** 31))
+# the row modes of the Triton passes: the token is known; draw above a threshold; draw above a
+# bracket and list the bracket's tokens; find a bracket by approximate pivots; by exact pivots
+DONE, THRESH, COLLECT, PIVOT, EXACT = (tl.constexpr(m) for m in range(5))
+# the torch path's modes (``sampling_rows``) that the passes of a sharded draw share with it
+REFINE, MASS = tl.constexpr(3), tl.constexpr(4)
+# float32 fields of a row's plan ``(N, PLAN_F)``: top-k keeps x >= XTHR; d = x c - ZMAX; drawn
+# tokens have d >= DTHR (and d >= HI in a bracket); the bracket [LO, HI) in d; the exact range
+# [RLO, RHI) known to hold the top-p threshold; PIVOTS pivots, descending, for the next round
+F_XTHR, F_ZMAX, F_DTHR, F_LO, F_HI, F_RLO, F_RHI = (tl.constexpr(i) for i in range(7))
+F_PIV = tl.constexpr(8)
+PIVOTS = tl.constexpr(16)
+PLAN_F = 24
+
+
+@triton.jit
+def _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi):
+    """A row's 64-bit seed (or offset): ``SEED[row]`` when ``seed_ptr``, else ``seed_hi << 32 | seed_lo``
+    (two int32 halves, so that every value compiles to one kernel)."""
+    own = tl.load(SEED + row, mask=seed_ptr != 0, other=0)
+    scalar = (seed_hi.to(tl.int64) << 32) | (seed_lo.to(tl.int64) & 0xFFFFFFFF)
+    return tl.where(seed_ptr != 0, own, scalar)
 
 
 @triton.jit

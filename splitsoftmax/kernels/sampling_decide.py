@@ -28,19 +28,30 @@ def _store_pivots(PLANF, row, piv):
 
 @triton.jit
 def _range_pivots(lo, hi, floor):
-    """``PIVOTS`` pivots, descending, from ``hi`` (may be +inf) down to ``max(lo, floor)``: evenly in
-    value while the range spans many float32 values, else evenly in order keys."""
-    k = tl.arange(0, PIVOTS).to(tl.float32)
+    """``PIVOTS`` pivots, descending, from ``hi`` down to ``max(lo, floor)``, the others between (from
+    0 down when ``hi`` lies above every ``d``): evenly in value while the range spans many float32
+    values, else evenly in order keys."""
+    k = tl.arange(0, PIVOTS)
     top = tl.minimum(hi, 0.0)
     low = tl.maximum(lo, floor)
+    open_top = hi > 0.0
+    j = tl.where(open_top, tl.maximum(k - 1, 0), k).to(tl.float32)
+    parts = tl.where(open_top, PIVOTS - 2, PIVOTS - 1).to(tl.float32)
     o_hi = _ord32(top).to(tl.int64)
     o_lo = _ord32(low).to(tl.int64)
-    by_value = top - (top - low) * (k / (PIVOTS - 1))
-    step = (k / (PIVOTS - 1) * (o_hi - o_lo).to(tl.float32)).to(tl.int64)
+    by_value = top - (top - low) * (j / parts)
+    step = (j / parts * (o_hi - o_lo).to(tl.float32)).to(tl.int64)
     by_key = _unord32(tl.minimum(tl.maximum(o_hi - step, o_lo), o_hi))
     piv = tl.where(o_hi - o_lo > (1 << 20), by_value, by_key)
     piv = tl.where(k == 0, hi, piv)
     return tl.where(k == PIVOTS - 1, low, piv)
+
+
+@triton.jit
+def _single(a, b):
+    """Whether ``[a, b)`` holds one float32 value of ``d`` (every ``d`` is at most 0)."""
+    o_b = tl.where(b > 0.0, 1, _ord32(b).to(tl.int64))
+    return o_b - _ord32(a).to(tl.int64) <= 1
 
 
 @triton.jit
@@ -167,7 +178,7 @@ def _decide_pivots(row, z, f, MODE, PLANF, shift, top_p, slack, cap):
     fa = tl.where(ia < PIVOTS, _pick(f, ia, PIVOTS), z)
     floor = -shift.to(tl.float32)
     count = (fa - fb + 2.0 * slack * z) / tl.exp2(tl.maximum(a, floor)) + 1.0
-    single = (_ord32(b).to(tl.int64) - _ord32(a).to(tl.int64)) <= 1
+    single = _single(a, b)
     listed = _and(a >= floor, _or(count <= cap, single))      # below floor a token's mass bounds nothing
     # the next pivots: the threshold interpolated in log mass between the bracket's ends, and
     # pivots spread around it; a bracket open at one end extends past the outermost pivot
@@ -206,7 +217,7 @@ def _decide_exact(row, z, f, cnt, MODE, PLANF, shift, top_p_bits, cap):
     b = tl.where(ib >= 0, _pick(piv, ib, PIVOTS), POS_INF)
     a = tl.where(ia < PIVOTS, _pick(piv, ia, PIVOTS), NEG_INF)
     count = tl.where(ia < PIVOTS, _pick(cnt, ia, PIVOTS), 1 << 62) - tl.where(ib >= 0, _pick(cnt, ib, PIVOTS), 0)
-    single = (_ord32(b).to(tl.int64) - _ord32(a).to(tl.int64)) <= 1
+    single = _single(a, b)
     dthr = tl.load(p + F_DTHR)
     tl.store(p + F_LO, a)
     tl.store(p + F_HI, b)
@@ -218,41 +229,53 @@ def _decide_exact(row, z, f, cnt, MODE, PLANF, shift, top_p_bits, cap):
 
 
 @triton.jit
-def _decide_draw(row, best, z, above, inside, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap,
+def _refute(row, lower, upper, MODE, PLANF, shift):
+    """A bracket ``[LO, HI)`` the exact masses refute (``lower``: the threshold is below ``HI``;
+    ``upper``: at or above ``LO``; both: too many tokens to list): narrow the exact range and leave
+    the row to the exact rounds."""
+    p = PLANF + row * 24
+    a = tl.load(p + F_LO)
+    b = tl.load(p + F_HI)
+    rlo = tl.where(_not(lower), b, tl.where(_not(upper), tl.load(p + F_RLO), a))
+    rhi = tl.where(_not(lower), tl.load(p + F_RHI), tl.where(_not(upper), a, b))
+    tl.store(p + F_RLO, rlo)
+    tl.store(p + F_RHI, rhi)
+    _store_pivots(PLANF, row, _range_pivots(rlo, rhi, -shift.to(tl.float32)))
+    tl.store(MODE + row, EXACT)
+
+
+@triton.jit
+def _decide_draw(row, best, z, above, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap,
                  CP: tl.constexpr):
     """The token of a row after the draw: THRESH takes the best key; COLLECT checks with the exact
-    masses ``Z``, ``A`` (at and above the bracket) and ``B`` (in it) that the threshold lies in the
-    bracket, finds it among the ``n`` listed tokens and takes the best kept key, or (the bracket
-    was wrong, or too full) narrows the exact range and leaves the row to the exact rounds."""
+    masses ``Z`` and ``A`` (at and above the bracket) and the ``n`` listed tokens of the bracket that
+    the threshold lies in it, finds it among them and takes the best kept key; a bracket the
+    masses refute, or one too full to list, goes to the exact rounds."""
     mode = tl.load(MODE + row)
     if mode == THRESH:
         tl.store(OUT + row, _token(best))
     if mode == COLLECT:
         p = PLANF + row * 24
-        a = tl.load(p + F_LO)
-        b = tl.load(p + F_HI)
         need = top_p_bits.to(tl.float64, bitcast=True) * z.to(tl.float64)
         lower = above.to(tl.float64) < need
-        upper = (above + inside).to(tl.float64) >= need
-        if _and(_and(lower, upper), n <= cap):
+        if n <= cap:
             ci = tl.arange(0, CP)
-            cand = tl.load(CAND + row * cap + ci, mask=ci < n, other=0, cache_modifier=".cg")
             valid = ci < n
+            cand = tl.load(CAND + row * cap + ci, mask=valid, other=0, cache_modifier=".cg")
             zz = (cand >> 32).to(tl.int32).to(tl.float32, bitcast=True)
             gid = cand & 0xFFFFFFFF
             d = tl.where(valid, zz - tl.load(p + F_ZMAX), NEG_INF)
             ds = tl.sort(d, descending=True)
             cum = tl.cumsum(tl.where(ds > NEG_INF, _qmass(ds, shift), 0), axis=0)
-            tau = tl.max(tl.where(_and(ds > NEG_INF, (above + cum).to(tl.float64) >= need), ds, NEG_INF), axis=0)
-            thr = tl.maximum(tau, tl.load(p + F_DTHR))
-            packed = _exact_key(zz, _words_at(seed, off, gid), gid)
-            win = tl.maximum(best, tl.max(tl.where(valid & (d >= thr), packed, NONE), axis=0))
-            tl.store(OUT + row, _token(win))
-            tl.store(MODE + row, DONE)
+            upper = (above + tl.max(cum, axis=0)).to(tl.float64) >= need
+            if _and(lower, upper):
+                reach = _and(ds > NEG_INF, (above + cum).to(tl.float64) >= need)
+                thr = tl.maximum(tl.max(tl.where(reach, ds, NEG_INF), axis=0), tl.load(p + F_DTHR))
+                packed = _exact_key(zz, _words_at(seed, off, gid), gid)
+                win = tl.maximum(best, tl.max(tl.where(valid & (d >= thr), packed, NONE), axis=0))
+                tl.store(OUT + row, _token(win))
+                tl.store(MODE + row, DONE)
+            else:
+                _refute(row, lower, upper, MODE, PLANF, shift)
         else:
-            rlo = tl.where(_not(lower), b, tl.where(_not(upper), tl.load(p + F_RLO), a))
-            rhi = tl.where(_not(lower), tl.load(p + F_RHI), tl.where(_not(upper), a, b))
-            tl.store(p + F_RLO, rlo)
-            tl.store(p + F_RHI, rhi)
-            _store_pivots(PLANF, row, _range_pivots(rlo, rhi, -shift.to(tl.float32)))
-            tl.store(MODE + row, EXACT)
+            _refute(row, lower, lower, MODE, PLANF, shift)

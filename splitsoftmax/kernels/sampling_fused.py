@@ -111,7 +111,7 @@ def _pivot_kernel(X, PART, CNT, MODE, PLANF, V, tiles, s_xn, Q, c, shift, top_p,
 @triton.jit
 def _row_draw(X, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT, MODE, PLANF, cap,
               TILE: tl.constexpr, STAGES: tl.constexpr):
-    """The draw span of a THRESH or COLLECT row (``X``: the row) under its plan: ``(best, Z, A, B)``."""
+    """The draw span of a THRESH or COLLECT row (``X``: the row) under its plan: ``(best, Z, A)``."""
     p = PLANF + row * 24
     collect = tl.load(MODE + row) == COLLECT
     b_hi = tl.load(p + F_HI)
@@ -125,7 +125,7 @@ def _row_draw(X, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT
 def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, seed_lo, seed_hi, OFFSET,
                  off_ptr, off_lo, off_hi, V, col0, tiles, s_xn, Q, c, shift, top_p_bits, cap, SHIFT4: tl.constexpr,
                  TILE: tl.constexpr, QP: tl.constexpr, CP: tl.constexpr, STAGES: tl.constexpr):
-    """Grid ``(N, Q)``, THRESH and COLLECT rows: the span's ``(best, Z, A, B)`` (``PART [N, QP, 4]``),
+    """Grid ``(N, Q)``, THRESH and COLLECT rows: the span's ``(best, Z, A)`` (``PART [N, QP, 4]``),
     the bracket's columns listed in ``CAND [N, cap]``, and, last, the row's token."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -135,13 +135,12 @@ def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, s
         off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
         lo = split * tiles * TILE
         hi = tl.minimum(lo + tiles * TILE, V + SHIFT4)
-        best, z, above, inside = _row_draw(X + row * s_xn, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND,
-                                           CCOUNT, MODE, PLANF, cap, TILE, STAGES)
+        best, z, above = _row_draw(X + row * s_xn, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT,
+                                   MODE, PLANF, cap, TILE, STAGES)
         out = PART + (row * QP + split) * 4
         tl.store(out, best)
         tl.store(out + 1, z)
         tl.store(out + 2, above)
-        tl.store(out + 3, inside)
         if _last(CNT, row, Q):
             qi = tl.arange(0, QP)
             rows = PART + (row * QP + qi) * 4
@@ -149,9 +148,8 @@ def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, s
             best = tl.max(tl.load(rows, mask=ok, other=NONE, cache_modifier=".cg"), axis=0)
             z = tl.sum(tl.load(rows + 1, mask=ok, other=0, cache_modifier=".cg"), axis=0)
             above = tl.sum(tl.load(rows + 2, mask=ok, other=0, cache_modifier=".cg"), axis=0)
-            inside = tl.sum(tl.load(rows + 3, mask=ok, other=0, cache_modifier=".cg"), axis=0)
             n = tl.atomic_xchg(CCOUNT + row, 0)
-            _decide_draw(row, best, z, above, inside, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap,
+            _decide_draw(row, best, z, above, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap,
                          CP)
             tl.store(CNT + row, 0)
 
@@ -184,10 +182,10 @@ def _fallback_kernel(X, CAND, CCOUNT, MODE, PLANF, OUT, SEED, seed_ptr, seed_lo,
         if (mode == THRESH) | (mode == COLLECT):
             seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
             off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
-            best, z, above, inside = _row_draw(xrow, row, 0, V, 0, V, 0, c, seed, off, shift, CAND, CCOUNT, MODE,
-                                               PLANF, cap, TILE, STAGES)
+            best, z, above = _row_draw(xrow, row, 0, V, 0, V, 0, c, seed, off, shift, CAND, CCOUNT, MODE, PLANF, cap,
+                                       TILE, STAGES)
             tl.debug_barrier()
             n = tl.atomic_xchg(CCOUNT + row, 0)
-            _decide_draw(row, best, z, above, inside, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap,
+            _decide_draw(row, best, z, above, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap,
                          CP)
 

@@ -48,7 +48,7 @@ def _ord32(x):
 @triton.jit
 def _log2_core(f):
     """``f * poly(f) ~ log2(1 + f)`` (Horner, the coefficients of ``sampling_math.LOG2_POLY``)."""
-    p = f * 0.0 + 0.12614846229553223
+    p = tl.zeros_like(f) + 0.12614846229553223
     p = p * f + -0.20742103457450867
     p = p * f + 0.21566985547542572
     p = p * f + -0.23892034590244293
@@ -90,7 +90,7 @@ def _qmass(d, shift):
     d = tl.where(d > -shift - 2.0, tl.minimum(d, 0.0), -shift - 2.0)
     n = tl.floor(d)
     f = d - n
-    p = f * 0.0 + 0.00021877505059819669
+    p = tl.zeros_like(d) + 0.00021877505059819669
     p = p * f + 0.0012387821916490793
     p = p * f + 0.009684580378234386
     p = p * f + 0.05548042804002762

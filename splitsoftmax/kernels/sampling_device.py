@@ -55,14 +55,19 @@ def _splits(n: int, width: int, tile: int, most: int, device: torch.device) -> t
     return configs.cdiv(total, tiles), tiles
 
 
+def records_splits(kr: int, device: torch.device) -> int:
+    """Partials per row of the records pass (a power of two): at most ``MERGE_MAX`` records in all."""
+    return min(_max_splits(device), max(1, sc.MERGE_MAX // kr))
+
+
 class _Work:
     """The per-row buffers of one ``(device, stream, N, records)``: counters (zero between launches),
     the plan, the partials of each pass and the bracket lists."""
 
     def __init__(self, n: int, kr: int, device: torch.device):
         i32, i64, f32 = (dict(dtype=t, device=device) for t in (torch.int32, torch.int64, torch.float32))
-        self.qr = max(1, sc.MERGE_MAX // kr) if kr > 1 else _max_splits(device)
         self.q = _max_splits(device)
+        self.qr = records_splits(kr, device)
         self.cnt = torch.zeros(n, **i32)
         self.ccount = torch.zeros(n, **i32)
         self.mode = torch.empty(n, **i64)

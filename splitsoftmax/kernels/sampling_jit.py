@@ -6,12 +6,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..local import interpreting
+
 # launch options of every exact sampling kernel: no FMA contraction, the torch path rounds each + and *
 LAUNCH = dict(enable_fp_fusion=False)
 NONE = tl.constexpr(-(2 ** 63))
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
 U32 = tl.constexpr(0xFFFFFFFF)
+INTERPRETING = tl.constexpr(interpreting())
 INT32_MIN = tl.constexpr(-(2 ** 31))
 # the row modes of the Triton passes: the token is known; draw above a threshold; draw above a
 # bracket and list the bracket's tokens; find a bracket by approximate pivots; by exact pivots
@@ -117,10 +120,19 @@ def _unord32(o):
 
 @triton.jit
 def _top(keys, K: tl.constexpr):
-    """``tl.topk`` of a 1-D tensor of keys, descending: ``[K]``. ``K = 1`` is the maximum (Triton 3.6's
-    ``tl.topk`` fails to compile for ``K = 1``)."""
+    """``tl.topk`` of a 1-D tensor of int64 keys (distinct, but for repeats of the smallest),
+    descending: ``[K]``. ``K = 1`` is the maximum (Triton 3.6's ``tl.topk`` fails to compile for
+    ``K = 1``). The interpreter takes the maxima one by one instead: its sorting network costs
+    seconds a call."""
     if K == 1:
         top = tl.full([1], 0, keys.dtype) + tl.max(keys, axis=0)
+    elif INTERPRETING:
+        top = tl.full([K], 0, keys.dtype)
+        ki = tl.arange(0, K)
+        for j in tl.static_range(K):
+            m = tl.max(keys, axis=0)
+            top = tl.where(ki == j, m, top)
+            keys = tl.where(keys == m, -(2 ** 63), keys)
     else:
         top = tl.topk(keys, K)
     return top

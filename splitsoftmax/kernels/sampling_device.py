@@ -1,8 +1,8 @@
 """Host side of a draw on one device: the launches of ``kernels.sampling_fused``.
 
 Greedy is one launch (records), plain sampling one (the draw), top-k and min-p two (records, draw),
-top-p five (records, two approximate pivot rounds, the draw, the exact fallback); passes with no
-row to serve return at once, and nothing is read back, so a CUDA graph can hold a draw. The
+top-p four (records, two approximate pivot rounds, the draw); passes with no row to serve return at
+once, and nothing is read back, so a CUDA graph can hold a draw. The
 per-row buffers (plan, partials, counters, bracket lists) are kept per device, stream and batch
 size: a decode loop allocates only its output. Seeds and offsets given as ints travel as kernel
 arguments (two int32 halves, so every value runs the same compiled kernel).
@@ -21,11 +21,10 @@ from ..sampling_rows import Spec
 from . import configs
 from . import sampling_config as sc
 from .launch import Launcher
-from .sampling_fused import _draw_kernel, _fallback_kernel, _pivot_kernel, _records_kernel
+from .sampling_fused import _draw_kernel, _pivot_kernel, _records_kernel
 from .sampling_jit import LAUNCH, PLAN_F, THRESH
 
-_RECORDS, _PIVOTS, _DRAW, _FALLBACK = (Launcher(k) for k in (_records_kernel, _pivot_kernel, _draw_kernel,
-                                                             _fallback_kernel))
+_RECORDS, _PIVOTS, _DRAW = (Launcher(k) for k in (_records_kernel, _pivot_kernel, _draw_kernel))
 _CACHE: dict = {}
 
 
@@ -44,7 +43,7 @@ def _tile() -> int:
 
 def _max_splits(device: torch.device) -> int:
     """Partials per row a pass may write (a power of two): the most programs one row is spread over."""
-    return triton.next_power_of_2(sc.PROGRAMS_PER_SM * _sms(device))
+    return configs.next_pow2(sc.PROGRAMS_PER_SM * _sms(device))
 
 
 def _splits(n: int, width: int, tile: int, most: int, device: torch.device) -> tuple[int, int]:
@@ -152,9 +151,7 @@ def draw(x: Tensor, spec: Spec, plain: bool, seed, offset, xk_large=None) -> Ten
             return out
         if spec.top_p < 1.0:
             _pivots(x, w, spec, base, tile)
-    _draw(x, w, mode, planf, spec, seeds, base, out, tile)
-    if not plain and spec.top_p < 1.0:
-        _fallback(x, w, spec, seeds, base, out, tile)
+    _draw(x, w, mode, planf, spec, seeds, base, out, tile, not plain and spec.top_p < 1.0)
     return out
 
 
@@ -183,21 +180,13 @@ def _pivots(x, w: _Work, spec: Spec, base: tuple, tile: int) -> None:
         _PIVOTS((n, q), base, args, consts)
 
 
-def _draw(x, w: _Work, mode: Tensor, planf: Tensor, spec: Spec, seeds: tuple, base: tuple, out, tile: int) -> None:
+def _draw(x, w: _Work, mode: Tensor, planf: Tensor, spec: Spec, seeds: tuple, base: tuple, out, tile: int,
+          exact_rows: bool) -> None:
     n, v = x.shape
     q, tiles = _splits(n, v, tile, w.q, x.device)
     args = (x, w.part_d, w.cand, w.ccount, w.cnt, mode, planf, out, *seeds, v, 0, tiles, x.stride(0), q, spec.c,
             spec.shift, _bits(spec.top_p), sc.CAP)
-    consts = dict(SHIFT4=0, TILE=tile, QP=w.q, CP=triton.next_power_of_2(sc.CAP), STAGES=sc.STAGES,
+    consts = dict(SHIFT4=0, TILE=tile, QP=w.q, CP=configs.next_pow2(sc.CAP), STAGES=sc.STAGES, EXACT_ROWS=exact_rows,
+                  ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT,
                   num_warps=sc.WARPS, **LAUNCH)
     _DRAW((n, q), base, args, consts)
-
-
-def _fallback(x, w: _Work, spec: Spec, seeds: tuple, base: tuple, out, tile: int) -> None:
-    n, v = x.shape
-    args = (x, w.cand, w.ccount, w.mode, w.planf, out, *seeds, v, x.stride(0), spec.c, spec.shift, _bits(spec.top_p),
-            sc.CAP)
-    xtile = sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT
-    consts = dict(ROUNDS=sc.EXACT_ROUNDS, TILE=tile, XTILE=xtile, CP=triton.next_power_of_2(sc.CAP),
-                  STAGES=sc.STAGES, num_warps=sc.WARPS, **LAUNCH)
-    _FALLBACK((n,), base, args, consts)

@@ -3,14 +3,15 @@
 Every pass runs on a grid ``(N, Q)``: a row's columns are cut into ``Q`` spans of whole tiles. A
 program writes its span's partial result, and the last of a row's programs to finish (a counter
 per row, reset by that program) merges the row's partials and decides (``sampling_decide``), so
-a draw is a few launches and nothing is read back to the host (a CUDA graph can hold it):
+a draw is a few launches (one to four) and nothing is read back to the host (a CUDA graph can hold
+it):
 
 - ``_records_kernel``: records (and the moments of ``d``) and the plan;
 - ``_pivot_kernel``: an approximate pivot round of the PIVOT rows;
-- ``_draw_kernel``: the Gumbel-max draw of the THRESH and COLLECT rows, and their tokens;
-- ``_fallback_kernel`` (one program per row): the exact rounds and the draw of the rows that
-  are left (a bracket the approximate rounds did not make listable, or one the exact masses
-  refuted); rows in any other mode return at once.
+- ``_draw_kernel``: the Gumbel-max draw of the THRESH and COLLECT rows, and their tokens; for
+  top-p, one program of a row finishes it alone where the approximate rounds left it (its bracket
+  not listable) or the exact masses refute its bracket: exact rounds over the whole row, then
+  the draw (``_exact_row``; rare).
 
 The partials the last program reads were stored by other programs: it reads them through L2
 (``.cg``), after the counter's acquire.
@@ -121,71 +122,74 @@ def _row_draw(X, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT
                       tl.load(p + F_LO), b_hi, seed, off, shift, collect, CAND, CCOUNT, row, cap, TILE, STAGES)
 
 
+@triton.jit
+def _exact_row(X, row, V, c, seed, off, shift, top_p_bits, cap, CAND, CCOUNT, MODE, PLANF, OUT, ROUNDS: tl.constexpr,
+               TILE: tl.constexpr, XTILE: tl.constexpr, CP: tl.constexpr, STAGES: tl.constexpr):
+    """A PIVOT or EXACT row (``X``: the row) by one program: exact rounds over the whole row until its
+    bracket is listable or one value, then the draw and the token."""
+    p = PLANF + row * 24
+    if tl.load(MODE + row) == PIVOT:            # the approximate pivots stay, between the widest ends
+        tl.store(p + F_PIV, POS_INF)
+        tl.store(p + F_PIV + PIVOTS - 1, -shift.to(tl.float32))
+        tl.store(MODE + row, EXACT)
+    tl.debug_barrier()
+    for _ in range(ROUNDS):
+        if tl.load(MODE + row) == EXACT:
+            piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
+            z, f, cnt = _pivot_span(X, 0, V, c, tl.load(p + F_ZMAX), tl.load(p + F_XTHR), piv, shift, XTILE, PIVOTS,
+                                    STAGES, True)
+            tl.debug_barrier()
+            _decide_exact(row, z, f, cnt, MODE, PLANF, shift, top_p_bits, cap)
+            tl.debug_barrier()
+    mode = tl.load(MODE + row)
+    if (mode == THRESH) | (mode == COLLECT):
+        best, z, above = _row_draw(X, row, 0, V, 0, V, 0, c, seed, off, shift, CAND, CCOUNT, MODE, PLANF, cap, TILE,
+                                   STAGES)
+        tl.debug_barrier()
+        n = tl.atomic_xchg(CCOUNT + row, 0)
+        _decide_draw(row, best, z, above, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap, CP)
+
+
 @triton.jit(do_not_specialize=INTS + ["c"])
 def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, seed_lo, seed_hi, OFFSET,
                  off_ptr, off_lo, off_hi, V, col0, tiles, s_xn, Q, c, shift, top_p_bits, cap, SHIFT4: tl.constexpr,
-                 TILE: tl.constexpr, QP: tl.constexpr, CP: tl.constexpr, STAGES: tl.constexpr):
-    """Grid ``(N, Q)``, THRESH and COLLECT rows: the span's ``(best, Z, A)`` (``PART [N, QP, 4]``),
-    the bracket's columns listed in ``CAND [N, cap]``, and, last, the row's token."""
+                 TILE: tl.constexpr, QP: tl.constexpr, CP: tl.constexpr, STAGES: tl.constexpr, EXACT_ROWS: tl.constexpr,
+                 ROUNDS: tl.constexpr, XTILE: tl.constexpr):
+    """Grid ``(N, Q)``, THRESH and COLLECT rows: the span's ``(best, Z, A)`` (``PART [N, QP, 4]``), the
+    bracket's columns listed in ``CAND [N, cap]``, and, last, the row's token. With ``EXACT_ROWS``
+    (top-p), the rows the approximate rounds left and those whose bracket the exact masses refute
+    are finished by one program each (``_exact_row``)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     mode = tl.load(MODE + row)
-    if (mode == THRESH) | (mode == COLLECT):
-        seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
-        off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
+    seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
+    off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
+    xrow = X + row * s_xn
+    drawn = (mode == THRESH) | (mode == COLLECT)
+    if drawn:
         lo = split * tiles * TILE
         hi = tl.minimum(lo + tiles * TILE, V + SHIFT4)
-        best, z, above = _row_draw(X + row * s_xn, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT,
-                                   MODE, PLANF, cap, TILE, STAGES)
+        best, z, above = _row_draw(xrow, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT, MODE, PLANF,
+                                   cap, TILE, STAGES)
         out = PART + (row * QP + split) * 4
         tl.store(out, best)
         tl.store(out + 1, z)
         tl.store(out + 2, above)
+    left = (mode == PIVOT) | (mode == EXACT)
+    if drawn | (left & EXACT_ROWS):       # every program of the row has read its mode before the last changes it
         if _last(CNT, row, Q):
-            qi = tl.arange(0, QP)
-            rows = PART + (row * QP + qi) * 4
-            ok = qi < Q
-            best = tl.max(tl.load(rows, mask=ok, other=NONE, cache_modifier=".cg"), axis=0)
-            z = tl.sum(tl.load(rows + 1, mask=ok, other=0, cache_modifier=".cg"), axis=0)
-            above = tl.sum(tl.load(rows + 2, mask=ok, other=0, cache_modifier=".cg"), axis=0)
-            n = tl.atomic_xchg(CCOUNT + row, 0)
-            _decide_draw(row, best, z, above, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap,
-                         CP)
+            if drawn:
+                qi = tl.arange(0, QP)
+                rows = PART + (row * QP + qi) * 4
+                ok = qi < Q
+                best = tl.max(tl.load(rows, mask=ok, other=NONE, cache_modifier=".cg"), axis=0)
+                z = tl.sum(tl.load(rows + 1, mask=ok, other=0, cache_modifier=".cg"), axis=0)
+                above = tl.sum(tl.load(rows + 2, mask=ok, other=0, cache_modifier=".cg"), axis=0)
+                n = tl.atomic_xchg(CCOUNT + row, 0)
+                _decide_draw(row, best, z, above, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap, CP)
             tl.store(CNT + row, 0)
-
-
-@triton.jit(do_not_specialize=INTS + ["c"])
-def _fallback_kernel(X, CAND, CCOUNT, MODE, PLANF, OUT, SEED, seed_ptr, seed_lo, seed_hi, OFFSET, off_ptr,
-                     off_lo, off_hi, V, s_xn, c, shift, top_p_bits, cap, ROUNDS: tl.constexpr, TILE: tl.constexpr,
-                     XTILE: tl.constexpr, CP: tl.constexpr, STAGES: tl.constexpr):
-    """One program per row, PIVOT and EXACT rows: exact rounds over the whole row until its bracket
-    is listable or one value, then the draw and the token."""
-    row = tl.program_id(0).to(tl.int64)
-    mode = tl.load(MODE + row)
-    if (mode == PIVOT) | (mode == EXACT):
-        p = PLANF + row * 24
-        xrow = X + row * s_xn
-        if mode == PIVOT:            # the approximate pivots stay, between the widest ends
-            tl.store(p + F_PIV, POS_INF)
-            tl.store(p + F_PIV + PIVOTS - 1, -shift.to(tl.float32))
-            tl.store(MODE + row, EXACT)
-        tl.debug_barrier()
-        for _ in range(ROUNDS):
-            if tl.load(MODE + row) == EXACT:
-                piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
-                z, f, cnt = _pivot_span(xrow, 0, V, c, tl.load(p + F_ZMAX), tl.load(p + F_XTHR), piv, shift, XTILE,
-                                        PIVOTS, STAGES, True)
+            if EXACT_ROWS:
                 tl.debug_barrier()
-                _decide_exact(row, z, f, cnt, MODE, PLANF, shift, top_p_bits, cap)
-                tl.debug_barrier()
-        mode = tl.load(MODE + row)
-        if (mode == THRESH) | (mode == COLLECT):
-            seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
-            off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
-            best, z, above = _row_draw(xrow, row, 0, V, 0, V, 0, c, seed, off, shift, CAND, CCOUNT, MODE, PLANF, cap,
-                                       TILE, STAGES)
-            tl.debug_barrier()
-            n = tl.atomic_xchg(CCOUNT + row, 0)
-            _decide_draw(row, best, z, above, n, CAND, MODE, PLANF, OUT, seed, off, shift, top_p_bits, cap,
-                         CP)
-
+                if (tl.load(MODE + row) == EXACT) | (tl.load(MODE + row) == PIVOT):
+                    _exact_row(xrow, row, V, c, seed, off, shift, top_p_bits, cap, CAND, CCOUNT, MODE, PLANF, OUT,
+                               ROUNDS, TILE, XTILE, CP, STAGES)

@@ -67,13 +67,15 @@ TYPES = dict(X="*fp32", PART="*i64", TIES="*i64", MOM="*fp32", CNT="*i32", SEED=
              MODE="*i64", PLANF="*fp32", OUT="*i64", GAPS="*fp32", CAND="*i64", CCOUNT="*i32", c="fp32", cmin="fp32",
              probit="fp32", slack="fp32", top_p="fp32", top_p_bits="i64")
 RECORDS = dict(QP=32, TILE=sc.TILE, STAGES=sc.STAGES, FUSED=True, LARGE_K=False, GREEDY=False)
+DRAW = dict(SHIFT4=0, TILE=sc.TILE, QP=512, CP=sc.CAP, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_EXACT)
 CASES = {
     "records, top-p": (kf._records_kernel, dict(TYPES, X="*bf16"), dict(RECORDS, KR=64, MOMENTS=True, TOP_P=True),
                        None),
     "records 256": (kf._records_kernel, TYPES, dict(RECORDS, QP=8, KR=256, MOMENTS=False, TOP_P=False), None),
     "pivots": (kf._pivot_kernel, dict(TYPES, PART="*fp32"), dict(TILE=sc.TILE, QP=512, STAGES=sc.STAGES),
                {"enable_fp_fusion": True}),
-    "draw": (kf._draw_kernel, TYPES, dict(SHIFT4=0, TILE=sc.TILE, QP=512, CP=sc.CAP, STAGES=sc.STAGES), None),
+    "draw": (kf._draw_kernel, TYPES, dict(DRAW, EXACT_ROWS=False), None),
+    "draw, top-p": (kf._draw_kernel, TYPES, dict(DRAW, EXACT_ROWS=True), None),
 }
 
 

@@ -23,8 +23,10 @@ from .distributed import handshake as hs
 from .distributed.comm import as_comm
 from .distributed.session import collective
 from .kernels import configs
+from .kernels import sampling_device
 from .kernels import sampling_math as sm
-from .sampling_flow import Exchange, draw, top_records
+from .local import use_triton
+from .sampling_flow import Exchange, draw, large_top_k, top_records
 from .sampling_rows import Spec
 
 
@@ -68,9 +70,9 @@ def _filters(temperature, top_k, top_p, min_p) -> tuple[float, int, float, float
     return t, k, p, m
 
 
-def _per_row(name: str, value, n: int, device) -> tuple[Tensor, int]:
-    """``(values (N,) int64, code)``: an int broadcast (code: its int64 value) or an ``(N,)`` integer
-    tensor on the logits' device (code: a marker; its values stay on the device)."""
+def _seed_value(name: str, value, n: int, device):
+    """A seed or offset: an int64 int (two's complement of a value up to 64 bits), or an ``(N,)``
+    int64 tensor on the logits' device (its values stay on the device)."""
     if isinstance(value, Tensor):
         if value.dtype in (torch.bool,) or value.is_floating_point() or value.is_complex():
             raise TypeError(f"{name} must hold integers, got dtype {value.dtype}")
@@ -78,11 +80,19 @@ def _per_row(name: str, value, n: int, device) -> tuple[Tensor, int]:
             raise ValueError(f"{name} must be an int or an (N,) = ({n},) tensor, got shape {tuple(value.shape)}")
         if value.device != device:
             raise ValueError(f"{name} is on {value.device} but logits is on {device}")
-        return value.to(torch.int64), -(2 ** 62) + 1
+        return value if value.dtype == torch.int64 else value.to(torch.int64)
     v = _int(name, value, -(2 ** 63))
     if v >= 2 ** 64:
         raise ValueError(f"{name}={value} does not fit in 64 bits")
-    v = v - 2 ** 64 if v >= 2 ** 63 else v
+    return v - 2 ** 64 if v >= 2 ** 63 else v
+
+
+def _per_row(name: str, value, n: int, device) -> tuple[Tensor, int]:
+    """``(values (N,) int64, code)``: an int broadcast (code: its int64 value) or an ``(N,)`` integer
+    tensor on the logits' device (code: a marker; its values stay on the device)."""
+    v = _seed_value(name, value, n, device)
+    if isinstance(v, Tensor):
+        return v, -(2 ** 62) + 1
     return torch.full((n,), v, dtype=torch.int64, device=device), v
 
 
@@ -158,12 +168,18 @@ def sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, top_k: Opt
     and equals :func:`sharded_sample` for every split of the vocabulary.
     """
     _logits(logits)
-    t, k, p, m = _filters(temperature, top_k, top_p, min_p)
-    n = logits.shape[0]
-    seeds, _ = _per_row("seed", seed, n, logits.device)
-    offsets, _ = _per_row("offset", offset, n, logits.device)
-    return _draw(Exchange(None, None, "sample", logits.device), logits, 0, logits.shape[1], (t, k, p, m), seeds,
-                 offsets)
+    filters = _filters(temperature, top_k, top_p, min_p)
+    n, vocab = logits.shape
+    seeds = _seed_value("seed", seed, n, logits.device)
+    offsets = _seed_value("offset", offset, n, logits.device)
+    if use_triton(logits) and n and 0 < vocab < 2 ** 31:
+        spec, plain = _spec(*filters, vocab)
+        x = logits if logits.stride(1) == 1 else logits.contiguous()
+        ex = Exchange(None, None, "sample", logits.device)
+        return sampling_device.draw(x, spec, plain, seeds, offsets, None if spec.greedy else large_top_k(ex, x, 0, spec))
+    seeds, _ = _per_row("seed", seeds, n, logits.device)
+    offsets, _ = _per_row("offset", offsets, n, logits.device)
+    return _draw(Exchange(None, None, "sample", logits.device), logits, 0, vocab, filters, seeds, offsets)
 
 
 def _draw(ex: Exchange, logits: Tensor, col0: int, vocab: int, filters, seeds: Tensor, offsets: Tensor) -> Tensor:

@@ -1,11 +1,11 @@
-"""The sequence of passes of one draw and of one top-k, local or across the ranks of a group.
+"""The sequence of passes of one draw and of one top-k, across the ranks of a group or on the torch path.
 
 A pass runs on this rank's slice (``kernels.sampling`` Triton kernels, or the torch twin
 ``kernels.sampling_cpu``), its small per-row records are exchanged in one all-gather (with the
 configuration's fingerprint, so ranks that disagree fail together) and merged identically on every
-rank by ``sampling_rows``. On one device (``comm`` None) nothing is exchanged and, for CUDA tensors,
-nothing is read back to the host: passes with no row to serve return at once on the device, so a
-draw can be captured in a CUDA graph.
+rank by ``sampling_rows``. On one device (``comm`` None) nothing is exchanged; a Triton draw on one
+device is ``kernels.sampling_device``'s (fused passes, nothing read back), a top-k reads nothing
+back either.
 
 Passes and exchanges: greedy and top-k (no tie at the cut-off beyond the records) one each; plain
 sampling one; min-p and top-p one more each while the records do not hold every kept token, and
@@ -101,7 +101,7 @@ def top_records(ex: Exchange, x: Tensor, col0: int, k: int) -> tuple[Tensor, Ten
     return ops.merge_top(ex.gather(local(ex, ops, "records", ops.records(x, col0, kr, 0))), k)
 
 
-def _large_top_k(ex: Exchange, x: Tensor, col0: int, spec: Spec) -> Optional[Tensor]:
+def large_top_k(ex: Exchange, x: Tensor, col0: int, spec: Spec) -> Optional[Tensor]:
     """The threshold of a top-k too large for the records, ``(N,)`` float64, or None."""
     if not spec.top_k or spec.top_k < spec.kr:
         return None
@@ -117,8 +117,6 @@ def _mass_rounds(ex: Exchange, ops, x: Tensor, col0: int, plan, recs, spec: Spec
     consts = (spec.c, spec.shift, spec.bins, spec.span)
     plan = ops.after_mass(plan, ex.gather(local(ex, ops, "mass", ops.mass(x, col0, plan, *consts))), recs, spec,
                           seed, offset)
-    if ex.comm is None and not ex.sync:
-        return ops.refine_rows(x, plan, spec)    # one launch, every round, on the device
     rounds = configs.sample_refine_rounds(spec.bins)
     for _ in range(rounds):
         if not ex.any(plan.mode, REFINE):
@@ -136,7 +134,7 @@ def draw(ex: Exchange, x: Tensor, col0: int, spec: Spec, seed: Tensor, offset: T
     if plain:
         plan = ops.plain_plan(x.shape[0], x.device)
     else:
-        xk = _large_top_k(ex, x, col0, spec)
+        xk = large_top_k(ex, x, col0, spec)
         parts = ex.gather(local(ex, ops, "records", ops.records(x, col0, spec.kr, spec.top_k)))
         plan, recs = ops.after_records(parts, spec, xk, seed, offset)
         if spec.greedy:

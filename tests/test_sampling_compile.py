@@ -1,6 +1,7 @@
 """The sampling passes as compiled for sm_90 (Hopper), no GPU needed: no fused multiply-add in the
-exact float math (the draw would differ from the torch path's by one rounding; the device ``log2``
-of the draw's pruning bound may use one, it decides nothing) and no register spills."""
+exact float math (the draw would differ from the torch path's by one rounding; the approximate
+pivot rounds may use one, they decide nothing), the draw's bound from the special function unit,
+and no register spills in the passes of a one-device draw."""
 from __future__ import annotations
 
 import os
@@ -19,17 +20,18 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import triton.language as tl  # noqa: E402
 
-from splitsoftmax.kernels import configs  # noqa: E402
 from splitsoftmax.kernels import sampling as ks  # noqa: E402
+from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
+from splitsoftmax.kernels import sampling_fused as kf  # noqa: E402
 from splitsoftmax.kernels.sampling_jit import _gumbel, _qmass  # noqa: E402
 
-PLAN = dict(MODE="*i64", XTHR="*fp64", ZMAX="*fp32", DTHR="*fp32", B1="*i64", ORNG="*i64", SEED="*i64",
-            OFFSET="*i64", NEED="*fp64", COUNT="*i64", c="fp32", inv_w="fp32")
-
-
 def _compile(kernel, types: dict, consts: dict, warps: int, options=None):
+    """``kernel`` compiled for sm_90 as a launch specialises it: pointers, ``V`` and the row stride
+    16-byte aligned."""
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in kernel.arg_names}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=consts)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names)
+             if sig[n].startswith("*") or n in ("V", "s_xn")}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": warps, "num_stages": 3, **(ks.LAUNCH if options is None else options)})
 
@@ -61,21 +63,32 @@ def _ptxas_report(ptx: str) -> str:
     return out.stderr
 
 
+TYPES = dict(X="*fp32", PART="*i64", TIES="*i64", MOM="*fp32", CNT="*i32", SEED="*i64", OFFSET="*i64", XK="*fp32",
+             MODE="*i64", PLANF="*fp32", OUT="*i64", GAPS="*fp32", CAND="*i64", CCOUNT="*i32", c="fp32", cmin="fp32",
+             probit="fp32", slack="fp32", top_p="fp32", top_p_bits="i64")
+RECORDS = dict(QP=32, TILE=sc.TILE, STAGES=sc.STAGES, FUSED=True, LARGE_K=False, GREEDY=False)
+DRAW = dict(SHIFT4=0, TILE=sc.TILE, QP=512, CP=sc.CAP, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_EXACT)
 CASES = {
-    "records": (ks._records_kernel, dict(X="*bf16", OUT="*i64", TIES="*i64"), dict(KR=64, G=configs.SAMPLE_GROUP), 4),
-    "records 256": (ks._records_kernel, dict(X="*fp32", OUT="*i64", TIES="*i64"), dict(KR=256, G=configs.SAMPLE_GROUP),
-                    8),
-    "mass": (ks._mass_kernel, dict(PLAN, X="*bf16", Z="*i64", H="*i32"),
-             dict(BINS=configs.SAMPLE_BINS, TILE=configs.SAMPLE_TILE), ks._warps(configs.SAMPLE_TILE)),
-    "draw": (ks._sample_kernel, dict(PLAN, X="*fp32", BEST="*i64", A="*i64", CD="*fp32", CZ="*fp32", CW="*i64",
-                                     CG="*i64", COUNT="*i32"),
-             dict(SHIFT4=1, BINS=configs.SAMPLE_BINS, TILE=configs.SAMPLE_DRAW_TILE),
-             ks._warps(configs.SAMPLE_DRAW_TILE)),
+    "records, top-p": (kf._records_kernel, dict(TYPES, X="*bf16"), dict(RECORDS, KR=64, MOMENTS=True, TOP_P=True),
+                       None),
+    "records 256": (kf._records_kernel, TYPES, dict(RECORDS, QP=8, KR=256, MOMENTS=False, TOP_P=False), None),
+    "pivots": (kf._pivot_kernel, dict(TYPES, PART="*fp32"), dict(TILE=sc.TILE, QP=512, STAGES=sc.STAGES),
+               {"enable_fp_fusion": True}),
+    "draw": (kf._draw_kernel, TYPES, dict(DRAW, EXACT_ROWS=False), None),
+    "draw, top-p": (kf._draw_kernel, TYPES, dict(DRAW, EXACT_ROWS=True), None),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_no_spills(name):
-    kernel, types, consts, warps = CASES[name]
-    report = _ptxas_report(_compile(kernel, types, consts, warps).asm["ptx"])
+    kernel, types, consts, options = CASES[name]
+    report = _ptxas_report(_compile(kernel, types, consts, sc.WARPS, options).asm["ptx"])
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+def test_the_draw_bounds_keys_with_the_special_function_unit():
+    """The draw's bound on the keys takes ``lg2.approx`` (one instruction), not libdevice's exact
+    log2 (``tl.log2``: some 25), and no FMA (the exact keys and masses are the torch path's)."""
+    kernel, types, consts, options = CASES["draw"]
+    ptx = _compile(kernel, types, consts, sc.WARPS, options).asm["ptx"]
+    assert "lg2.approx.ftz.f32" in ptx and "fma.rn" not in ptx

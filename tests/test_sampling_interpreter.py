@@ -1,5 +1,10 @@
 """The Triton sampling passes under TRITON_INTERPRET=1 against the torch path: the same records,
-masses and tokens bit for bit (tiny records, bins and tiles, so that every path runs in seconds)."""
+masses and tokens bit for bit (tiny records, tiles and lists, so that every path runs in seconds).
+
+The one-device draw (``kernels.sampling_device``) is checked on each of its paths, and each test
+asserts that its path ran (the row modes between the passes): the records alone, an approximate
+bracket listed by the draw, a bracket the exact masses refute, rows the approximate rounds leave
+to the exact ones, the records' slow path, and keys too close for the draw's bound."""
 import os
 
 import pytest
@@ -11,23 +16,27 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 import splitsoftmax as ss  # noqa: E402
 import splitsoftmax.sampling_flow as flow  # noqa: E402
+from splitsoftmax import sampling  # noqa: E402
 from splitsoftmax import sampling_rows as rows  # noqa: E402
 from _sampling_cases import rows_and_seeds, split_widths  # noqa: E402
 from splitsoftmax.distributed import LoopbackWorld  # noqa: E402
-from splitsoftmax.kernels import configs, sampling_cpu  # noqa: E402
+from splitsoftmax.kernels import configs, sampling_cpu, sampling_device  # noqa: E402
 from splitsoftmax.kernels import sampling as tk  # noqa: E402
+from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
 from splitsoftmax.kernels import sampling_math as sm  # noqa: E402
 
 CONFIGS = [dict(temperature=0.0), dict(), dict(top_k=3, top_p=0.8, min_p=0.05), dict(top_p=0.7),
            dict(top_p=0.95, temperature=2.0), dict(min_p=0.1), dict(top_k=12)]
+DONE, THRESH, COLLECT, PIVOT, EXACT = range(5)
 
 
 @pytest.fixture(autouse=True)
 def small(monkeypatch):
     for name, value in [("SAMPLE_RECORDS_MIN", 4), ("SAMPLE_RECORDS_MAX", 8), ("SAMPLE_CAP", 3), ("SAMPLE_BINS", 64),
-                        ("SAMPLE_BIN_SPAN", 6.0), ("CPU_BLOCK_COLS", 11), ("SAMPLE_GROUP_INTERPRET", 8),
-                        ("SAMPLE_TILE_INTERPRET", 32)]:
+                        ("SAMPLE_BIN_SPAN", 6.0), ("CPU_BLOCK_COLS", 11), ("SAMPLE_TILE_INTERPRET", 32)]:
         monkeypatch.setattr(configs, name, value)
+    monkeypatch.setattr(sc, "CAP", 8)
+    monkeypatch.setattr(sc, "TILE_INTERPRET", 16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -41,6 +50,33 @@ def _rows():
     return x[pick], seeds[pick], offset
 
 
+def _torch_tokens(monkeypatch, x, seeds, offset, **kw):
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "use_triton", lambda t: False)
+        m.setattr(flow, "use_triton", lambda t: False)
+        return ss.sample(x, seed=seeds, offset=offset, **kw)
+
+
+def _counters_clear() -> bool:
+    """Whether every per-row counter of the one-device draw is back at zero (the last program of a
+    row resets it: a count left over would corrupt the next draw)."""
+    return all(int(w.cnt.abs().sum()) == 0 and int(w.ccount.abs().sum()) == 0 for w in sampling_device._CACHE.values())
+
+
+def _modes(monkeypatch) -> list:
+    """Records ``(pass, modes)`` after each pass of the one-device draw."""
+    seen = []
+    for name in ("_records", "_pivots", "_draw"):
+        real = getattr(sampling_device, name)
+
+        def wrapped(*args, _real=real, _name=name, **kw):
+            out = _real(*args, **kw)
+            seen.append((_name, args[1].mode.tolist()))
+            return out
+        monkeypatch.setattr(sampling_device, name, wrapped)
+    return seen
+
+
 def test_philox_matches_tl_philox():
     """The torch Philox and the kernels' ``tl.philox`` give the same words (through the sample pass's
     Gumbel keys of single-token rows at many ids and offsets)."""
@@ -52,6 +88,16 @@ def test_philox_matches_tl_philox():
     want = sampling_cpu.sample(x, 5, plan, seeds, offsets, 1.0, 45, 16, 6.0, 0)[0].amax(dim=1)
     assert torch.equal(got, want)
     assert (sm.packed_gid(got) >= 5).all() and (sm.packed_gid(got) < 42).all()
+
+
+def test_own_philox_and_int_seeds(monkeypatch):
+    """The draw kernels' Philox rounds, with seeds and offsets as per-row tensors and as ints of
+    every size (kernel arguments), give the torch path's tokens."""
+    x = torch.randn(3, 23, generator=torch.Generator().manual_seed(2))
+    for seed, offset in [(torch.tensor([0, -1, 2 ** 62]), 7), (-(2 ** 63), torch.tensor([2 ** 40 + 3, -5, 1])),
+                         (2 ** 64 - 1, 2 ** 33 + 5), (3, 0)]:
+        want = _torch_tokens(monkeypatch, x, seed, offset)
+        assert torch.equal(ss.sample(x, seed=seed, offset=offset), want), (seed, offset)
 
 
 @pytest.mark.parametrize("kr,k_tie", [(1, 0), (4, 3), (8, 5)])
@@ -71,17 +117,71 @@ def test_records_match(kr, k_tie):
     assert torch.equal(torch.stack(tk.merge_top((keys, ties), kr)[1:]).squeeze(0), want[1])
 
 
+def test_records_slow_path_on_periodic_logits():
+    """Logits periodic in the tile put every top key at one tile position (more than the four it
+    keeps): the records' exact slow path finds them, as the torch path does."""
+    cols = torch.arange(200)
+    x = torch.where(cols % 16 == 5, cols.float() / 10, -cols.float() / 100).unsqueeze(0)
+    keys, ties = tk.records(x, 0, 8)
+    vals, ids = tk.decode(keys)
+    got = rows.merge_partials(vals, ids, ties, 8)
+    want = sampling_cpu.records(x, 0, 8)
+    assert torch.equal(got[1], want[1][:, 0]) and torch.equal(got[0], want[0][:, 0])
+    assert set((got[1][0] % 16).tolist()) == {5}
+
+
 def test_tokens_match_the_torch_path(monkeypatch):
     x, seeds, offset = _rows()
     for kw in CONFIGS:
         got = ss.sample(x, seed=seeds, offset=offset, **kw)
-        with monkeypatch.context() as m:
-            m.setattr(flow, "use_triton", lambda t: False)
-            want = ss.sample(x, seed=seeds, offset=offset, **kw)
+        want = _torch_tokens(monkeypatch, x, seeds, offset, **kw)
         assert torch.equal(got, want), (kw, got, want)
+        assert _counters_clear(), kw
 
 
-def test_sharded_over_the_kernels():
+def _wide_rows():
+    """Four rows of 100 whose top-p sets overflow the records: flat, spread, rounded (ties), peaked."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 100, generator=g) * torch.tensor([[0.5], [2.0], [1.0], [6.0]])
+    x[2] = torch.round(x[2] * 2)
+    return x, torch.arange(4) * 13 + 1
+
+
+@pytest.mark.parametrize("case", ["listed", "refuted", "left to the exact rounds"])
+def test_top_p_paths(monkeypatch, case):
+    """Top-p over more tokens than the records hold, on each path of the one-device draw: the
+    bracket listed; refuted by the exact masses (a negative slack makes the approximate brackets
+    wrong: without exact rounds the rows stay unfinished); left by the approximate rounds."""
+    x, seeds = _wide_rows()
+    monkeypatch.setattr(sc, "TILE_INTERPRET", 32)
+    monkeypatch.setattr(sc, "CAP", 64)
+    if case == "refuted":
+        monkeypatch.setattr(sc, "SLACK", -0.2)
+    if case == "left to the exact rounds":
+        monkeypatch.setattr(sc, "PIVOT_ROUNDS", 0)
+        monkeypatch.setattr(sc, "CAP", 8)
+    seen = _modes(monkeypatch)
+    filters = [dict(top_p=0.9), dict(top_p=0.6, min_p=0.02)] + [dict(top_k=6, top_p=0.5, temperature=1.7)] * (
+        case == "listed")
+    for kw in filters:
+        if case == "refuted" and "top_k" not in kw:
+            with monkeypatch.context() as m:
+                m.setattr(sc, "EXACT_ROUNDS", 0)
+                seen.clear()
+                ss.sample(x, seed=seeds, offset=3, **kw)
+                assert EXACT in dict(seen)["_draw"], seen
+        seen.clear()
+        got = ss.sample(x, seed=seeds, offset=3, **kw)
+        assert torch.equal(got, _torch_tokens(monkeypatch, x, seeds, 3, **kw)), (case, kw)
+        after = dict(seen)
+        assert set(after["_draw"]) <= {DONE, THRESH} and _counters_clear(), seen
+        if case == "listed" and "top_k" not in kw:
+            assert COLLECT in after["_pivots"], seen
+        if case == "left to the exact rounds":
+            assert PIVOT in after["_pivots"], seen
+
+
+def test_sharded_over_the_kernels(monkeypatch):
     """3 ranks (one empty, widths not divisible by 4) on the kernels: the one-device tokens."""
     x, seeds, offset = _rows()
     widths = split_widths(x.shape[1], 3, True)
@@ -96,36 +196,18 @@ def test_sharded_over_the_kernels():
         assert torch.equal(gi, idx) and torch.equal(gv.nan_to_num(9.0), vals.nan_to_num(9.0))
 
 
-def test_device_path_reads_nothing_back(monkeypatch):
-    """The one-CUDA-device schedule (every pass launched, refinement rounds in one kernel, no mode
-    read on the host) gives the torch path's tokens."""
-    from splitsoftmax import sampling
-    x, seeds, offset = _rows()
-    offsets = torch.full_like(seeds, offset)
-    refined = []
-    real = tk.refine_rows
-    monkeypatch.setattr(tk, "refine_rows", lambda x, plan, spec: (refined.append(int((plan.mode == 3).sum())),
-                                                                   real(x, plan, spec))[1])
-    for kw in CONFIGS:
-        filters = sampling._filters(kw.get("temperature", 1.0), kw.get("top_k"), kw.get("top_p"), kw.get("min_p"))
-        spec, plain = sampling._spec(*filters, x.shape[1])
-        ex = flow.Exchange(None, None, "device", x.device)
-        ex.sync = False
-        got = flow.draw(ex, x, 0, spec, seeds, offsets, plain)
-        with monkeypatch.context() as m:
-            m.setattr(flow, "use_triton", lambda t: False)
-            want = ss.sample(x, seed=seeds, offset=offset, **kw)
-        assert torch.equal(got, want), (kw, got, want)
-    assert sum(refined) >= 2, refined   # rows went through the refinement kernel
-
-
-def test_near_ties_of_the_keys():
-    """Logits that cancel each token's noise: every key lies within 1e-5 of the others, so the
-    kernels' bound on the keys keeps every lane and the exact keys (and the lower id) decide."""
-    n, v = 3, 40
-    seeds, offsets = torch.tensor([5, 6, 7]), torch.tensor([1, 2, 3])
+def _near_ties(n: int = 3, v: int = 40):
+    seeds, offsets = torch.arange(n) + 5, torch.arange(n) + 1
     noise = sm.gumbel_key(torch.zeros(n, v), sm.words(seeds[:, None], offsets[:, None], 0, v))
-    x = (-noise / sm.temperature_scale(1.0)).float()
+    return (-noise / sm.temperature_scale(1.0)).float(), seeds, offsets
+
+
+def test_near_ties_of_the_keys(monkeypatch):
+    """Logits that cancel each token's noise: every key lies within 1e-5 of the others, so the
+    kernels' bound on the keys keeps every lane and the exact keys (and the lower id) decide, in
+    the sharded draw's pass and in the one-device draw."""
+    x, seeds, offsets = _near_ties()
+    n, v = x.shape
     want = sampling_cpu.sample(x, 0, rows.plain_plan(n, x.device), seeds, offsets, sm.temperature_scale(1.0), 45,
                                16, 6.0, 0)[0].amax(dim=1)
     got = tk.sample(x, 0, rows.plain_plan(n, x.device), seeds, offsets, sm.temperature_scale(1.0), 45, 16, 6.0,
@@ -133,3 +215,4 @@ def test_near_ties_of_the_keys():
     assert torch.equal(got, want)
     keys = sm.gumbel_key(x * sm.temperature_scale(1.0), sm.words(seeds[:, None], offsets[:, None], 0, v))
     assert (keys.amax(dim=1) - keys.amin(dim=1)).max() < 1e-4
+    assert torch.equal(ss.sample(x, seed=seeds, offset=offsets), _torch_tokens(monkeypatch, x, seeds, offsets))

@@ -1,17 +1,17 @@
-"""Triton passes of sampling over a slice of the vocabulary: same signatures and results as
-``kernels.sampling_cpu`` (the element math is ``kernels.sampling_math``'s, bit for bit).
+"""Triton passes of a sharded draw over a slice of the vocabulary: the same signatures and results as
+``kernels.sampling_cpu`` (the element math is ``kernels.sampling_math``'s, bit for bit), so that the
+partial records of every rank are exchanged and merged by ``sampling_rows`` (on one device the
+draw is ``kernels.sampling_device``'s fused passes).
 
 Every kernel runs on a grid ``(N, splits)``: a row's columns are cut into ``splits`` spans of whole
 tiles, so that a batch of one row still spreads over the GPU; the spans' records merge exactly
 (maxima of packed keys, integer sums). Kernels are compiled without FMA contraction
 (``enable_fp_fusion=False``): a fused multiply-add rounds once where the torch path rounds twice.
 
-- ``_records_kernel``: the span's top ``KR`` packed keys ``(ord32(x), global id)``: each tile of
-  ``KR * G`` columns gives the maxima of its ``KR`` groups of ``G``; the best ``KR`` groups over the
-  span are kept, and only their columns are sorted (the top ``KR`` columns lie in the top ``KR``
-  groups). Ties to the last record are counted only when a top-k needs them.
-- ``_mass_kernel``: integer masses and the first-round histogram (``tl.histogram``) of top-p.
-- ``_refine_kernel``: the mass above a bracket and its sub-bins' counts and masses (atomics; rare).
+- records: ``sampling_fused._records_kernel`` unfused (each span's top ``KR`` packed keys, and the
+  ties to the last where a top-k needs them); ``ss.topk`` merges them with one ``torch.topk``;
+- ``_mass_kernel``: integer masses and the first-round histogram (``tl.histogram``) of top-p;
+- ``_refine_kernel``: the mass above a bracket and its sub-bins' counts and masses (atomics; rare);
 - ``_sample_kernel``: the Gumbel-max draw; tiles start at global ids divisible by 4, so one Philox
   call gives the noise of four consecutive tokens. The device's ``log2`` bounds every key within
   1e-4; only the lanes within 4e-3 of a tile's best bound (almost always one) get the exact key.
@@ -20,76 +20,23 @@ tiles, so that a batch of one row still spreads over the GPU; the spans' records
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
-import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..local import interpreting
 from ..sampling_rows import SENT_ID, RowPlan, merge_partials
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from . import configs
+from . import sampling_config as sc
 from . import sampling_math as sm
 from .launch import Launcher
-from .sampling_finish import _finish_refine, _key
+from .sampling_device import _sms, _tile, records_splits
+from .sampling_finish import _key
 from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
-from .sampling_jit import (COLLECT, LAUNCH, MASS, NEG_INF, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass,
-                           _top)
-
-@triton.jit
-def _keys(xrow, cols, valid, col0):
-    """Packed record keys ``ord32(x) << 32 | (2^32 - 1 - id)`` of columns ``cols``; NONE where not valid."""
-    x = tl.load(xrow + cols, mask=valid, other=0.0).to(tl.float32)
-    key = (_ord32(x).to(tl.int64) << 32) | (U32 - (cols + col0).to(tl.int64))
-    return tl.where(valid, key, NONE)
-
-
-@triton.jit(do_not_specialize=["col0", "span", "k_tie"])
-def _records_kernel(X, OUT, TIES, V, col0, span, s_xn, s_on, s_os, s_tn, k_tie, KR: tl.constexpr, G: tl.constexpr):
-    """Grid ``(N, splits)``: the top ``KR`` packed keys of columns ``[split * span, +span)`` of a row,
-    descending, and (only where a top-``k_tie`` needs it) the count of columns equal to the last one."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    lo = split * span
-    hi = tl.minimum(lo + span, V)
-    xrow = X + row * s_xn
-    TILE: tl.constexpr = KR * G
-    lanes = tl.arange(0, TILE)
-    if KR == 1:
-        best = tl.full([1], NONE, tl.int64)
-        for t0 in range(lo, hi, TILE):
-            cols = t0 + lanes
-            best = tl.maximum(best, tl.max(_keys(xrow, cols, cols < hi, col0), axis=0))
-        rec = best
-    else:
-        best = tl.full([KR], NONE, tl.int64)
-        for t0 in range(lo, hi, TILE):
-            cols = t0 + lanes
-            gmax = tl.max(tl.reshape(_keys(xrow, cols, cols < hi, col0), [KR, G]), axis=1)  # [KR]
-            best = _top(tl.reshape(tl.join(best, gmax), [2 * KR]), KR)
-        gcol = (U32 - (best & U32)) - col0                  # [KR]: column of each group's maximum
-        gcol = lo + ((gcol - lo) // G) * G
-        cols = gcol[:, None] + tl.arange(0, G)[None, :]      # [KR, G]: the best groups' columns
-        valid = (best != NONE)[:, None] & (cols < hi)
-        rec = _top(tl.reshape(_keys(xrow, cols, valid, col0), [KR * G]), KR)  # [KR]
-    out = OUT + row * s_on + split * s_os
-    tl.store(out + tl.arange(0, KR), rec)
-    last = tl.min(rec, axis=0)
-    ties = tl.sum(tl.zeros([1], tl.int64), axis=0) - 1
-    if k_tie > 0:
-        kth = tl.sum(tl.where(tl.arange(0, KR) == k_tie - 1, rec, 0), axis=0)
-        if ((kth >> 32) == (last >> 32)) & (last != NONE):
-            v_last = (last >> 32).to(tl.int32)
-            count = ties + 1
-            for t0 in range(lo, hi, TILE):
-                tcols = t0 + lanes
-                tx = tl.load(xrow + tcols, mask=tcols < hi, other=0.0).to(tl.float32)
-                count += tl.sum(((_ord32(tx) == v_last) & (tcols < hi)).to(tl.int64), axis=0)
-            ties = count
-    tl.store(TIES + row * s_tn + split, ties)
-
+from .sampling_fused import _records_kernel
+from .sampling_jit import COLLECT, LAUNCH, MASS, NEG_INF, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
+from .sampling_span import NAN_KEY, _approx_noise
+import triton
 
 @triton.jit
 def _row_inputs(X, XTHR, ZMAX, row, cols, valid, s_xn, c):
@@ -173,19 +120,6 @@ def _refine_kernel(X, MODE, XTHR, ZMAX, B1, ORNG, A, H, HM, V, span, s_xn, c, in
     tl.store(H + row * s_hn + split * s_hs + tl.arange(0, BINS), hist)
 
 
-NAN_KEY = tl.constexpr(0x7FFFFFFF << 32)      # the packed high word of a NaN key
-
-
-@triton.jit
-def _approx_noise(word):
-    """The base-2 Gumbel noise ``-log2(-log2(1 - v))`` to within 1e-4 from the device's ``log2``:
-    a cheap bound for pruning, never the draw itself."""
-    v = word.to(tl.float32) * 2.3283064365386963e-10
-    v = tl.minimum(tl.maximum(v, 1.1641532182693481e-10), 0.9999999403953552)
-    e = tl.where(v < 0.0078125, v * (1.4426950408889634 + 0.7213475204444817 * v), -tl.log2(1.0 - v))
-    return -tl.log2(e)
-
-
 @triton.jit
 def _tile_best(zz, word, gid, win):
     """The best packed Gumbel key among the lanes ``win`` of a tile: the keys are bounded by the
@@ -265,33 +199,6 @@ def _sample_kernel(X, MODE, XTHR, ZMAX, DTHR, B1, ORNG, SEED, OFFSET, BEST, A, C
     tl.store(A + row * s_bn + split, tl.sum(above_mass, axis=0))
 
 
-@triton.jit(do_not_specialize=["c", "inv_w", "shift", "cap"])
-def _refine_rows_kernel(X, MODE, XTHR, ZMAX, DTHR, NEED, B1, ORNG, COUNT, HM, V, s_xn, c, inv_w, shift, cap,
-                        ROUNDS: tl.constexpr, BINS: tl.constexpr, TILE: tl.constexpr):
-    """One program per row, every refinement round in turn (one device: no exchange between rounds;
-    rows in no other mode than REFINE return at once)."""
-    row = tl.program_id(0).to(tl.int64)
-    bi = tl.arange(0, BINS)
-    for _ in range(ROUNDS):
-        if tl.load(MODE + row) == REFINE:
-            tl.store(HM + row * BINS + bi, tl.zeros([BINS], tl.int64))
-            tl.debug_barrier()
-            above, hist = _refine_span(X, XTHR, ZMAX, B1, ORNG, HM, row, 0, V, s_xn, c, inv_w, shift, BINS, TILE)
-            tl.debug_barrier()
-            hmass = tl.load(HM + row * BINS + bi, cache_modifier=".cg")   # the atomics' sums, not L1's
-            _finish_refine(row, above, hist.to(tl.int64), hmass, MODE, DTHR, NEED, ORNG, COUNT, cap, BINS)
-            tl.debug_barrier()
-
-
-@lru_cache(maxsize=None)
-def _device_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _sms(device: torch.device) -> int:
-    return configs.SAMPLE_INTERPRET_SMS if interpreting() else _device_sms(device.index or 0)
-
-
 def _splits(n: int, width: int, tile: int, device: torch.device, most: int = 1 << 30) -> tuple[int, int]:
     """``(splits, span)``: programs per row (at most ``most``) and the columns each covers (whole tiles)."""
     want = min(most, configs.cdiv(configs.SAMPLE_PROGRAMS_PER_SM * _sms(device), max(n, 1)))
@@ -304,8 +211,8 @@ def _rows(x: Tensor) -> Tensor:
     return x if x.stride(1) == 1 else x.contiguous()
 
 
-def _tile(draw: bool = False) -> int:
-    if interpreting():
+def _pass_tile(draw: bool = False) -> int:
+    if _tile() == sc.TILE_INTERPRET:
         return configs.SAMPLE_TILE_INTERPRET
     return configs.SAMPLE_DRAW_TILE if draw else configs.SAMPLE_TILE
 
@@ -323,16 +230,19 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     where no top-k of ``k_tie`` needs it)."""
     x = _rows(x)
     n, v = x.shape
-    g = 1024 if kr == 1 else (configs.SAMPLE_GROUP_INTERPRET if interpreting() else configs.SAMPLE_GROUP)
-    splits, span = _splits(n, v, kr * g, x.device, max(1, configs.SAMPLE_MERGE_MAX // kr))
-    part = torch.empty((n, splits, kr), dtype=torch.int64, device=x.device)
-    ties = torch.empty((n, splits), dtype=torch.int64, device=x.device)
+    tile = max(_tile(), kr // 4)
+    qp = records_splits(kr, x.device)
+    splits, span = _splits(n, v, tile, x.device, qp)
+    part = torch.empty((n, qp, kr), dtype=torch.int64, device=x.device)
+    ties = torch.empty((n, qp), dtype=torch.int64, device=x.device)
     if n:
-        args = (x, part, ties, v, col0, span, x.stride(0), part.stride(0), part.stride(1), ties.stride(0),
-                k_tie if k_tie < kr else 0)
-        warps = 4 if kr * g <= 1024 else 8     # sm_90, no spills: 72 registers at 64 x 16, 80 / 202 at 128 / 256
-        _RECORDS((n, splits), _key(args), args, dict(KR=kr, G=g, num_warps=warps, **LAUNCH))
-    return part, ties
+        k_tie = k_tie if k_tie < kr else 0
+        args = (x, part, ties, ties, ties, v, col0, span // tile, x.stride(0), splits, k_tie, part, 0, 0, 0, part, 0, 0,
+                0, part, part, part, part, 1.0, 0, 0, 0.0, 0, 0.0, 0.0, part)
+        consts = dict(KR=kr, QP=qp, TILE=tile, STAGES=sc.STAGES, MOMENTS=False, FUSED=False, LARGE_K=False,
+                      GREEDY=kr == 1, TOP_P=False, num_warps=sc.WARPS, **LAUNCH)
+        _RECORDS((n, splits), _key(args), args, consts)
+    return part[:, :splits], ties[:, :splits]
 
 
 def decode(part: Tensor) -> tuple[Tensor, Tensor]:
@@ -368,7 +278,7 @@ def mass(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int, s
     """Partials ``(Z (N, splits) int64, hist (N, splits, bins) int32)`` (see ``sampling_cpu.mass``)."""
     x = _rows(x)
     n, v = x.shape
-    tile = _tile()
+    tile = _pass_tile()
     splits, cols = _splits(n, v, tile, x.device)
     z = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     h = torch.empty((n, splits, bins), dtype=torch.int32, device=x.device)
@@ -384,7 +294,7 @@ def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int,
     int64)`` (see ``sampling_cpu.refine``)."""
     x = _rows(x)
     n, v = x.shape
-    tile = _tile()
+    tile = _pass_tile()
     splits, cols = _splits(n, v, tile, x.device)
     above = torch.empty((n, splits), dtype=torch.int64, device=x.device)
     h = torch.empty((n, splits, bins), dtype=torch.int32, device=x.device)
@@ -396,19 +306,6 @@ def refine(x: Tensor, col0: int, plan: RowPlan, c: float, shift: int, bins: int,
     return above, h, hm
 
 
-def refine_rows(x: Tensor, plan: RowPlan, spec) -> RowPlan:
-    """Every refinement round of the REFINE rows, in one launch (one device); the plan is updated in place."""
-    x = _rows(x)
-    n, v = x.shape
-    hm = torch.empty((n, spec.bins), dtype=torch.int64, device=x.device)
-    if n:
-        _refine_rows_kernel[(n,)](x, *_plan_args(plan), plan.dthr, plan.need, plan.b1, plan.orng, plan.count, hm, v,
-                                  x.stride(0), spec.c, (spec.bins - 1) / spec.span, spec.shift, spec.cap,
-                                  ROUNDS=configs.sample_refine_rounds(spec.bins), BINS=spec.bins, TILE=_tile(),
-                                  num_warps=_warps(_tile()), **LAUNCH)
-    return plan
-
-
 def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c: float, shift: int, bins: int,
            span: float, cap: int):
     """Partials ``(best (N, splits), mass above (N, splits), and the candidates (N, 1, cap): d
@@ -416,7 +313,7 @@ def sample(x: Tensor, col0: int, plan: RowPlan, seed: Tensor, offset: Tensor, c:
     candidates are ``(d, packed key)``: here the finisher computes their keys)."""
     x = _rows(x)
     n, v = x.shape
-    tile = _tile(draw=True)
+    tile = _pass_tile(draw=True)
     shift4 = col0 % 4
     splits, cols = _splits(n, v + shift4, tile, x.device)
     best = torch.empty((n, splits), dtype=torch.int64, device=x.device)

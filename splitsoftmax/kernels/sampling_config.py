@@ -1,0 +1,26 @@
+"""Sizes of the Triton sampling passes (the torch path's are in ``configs``).
+
+Every streaming pass (records, pivots, draw) reads tiles of ``TILE`` columns with 8 warps, keeps
+per-column-position state in registers (no reduction across the program inside the loop) and
+keeps ``STAGES - 1`` tiles in flight through shared memory; a row is spread over about
+``PROGRAMS_PER_SM`` programs per SM in all.
+"""
+from __future__ import annotations
+
+TILE = 1024              # columns per tile of the streaming passes (8 warps: 4 columns a thread)
+TILE_EXACT = 64          # the exact pivot rounds (int64 masses and counts at every pivot; rare)
+WARPS = 8
+STAGES = 4
+PROGRAMS_PER_SM = 2
+MERGE_MAX = 2048         # partial records per row: splits * records
+CAP = 1024               # bracket tokens listed per row (the draw's finisher sorts them: 80 registers at 8 warps)
+PIVOT_ROUNDS = 2         # approximate pivot rounds before the draw (one device)
+EXACT_ROUNDS = 16        # exact pivot rounds at most (they narrow a 2^32-key range 17-fold each)
+# relative error allowed to the float32 masses of the approximate rounds (sums of about
+# V / TILE + 64 terms each), and the Gaussian spread of the first round's pivots around the
+# threshold guessed from the mean and deviation of d under p (in deviations, one side)
+SLACK = 5e-5
+SPREAD = (0.01, 0.025, 0.055, 0.12, 0.25, 0.5, 1.0, 2.2)
+# under the interpreter
+TILE_INTERPRET = 16
+INTERPRET_SMS = 4

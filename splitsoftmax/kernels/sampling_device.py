@@ -1,0 +1,192 @@
+"""Host side of a draw on one device: the launches of ``kernels.sampling_fused``.
+
+Greedy is one launch (records), plain sampling one (the draw), top-k and min-p two (records, draw),
+top-p four (records, two approximate pivot rounds, the draw); passes with no row to serve return at
+once, and nothing is read back, so a CUDA graph can hold a draw. The
+per-row buffers (plan, partials, counters, bracket lists) are kept per device, stream and batch
+size: a decode loop allocates only its output. Seeds and offsets given as ints travel as kernel
+arguments (two int32 halves, so every value runs the same compiled kernel).
+"""
+from __future__ import annotations
+
+import statistics
+from functools import lru_cache
+
+import torch
+import triton
+from torch import Tensor
+
+from ..local import interpreting
+from ..sampling_rows import Spec
+from . import configs
+from . import sampling_config as sc
+from .launch import Launcher
+from .sampling_fused import _draw_kernel, _pivot_kernel, _records_kernel
+from .sampling_jit import LAUNCH, PLAN_F, THRESH
+
+_RECORDS, _PIVOTS, _DRAW = (Launcher(k) for k in (_records_kernel, _pivot_kernel, _draw_kernel))
+_CACHE: dict = {}
+
+
+@lru_cache(maxsize=None)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sms(device: torch.device) -> int:
+    return sc.INTERPRET_SMS if interpreting() else _device_sms(device.index or 0)
+
+
+def _tile() -> int:
+    return sc.TILE_INTERPRET if interpreting() else sc.TILE
+
+
+def _max_splits(device: torch.device) -> int:
+    """Partials per row a pass may write (a power of two): the most programs one row is spread over."""
+    return configs.next_pow2(sc.PROGRAMS_PER_SM * _sms(device))
+
+
+def _splits(n: int, width: int, tile: int, most: int, device: torch.device) -> tuple[int, int]:
+    """``(Q, tiles)``: programs per row (at most ``most``) and whole tiles each covers."""
+    total = configs.cdiv(max(width, 1), tile)
+    want = min(most, configs.cdiv(sc.PROGRAMS_PER_SM * _sms(device), max(n, 1)), total)
+    tiles = configs.cdiv(total, max(1, want))
+    return configs.cdiv(total, tiles), tiles
+
+
+def records_splits(kr: int, device: torch.device) -> int:
+    """Partials per row of the records pass (a power of two): at most ``MERGE_MAX`` records in all."""
+    return min(_max_splits(device), max(1, sc.MERGE_MAX // kr))
+
+
+class _Work:
+    """The per-row buffers of one ``(device, stream, N, records)``: counters (zero between launches),
+    the plan, the partials of each pass and the bracket lists."""
+
+    def __init__(self, n: int, kr: int, device: torch.device):
+        i32, i64, f32 = (dict(dtype=t, device=device) for t in (torch.int32, torch.int64, torch.float32))
+        self.q = _max_splits(device)
+        self.qr = records_splits(kr, device)
+        self.cnt = torch.zeros(n, **i32)
+        self.ccount = torch.zeros(n, **i32)
+        self.mode = torch.empty(n, **i64)
+        self.planf = torch.empty((n, PLAN_F), **f32)
+        self.part_r = torch.empty((n, self.qr, kr), **i64)
+        self.ties = torch.empty((n, self.qr), **i64)
+        self.mom = torch.empty((n, self.qr, 4), **f32)
+        self.part_p = torch.empty((n, self.q, 17), **f32)
+        self.part_d = torch.empty((n, self.q, 4), **i64)
+        self.cand = torch.empty((n, sc.CAP), **i64)
+        self.gaps = torch.tensor(tuple(reversed(sc.SPREAD)) + tuple(-g for g in sc.SPREAD), **f32)
+
+
+def _work(n: int, kr: int, device: torch.device) -> _Work:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, n, kr)
+    w = _CACHE.get(key)
+    if w is None:
+        if len(_CACHE) >= 16:
+            _CACHE.clear()
+        w = _CACHE[key] = _Work(n, kr, device)
+    return w
+
+
+_PLAIN: dict = {}
+
+
+def _plain_plan(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """``(mode, planf)`` of plain sampling: every row THRESH, nothing filtered; read only."""
+    key = (n, str(device))
+    if key not in _PLAIN:
+        if len(_PLAIN) >= 16:
+            _PLAIN.clear()
+        planf = torch.zeros((n, PLAN_F), dtype=torch.float32, device=device)
+        planf[:, 0] = float("-inf")           # XTHR
+        planf[:, 2] = float("-inf")           # DTHR
+        _PLAIN[key] = (torch.full((n,), int(THRESH.value), dtype=torch.int64, device=device), planf)
+    return _PLAIN[key]
+
+
+def _seed_args(value, dummy: Tensor) -> tuple:
+    """``(tensor, is_tensor, low int32 half, high int32 half)`` of a seed or offset."""
+    if isinstance(value, Tensor):
+        return value, 1, 0, 0
+    v = value & 0xFFFFFFFFFFFFFFFF
+    lo, hi = v & 0xFFFFFFFF, v >> 32
+    return dummy, 0, lo - (1 << 32) if lo >= 1 << 31 else lo, hi - (1 << 32) if hi >= 1 << 31 else hi
+
+
+def _int_key(v: int) -> tuple:
+    return v == 1, v % 16 == 0, -2 ** 31 <= v < 2 ** 31
+
+
+@lru_cache(maxsize=64)
+def _probit(top_p: float) -> float:
+    return statistics.NormalDist().inv_cdf(min(max(top_p, 1e-6), 1 - 1e-6))
+
+
+def _bits(x: float) -> int:
+    import struct
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def draw(x: Tensor, spec: Spec, plain: bool, seed, offset, xk_large=None) -> Tensor:
+    """The tokens ``(N,)`` int64 of ``x (N, V)`` (contiguous rows) under ``spec``; ``seed``, ``offset``:
+    ints or ``(N,)`` int64 tensors on ``x``'s device; ``xk_large``: a top-k threshold ``(N,)`` found
+    outside the records."""
+    n, v = x.shape
+    out = torch.empty(n, dtype=torch.int64, device=x.device)
+    kr = 1 if spec.greedy else spec.kr
+    w = _work(n, kr, x.device)
+    seeds = (*_seed_args(seed, w.mode), *_seed_args(offset, w.mode))
+    base = (x.dtype, x.data_ptr() % 16 == 0, _int_key(v), _int_key(x.stride(0)), seeds[0].data_ptr() % 16 == 0,
+            seeds[4].data_ptr() % 16 == 0)
+    tile = _tile()
+    if plain:
+        mode, planf = _plain_plan(n, x.device)
+    else:
+        mode, planf = w.mode, w.planf
+        _records(x, w, spec, kr, seeds, base, xk_large, out, tile)
+        if spec.greedy:
+            return out
+        if spec.top_p < 1.0:
+            _pivots(x, w, spec, base, tile)
+    _draw(x, w, mode, planf, spec, seeds, base, out, tile, not plain and spec.top_p < 1.0)
+    return out
+
+
+def _records(x, w: _Work, spec: Spec, kr: int, seeds: tuple, base: tuple, xk_large, out, tile: int) -> None:
+    n, v = x.shape
+    rtile = max(tile, kr // 4)
+    q, tiles = _splits(n, v, rtile, w.qr, x.device)
+    top_p = spec.top_p < 1.0
+    k_tie = spec.top_k if 0 < spec.top_k < kr else 0
+    xk = xk_large if xk_large is not None else w.planf
+    args = (x, w.part_r, w.ties, w.mom, w.cnt, v, 0, tiles, x.stride(0), q, k_tie, *seeds, xk, w.mode, w.planf, out,
+            spec.c, spec.shift, _bits(spec.top_p), spec.cmin, k_tie, _probit(spec.top_p) if top_p else 0.0, sc.SLACK,
+            w.gaps)
+    consts = dict(KR=kr, QP=w.qr, TILE=rtile, STAGES=sc.STAGES, MOMENTS=top_p and xk_large is None, FUSED=True,
+                  LARGE_K=xk_large is not None, GREEDY=spec.greedy, TOP_P=top_p, num_warps=sc.WARPS, **LAUNCH)
+    _RECORDS((n, q), base + (n, xk.dtype), args, consts)
+
+
+def _pivots(x, w: _Work, spec: Spec, base: tuple, tile: int) -> None:
+    n, v = x.shape
+    q, tiles = _splits(n, v, tile, w.q, x.device)
+    args = (x, w.part_p, w.cnt, w.mode, w.planf, v, tiles, x.stride(0), q, spec.c, spec.shift, spec.top_p, sc.SLACK,
+            sc.CAP)
+    consts = dict(TILE=tile, QP=w.q, STAGES=sc.STAGES, num_warps=sc.WARPS, enable_fp_fusion=True)
+    for _ in range(sc.PIVOT_ROUNDS):
+        _PIVOTS((n, q), base, args, consts)
+
+
+def _draw(x, w: _Work, mode: Tensor, planf: Tensor, spec: Spec, seeds: tuple, base: tuple, out, tile: int,
+          exact_rows: bool) -> None:
+    n, v = x.shape
+    q, tiles = _splits(n, v, tile, w.q, x.device)
+    args = (x, w.part_d, w.cand, w.ccount, w.cnt, mode, planf, out, *seeds, v, 0, tiles, x.stride(0), q, spec.c,
+            spec.shift, _bits(spec.top_p), sc.CAP)
+    consts = dict(SHIFT4=0, TILE=tile, QP=w.q, CP=configs.next_pow2(sc.CAP), STAGES=sc.STAGES, EXACT_ROWS=exact_rows,
+                  ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT,
+                  num_warps=sc.WARPS, **LAUNCH)
+    _DRAW((n, q), base, args, consts)

@@ -77,7 +77,20 @@ class _Work:
         self.part_p = torch.empty((n, self.q, 17), **f32)
         self.part_d = torch.empty((n, self.q, 4), **i64)
         self.cand = torch.empty((n, sc.CAP), **i64)
-        self.gaps = torch.tensor(tuple(reversed(sc.SPREAD)) + tuple(-g for g in sc.SPREAD), **f32)
+        self.gaps = _gaps(device)
+
+
+_GAPS: dict = {}
+
+
+def _gaps(device: torch.device) -> Tensor:
+    """The pivot rounds' spreads on ``device``, made once per device (a host-to-device copy, which a
+    CUDA graph capture cannot hold: a capture on a new stream reuses the one its warm-up made)."""
+    key = str(device)
+    if key not in _GAPS:
+        _GAPS[key] = torch.tensor(tuple(reversed(sc.SPREAD)) + tuple(-g for g in sc.SPREAD), dtype=torch.float32,
+                                  device=device)
+    return _GAPS[key]
 
 
 def _work(n: int, kr: int, device: torch.device) -> _Work:

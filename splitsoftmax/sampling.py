@@ -23,7 +23,6 @@ from .distributed import handshake as hs
 from .distributed.comm import as_comm
 from .distributed.session import collective
 from .kernels import configs
-from .kernels import sampling_device
 from .kernels import sampling_math as sm
 from .local import use_triton
 from .sampling_flow import Exchange, draw, large_top_k, top_records
@@ -173,6 +172,7 @@ def sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, top_k: Opt
     seeds = _seed_value("seed", seed, n, logits.device)
     offsets = _seed_value("offset", offset, n, logits.device)
     if use_triton(logits) and n and 0 < vocab < 2 ** 31:
+        from .kernels import sampling_device  # (imports Triton, which only this path needs)
         spec, plain = _spec(*filters, vocab)
         x = logits if logits.stride(1) == 1 else logits.contiguous()
         ex = Exchange(None, None, "sample", logits.device)

@@ -64,16 +64,16 @@ def _counters_clear() -> bool:
 
 
 def _modes(monkeypatch) -> list:
-    """Records ``(pass, modes)`` after each pass of the one-device draw."""
+    """Records ``(pass, modes)`` after each launch of the one-device draw."""
     seen = []
-    for name in ("_records", "_pivots", "_draw"):
+    monkeypatch.setattr(sampling_device, "_PLANS", {})       # plans keep the launchers they were built with
+    for name in ("_RECORDS", "_PIVOTS", "_DRAW"):
         real = getattr(sampling_device, name)
 
-        def wrapped(*args, _real=real, _name=name, **kw):
-            out = _real(*args, **kw)
-            seen.append((_name, args[1].mode.tolist()))
-            return out
-        monkeypatch.setattr(sampling_device, name, wrapped)
+        def launch(grid, key, args, consts, _real=real, _name=name):
+            _real(grid, key, args, consts)
+            seen.append((_name, args[_real.fn.arg_names.index("MODE")].tolist()))
+        monkeypatch.setattr(sampling_device, name, launch)
     return seen
 
 
@@ -169,16 +169,16 @@ def test_top_p_paths(monkeypatch, case):
                 m.setattr(sc, "EXACT_ROUNDS", 0)
                 seen.clear()
                 ss.sample(x, seed=seeds, offset=3, **kw)
-                assert EXACT in dict(seen)["_draw"], seen
+                assert EXACT in dict(seen)["_DRAW"], seen
         seen.clear()
         got = ss.sample(x, seed=seeds, offset=3, **kw)
         assert torch.equal(got, _torch_tokens(monkeypatch, x, seeds, 3, **kw)), (case, kw)
         after = dict(seen)
-        assert set(after["_draw"]) <= {DONE, THRESH} and _counters_clear(), seen
+        assert set(after["_DRAW"]) <= {DONE, THRESH} and _counters_clear(), seen
         if case == "listed" and "top_k" not in kw:
-            assert COLLECT in after["_pivots"], seen
+            assert COLLECT in after["_PIVOTS"], seen
         if case == "left to the exact rounds":
-            assert PIVOT in after["_pivots"], seen
+            assert PIVOT in after["_RECORDS"] and "_PIVOTS" not in after, seen
 
 
 def test_sharded_over_the_kernels(monkeypatch):

@@ -14,7 +14,8 @@ STAGES = 4
 PROGRAMS_PER_SM = 2
 MERGE_MAX = 2048         # partial records per row: splits * records
 CAP = 1024               # bracket tokens listed per row (the draw's finisher sorts them: 80 registers at 8 warps)
-PIVOT_ROUNDS = 2         # approximate pivot rounds before the draw (one device)
+PIVOT_ROUNDS = 2         # approximate pivot rounds before the draw (one device; after the first, a
+                         # row's last program takes the others alone over the whole row)
 EXACT_ROUNDS = 16        # exact pivot rounds at most (they narrow a 2^32-key range 17-fold each)
 # relative error allowed to the float32 masses of the approximate rounds (sums of about
 # V / TILE + 64 terms each), and the Gaussian spread of the first round's pivots around the

@@ -1,7 +1,7 @@
 """Host side of a draw on one device: the launches of ``kernels.sampling_fused``.
 
 Greedy is one launch (records), plain sampling one (the draw), top-k and min-p two (records, draw),
-top-p four (records, two approximate pivot rounds, the draw); passes with no row to serve return at
+top-p three (records, approximate pivot rounds, the draw); passes with no row to serve return at
 once, and nothing is read back, so a CUDA graph can hold a draw. The
 per-row buffers (plan, partials, counters, bracket lists) are kept per device, stream and batch
 size: a decode loop allocates only its output. Seeds and offsets given as ints travel as kernel
@@ -80,9 +80,8 @@ class _Work:
         self.gaps = torch.tensor(tuple(reversed(sc.SPREAD)) + tuple(-g for g in sc.SPREAD), **f32)
 
 
-def _work(n: int, kr: int, device: torch.device) -> _Work:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, n, kr)
+def _work(n: int, kr: int, device: torch.device, stream: int) -> _Work:
+    key = (str(device), stream, n, kr, _config_key())
     w = _CACHE.get(key)
     if w is None:
         if len(_CACHE) >= 16:
@@ -130,63 +129,95 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def draw(x: Tensor, spec: Spec, plain: bool, seed, offset, xk_large=None) -> Tensor:
-    """The tokens ``(N,)`` int64 of ``x (N, V)`` (contiguous rows) under ``spec``; ``seed``, ``offset``:
-    ints or ``(N,)`` int64 tensors on ``x``'s device; ``xk_large``: a top-k threshold ``(N,)`` found
-    outside the records."""
-    n, v = x.shape
+def _config_key() -> tuple:
+    """The sizes a test may change (a launch plan is kept per their values)."""
+    return (sc.TILE, sc.TILE_INTERPRET, sc.TILE_EXACT, sc.WARPS, sc.STAGES, sc.PROGRAMS_PER_SM, sc.MERGE_MAX, sc.CAP,
+            sc.PIVOT_ROUNDS, sc.EXACT_ROUNDS, sc.SLACK, sc.SPREAD, sc.INTERPRET_SMS)
+
+
+_PLANS: dict = {}
+
+
+def draw(x: Tensor, spec: Spec, plain: bool, ident: int, seed, offset, xk_large=None) -> Tensor:
+    """The tokens ``(N,)`` int64 of ``x (N, V)`` (rows contiguous) under ``spec`` (configuration
+    ``ident``); ``seed``, ``offset``: ints or ``(N,)`` int64 tensors on ``x``'s device; ``xk_large``: a
+    top-k threshold ``(N,)`` found outside the records. The launches are planned once per
+    configuration, shape, dtype, alignment, device and stream."""
+    n = x.shape[0]
     out = torch.empty(n, dtype=torch.int64, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    seed_t, offset_t = isinstance(seed, Tensor), isinstance(offset, Tensor)
+    key = (ident, x.shape, x.stride(0), x.dtype, x.data_ptr() % 16, x.device, stream, seed_t and seed.data_ptr() % 16,
+           offset_t and offset.data_ptr() % 16, seed_t, offset_t, None if xk_large is None else xk_large.dtype,
+           _config_key())
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 64:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(x, spec, plain, stream, seed, offset, xk_large)
+    seeds = (*_seed_args(seed, plan[0]), *_seed_args(offset, plan[0]))
+    for launcher, grid, launch_key, build, consts in plan[1]:
+        launcher(grid, launch_key, build(x, out, seeds, xk_large), consts)
+    return out
+
+
+def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_large) -> tuple:
+    """``(dummy tensor, launches)``: each launch ``(launcher, grid, key, build(x, out, seeds, xk), consts)``."""
+    n, v = x.shape
     kr = 1 if spec.greedy else spec.kr
-    w = _work(n, kr, x.device)
+    w = _work(n, kr, x.device, stream)
     seeds = (*_seed_args(seed, w.mode), *_seed_args(offset, w.mode))
     base = (x.dtype, x.data_ptr() % 16 == 0, _int_key(v), _int_key(x.stride(0)), seeds[0].data_ptr() % 16 == 0,
             seeds[4].data_ptr() % 16 == 0)
     tile = _tile()
+    steps = []
     if plain:
         mode, planf = _plain_plan(n, x.device)
     else:
         mode, planf = w.mode, w.planf
-        _records(x, w, spec, kr, seeds, base, xk_large, out, tile)
-        if spec.greedy:
-            return out
-        if spec.top_p < 1.0:
-            _pivots(x, w, spec, base, tile)
-    _draw(x, w, mode, planf, spec, seeds, base, out, tile, not plain and spec.top_p < 1.0)
-    return out
+        steps.append(_records(x, w, spec, kr, base, xk_large, tile))
+        if not spec.greedy and spec.top_p < 1.0 and sc.PIVOT_ROUNDS:
+            steps.append(_pivots(x, w, spec, base, tile))
+    if not spec.greedy:
+        steps.append(_draw(x, w, mode, planf, spec, base, tile, not plain and spec.top_p < 1.0))
+    return w.mode, steps
 
 
-def _records(x, w: _Work, spec: Spec, kr: int, seeds: tuple, base: tuple, xk_large, out, tile: int) -> None:
+def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large, tile: int) -> tuple:
     n, v = x.shape
     rtile = max(tile, kr // 4)
     q, tiles = _splits(n, v, rtile, w.qr, x.device)
     top_p = spec.top_p < 1.0
     k_tie = spec.top_k if 0 < spec.top_k < kr else 0
-    xk = xk_large if xk_large is not None else w.planf
-    args = (x, w.part_r, w.ties, w.mom, w.cnt, v, 0, tiles, x.stride(0), q, k_tie, *seeds, xk, w.mode, w.planf, out,
-            spec.c, spec.shift, _bits(spec.top_p), spec.cmin, k_tie, _probit(spec.top_p) if top_p else 0.0, sc.SLACK,
+    head = (w.part_r, w.ties, w.mom, w.cnt, v, 0, tiles, x.stride(0), q, k_tie)
+    mid = (w.mode, w.planf)
+    tail = (spec.c, spec.shift, _bits(spec.top_p), spec.cmin, k_tie, _probit(spec.top_p) if top_p else 0.0, sc.SLACK,
             w.gaps)
+    dummy = w.planf
+
+    def build(x, out, seeds, xk):
+        return (x, *head, *seeds, dummy if xk is None else xk, *mid, out, *tail)
     consts = dict(KR=kr, QP=w.qr, TILE=rtile, STAGES=sc.STAGES, MOMENTS=top_p and xk_large is None, FUSED=True,
                   LARGE_K=xk_large is not None, GREEDY=spec.greedy, TOP_P=top_p, num_warps=sc.WARPS, **LAUNCH)
-    _RECORDS((n, q), base + (n, xk.dtype), args, consts)
+    return _RECORDS, (n, q), base + (n, (xk_large if xk_large is not None else dummy).dtype), build, consts
 
 
-def _pivots(x, w: _Work, spec: Spec, base: tuple, tile: int) -> None:
+def _pivots(x, w: _Work, spec: Spec, base: tuple, tile: int) -> tuple:
     n, v = x.shape
     q, tiles = _splits(n, v, tile, w.q, x.device)
-    args = (x, w.part_p, w.cnt, w.mode, w.planf, v, tiles, x.stride(0), q, spec.c, spec.shift, spec.top_p, sc.SLACK,
+    rest = (w.part_p, w.cnt, w.mode, w.planf, v, tiles, x.stride(0), q, spec.c, spec.shift, spec.top_p, sc.SLACK,
             sc.CAP)
-    consts = dict(TILE=tile, QP=w.q, STAGES=sc.STAGES, num_warps=sc.WARPS, enable_fp_fusion=True)
-    for _ in range(sc.PIVOT_ROUNDS):
-        _PIVOTS((n, q), base, args, consts)
+    consts = dict(TILE=tile, QP=w.q, STAGES=sc.STAGES, MORE=sc.PIVOT_ROUNDS - 1, num_warps=sc.WARPS,
+                  enable_fp_fusion=True)
+    return _PIVOTS, (n, q), base, lambda x, out, seeds, xk: (x, *rest), consts
 
 
-def _draw(x, w: _Work, mode: Tensor, planf: Tensor, spec: Spec, seeds: tuple, base: tuple, out, tile: int,
-          exact_rows: bool) -> None:
+def _draw(x, w: _Work, mode: Tensor, planf: Tensor, spec: Spec, base: tuple, tile: int, exact_rows: bool) -> tuple:
     n, v = x.shape
     q, tiles = _splits(n, v, tile, w.q, x.device)
-    args = (x, w.part_d, w.cand, w.ccount, w.cnt, mode, planf, out, *seeds, v, 0, tiles, x.stride(0), q, spec.c,
-            spec.shift, _bits(spec.top_p), sc.CAP)
+    head = (w.part_d, w.cand, w.ccount, w.cnt, mode, planf)
+    tail = (v, 0, tiles, x.stride(0), q, spec.c, spec.shift, _bits(spec.top_p), sc.CAP)
     consts = dict(SHIFT4=0, TILE=tile, QP=w.q, CP=configs.next_pow2(sc.CAP), STAGES=sc.STAGES, EXACT_ROWS=exact_rows,
                   ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT,
                   num_warps=sc.WARPS, **LAUNCH)
-    _DRAW((n, q), base, args, consts)
+    return _DRAW, (n, q), base, lambda x, out, seeds, xk: (x, *head, out, *seeds, *tail), consts

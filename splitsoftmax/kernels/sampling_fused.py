@@ -7,7 +7,8 @@ a draw is a few launches (one to four) and nothing is read back to the host (a C
 it):
 
 - ``_records_kernel``: records (and the moments of ``d``) and the plan;
-- ``_pivot_kernel``: an approximate pivot round of the PIVOT rows;
+- ``_pivot_kernel``: an approximate pivot round of the PIVOT rows (and the next ones of a row by its
+  last program, while its bracket is not listable);
 - ``_draw_kernel``: the Gumbel-max draw of the THRESH and COLLECT rows, and their tokens; for
   top-p, one program of a row finishes it alone where the approximate rounds left it (its bracket
   not listable) or the exact masses refute its bracket: exact rounds over the whole row, then
@@ -84,18 +85,21 @@ def _records_kernel(X, PART, TIES, MOM, CNT, V, col0, tiles, s_xn, Q, k_tie, SEE
 
 @triton.jit(do_not_specialize=INTS + ["c", "top_p", "slack"])
 def _pivot_kernel(X, PART, CNT, MODE, PLANF, V, tiles, s_xn, Q, c, shift, top_p, slack, cap, TILE: tl.constexpr,
-                  QP: tl.constexpr, STAGES: tl.constexpr):
+                  QP: tl.constexpr, STAGES: tl.constexpr, MORE: tl.constexpr):
     """Grid ``(N, Q)``, PIVOT rows: the span's approximate masses ``(Z~, F~ [PIVOTS])`` (``PART [N, QP,
-    PIVOTS + 1]``) and, last, the row's bracket or next pivots."""
+    PIVOTS + 1]``) and, last, the row's bracket or next pivots; a row still without a listable
+    bracket then takes up to ``MORE`` rounds over the whole row by that program alone."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if tl.load(MODE + row) == PIVOT:
         p = PLANF + row * 24
+        xrow = X + row * s_xn
+        zmax = tl.load(p + F_ZMAX)
+        xthr = tl.load(p + F_XTHR)
         lo = split * tiles * TILE
         hi = tl.minimum(lo + tiles * TILE, V)
         piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
-        z, f, _ = _pivot_span(X + row * s_xn, lo, hi, c, tl.load(p + F_ZMAX), tl.load(p + F_XTHR), piv, shift, TILE,
-                              PIVOTS, STAGES, False)
+        z, f, unused = _pivot_span(xrow, lo, hi, c, zmax, xthr, piv, shift, TILE, PIVOTS, STAGES, False)
         out = PART + (row * QP + split) * (PIVOTS + 1)
         tl.store(out, z)
         tl.store(out + 1 + tl.arange(0, PIVOTS), f)
@@ -107,6 +111,12 @@ def _pivot_kernel(X, PART, CNT, MODE, PLANF, V, tiles, s_xn, Q, c, shift, top_p,
                          cache_modifier=".cg")
             _decide_pivots(row, zs, tl.sum(fs, axis=0), MODE, PLANF, shift, top_p, slack, cap)
             tl.store(CNT + row, 0)
+            for rnd in range(MORE):
+                tl.debug_barrier()
+                if tl.load(MODE + row) == PIVOT:
+                    piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
+                    zr, fr, unused = _pivot_span(xrow, 0, V, c, zmax, xthr, piv, shift, TILE, PIVOTS, STAGES, False)
+                    _decide_pivots(row, zr, fr, MODE, PLANF, shift, top_p, slack, cap)
 
 
 @triton.jit

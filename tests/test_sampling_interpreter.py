@@ -117,17 +117,33 @@ def test_records_match(kr, k_tie):
     assert torch.equal(torch.stack(tk.merge_top((keys, ties), kr)[1:]).squeeze(0), want[1])
 
 
-def test_records_slow_path_on_periodic_logits():
-    """Logits periodic in the tile put every top key at one tile position (more than the four it
-    keeps): the records' exact slow path finds them, as the torch path does."""
-    cols = torch.arange(200)
-    x = torch.where(cols % 16 == 5, cols.float() / 10, -cols.float() / 100).unsqueeze(0)
+def _most_at_one_position(top: torch.Tensor, lo: int, hi: int, tile: int, rotate: bool) -> int:
+    """The most top columns of ``[lo, hi)`` that one tile position of the records pass takes."""
+    cols = torch.arange(lo, hi)[top[lo:hi]]
+    j = (cols - lo) // tile
+    pos = ((cols - lo) % tile - 97 * j) % tile if rotate else (cols - lo) % tile
+    return int(torch.bincount(pos).max())
+
+
+@pytest.mark.parametrize("stride", [16, 256])
+def test_records_on_periodic_logits(monkeypatch, stride):
+    """Top keys every ``stride`` columns: at stride 16 they all fall on one tile position (more than
+    the four it keeps) and the pass's other assignment of columns to positions finds them; at
+    stride 256 that assignment puts them together too and the records are found one pass per
+    record; as the torch path does."""
+    monkeypatch.setattr(sc, "INTERPRET_SMS", 1)          # two spans per row
+    v = 200 if stride == 16 else 2100
+    cols = torch.arange(v)
+    top = cols % stride == 5
+    x = torch.where(top, cols.float() / 10, -cols.float() / 1000).unsqueeze(0)
+    span = sampling_device._splits(1, v, 16, sampling_device.records_splits(8, x.device), x.device)[1] * 16
+    assert _most_at_one_position(top, 0, span, 16, False) > 4
+    assert (_most_at_one_position(top, 0, span, 16, True) > 4) == (stride == 256)
     keys, ties = tk.records(x, 0, 8)
     vals, ids = tk.decode(keys)
     got = rows.merge_partials(vals, ids, ties, 8)
     want = sampling_cpu.records(x, 0, 8)
     assert torch.equal(got[1], want[1][:, 0]) and torch.equal(got[0], want[0][:, 0])
-    assert set((got[1][0] % 16).tolist()) == {5}
 
 
 def test_tokens_match_the_torch_path(monkeypatch):

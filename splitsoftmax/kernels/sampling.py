@@ -31,6 +31,7 @@ from . import sampling_config as sc
 from . import sampling_math as sm
 from .launch import Launcher
 from .sampling_device import _sms, _tile, records_splits
+from .sampling_device import _splits as span_splits
 from .sampling_finish import _key
 from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
 from .sampling_fused import _records_kernel
@@ -232,12 +233,12 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     n, v = x.shape
     tile = max(_tile(), kr // 4)
     qp = records_splits(kr, x.device)
-    splits, span = _splits(n, v, tile, x.device, qp)
+    splits, tiles = span_splits(n, v, tile, qp, x.device)
     part = torch.empty((n, qp, kr), dtype=torch.int64, device=x.device)
     ties = torch.empty((n, qp), dtype=torch.int64, device=x.device)
     if n:
         k_tie = k_tie if k_tie < kr else 0
-        args = (x, part, ties, ties, ties, v, col0, span // tile, x.stride(0), splits, k_tie, part, 0, 0, 0, part, 0, 0,
+        args = (x, part, ties, ties, ties, v, col0, tiles, x.stride(0), splits, k_tie, part, 0, 0, 0, part, 0, 0,
                 0, part, part, part, part, 1.0, 0, 0, 0.0, 0, 0.0, 0.0, part)
         consts = dict(KR=kr, QP=qp, TILE=tile, STAGES=sc.STAGES, MOMENTS=False, FUSED=False, LARGE_K=False,
                       GREEDY=kr == 1, TOP_P=False, num_warps=sc.WARPS, **LAUNCH)

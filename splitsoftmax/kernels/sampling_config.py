@@ -13,7 +13,9 @@ WARPS = 8
 STAGES = 4
 PROGRAMS_PER_SM = 2
 MERGE_MAX = 2048         # partial records per row: splits * records
-CAP = 1024               # bracket tokens listed per row (the draw's finisher sorts them: 80 registers at 8 warps)
+SLOTS = 1024             # bracket tokens a row's list can hold (the draw's finisher sorts them: 80
+                         # registers at 8 warps)
+CAP = 1024               # bracket tokens listed per row (at most SLOTS; a kernel argument)
 PIVOT_ROUNDS = 2         # approximate pivot rounds before the draw (one device; after the first, a
                          # row's last program takes the others alone over the whole row)
 EXACT_ROUNDS = 16        # exact pivot rounds at most (they narrow a 2^32-key range 17-fold each)

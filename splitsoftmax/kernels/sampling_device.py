@@ -76,7 +76,7 @@ class _Work:
         self.mom = torch.empty((n, self.qr, 4), **f32)
         self.part_p = torch.empty((n, self.q, 17), **f32)
         self.part_d = torch.empty((n, self.q, 4), **i64)
-        self.cand = torch.empty((n, sc.CAP), **i64)
+        self.cand = torch.empty((n, max(sc.CAP, 1)), **i64)
         self.gaps = torch.tensor(tuple(reversed(sc.SPREAD)) + tuple(-g for g in sc.SPREAD), **f32)
 
 
@@ -91,6 +91,15 @@ def _work(n: int, kr: int, device: torch.device, stream: int) -> _Work:
 
 
 _PLAIN: dict = {}
+
+
+def _slots() -> int:
+    """Candidate slots of the draw's finisher: ``SLOTS`` (the interpreter: only ``CAP``'s, its sort is slow)."""
+    if interpreting():
+        return configs.next_pow2(sc.CAP)
+    if sc.CAP > sc.SLOTS:
+        raise ValueError(f"sampling_config.CAP={sc.CAP} exceeds SLOTS={sc.SLOTS}")
+    return configs.next_pow2(sc.SLOTS)
 
 
 def _plain_plan(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -132,6 +141,7 @@ def _bits(x: float) -> int:
 def _config_key() -> tuple:
     """The sizes a test may change (a launch plan is kept per their values)."""
     return (sc.TILE, sc.TILE_INTERPRET, sc.TILE_EXACT, sc.WARPS, sc.STAGES, sc.PROGRAMS_PER_SM, sc.MERGE_MAX, sc.CAP,
+            sc.SLOTS,
             sc.PIVOT_ROUNDS, sc.EXACT_ROUNDS, sc.SLACK, sc.SPREAD, sc.INTERPRET_SMS)
 
 
@@ -217,7 +227,7 @@ def _draw(x, w: _Work, mode: Tensor, planf: Tensor, spec: Spec, base: tuple, til
     q, tiles = _splits(n, v, tile, w.q, x.device)
     head = (w.part_d, w.cand, w.ccount, w.cnt, mode, planf)
     tail = (v, 0, tiles, x.stride(0), q, spec.c, spec.shift, _bits(spec.top_p), sc.CAP)
-    consts = dict(SHIFT4=0, TILE=tile, QP=w.q, CP=configs.next_pow2(sc.CAP), STAGES=sc.STAGES, EXACT_ROWS=exact_rows,
+    consts = dict(SHIFT4=0, TILE=tile, QP=w.q, CP=_slots(), STAGES=sc.STAGES, EXACT_ROWS=exact_rows,
                   ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT,
                   num_warps=sc.WARPS, **LAUNCH)
     return _DRAW, (n, q), base, lambda x, out, seeds, xk: (x, *head, out, *seeds, *tail), consts

@@ -197,9 +197,10 @@ def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large, tile: int)
     n, v = x.shape
     rtile = max(tile, kr // 4)
     q, tiles = _splits(n, v, rtile, w.qr, x.device)
+    qp = configs.next_pow2(q)       # the row's partials as the finisher merges them (sorting qp * kr keys)
     top_p = spec.top_p < 1.0
     k_tie = spec.top_k if 0 < spec.top_k < kr else 0
-    head = (w.part_r, w.ties, w.mom, w.cnt, v, 0, tiles, x.stride(0), q, k_tie)
+    head = (w.part_r, w.ties, w.mom, w.cnt, v, 0, tiles, x.stride(0), q, k_tie)   # rows of qp partials
     mid = (w.mode, w.planf)
     tail = (spec.c, spec.shift, _bits(spec.top_p), spec.cmin, k_tie, _probit(spec.top_p) if top_p else 0.0, sc.SLACK,
             w.gaps)
@@ -207,7 +208,7 @@ def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large, tile: int)
 
     def build(x, out, seeds, xk):
         return (x, *head, *seeds, dummy if xk is None else xk, *mid, out, *tail)
-    consts = dict(KR=kr, QP=w.qr, TILE=rtile, STAGES=sc.STAGES, MOMENTS=top_p and xk_large is None, FUSED=True,
+    consts = dict(KR=kr, QP=qp, TILE=rtile, STAGES=sc.STAGES, MOMENTS=top_p and xk_large is None, FUSED=True,
                   LARGE_K=xk_large is not None, GREEDY=spec.greedy, TOP_P=top_p, num_warps=sc.WARPS, **LAUNCH)
     return _RECORDS, (n, q), base + (n, (xk_large if xk_large is not None else dummy).dtype), build, consts
 

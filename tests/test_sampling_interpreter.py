@@ -232,3 +232,18 @@ def test_near_ties_of_the_keys(monkeypatch):
     keys = sm.gumbel_key(x * sm.temperature_scale(1.0), sm.words(seeds[:, None], offsets[:, None], 0, v))
     assert (keys.amax(dim=1) - keys.amin(dim=1)).max() < 1e-4
     assert torch.equal(ss.sample(x, seed=seeds, offset=offsets), _torch_tokens(monkeypatch, x, seeds, offsets))
+
+
+def test_infinite_logits(monkeypatch):
+    """A row whose largest scaled logit is +inf draws nothing (-1), on one device and sharded, where
+    the spans without the infinite logit have a finite winner."""
+    x = torch.randn(3, 40, generator=torch.Generator().manual_seed(6))
+    x[0, 3] = float("inf")
+    x[1, :] = float("-inf")
+    x[1, 37] = float("inf")
+    parts = torch.split(x, [13, 27], dim=1)
+    for kw in (dict(), dict(top_p=0.5), dict(min_p=0.1)):
+        want = _torch_tokens(monkeypatch, x, 1, 2, **kw)
+        assert want[:2].tolist() == [-1, -1] and torch.equal(ss.sample(x, seed=1, offset=2, **kw), want), kw
+        for got in LoopbackWorld(2).run(lambda c: ss.sharded_sample(parts[c.rank], seed=1, offset=2, group=c, **kw)):
+            assert torch.equal(got, want), kw

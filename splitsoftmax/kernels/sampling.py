@@ -36,7 +36,7 @@ from .sampling_finish import _key
 from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
 from .sampling_fused import _records_kernel
 from .sampling_jit import COLLECT, LAUNCH, MASS, NEG_INF, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
-from .sampling_span import NAN_KEY, _approx_noise
+from .sampling_span import INF_KEY, NAN_KEY, _approx_noise
 import triton
 
 @triton.jit
@@ -129,7 +129,9 @@ def _tile_best(zz, word, gid, win):
     approx = tl.where(win, zz + _approx_noise(word), NEG_INF)
     top = tl.max(approx, axis=0)
     best = tl.sum(tl.zeros([1], tl.int64), axis=0) + NONE
-    if top > NEG_INF:
+    if top == float("inf"):                     # an infinite scaled logit: the row draws nothing (-1)
+        best = best - NONE + INF_KEY
+    elif top > NEG_INF:
         near = win & (approx >= top - (4e-3 + tl.abs(top) * 2e-6))
         if tl.sum(near.to(tl.int32), axis=0) == 1:
             one_word = tl.sum(tl.where(near, word.to(tl.int64), 0), axis=0).to(tl.uint32)

@@ -31,6 +31,7 @@ from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any 
 from .sampling_jit import INT32_MIN, NEG_INF, NONE, U32, _gumbel, _ord32, _qmass, _top
 
 NAN_KEY = tl.constexpr(0x7FFFFFFF << 32)      # the packed high word of a NaN key
+INF_KEY = tl.constexpr(0x7F800000 << 32)      # and of a +inf key
 STREAM = tl.constexpr(0x53414D50)              # Philox counter word 3 (``sampling_math.STREAM``)
 # ``tl.log2`` compiles to libdevice's exact log2 (about 25 instructions); the bound of the draw
 # takes the special function unit's ``lg2.approx`` (one), except in the interpreter
@@ -342,7 +343,9 @@ def _draw_span(X, lo, hi, SHIFT4, V, col0, c, zmax, xthr, thr, b_lo, b_hi, seed,
             nan = tl.maximum(nan, (valid & (x != x)).to(tl.int32))
     top = tl.max(tl.max(a1, axis=1), axis=0)
     best = tl.sum(tl.zeros([1], tl.int64), axis=0) + NONE
-    if top > NEG_INF:
+    if top == float("inf"):                     # an infinite scaled logit: the row draws nothing (-1)
+        best = best - NONE + INF_KEY
+    elif top > NEG_INF:
         floor = top - (4e-3 + tl.abs(top) * 2e-6)
         if tl.max(tl.max(a2, axis=1), axis=0) >= floor:        # two bounded keys near the best at one position
             best = _near_rescan(X, lo, hi, SHIFT4, V, col0, c, zmax, xthr, thr, seed, off, floor, TILE)

@@ -64,8 +64,8 @@ def _ptxas_report(ptx: str) -> str:
 
 
 TYPES = dict(X="*fp32", PART="*i64", TIES="*i64", MOM="*fp32", CNT="*i32", SEED="*i64", OFFSET="*i64", XK="*fp32",
-             MODE="*i64", PLANF="*fp32", OUT="*i64", GAPS="*fp32", CAND="*i64", CCOUNT="*i32", c="fp32", cmin="fp32",
-             probit="fp32", slack="fp32", top_p="fp32", top_p_bits="i64")
+             MODE="*i64", PLANF="*fp32", OUT="*i64", CAND="*i64", CCOUNT="*i32", c="fp32", cmin="fp32",
+             probit="fp32", slack="fp32", spread="fp32", growth="fp32", top_p="fp32", top_p_bits="i64")
 RECORDS = dict(QP=32, TILE=sc.TILE, STAGES=sc.STAGES, FUSED=True, LARGE_K=False, GREEDY=False)
 DRAW = dict(SHIFT4=0, TILE=sc.TILE, QP=512, CP=sc.SLOTS, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_EXACT)
 CASES = {

@@ -241,7 +241,7 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     if n:
         k_tie = k_tie if k_tie < kr else 0
         args = (x, part, ties, ties, ties, v, col0, tiles, x.stride(0), splits, k_tie, part, 0, 0, 0, part, 0, 0,
-                0, part, part, part, part, 1.0, 0, 0, 0.0, 0, 0.0, 0.0, part)
+                0, part, part, part, part, 1.0, 0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0.0)
         consts = dict(KR=kr, QP=qp, TILE=tile, STAGES=sc.STAGES, MOMENTS=False, FUSED=False, LARGE_K=False,
                       GREEDY=kr == 1, TOP_P=False, num_warps=sc.WARPS, **LAUNCH)
         _RECORDS((n, splits), _key(args), args, consts)

@@ -55,9 +55,10 @@ def _single(a, b):
 
 
 @triton.jit
-def _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, GAPS, QP: tl.constexpr):
+def _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, spread, growth, QP: tl.constexpr):
     """``(Z~, pivots)``: the approximate mass of the row from the passes' moments, and the first
-    round's pivots around the threshold of a Gaussian of the same mean and deviation in ``d``."""
+    round's pivots around the threshold of a Gaussian of the same mean and deviation in ``d``, at
+    ``spread * 2^(growth j)`` deviations above and below it (``j < PIVOTS / 2``)."""
     qi = tl.arange(0, QP)
     m = MOM + row * s_mn + qi * 4
     ok = qi < Q
@@ -74,14 +75,17 @@ def _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, GAPS, QP: tl.
     dev = tl.sqrt(tl.maximum(z2 / tl.maximum(z0, 1e-30) - mean * mean, 0.0))
     dev = tl.minimum(tl.maximum(dev, 0.05), 16.0)
     guess = mean - dev * probit
-    piv = guess + dev * tl.load(GAPS + tl.arange(0, PIVOTS))
+    k = tl.arange(0, PIVOTS)
+    half = PIVOTS // 2
+    j = tl.where(k < half, half - 1 - k, k - half).to(tl.float32)
+    piv = guess + dev * tl.where(k < half, 1.0, -1.0) * spread * tl.exp2(growth * j)
     piv = tl.minimum(tl.maximum(piv, floor), tl.maximum(d_last, floor))
     return z0, piv
 
 
 @triton.jit
 def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, OUT, c, shift,
-                    top_p_bits, cmin, top_k, probit, slack, GAPS, KR: tl.constexpr, QP: tl.constexpr,
+                    top_p_bits, cmin, top_k, probit, slack, spread, growth, KR: tl.constexpr, QP: tl.constexpr,
                     LARGE_K: tl.constexpr, GREEDY: tl.constexpr, TOP_P: tl.constexpr):
     """``sampling_rows.after_records`` on the partial records ``keys [QP, KR]`` (ties ``[QP]``) of
     one row; a top-p the records cannot settle gets a bracket from the records (when their mass
@@ -142,7 +146,7 @@ def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, O
         if TOP_P:
             if to_pivot:
                 floor = -shift.to(tl.float32)
-                z_mom, piv = _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, GAPS, QP)
+                z_mom, piv = _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, spread, growth, QP)
                 reach = top_p_bits.to(tl.float64, bitcast=True).to(tl.float32) * z_mom * (1.0 + slack)
                 cum = tl.cumsum(tl.where(keptk, q, 0), axis=0).to(tl.float32) / tl.exp2(shift.to(tl.float32))
                 a = tl.max(tl.where(keptk & (cum >= reach), d, NEG_INF), axis=0)

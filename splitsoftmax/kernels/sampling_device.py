@@ -61,7 +61,8 @@ def records_splits(kr: int, device: torch.device) -> int:
 
 class _Work:
     """The per-row buffers of one ``(device, stream, N, records)``: counters (zero between launches),
-    the plan, the partials of each pass and the bracket lists."""
+    the plan, the partials of each pass and the bracket lists. Kept per stream: draws on two streams
+    at once do not share them."""
 
     def __init__(self, n: int, kr: int, device: torch.device):
         i32, i64, f32 = (dict(dtype=t, device=device) for t in (torch.int32, torch.int64, torch.float32))
@@ -77,7 +78,12 @@ class _Work:
         self.part_p = torch.empty((n, self.q, 17), **f32)
         self.part_d = torch.empty((n, self.q, 4), **i64)
         self.cand = torch.empty((n, max(sc.CAP, 1)), **i64)
-        self.gaps = torch.tensor(tuple(reversed(sc.SPREAD)) + tuple(-g for g in sc.SPREAD), **f32)
+        # the plan of plain sampling (every row THRESH, nothing filtered), read only; made by device
+        # operations only, so that a first draw inside a CUDA-graph capture records them
+        self.plain_mode = torch.full((n,), int(THRESH.value), **i64)
+        self.plain_planf = torch.zeros((n, PLAN_F), **f32)
+        self.plain_planf[:, 0] = float("-inf")          # XTHR
+        self.plain_planf[:, 2] = float("-inf")          # DTHR
 
 
 def _work(n: int, kr: int, device: torch.device, stream: int) -> _Work:
@@ -90,9 +96,6 @@ def _work(n: int, kr: int, device: torch.device, stream: int) -> _Work:
     return w
 
 
-_PLAIN: dict = {}
-
-
 def _slots() -> int:
     """Candidate slots of the draw's finisher: ``SLOTS`` (the interpreter: only ``CAP``'s, its sort is slow)."""
     if interpreting():
@@ -100,19 +103,6 @@ def _slots() -> int:
     if sc.CAP > sc.SLOTS:
         raise ValueError(f"sampling_config.CAP={sc.CAP} exceeds SLOTS={sc.SLOTS}")
     return configs.next_pow2(sc.SLOTS)
-
-
-def _plain_plan(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(mode, planf)`` of plain sampling: every row THRESH, nothing filtered; read only."""
-    key = (n, str(device))
-    if key not in _PLAIN:
-        if len(_PLAIN) >= 16:
-            _PLAIN.clear()
-        planf = torch.zeros((n, PLAN_F), dtype=torch.float32, device=device)
-        planf[:, 0] = float("-inf")           # XTHR
-        planf[:, 2] = float("-inf")           # DTHR
-        _PLAIN[key] = (torch.full((n,), int(THRESH.value), dtype=torch.int64, device=device), planf)
-    return _PLAIN[key]
 
 
 def _seed_args(value, dummy: Tensor) -> tuple:
@@ -142,7 +132,7 @@ def _config_key() -> tuple:
     """The sizes a test may change (a launch plan is kept per their values)."""
     return (sc.TILE, sc.TILE_INTERPRET, sc.TILE_EXACT, sc.WARPS, sc.STAGES, sc.PROGRAMS_PER_SM, sc.MERGE_MAX, sc.CAP,
             sc.SLOTS,
-            sc.PIVOT_ROUNDS, sc.EXACT_ROUNDS, sc.SLACK, sc.SPREAD, sc.INTERPRET_SMS)
+            sc.PIVOT_ROUNDS, sc.EXACT_ROUNDS, sc.SLACK, sc.SPREAD, sc.GROWTH, sc.INTERPRET_SMS)
 
 
 _PLANS: dict = {}
@@ -182,7 +172,7 @@ def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_larg
     tile = _tile()
     steps = []
     if plain:
-        mode, planf = _plain_plan(n, x.device)
+        mode, planf = w.plain_mode, w.plain_planf
     else:
         mode, planf = w.mode, w.planf
         steps.append(_records(x, w, spec, kr, base, xk_large, tile))
@@ -203,7 +193,7 @@ def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large, tile: int)
     head = (w.part_r, w.ties, w.mom, w.cnt, v, 0, tiles, x.stride(0), q, k_tie)   # rows of qp partials
     mid = (w.mode, w.planf)
     tail = (spec.c, spec.shift, _bits(spec.top_p), spec.cmin, k_tie, _probit(spec.top_p) if top_p else 0.0, sc.SLACK,
-            w.gaps)
+            sc.SPREAD, sc.GROWTH)
     dummy = w.planf
 
     def build(x, out, seeds, xk):

@@ -40,10 +40,10 @@ def _last(CNT, row, Q):
     return tl.atomic_add(CNT + row, 1) == Q - 1
 
 
-@triton.jit(do_not_specialize=INTS + ["c", "cmin", "probit", "slack"])
+@triton.jit(do_not_specialize=INTS + ["c", "cmin", "probit", "slack", "spread", "growth"])
 def _records_kernel(X, PART, TIES, MOM, CNT, V, col0, tiles, s_xn, Q, k_tie, SEED, seed_ptr, seed_lo, seed_hi,
                     OFFSET, off_ptr, off_lo, off_hi, XK, MODE, PLANF, OUT, c, shift, top_p_bits, cmin, top_k,
-                    probit, slack, GAPS, KR: tl.constexpr, QP: tl.constexpr, TILE: tl.constexpr,
+                    probit, slack, spread, growth, KR: tl.constexpr, QP: tl.constexpr, TILE: tl.constexpr,
                     STAGES: tl.constexpr, MOMENTS: tl.constexpr, FUSED: tl.constexpr, LARGE_K: tl.constexpr,
                     GREEDY: tl.constexpr, TOP_P: tl.constexpr):
     """Grid ``(N, Q)``: the span's top ``KR`` packed keys ``PART [N, QP, KR]``, with ``k_tie`` the count
@@ -79,7 +79,7 @@ def _records_kernel(X, PART, TIES, MOM, CNT, V, col0, tiles, s_xn, Q, k_tie, SEE
             seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
             off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
             _decide_records(row, keys, tie, Q, MOM, QP * 4, seed, off, XK, MODE, PLANF, OUT, c, shift, top_p_bits,
-                            cmin, top_k, probit, slack, GAPS, KR, QP, LARGE_K, GREEDY, TOP_P)
+                            cmin, top_k, probit, slack, spread, growth, KR, QP, LARGE_K, GREEDY, TOP_P)
             tl.store(CNT + row, 0)
 
 

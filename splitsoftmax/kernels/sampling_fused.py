@@ -24,8 +24,8 @@ import triton.language as tl
 
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .sampling_decide import _decide_draw, _decide_exact, _decide_pivots, _decide_records
-from .sampling_jit import (COLLECT, EXACT, F_DTHR, F_HI, F_LO, F_PIV, F_XTHR, F_ZMAX, NONE, PIVOT, PIVOTS, POS_INF,
-                           THRESH, _seed_of)
+from .sampling_jit import (COLLECT, EXACT, F_DTHR, F_HI, F_LO, F_PIV, F_XTHR, F_ZMAX, INTERPRETING, NONE, PIVOT,
+                           PIVOTS, POS_INF, THRESH, _seed_of)
 from .sampling_span import _count_value, _draw_span, _pivot_span, _records_span
 
 # integers that do not specialise a kernel (the row stride and V do: they decide vector loads)
@@ -34,10 +34,22 @@ INTS = ["col0", "tiles", "Q", "k_tie", "top_k", "cap", "seed_ptr", "seed_lo", "s
 
 
 @triton.jit
+def _fence(row):
+    """``fence.acq_rel.gpu`` in every thread (``__threadfence``): this program's stores are visible
+    before it counts itself done; the last program's reads see the others' (none in the interpreter)."""
+    if not INTERPRETING:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [row.to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _last(CNT, row, Q):
     """Whether this program is the last of its row's ``Q`` to get here (its stores are done first)."""
+    _fence(row)
     tl.debug_barrier()
-    return tl.atomic_add(CNT + row, 1) == Q - 1
+    last = tl.atomic_add(CNT + row, 1) == Q - 1
+    _fence(row)
+    return last
 
 
 @triton.jit(do_not_specialize=INTS + ["c", "cmin", "probit", "slack", "spread", "growth"])

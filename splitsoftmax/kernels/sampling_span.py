@@ -99,8 +99,8 @@ def _top4_span(X, lo, hi, c, ref, TILE: tl.constexpr, STAGES: tl.constexpr, MOME
             t = tl.where(fin, zz - ref, 0.0)
             e = tl.where(fin, tl.exp2(tl.minimum(t, 60.0)), 0.0)
             l0 += e
-            l1 += e * t
-            l2 += e * t * t
+            l1 = tl.fma(e, t, l1)                     # approximate: fused where it saves an instruction
+            l2 = tl.fma(e * t, t, l2)
         v1, i1, v2, i2, v3, i3, v4, i4 = _insert4(k, cols, v1, i1, v2, i2, v3, i3, v4, i4)
     return v1, i1, v2, i2, v3, i3, v4, i4, l0, l1, l2
 

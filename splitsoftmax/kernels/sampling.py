@@ -21,6 +21,7 @@ tiles, so that a batch of one row still spreads over the GPU; the spans' records
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 from torch import Tensor
 
@@ -37,7 +38,7 @@ from .sampling_finish import after_mass, after_records, after_refine, after_samp
 from .sampling_fused import _records_kernel
 from .sampling_jit import COLLECT, LAUNCH, MASS, NEG_INF, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
 from .sampling_span import INF_KEY, NAN_KEY, _approx_noise
-import triton
+
 
 @triton.jit
 def _row_inputs(X, XTHR, ZMAX, row, cols, valid, s_xn, c):

@@ -13,7 +13,6 @@ import statistics
 from functools import lru_cache
 
 import torch
-import triton
 from torch import Tensor
 
 from ..local import interpreting

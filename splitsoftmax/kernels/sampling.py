@@ -235,7 +235,7 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     x = _rows(x)
     n, v = x.shape
     tile = max(_tile(), kr // 4)
-    qp = records_splits(kr, x.device)
+    qp = records_splits(kr, x.device, n)
     splits, tiles = span_splits(n, v, tile, qp, x.device)
     part = torch.empty((n, qp, kr), dtype=torch.int64, device=x.device)
     ties = torch.empty((n, qp), dtype=torch.int64, device=x.device)

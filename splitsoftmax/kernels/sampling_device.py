@@ -53,20 +53,26 @@ def _splits(n: int, width: int, tile: int, most: int, device: torch.device) -> t
     return configs.cdiv(total, tiles), tiles
 
 
-def records_splits(kr: int, device: torch.device) -> int:
+def row_splits(n: int, device: torch.device) -> int:
+    """The most programs a pass spreads one of ``n`` rows over, as a power of two."""
+    return min(_max_splits(device), configs.next_pow2(configs.cdiv(sc.PROGRAMS_PER_SM * _sms(device), max(n, 1))))
+
+
+def records_splits(kr: int, device: torch.device, n: int = 1) -> int:
     """Partials per row of the records pass (a power of two): at most ``MERGE_MAX`` records in all."""
-    return min(_max_splits(device), max(1, sc.MERGE_MAX // kr))
+    return min(row_splits(n, device), max(1, sc.MERGE_MAX // kr))
 
 
 class _Work:
-    """The per-row buffers of one ``(device, stream, N, records)``: counters (zero between launches),
+    """The per-row buffers of one ``(device, stream, N, V, records)``: counters (zero between launches),
     the plan, the partials of each pass and the bracket lists. Kept per stream: draws on two streams
     at once do not share them."""
 
-    def __init__(self, n: int, kr: int, device: torch.device):
+    def __init__(self, n: int, v: int, kr: int, device: torch.device):
         i32, i64, f32 = (dict(dtype=t, device=device) for t in (torch.int32, torch.int64, torch.float32))
-        self.q = _max_splits(device)
-        self.qr = records_splits(kr, device)
+        self.q = row_splits(n, device)
+        self.qr = records_splits(kr, device, n)
+        self.cap = max(1, min(sc.CAP, v))
         self.cnt = torch.zeros(n, **i32)
         self.ccount = torch.zeros(n, **i32)
         self.mode = torch.empty(n, **i64)
@@ -76,7 +82,7 @@ class _Work:
         self.mom = torch.empty((n, self.qr, 4), **f32)
         self.part_p = torch.empty((n, self.q, 17), **f32)
         self.part_d = torch.empty((n, self.q, 4), **i64)
-        self.cand = torch.empty((n, max(sc.CAP, 1)), **i64)
+        self.cand = torch.empty((n, self.cap), **i64)
         # the plan of plain sampling (every row THRESH, nothing filtered), read only; made by device
         # operations only, so that a first draw inside a CUDA-graph capture records them
         self.plain_mode = torch.full((n,), int(THRESH.value), **i64)
@@ -85,13 +91,13 @@ class _Work:
         self.plain_planf[:, 2] = float("-inf")          # DTHR
 
 
-def _work(n: int, kr: int, device: torch.device, stream: int) -> _Work:
-    key = (str(device), stream, n, kr, _config_key())
+def _work(n: int, v: int, kr: int, device: torch.device, stream: int) -> _Work:
+    key = (str(device), stream, n, v, kr, _config_key())
     w = _CACHE.get(key)
     if w is None:
         if len(_CACHE) >= 16:
             _CACHE.clear()
-        w = _CACHE[key] = _Work(n, kr, device)
+        w = _CACHE[key] = _Work(n, v, kr, device)
     return w
 
 
@@ -164,7 +170,7 @@ def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_larg
     """``(dummy tensor, launches)``: each launch ``(launcher, grid, key, build(x, out, seeds, xk), consts)``."""
     n, v = x.shape
     kr = 1 if spec.greedy else spec.kr
-    w = _work(n, kr, x.device, stream)
+    w = _work(n, v, kr, x.device, stream)
     seeds = (*_seed_args(seed, w.mode), *_seed_args(offset, w.mode))
     base = (x.dtype, x.data_ptr() % 16 == 0, _int_key(v), _int_key(x.stride(0)), seeds[0].data_ptr() % 16 == 0,
             seeds[4].data_ptr() % 16 == 0)
@@ -206,8 +212,8 @@ def _pivots(x, w: _Work, spec: Spec, base: tuple, tile: int) -> tuple:
     n, v = x.shape
     q, tiles = _splits(n, v, tile, w.q, x.device)
     rest = (w.part_p, w.cnt, w.mode, w.planf, v, tiles, x.stride(0), q, spec.c, spec.shift, spec.top_p, sc.SLACK,
-            sc.CAP)
-    consts = dict(TILE=tile, QP=w.q, STAGES=sc.STAGES, MORE=sc.PIVOT_ROUNDS - 1, num_warps=sc.WARPS,
+            w.cap)
+    consts = dict(TILE=tile, QP=_max_splits(x.device), STAGES=sc.STAGES, MORE=sc.PIVOT_ROUNDS - 1, num_warps=sc.WARPS,
                   enable_fp_fusion=True)
     return _PIVOTS, (n, q), base, lambda x, out, seeds, xk: (x, *rest), consts
 
@@ -216,8 +222,8 @@ def _draw(x, w: _Work, mode: Tensor, planf: Tensor, spec: Spec, base: tuple, til
     n, v = x.shape
     q, tiles = _splits(n, v, tile, w.q, x.device)
     head = (w.part_d, w.cand, w.ccount, w.cnt, mode, planf)
-    tail = (v, 0, tiles, x.stride(0), q, spec.c, spec.shift, _bits(spec.top_p), sc.CAP)
-    consts = dict(SHIFT4=0, TILE=tile, QP=w.q, CP=_slots(), STAGES=sc.STAGES, EXACT_ROWS=exact_rows,
+    tail = (v, 0, tiles, x.stride(0), q, spec.c, spec.shift, _bits(spec.top_p), w.cap)
+    consts = dict(SHIFT4=0, TILE=tile, QP=_max_splits(x.device), CP=_slots(), STAGES=sc.STAGES, EXACT_ROWS=exact_rows,
                   ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT,
                   num_warps=sc.WARPS, **LAUNCH)
     return _DRAW, (n, q), base, lambda x, out, seeds, xk: (x, *head, out, *seeds, *tail), consts

@@ -98,8 +98,8 @@ def _records_kernel(X, PART, TIES, MOM, CNT, V, col0, tiles, s_xn, Q, k_tie, SEE
 @triton.jit(do_not_specialize=INTS + ["c", "top_p", "slack"])
 def _pivot_kernel(X, PART, CNT, MODE, PLANF, V, tiles, s_xn, Q, c, shift, top_p, slack, cap, TILE: tl.constexpr,
                   QP: tl.constexpr, STAGES: tl.constexpr, MORE: tl.constexpr):
-    """Grid ``(N, Q)``, PIVOT rows: the span's approximate masses ``(Z~, F~ [PIVOTS])`` (``PART [N, QP,
-    PIVOTS + 1]``) and, last, the row's bracket or next pivots; a row still without a listable
+    """Grid ``(N, Q)``, PIVOT rows: the span's approximate masses ``(Z~, F~ [PIVOTS])`` (``PART [N, Q,
+    PIVOTS + 1]``; ``QP >= Q``) and, last, the row's bracket or next pivots; a row still without a listable
     bracket then takes up to ``MORE`` rounds over the whole row by that program alone."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -112,12 +112,12 @@ def _pivot_kernel(X, PART, CNT, MODE, PLANF, V, tiles, s_xn, Q, c, shift, top_p,
         hi = tl.minimum(lo + tiles * TILE, V)
         piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
         z, f, unused = _pivot_span(xrow, lo, hi, c, zmax, xthr, piv, shift, TILE, PIVOTS, STAGES, False)
-        out = PART + (row * QP + split) * (PIVOTS + 1)
+        out = PART + (row * Q + split) * (PIVOTS + 1)
         tl.store(out, z)
         tl.store(out + 1 + tl.arange(0, PIVOTS), f)
         if _last(CNT, row, Q):
             qi = tl.arange(0, QP)
-            rows = PART + (row * QP + qi) * (PIVOTS + 1)
+            rows = PART + (row * Q + qi) * (PIVOTS + 1)
             zs = tl.sum(tl.load(rows, mask=qi < Q, other=0.0, cache_modifier=".cg"), axis=0)
             fs = tl.load(rows[:, None] + 1 + tl.arange(0, PIVOTS)[None, :], mask=(qi < Q)[:, None], other=0.0,
                          cache_modifier=".cg")
@@ -177,7 +177,7 @@ def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, s
                  off_ptr, off_lo, off_hi, V, col0, tiles, s_xn, Q, c, shift, top_p_bits, cap, SHIFT4: tl.constexpr,
                  TILE: tl.constexpr, QP: tl.constexpr, CP: tl.constexpr, STAGES: tl.constexpr, EXACT_ROWS: tl.constexpr,
                  ROUNDS: tl.constexpr, XTILE: tl.constexpr):
-    """Grid ``(N, Q)``, THRESH and COLLECT rows: the span's ``(best, Z, A)`` (``PART [N, QP, 4]``), the
+    """Grid ``(N, Q)``, THRESH and COLLECT rows: the span's ``(best, Z, A)`` (``PART [N, Q, 4]``, ``QP >= Q``), the
     bracket's columns listed in ``CAND [N, cap]``, and, last, the row's token. With ``EXACT_ROWS``
     (top-p), the rows the approximate rounds left and those whose bracket the exact masses refute
     are finished by one program each (``_exact_row``)."""
@@ -193,7 +193,7 @@ def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, s
         hi = tl.minimum(lo + tiles * TILE, V + SHIFT4)
         best, z, above = _row_draw(xrow, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT, MODE, PLANF,
                                    cap, TILE, STAGES)
-        out = PART + (row * QP + split) * 4
+        out = PART + (row * Q + split) * 4
         tl.store(out, best)
         tl.store(out + 1, z)
         tl.store(out + 2, above)
@@ -202,7 +202,7 @@ def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, s
         if _last(CNT, row, Q):
             if drawn:
                 qi = tl.arange(0, QP)
-                rows = PART + (row * QP + qi) * 4
+                rows = PART + (row * Q + qi) * 4
                 ok = qi < Q
                 best = tl.max(tl.load(rows, mask=ok, other=NONE, cache_modifier=".cg"), axis=0)
                 z = tl.sum(tl.load(rows + 1, mask=ok, other=0, cache_modifier=".cg"), axis=0)

@@ -26,7 +26,7 @@ from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
 from splitsoftmax.kernels import sampling_math as sm  # noqa: E402
 
 CONFIGS = [dict(temperature=0.0), dict(), dict(top_k=3, top_p=0.8, min_p=0.05), dict(top_p=0.7),
-           dict(top_p=0.95, temperature=2.0), dict(min_p=0.1), dict(top_k=12)]
+           dict(top_p=0.95, temperature=2.0), dict(min_p=0.1), dict(top_k=12), dict(top_k=12, top_p=0.6)]
 DONE, THRESH, COLLECT, PIVOT, EXACT = range(5)
 
 
@@ -37,6 +37,19 @@ def small(monkeypatch):
         monkeypatch.setattr(configs, name, value)
     monkeypatch.setattr(sc, "CAP", 8)
     monkeypatch.setattr(sc, "TILE_INTERPRET", 16)
+    monkeypatch.setattr(sampling_device, "_CACHE", {})
+    monkeypatch.setattr(sampling_device, "_PLANS", {})
+    real_init = sampling_device._Work.__init__
+
+    def poisoned(self, *args):
+        """The buffers a pass writes before another reads them start as NaN and garbage: a read
+        of what no pass wrote shows."""
+        real_init(self, *args)
+        for name in ("planf", "mom", "part_p"):
+            getattr(self, name).fill_(float("nan"))
+        for name in ("mode", "part_r", "ties", "part_d", "cand"):
+            getattr(self, name).fill_(0x7F7F7F7F7F7F7F7F)
+    monkeypatch.setattr(sampling_device._Work, "__init__", poisoned)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -177,8 +190,8 @@ def test_top_p_paths(monkeypatch, case):
         monkeypatch.setattr(sc, "PIVOT_ROUNDS", 0)
         monkeypatch.setattr(sc, "CAP", 8)
     seen = _modes(monkeypatch)
-    filters = [dict(top_p=0.9), dict(top_p=0.6, min_p=0.02)] + [dict(top_k=6, top_p=0.5, temperature=1.7)] * (
-        case == "listed")
+    filters = [dict(top_p=0.9), dict(top_p=0.6, min_p=0.02)] + [dict(top_k=6, top_p=0.5, temperature=1.7),
+                                                                dict(top_k=30, top_p=0.8)] * (case == "listed")
     for kw in filters:
         if case == "refuted" and "top_k" not in kw:
             with monkeypatch.context() as m:

@@ -146,12 +146,15 @@ def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, O
         if TOP_P:
             if to_pivot:
                 floor = -shift.to(tl.float32)
-                z_mom, piv = _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, spread, growth, QP)
-                reach = top_p_bits.to(tl.float64, bitcast=True).to(tl.float32) * z_mom * (1.0 + slack)
-                cum = tl.cumsum(tl.where(keptk, q, 0), axis=0).to(tl.float32) / tl.exp2(shift.to(tl.float32))
-                a = tl.max(tl.where(keptk & (cum >= reach), d, NEG_INF), axis=0)
-                if LARGE_K:                                      # the moments count tokens top-k drops
+                if LARGE_K:         # no moments (they would count what top-k drops): pivots evenly below
+                    piv = _range_pivots(floor, tl.maximum(d_last, floor), floor)
                     a = zero_f + NEG_INF
+                else:
+                    z_mom, piv = _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, spread, growth, QP)
+                    reach = top_p_bits.to(tl.float64, bitcast=True).to(tl.float32) * z_mom * (1.0 + slack)
+                    cum = tl.cumsum(tl.where(keptk, q, 0), axis=0).to(tl.float32) / tl.exp2(shift.to(tl.float32))
+                    a = tl.max(tl.where(keptk & (cum >= reach), d, NEG_INF), axis=0)
+                piv = tl.where(piv == piv, piv, floor)
                 mode = tl.where(a > NEG_INF, COLLECT, PIVOT)
                 tl.store(p + F_LO, a)
                 tl.store(p + F_HI, zero_f + POS_INF)

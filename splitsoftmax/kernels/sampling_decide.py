@@ -17,13 +17,13 @@ import triton.language as tl
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .sampling_finish import _and, _count_equal, _decode, _not, _or, _pick, _tau, _token, _winner
 from .sampling_jit import (COLLECT, DONE, EXACT, F_DTHR, F_HI, F_LO, F_PIV, F_RHI, F_RLO, F_XTHR, F_ZMAX, NEG_INF,
-                           NONE, PIVOT, PIVOTS, POS_INF, THRESH, _ord32, _qmass, _top, _unord32)
+                           NONE, PIVOT, PIVOTS, PLAN_W, POS_INF, THRESH, _ord32, _qmass, _top, _unord32)
 from .sampling_span import _exact_key, _words_at
 
 
 @triton.jit
 def _store_pivots(PLANF, row, piv):
-    tl.store(PLANF + row * 24 + F_PIV + tl.arange(0, PIVOTS), piv)
+    tl.store(PLANF + row * PLAN_W + F_PIV + tl.arange(0, PIVOTS), piv)
 
 
 @triton.jit
@@ -137,7 +137,7 @@ def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, O
             to_pivot = _and(known, _not(known))
         mode = tl.where(bad, DONE, tl.where(to_pivot, PIVOT, tl.where(decided, DONE, THRESH)))
         win = _winner(zz, gid, keptk & (d >= dthr), seed, off, KR)
-        p = PLANF + row * 24
+        p = PLANF + row * PLAN_W
         tl.store(p + F_XTHR, xk)
         tl.store(p + F_ZMAX, tl.where(bad, 0.0, zmax))
         tl.store(p + F_DTHR, dthr)
@@ -175,7 +175,7 @@ def _bracket(piv, f, lo_t, hi_t):
 def _decide_pivots(row, z, f, MODE, PLANF, shift, top_p, slack, cap):
     """An approximate round's masses ``Z~`` and ``F~ [PIVOTS]`` of a PIVOT row: a listable bracket
     ``[a, b)`` (COLLECT), or the next round's pivots."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
     need = top_p * z
     ib, ia = _bracket(piv, f, need * (1.0 - slack), need * (1.0 + slack))
@@ -214,7 +214,7 @@ def _decide_exact(row, z, f, cnt, MODE, PLANF, shift, top_p_bits, cap):
     """An exact round's integer masses ``Z``, ``F [PIVOTS]`` and counts ``C [PIVOTS]`` of an EXACT row
     (the pivots hold the range's ends): the exact bracket, listed (COLLECT), a single value
     (THRESH at it), or the next round's pivots inside it."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
     need = top_p_bits.to(tl.float64, bitcast=True) * z.to(tl.float64)
     reach = f.to(tl.float64) >= need
@@ -240,7 +240,7 @@ def _refute(row, lower, upper, MODE, PLANF, shift):
     """A bracket ``[LO, HI)`` the exact masses refute (``lower``: the threshold is below ``HI``;
     ``upper``: at or above ``LO``; both: too many tokens to list): narrow the exact range and leave
     the row to the exact rounds."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     a = tl.load(p + F_LO)
     b = tl.load(p + F_HI)
     rlo = tl.where(_not(lower), b, tl.where(_not(upper), tl.load(p + F_RLO), a))
@@ -262,7 +262,7 @@ def _decide_draw(row, best, z, above, n, CAND, MODE, PLANF, OUT, seed, off, shif
     if mode == THRESH:
         tl.store(OUT + row, _token(best))
     if mode == COLLECT:
-        p = PLANF + row * 24
+        p = PLANF + row * PLAN_W
         need = top_p_bits.to(tl.float64, bitcast=True) * z.to(tl.float64)
         lower = above.to(tl.float64) < need
         if n <= cap:

@@ -25,7 +25,7 @@ import triton.language as tl
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .sampling_decide import _decide_draw, _decide_exact, _decide_pivots, _decide_records
 from .sampling_jit import (COLLECT, EXACT, F_DTHR, F_HI, F_LO, F_PIV, F_XTHR, F_ZMAX, INTERPRETING, NONE, PIVOT,
-                           PIVOTS, POS_INF, THRESH, _seed_of)
+                           PIVOTS, PLAN_W, POS_INF, THRESH, _seed_of)
 from .sampling_span import _count_value, _draw_span, _pivot_span, _records_span
 
 # integers that do not specialise a kernel (the row stride and V do: they decide vector loads)
@@ -104,7 +104,7 @@ def _pivot_kernel(X, PART, CNT, MODE, PLANF, V, tiles, s_xn, Q, c, shift, top_p,
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if tl.load(MODE + row) == PIVOT:
-        p = PLANF + row * 24
+        p = PLANF + row * PLAN_W
         xrow = X + row * s_xn
         zmax = tl.load(p + F_ZMAX)
         xthr = tl.load(p + F_XTHR)
@@ -135,7 +135,7 @@ def _pivot_kernel(X, PART, CNT, MODE, PLANF, V, tiles, s_xn, Q, c, shift, top_p,
 def _row_draw(X, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT, MODE, PLANF, cap,
               TILE: tl.constexpr, STAGES: tl.constexpr):
     """The draw span of a THRESH or COLLECT row (``X``: the row) under its plan: ``(best, Z, A)``."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     collect = tl.load(MODE + row) == COLLECT
     b_hi = tl.load(p + F_HI)
     dthr = tl.load(p + F_DTHR)
@@ -149,7 +149,7 @@ def _exact_row(X, row, V, c, seed, off, shift, top_p_bits, cap, CAND, CCOUNT, MO
                TILE: tl.constexpr, XTILE: tl.constexpr, CP: tl.constexpr, STAGES: tl.constexpr):
     """A PIVOT or EXACT row (``X``: the row) by one program: exact rounds over the whole row until its
     bracket is listable or one value, then the draw and the token."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     if tl.load(MODE + row) == PIVOT:            # the approximate pivots stay, between the widest ends
         tl.store(p + F_PIV, POS_INF)
         tl.store(p + F_PIV + PIVOTS - 1, -shift.to(tl.float32))

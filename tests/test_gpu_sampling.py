@@ -2,8 +2,9 @@
 many rows, every path of the one-device draw), CUDA-graph capture, sharded over CUDA tensors, top-k.
 
 Compiles dominate this file's time, so its shapes keep the kernels' specialisations few: every
-filter in float32 at an odd and an aligned vocabulary, the half types on one shape, and the paths
-of the draw forced through kernel arguments (the list's capacity, the float slack), not sizes."""
+filter in float32 at an aligned vocabulary, the kernel variants once more at an odd one and in
+the half types, and the paths of the draw forced through kernel arguments (the list's capacity,
+the float slack), not sizes."""
 import pytest
 import torch
 
@@ -15,7 +16,15 @@ from splitsoftmax.kernels import sampling_config as sc
 from splitsoftmax.kernels import sampling_device
 
 pytestmark = pytest.mark.gpu
-HALF_CONFIGS = [dict(), dict(temperature=0.0), dict(top_k=40, top_p=0.9), dict(top_p=0.7), dict(min_p=0.1)]
+# per dtype and vocabulary class (V and the row stride divisible by 16 or not compile apart), the
+# filters that reach every kernel variant of the class: records (greedy, plain, top-p, k = 90), the
+# pivot rounds and the draw (with and without exact rows)
+SHAPES = {(torch.float32, 128256): CONFIGS,
+          (torch.float32, 5003): [dict(), dict(top_k=3), dict(top_p=0.7), dict(top_k=20, top_p=0.8, min_p=0.02)],
+          (torch.bfloat16, 128256): [dict(), dict(top_p=0.7), dict(min_p=0.1)],
+          (torch.float16, 128256): [dict(top_p=0.95, temperature=2.0)],
+          (torch.float64, 97): CONFIGS}
+SHARDED_CONFIGS = [dict(top_k=40, top_p=0.9), dict(min_p=0.1)]
 
 
 def _rows(v: int, dtype=torch.float32):
@@ -23,11 +32,10 @@ def _rows(v: int, dtype=torch.float32):
     return x.to(dtype), seeds, offset
 
 
-@pytest.mark.parametrize("dtype,v", [(torch.float32, 97), (torch.float32, 128256), (torch.bfloat16, 5003),
-                                     (torch.float16, 5003), (torch.float64, 97)])
+@pytest.mark.parametrize("dtype,v", list(SHAPES), ids=lambda p: str(p))
 def test_cuda_tokens_equal_cpu_tokens(dtype, v):
     x, seeds, offset = _rows(v, dtype)
-    for kw in CONFIGS if dtype in (torch.float32, torch.float64) else HALF_CONFIGS:
+    for kw in SHAPES[(dtype, v)]:
         cpu = ss.sample(x, seed=seeds, offset=offset, **kw)
         cuda = ss.sample(x.cuda(), seed=seeds.cuda(), offset=offset, **kw)
         assert torch.equal(cuda.cpu(), cpu), (kw, dtype, v)
@@ -109,7 +117,7 @@ def test_sharded_cuda_tensors():
     x, seeds, offset = _rows(5003)
     x, seeds = x.cuda(), seeds.cuda()
     parts = torch.split(x, split_widths(x.shape[1], 3, True), dim=1)
-    for kw in HALF_CONFIGS:
+    for kw in SHARDED_CONFIGS:
         want = ss.sample(x, seed=seeds, offset=offset, **kw)
         for got in LoopbackWorld(3).run(lambda c: ss.sharded_sample(parts[c.rank], seed=seeds, offset=offset,
                                                                     group=c, **kw)):

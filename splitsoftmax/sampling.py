@@ -11,8 +11,10 @@ top-k, top-p (on what top-k kept), min-p, with ties at each cut-off kept.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
+from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -167,19 +169,44 @@ def sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, top_k: Opt
     and equals :func:`sharded_sample` for every split of the vocabulary.
     """
     _logits(logits)
-    filters = _filters(temperature, top_k, top_p, min_p)
     n, vocab = logits.shape
+    spec, plain, ident = _configuration(temperature, top_k, top_p, min_p, vocab)
     seeds = _seed_value("seed", seed, n, logits.device)
     offsets = _seed_value("offset", offset, n, logits.device)
     if use_triton(logits) and n and 0 < vocab < 2 ** 31:
         from .kernels import sampling_device  # (imports Triton, which only this path needs)
-        spec, plain = _spec(*filters, vocab)
         x = logits if logits.stride(1) == 1 else logits.contiguous()
-        ex = Exchange(None, None, "sample", logits.device)
-        return sampling_device.draw(x, spec, plain, seeds, offsets, None if spec.greedy else large_top_k(ex, x, 0, spec))
+        xk = None if spec.greedy or not spec.top_k or spec.top_k < spec.kr else \
+            large_top_k(Exchange(None, None, "sample", x.device), x, 0, spec)
+        return sampling_device.draw(x, spec, plain, ident, seeds, offsets, xk)
     seeds, _ = _per_row("seed", seeds, n, logits.device)
     offsets, _ = _per_row("offset", offsets, n, logits.device)
+    filters = _filters(temperature, top_k, top_p, min_p)
     return _draw(Exchange(None, None, "sample", logits.device), logits, 0, vocab, filters, seeds, offsets)
+
+
+_IDS = itertools.count()
+
+
+@lru_cache(maxsize=256)
+def _cached_configuration(key: tuple) -> tuple[Spec, bool, int]:
+    _, t, _, k, _, p, _, m, vocab = key[:9]
+    spec, plain = _spec(*_filters(t, k, p, m), vocab)
+    return spec, plain, next(_IDS)
+
+
+def _configuration(temperature, top_k, top_p, min_p, vocab: int) -> tuple[Spec, bool, int]:
+    """``(spec, plain, ident)`` of checked filters over ``vocab`` tokens, kept per configuration (so a
+    decode loop checks and builds them once); ``ident`` names the configuration."""
+    key = (type(temperature), temperature, type(top_k), top_k, type(top_p), top_p, type(min_p), min_p, vocab,
+           configs.SAMPLE_RECORDS_MIN, configs.SAMPLE_RECORDS_MAX, configs.SAMPLE_BINS, configs.SAMPLE_BIN_SPAN,
+           configs.SAMPLE_CAP)
+    try:
+        hash(key)
+    except TypeError:
+        _filters(temperature, top_k, top_p, min_p)      # an unhashable argument: the named error
+        raise
+    return _cached_configuration(key)
 
 
 def _draw(ex: Exchange, logits: Tensor, col0: int, vocab: int, filters, seeds: Tensor, offsets: Tensor) -> Tensor:

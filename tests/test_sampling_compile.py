@@ -64,17 +64,16 @@ def _ptxas_report(ptx: str) -> str:
 
 
 TYPES = dict(X="*fp32", PART="*i64", TIES="*i64", MOM="*fp32", CNT="*i32", SEED="*i64", OFFSET="*i64", XK="*fp32",
-             MODE="*i64", PLANF="*fp32", OUT="*i64", GAPS="*fp32", CAND="*i64", CCOUNT="*i32", c="fp32", cmin="fp32",
-             probit="fp32", slack="fp32", top_p="fp32", top_p_bits="i64")
+             MODE="*i64", PLANF="*fp32", OUT="*i64", CAND="*i64", CCOUNT="*i32", c="fp32", cmin="fp32",
+             probit="fp32", slack="fp32", spread="fp32", growth="fp32", top_p="fp32", top_p_bits="i64")
 RECORDS = dict(QP=32, TILE=sc.TILE, STAGES=sc.STAGES, FUSED=True, LARGE_K=False, GREEDY=False)
-DRAW = dict(SHIFT4=0, TILE=sc.TILE, QP=512, CP=sc.CAP, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_EXACT)
+DRAW = dict(SHIFT4=0, TILE=sc.TILE, QP=512, CP=sc.SLOTS, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_EXACT)
 CASES = {
     "records, top-p": (kf._records_kernel, dict(TYPES, X="*bf16"), dict(RECORDS, KR=64, MOMENTS=True, TOP_P=True),
                        None),
     "records 256": (kf._records_kernel, TYPES, dict(RECORDS, QP=8, KR=256, MOMENTS=False, TOP_P=False), None),
-    "pivots": (kf._pivot_kernel, dict(TYPES, PART="*fp32"), dict(TILE=sc.TILE, QP=512, STAGES=sc.STAGES),
+    "pivots": (kf._pivot_kernel, dict(TYPES, PART="*fp32"), dict(TILE=sc.TILE, QP=512, STAGES=sc.STAGES, MORE=1),
                {"enable_fp_fusion": True}),
-    "draw": (kf._draw_kernel, TYPES, dict(DRAW, EXACT_ROWS=False), None),
     "draw, top-p": (kf._draw_kernel, TYPES, dict(DRAW, EXACT_ROWS=True), None),
 }
 
@@ -89,6 +88,6 @@ def test_no_spills(name):
 def test_the_draw_bounds_keys_with_the_special_function_unit():
     """The draw's bound on the keys takes ``lg2.approx`` (one instruction), not libdevice's exact
     log2 (``tl.log2``: some 25), and no FMA (the exact keys and masses are the torch path's)."""
-    kernel, types, consts, options = CASES["draw"]
+    kernel, types, consts, options = CASES["draw, top-p"]
     ptx = _compile(kernel, types, consts, sc.WARPS, options).asm["ptx"]
     assert "lg2.approx.ftz.f32" in ptx and "fma.rn" not in ptx

@@ -26,7 +26,7 @@ from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
 from splitsoftmax.kernels import sampling_math as sm  # noqa: E402
 
 CONFIGS = [dict(temperature=0.0), dict(), dict(top_k=3, top_p=0.8, min_p=0.05), dict(top_p=0.7),
-           dict(top_p=0.95, temperature=2.0), dict(min_p=0.1), dict(top_k=12)]
+           dict(top_p=0.95, temperature=2.0), dict(min_p=0.1), dict(top_k=12), dict(top_k=12, top_p=0.6)]
 DONE, THRESH, COLLECT, PIVOT, EXACT = range(5)
 
 
@@ -37,6 +37,19 @@ def small(monkeypatch):
         monkeypatch.setattr(configs, name, value)
     monkeypatch.setattr(sc, "CAP", 8)
     monkeypatch.setattr(sc, "TILE_INTERPRET", 16)
+    monkeypatch.setattr(sampling_device, "_CACHE", {})
+    monkeypatch.setattr(sampling_device, "_PLANS", {})
+    real_init = sampling_device._Work.__init__
+
+    def poisoned(self, *args):
+        """The buffers a pass writes before another reads them start as NaN and garbage: a read
+        of what no pass wrote shows."""
+        real_init(self, *args)
+        for name in ("planf", "mom", "part_p"):
+            getattr(self, name).fill_(float("nan"))
+        for name in ("mode", "part_r", "ties", "part_d", "cand"):
+            getattr(self, name).fill_(0x7F7F7F7F7F7F7F7F)
+    monkeypatch.setattr(sampling_device._Work, "__init__", poisoned)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -64,16 +77,16 @@ def _counters_clear() -> bool:
 
 
 def _modes(monkeypatch) -> list:
-    """Records ``(pass, modes)`` after each pass of the one-device draw."""
+    """Records ``(pass, modes)`` after each launch of the one-device draw."""
     seen = []
-    for name in ("_records", "_pivots", "_draw"):
+    monkeypatch.setattr(sampling_device, "_PLANS", {})       # plans keep the launchers they were built with
+    for name in ("_RECORDS", "_PIVOTS", "_DRAW"):
         real = getattr(sampling_device, name)
 
-        def wrapped(*args, _real=real, _name=name, **kw):
-            out = _real(*args, **kw)
-            seen.append((_name, args[1].mode.tolist()))
-            return out
-        monkeypatch.setattr(sampling_device, name, wrapped)
+        def launch(grid, key, args, consts, _real=real, _name=name):
+            _real(grid, key, args, consts)
+            seen.append((_name, args[_real.fn.arg_names.index("MODE")].tolist()))
+        monkeypatch.setattr(sampling_device, name, launch)
     return seen
 
 
@@ -117,17 +130,33 @@ def test_records_match(kr, k_tie):
     assert torch.equal(torch.stack(tk.merge_top((keys, ties), kr)[1:]).squeeze(0), want[1])
 
 
-def test_records_slow_path_on_periodic_logits():
-    """Logits periodic in the tile put every top key at one tile position (more than the four it
-    keeps): the records' exact slow path finds them, as the torch path does."""
-    cols = torch.arange(200)
-    x = torch.where(cols % 16 == 5, cols.float() / 10, -cols.float() / 100).unsqueeze(0)
+def _most_at_one_position(top: torch.Tensor, lo: int, hi: int, tile: int, rotate: bool) -> int:
+    """The most top columns of ``[lo, hi)`` that one tile position of the records pass takes."""
+    cols = torch.arange(lo, hi)[top[lo:hi]]
+    j = (cols - lo) // tile
+    pos = ((cols - lo) % tile - 97 * j) % tile if rotate else (cols - lo) % tile
+    return int(torch.bincount(pos).max())
+
+
+@pytest.mark.parametrize("stride", [16, 256])
+def test_records_on_periodic_logits(monkeypatch, stride):
+    """Top keys every ``stride`` columns: at stride 16 they all fall on one tile position (more than
+    the four it keeps) and the pass's other assignment of columns to positions finds them; at
+    stride 256 that assignment puts them together too and the records are found one pass per
+    record; as the torch path does."""
+    monkeypatch.setattr(sc, "INTERPRET_SMS", 1)          # two spans per row
+    v = 200 if stride == 16 else 2100
+    cols = torch.arange(v)
+    top = cols % stride == 5
+    x = torch.where(top, cols.float() / 10, -cols.float() / 1000).unsqueeze(0)
+    span = sampling_device._splits(1, v, 16, sampling_device.records_splits(8, x.device), x.device)[1] * 16
+    assert _most_at_one_position(top, 0, span, 16, False) > 4
+    assert (_most_at_one_position(top, 0, span, 16, True) > 4) == (stride == 256)
     keys, ties = tk.records(x, 0, 8)
     vals, ids = tk.decode(keys)
     got = rows.merge_partials(vals, ids, ties, 8)
     want = sampling_cpu.records(x, 0, 8)
     assert torch.equal(got[1], want[1][:, 0]) and torch.equal(got[0], want[0][:, 0])
-    assert set((got[1][0] % 16).tolist()) == {5}
 
 
 def test_tokens_match_the_torch_path(monkeypatch):
@@ -161,24 +190,24 @@ def test_top_p_paths(monkeypatch, case):
         monkeypatch.setattr(sc, "PIVOT_ROUNDS", 0)
         monkeypatch.setattr(sc, "CAP", 8)
     seen = _modes(monkeypatch)
-    filters = [dict(top_p=0.9), dict(top_p=0.6, min_p=0.02)] + [dict(top_k=6, top_p=0.5, temperature=1.7)] * (
-        case == "listed")
+    filters = [dict(top_p=0.9), dict(top_p=0.6, min_p=0.02)] + [dict(top_k=6, top_p=0.5, temperature=1.7),
+                                                                dict(top_k=30, top_p=0.8)] * (case == "listed")
     for kw in filters:
         if case == "refuted" and "top_k" not in kw:
             with monkeypatch.context() as m:
                 m.setattr(sc, "EXACT_ROUNDS", 0)
                 seen.clear()
                 ss.sample(x, seed=seeds, offset=3, **kw)
-                assert EXACT in dict(seen)["_draw"], seen
+                assert EXACT in dict(seen)["_DRAW"], seen
         seen.clear()
         got = ss.sample(x, seed=seeds, offset=3, **kw)
         assert torch.equal(got, _torch_tokens(monkeypatch, x, seeds, 3, **kw)), (case, kw)
         after = dict(seen)
-        assert set(after["_draw"]) <= {DONE, THRESH} and _counters_clear(), seen
+        assert set(after["_DRAW"]) <= {DONE, THRESH} and _counters_clear(), seen
         if case == "listed" and "top_k" not in kw:
-            assert COLLECT in after["_pivots"], seen
+            assert COLLECT in after["_PIVOTS"], seen
         if case == "left to the exact rounds":
-            assert PIVOT in after["_pivots"], seen
+            assert PIVOT in after["_RECORDS"] and "_PIVOTS" not in after, seen
 
 
 def test_sharded_over_the_kernels(monkeypatch):

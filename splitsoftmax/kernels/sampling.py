@@ -21,6 +21,7 @@ tiles, so that a batch of one row still spreads over the GPU; the spans' records
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 from torch import Tensor
 
@@ -31,12 +32,13 @@ from . import sampling_config as sc
 from . import sampling_math as sm
 from .launch import Launcher
 from .sampling_device import _sms, _tile, records_splits
+from .sampling_device import _splits as span_splits
 from .sampling_finish import _key
 from .sampling_finish import after_mass, after_records, after_refine, after_sample, plain_plan  # noqa: F401
 from .sampling_fused import _records_kernel
 from .sampling_jit import COLLECT, LAUNCH, MASS, NEG_INF, NONE, REFINE, THRESH, U32, _bin1, _gumbel, _ord32, _qmass
 from .sampling_span import INF_KEY, NAN_KEY, _approx_noise
-import triton
+
 
 @triton.jit
 def _row_inputs(X, XTHR, ZMAX, row, cols, valid, s_xn, c):
@@ -233,14 +235,14 @@ def records(x: Tensor, col0: int, kr: int, k_tie: int = 0) -> tuple[Tensor, Tens
     x = _rows(x)
     n, v = x.shape
     tile = max(_tile(), kr // 4)
-    qp = records_splits(kr, x.device)
-    splits, span = _splits(n, v, tile, x.device, qp)
+    qp = records_splits(kr, x.device, n)
+    splits, tiles = span_splits(n, v, tile, qp, x.device)
     part = torch.empty((n, qp, kr), dtype=torch.int64, device=x.device)
     ties = torch.empty((n, qp), dtype=torch.int64, device=x.device)
     if n:
         k_tie = k_tie if k_tie < kr else 0
-        args = (x, part, ties, ties, ties, v, col0, span // tile, x.stride(0), splits, k_tie, part, 0, 0, 0, part, 0, 0,
-                0, part, part, part, part, 1.0, 0, 0, 0.0, 0, 0.0, 0.0, part)
+        args = (x, part, ties, ties, ties, v, col0, tiles, x.stride(0), splits, k_tie, part, 0, 0, 0, part, 0, 0,
+                0, part, part, part, part, 1.0, 0, 0, 0.0, 0, 0.0, 0.0, 0.0, 0.0)
         consts = dict(KR=kr, QP=qp, TILE=tile, STAGES=sc.STAGES, MOMENTS=False, FUSED=False, LARGE_K=False,
                       GREEDY=kr == 1, TOP_P=False, num_warps=sc.WARPS, **LAUNCH)
         _RECORDS((n, splits), _key(args), args, consts)

@@ -13,14 +13,18 @@ WARPS = 8
 STAGES = 4
 PROGRAMS_PER_SM = 2
 MERGE_MAX = 2048         # partial records per row: splits * records
-CAP = 1024               # bracket tokens listed per row (the draw's finisher sorts them: 80 registers at 8 warps)
-PIVOT_ROUNDS = 2         # approximate pivot rounds before the draw (one device)
+SLOTS = 1024             # bracket tokens a row's list can hold (the draw's finisher sorts them: 80
+                         # registers at 8 warps)
+CAP = 1024               # bracket tokens listed per row (at most SLOTS; a kernel argument)
+PIVOT_ROUNDS = 2         # approximate pivot rounds before the draw (one device; after the first, a
+                         # row's last program takes the others alone over the whole row)
 EXACT_ROUNDS = 16        # exact pivot rounds at most (they narrow a 2^32-key range 17-fold each)
 # relative error allowed to the float32 masses of the approximate rounds (sums of about
-# V / TILE + 64 terms each), and the Gaussian spread of the first round's pivots around the
-# threshold guessed from the mean and deviation of d under p (in deviations, one side)
+# V / TILE + 64 terms each), and the first round's pivots around the threshold guessed from the
+# mean and deviation of d under p: SPREAD * 2^(GROWTH j) deviations on either side, j < 8
 SLACK = 5e-5
-SPREAD = (0.01, 0.025, 0.055, 0.12, 0.25, 0.5, 1.0, 2.2)
+SPREAD = 0.01
+GROWTH = 1.14
 # under the interpreter
 TILE_INTERPRET = 16
 INTERPRET_SMS = 4

@@ -17,13 +17,13 @@ import triton.language as tl
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .sampling_finish import _and, _count_equal, _decode, _not, _or, _pick, _tau, _token, _winner
 from .sampling_jit import (COLLECT, DONE, EXACT, F_DTHR, F_HI, F_LO, F_PIV, F_RHI, F_RLO, F_XTHR, F_ZMAX, NEG_INF,
-                           NONE, PIVOT, PIVOTS, POS_INF, THRESH, _ord32, _qmass, _top, _unord32)
+                           NONE, PIVOT, PIVOTS, PLAN_W, POS_INF, THRESH, _ord32, _qmass, _top, _unord32)
 from .sampling_span import _exact_key, _words_at
 
 
 @triton.jit
 def _store_pivots(PLANF, row, piv):
-    tl.store(PLANF + row * 24 + F_PIV + tl.arange(0, PIVOTS), piv)
+    tl.store(PLANF + row * PLAN_W + F_PIV + tl.arange(0, PIVOTS), piv)
 
 
 @triton.jit
@@ -55,9 +55,10 @@ def _single(a, b):
 
 
 @triton.jit
-def _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, GAPS, QP: tl.constexpr):
+def _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, spread, growth, QP: tl.constexpr):
     """``(Z~, pivots)``: the approximate mass of the row from the passes' moments, and the first
-    round's pivots around the threshold of a Gaussian of the same mean and deviation in ``d``."""
+    round's pivots around the threshold of a Gaussian of the same mean and deviation in ``d``, at
+    ``spread * 2^(growth j)`` deviations above and below it (``j < PIVOTS / 2``)."""
     qi = tl.arange(0, QP)
     m = MOM + row * s_mn + qi * 4
     ok = qi < Q
@@ -74,14 +75,17 @@ def _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, GAPS, QP: tl.
     dev = tl.sqrt(tl.maximum(z2 / tl.maximum(z0, 1e-30) - mean * mean, 0.0))
     dev = tl.minimum(tl.maximum(dev, 0.05), 16.0)
     guess = mean - dev * probit
-    piv = guess + dev * tl.load(GAPS + tl.arange(0, PIVOTS))
+    k = tl.arange(0, PIVOTS)
+    half = PIVOTS // 2
+    j = tl.where(k < half, half - 1 - k, k - half).to(tl.float32)
+    piv = guess + dev * tl.where(k < half, 1.0, -1.0) * spread * tl.exp2(growth * j)
     piv = tl.minimum(tl.maximum(piv, floor), tl.maximum(d_last, floor))
     return z0, piv
 
 
 @triton.jit
 def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, OUT, c, shift,
-                    top_p_bits, cmin, top_k, probit, slack, GAPS, KR: tl.constexpr, QP: tl.constexpr,
+                    top_p_bits, cmin, top_k, probit, slack, spread, growth, KR: tl.constexpr, QP: tl.constexpr,
                     LARGE_K: tl.constexpr, GREEDY: tl.constexpr, TOP_P: tl.constexpr):
     """``sampling_rows.after_records`` on the partial records ``keys [QP, KR]`` (ties ``[QP]``) of
     one row; a top-p the records cannot settle gets a bracket from the records (when their mass
@@ -133,7 +137,7 @@ def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, O
             to_pivot = _and(known, _not(known))
         mode = tl.where(bad, DONE, tl.where(to_pivot, PIVOT, tl.where(decided, DONE, THRESH)))
         win = _winner(zz, gid, keptk & (d >= dthr), seed, off, KR)
-        p = PLANF + row * 24
+        p = PLANF + row * PLAN_W
         tl.store(p + F_XTHR, xk)
         tl.store(p + F_ZMAX, tl.where(bad, 0.0, zmax))
         tl.store(p + F_DTHR, dthr)
@@ -142,12 +146,15 @@ def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, O
         if TOP_P:
             if to_pivot:
                 floor = -shift.to(tl.float32)
-                z_mom, piv = _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, GAPS, QP)
-                reach = top_p_bits.to(tl.float64, bitcast=True).to(tl.float32) * z_mom * (1.0 + slack)
-                cum = tl.cumsum(tl.where(keptk, q, 0), axis=0).to(tl.float32) / tl.exp2(shift.to(tl.float32))
-                a = tl.max(tl.where(keptk & (cum >= reach), d, NEG_INF), axis=0)
-                if LARGE_K:                                      # the moments count tokens top-k drops
+                if LARGE_K:         # no moments (they would count what top-k drops): pivots evenly below
+                    piv = _range_pivots(floor, tl.maximum(d_last, floor), floor)
                     a = zero_f + NEG_INF
+                else:
+                    z_mom, piv = _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, spread, growth, QP)
+                    reach = top_p_bits.to(tl.float64, bitcast=True).to(tl.float32) * z_mom * (1.0 + slack)
+                    cum = tl.cumsum(tl.where(keptk, q, 0), axis=0).to(tl.float32) / tl.exp2(shift.to(tl.float32))
+                    a = tl.max(tl.where(keptk & (cum >= reach), d, NEG_INF), axis=0)
+                piv = tl.where(piv == piv, piv, floor)
                 mode = tl.where(a > NEG_INF, COLLECT, PIVOT)
                 tl.store(p + F_LO, a)
                 tl.store(p + F_HI, zero_f + POS_INF)
@@ -168,7 +175,7 @@ def _bracket(piv, f, lo_t, hi_t):
 def _decide_pivots(row, z, f, MODE, PLANF, shift, top_p, slack, cap):
     """An approximate round's masses ``Z~`` and ``F~ [PIVOTS]`` of a PIVOT row: a listable bracket
     ``[a, b)`` (COLLECT), or the next round's pivots."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
     need = top_p * z
     ib, ia = _bracket(piv, f, need * (1.0 - slack), need * (1.0 + slack))
@@ -207,7 +214,7 @@ def _decide_exact(row, z, f, cnt, MODE, PLANF, shift, top_p_bits, cap):
     """An exact round's integer masses ``Z``, ``F [PIVOTS]`` and counts ``C [PIVOTS]`` of an EXACT row
     (the pivots hold the range's ends): the exact bracket, listed (COLLECT), a single value
     (THRESH at it), or the next round's pivots inside it."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
     need = top_p_bits.to(tl.float64, bitcast=True) * z.to(tl.float64)
     reach = f.to(tl.float64) >= need
@@ -233,7 +240,7 @@ def _refute(row, lower, upper, MODE, PLANF, shift):
     """A bracket ``[LO, HI)`` the exact masses refute (``lower``: the threshold is below ``HI``;
     ``upper``: at or above ``LO``; both: too many tokens to list): narrow the exact range and leave
     the row to the exact rounds."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     a = tl.load(p + F_LO)
     b = tl.load(p + F_HI)
     rlo = tl.where(_not(lower), b, tl.where(_not(upper), tl.load(p + F_RLO), a))
@@ -255,7 +262,7 @@ def _decide_draw(row, best, z, above, n, CAND, MODE, PLANF, OUT, seed, off, shif
     if mode == THRESH:
         tl.store(OUT + row, _token(best))
     if mode == COLLECT:
-        p = PLANF + row * 24
+        p = PLANF + row * PLAN_W
         need = top_p_bits.to(tl.float64, bitcast=True) * z.to(tl.float64)
         lower = above.to(tl.float64) < need
         if n <= cap:

@@ -1,7 +1,7 @@
 """Host side of a draw on one device: the launches of ``kernels.sampling_fused``.
 
 Greedy is one launch (records), plain sampling one (the draw), top-k and min-p two (records, draw),
-top-p four (records, two approximate pivot rounds, the draw); passes with no row to serve return at
+top-p three (records, approximate pivot rounds, the draw); passes with no row to serve return at
 once, and nothing is read back, so a CUDA graph can hold a draw. The
 per-row buffers (plan, partials, counters, bracket lists) are kept per device, stream and batch
 size: a decode loop allocates only its output. Seeds and offsets given as ints travel as kernel
@@ -13,7 +13,6 @@ import statistics
 from functools import lru_cache
 
 import torch
-import triton
 from torch import Tensor
 
 from ..local import interpreting
@@ -54,19 +53,26 @@ def _splits(n: int, width: int, tile: int, most: int, device: torch.device) -> t
     return configs.cdiv(total, tiles), tiles
 
 
-def records_splits(kr: int, device: torch.device) -> int:
+def row_splits(n: int, device: torch.device) -> int:
+    """The most programs a pass spreads one of ``n`` rows over, as a power of two."""
+    return min(_max_splits(device), configs.next_pow2(configs.cdiv(sc.PROGRAMS_PER_SM * _sms(device), max(n, 1))))
+
+
+def records_splits(kr: int, device: torch.device, n: int = 1) -> int:
     """Partials per row of the records pass (a power of two): at most ``MERGE_MAX`` records in all."""
-    return min(_max_splits(device), max(1, sc.MERGE_MAX // kr))
+    return min(row_splits(n, device), max(1, sc.MERGE_MAX // kr))
 
 
 class _Work:
-    """The per-row buffers of one ``(device, stream, N, records)``: counters (zero between launches),
-    the plan, the partials of each pass and the bracket lists."""
+    """The per-row buffers of one ``(device, stream, N, V, records)``: counters (zero between launches),
+    the plan, the partials of each pass and the bracket lists. Kept per stream: draws on two streams
+    at once do not share them."""
 
-    def __init__(self, n: int, kr: int, device: torch.device):
+    def __init__(self, n: int, v: int, kr: int, device: torch.device):
         i32, i64, f32 = (dict(dtype=t, device=device) for t in (torch.int32, torch.int64, torch.float32))
-        self.q = _max_splits(device)
-        self.qr = records_splits(kr, device)
+        self.q = row_splits(n, device)
+        self.qr = records_splits(kr, device, n)
+        self.cap = max(1, min(sc.CAP, v))
         self.cnt = torch.zeros(n, **i32)
         self.ccount = torch.zeros(n, **i32)
         self.mode = torch.empty(n, **i64)
@@ -76,48 +82,32 @@ class _Work:
         self.mom = torch.empty((n, self.qr, 4), **f32)
         self.part_p = torch.empty((n, self.q, 17), **f32)
         self.part_d = torch.empty((n, self.q, 4), **i64)
-        self.cand = torch.empty((n, sc.CAP), **i64)
-        self.gaps = _gaps(device)
+        self.cand = torch.empty((n, self.cap), **i64)
+        # the plan of plain sampling (every row THRESH, nothing filtered), read only; made by device
+        # operations only, so that a first draw inside a CUDA-graph capture records them
+        self.plain_mode = torch.full((n,), int(THRESH.value), **i64)
+        self.plain_planf = torch.zeros((n, PLAN_F), **f32)
+        self.plain_planf[:, 0] = float("-inf")          # XTHR
+        self.plain_planf[:, 2] = float("-inf")          # DTHR
 
 
-_GAPS: dict = {}
-
-
-def _gaps(device: torch.device) -> Tensor:
-    """The pivot rounds' spreads on ``device``, made once per device (a host-to-device copy, which a
-    CUDA graph capture cannot hold: a capture on a new stream reuses the one its warm-up made)."""
-    key = str(device)
-    if key not in _GAPS:
-        _GAPS[key] = torch.tensor(tuple(reversed(sc.SPREAD)) + tuple(-g for g in sc.SPREAD), dtype=torch.float32,
-                                  device=device)
-    return _GAPS[key]
-
-
-def _work(n: int, kr: int, device: torch.device) -> _Work:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream, n, kr)
+def _work(n: int, v: int, kr: int, device: torch.device, stream: int) -> _Work:
+    key = (str(device), stream, n, v, kr, _config_key())
     w = _CACHE.get(key)
     if w is None:
         if len(_CACHE) >= 16:
             _CACHE.clear()
-        w = _CACHE[key] = _Work(n, kr, device)
+        w = _CACHE[key] = _Work(n, v, kr, device)
     return w
 
 
-_PLAIN: dict = {}
-
-
-def _plain_plan(n: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(mode, planf)`` of plain sampling: every row THRESH, nothing filtered; read only."""
-    key = (n, str(device))
-    if key not in _PLAIN:
-        if len(_PLAIN) >= 16:
-            _PLAIN.clear()
-        planf = torch.zeros((n, PLAN_F), dtype=torch.float32, device=device)
-        planf[:, 0] = float("-inf")           # XTHR
-        planf[:, 2] = float("-inf")           # DTHR
-        _PLAIN[key] = (torch.full((n,), int(THRESH.value), dtype=torch.int64, device=device), planf)
-    return _PLAIN[key]
+def _slots() -> int:
+    """Candidate slots of the draw's finisher: ``SLOTS`` (the interpreter: only ``CAP``'s, its sort is slow)."""
+    if interpreting():
+        return configs.next_pow2(sc.CAP)
+    if sc.CAP > sc.SLOTS:
+        raise ValueError(f"sampling_config.CAP={sc.CAP} exceeds SLOTS={sc.SLOTS}")
+    return configs.next_pow2(sc.SLOTS)
 
 
 def _seed_args(value, dummy: Tensor) -> tuple:
@@ -143,63 +133,97 @@ def _bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def draw(x: Tensor, spec: Spec, plain: bool, seed, offset, xk_large=None) -> Tensor:
-    """The tokens ``(N,)`` int64 of ``x (N, V)`` (contiguous rows) under ``spec``; ``seed``, ``offset``:
-    ints or ``(N,)`` int64 tensors on ``x``'s device; ``xk_large``: a top-k threshold ``(N,)`` found
-    outside the records."""
-    n, v = x.shape
+def _config_key() -> tuple:
+    """The sizes a test may change (a launch plan is kept per their values)."""
+    return (sc.TILE, sc.TILE_INTERPRET, sc.TILE_EXACT, sc.WARPS, sc.STAGES, sc.PROGRAMS_PER_SM, sc.MERGE_MAX, sc.CAP,
+            sc.SLOTS,
+            sc.PIVOT_ROUNDS, sc.EXACT_ROUNDS, sc.SLACK, sc.SPREAD, sc.GROWTH, sc.INTERPRET_SMS)
+
+
+_PLANS: dict = {}
+
+
+def draw(x: Tensor, spec: Spec, plain: bool, ident: int, seed, offset, xk_large=None) -> Tensor:
+    """The tokens ``(N,)`` int64 of ``x (N, V)`` (rows contiguous) under ``spec`` (configuration
+    ``ident``); ``seed``, ``offset``: ints or ``(N,)`` int64 tensors on ``x``'s device; ``xk_large``: a
+    top-k threshold ``(N,)`` found outside the records. The launches are planned once per
+    configuration, shape, dtype, alignment, device and stream."""
+    n = x.shape[0]
     out = torch.empty(n, dtype=torch.int64, device=x.device)
+    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    seed_t, offset_t = isinstance(seed, Tensor), isinstance(offset, Tensor)
+    key = (ident, x.shape, x.stride(0), x.dtype, x.data_ptr() % 16, x.device, stream, seed_t and seed.data_ptr() % 16,
+           offset_t and offset.data_ptr() % 16, seed_t, offset_t, None if xk_large is None else xk_large.dtype,
+           _config_key())
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= 64:
+            _PLANS.clear()
+        plan = _PLANS[key] = _plan(x, spec, plain, stream, seed, offset, xk_large)
+    seeds = (*_seed_args(seed, plan[0]), *_seed_args(offset, plan[0]))
+    for launcher, grid, launch_key, build, consts in plan[1]:
+        launcher(grid, launch_key, build(x, out, seeds, xk_large), consts)
+    return out
+
+
+def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_large) -> tuple:
+    """``(dummy tensor, launches)``: each launch ``(launcher, grid, key, build(x, out, seeds, xk), consts)``."""
+    n, v = x.shape
     kr = 1 if spec.greedy else spec.kr
-    w = _work(n, kr, x.device)
+    w = _work(n, v, kr, x.device, stream)
     seeds = (*_seed_args(seed, w.mode), *_seed_args(offset, w.mode))
     base = (x.dtype, x.data_ptr() % 16 == 0, _int_key(v), _int_key(x.stride(0)), seeds[0].data_ptr() % 16 == 0,
             seeds[4].data_ptr() % 16 == 0)
     tile = _tile()
+    steps = []
     if plain:
-        mode, planf = _plain_plan(n, x.device)
+        mode, planf = w.plain_mode, w.plain_planf
     else:
         mode, planf = w.mode, w.planf
-        _records(x, w, spec, kr, seeds, base, xk_large, out, tile)
-        if spec.greedy:
-            return out
-        if spec.top_p < 1.0:
-            _pivots(x, w, spec, base, tile)
-    _draw(x, w, mode, planf, spec, seeds, base, out, tile, not plain and spec.top_p < 1.0)
-    return out
+        steps.append(_records(x, w, spec, kr, base, xk_large, tile))
+        if not spec.greedy and spec.top_p < 1.0 and sc.PIVOT_ROUNDS:
+            steps.append(_pivots(x, w, spec, base, tile))
+    if not spec.greedy:
+        steps.append(_draw(x, w, mode, planf, spec, base, tile, not plain and spec.top_p < 1.0))
+    return w.mode, steps
 
 
-def _records(x, w: _Work, spec: Spec, kr: int, seeds: tuple, base: tuple, xk_large, out, tile: int) -> None:
+def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large, tile: int) -> tuple:
     n, v = x.shape
     rtile = max(tile, kr // 4)
     q, tiles = _splits(n, v, rtile, w.qr, x.device)
+    qp = configs.next_pow2(q)       # the row's partials as the finisher merges them (sorting qp * kr keys)
     top_p = spec.top_p < 1.0
     k_tie = spec.top_k if 0 < spec.top_k < kr else 0
-    xk = xk_large if xk_large is not None else w.planf
-    args = (x, w.part_r, w.ties, w.mom, w.cnt, v, 0, tiles, x.stride(0), q, k_tie, *seeds, xk, w.mode, w.planf, out,
-            spec.c, spec.shift, _bits(spec.top_p), spec.cmin, k_tie, _probit(spec.top_p) if top_p else 0.0, sc.SLACK,
-            w.gaps)
-    consts = dict(KR=kr, QP=w.qr, TILE=rtile, STAGES=sc.STAGES, MOMENTS=top_p and xk_large is None, FUSED=True,
+    head = (w.part_r, w.ties, w.mom, w.cnt, v, 0, tiles, x.stride(0), q, k_tie)   # rows of qp partials
+    mid = (w.mode, w.planf)
+    tail = (spec.c, spec.shift, _bits(spec.top_p), spec.cmin, k_tie, _probit(spec.top_p) if top_p else 0.0, sc.SLACK,
+            sc.SPREAD, sc.GROWTH)
+    dummy = w.planf
+
+    def build(x, out, seeds, xk):
+        return (x, *head, *seeds, dummy if xk is None else xk, *mid, out, *tail)
+    consts = dict(KR=kr, QP=qp, TILE=rtile, STAGES=sc.STAGES, MOMENTS=top_p and xk_large is None, FUSED=True,
                   LARGE_K=xk_large is not None, GREEDY=spec.greedy, TOP_P=top_p, num_warps=sc.WARPS, **LAUNCH)
-    _RECORDS((n, q), base + (n, xk.dtype), args, consts)
+    return _RECORDS, (n, q), base + (n, (xk_large if xk_large is not None else dummy).dtype), build, consts
 
 
-def _pivots(x, w: _Work, spec: Spec, base: tuple, tile: int) -> None:
+def _pivots(x, w: _Work, spec: Spec, base: tuple, tile: int) -> tuple:
     n, v = x.shape
     q, tiles = _splits(n, v, tile, w.q, x.device)
-    args = (x, w.part_p, w.cnt, w.mode, w.planf, v, tiles, x.stride(0), q, spec.c, spec.shift, spec.top_p, sc.SLACK,
-            sc.CAP)
-    consts = dict(TILE=tile, QP=w.q, STAGES=sc.STAGES, num_warps=sc.WARPS, enable_fp_fusion=True)
-    for _ in range(sc.PIVOT_ROUNDS):
-        _PIVOTS((n, q), base, args, consts)
+    rest = (w.part_p, w.cnt, w.mode, w.planf, v, tiles, x.stride(0), q, spec.c, spec.shift, spec.top_p, sc.SLACK,
+            w.cap)
+    consts = dict(TILE=tile, QP=_max_splits(x.device), STAGES=sc.STAGES, MORE=sc.PIVOT_ROUNDS - 1, num_warps=sc.WARPS,
+                  enable_fp_fusion=True)
+    return _PIVOTS, (n, q), base, lambda x, out, seeds, xk: (x, *rest), consts
 
 
-def _draw(x, w: _Work, mode: Tensor, planf: Tensor, spec: Spec, seeds: tuple, base: tuple, out, tile: int,
-          exact_rows: bool) -> None:
+def _draw(x, w: _Work, mode: Tensor, planf: Tensor, spec: Spec, base: tuple, tile: int, exact_rows: bool) -> tuple:
     n, v = x.shape
     q, tiles = _splits(n, v, tile, w.q, x.device)
-    args = (x, w.part_d, w.cand, w.ccount, w.cnt, mode, planf, out, *seeds, v, 0, tiles, x.stride(0), q, spec.c,
-            spec.shift, _bits(spec.top_p), sc.CAP)
-    consts = dict(SHIFT4=0, TILE=tile, QP=w.q, CP=configs.next_pow2(sc.CAP), STAGES=sc.STAGES, EXACT_ROWS=exact_rows,
+    head = (w.part_d, w.cand, w.ccount, w.cnt, mode, planf)
+    tail = (v, 0, tiles, x.stride(0), q, spec.c, spec.shift, _bits(spec.top_p), w.cap)
+    consts = dict(SHIFT4=0, TILE=tile, QP=_max_splits(x.device), CP=_slots(), STAGES=sc.STAGES, EXACT_ROWS=exact_rows,
                   ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT,
                   num_warps=sc.WARPS, **LAUNCH)
-    _DRAW((n, q), base, args, consts)
+    return _DRAW, (n, q), base, lambda x, out, seeds, xk: (x, *head, out, *seeds, *tail), consts

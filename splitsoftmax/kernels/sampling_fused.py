@@ -7,7 +7,8 @@ a draw is a few launches (one to four) and nothing is read back to the host (a C
 it):
 
 - ``_records_kernel``: records (and the moments of ``d``) and the plan;
-- ``_pivot_kernel``: an approximate pivot round of the PIVOT rows;
+- ``_pivot_kernel``: an approximate pivot round of the PIVOT rows (and the next ones of a row by its
+  last program, while its bracket is not listable);
 - ``_draw_kernel``: the Gumbel-max draw of the THRESH and COLLECT rows, and their tokens; for
   top-p, one program of a row finishes it alone where the approximate rounds left it (its bracket
   not listable) or the exact masses refute its bracket: exact rounds over the whole row, then
@@ -23,8 +24,8 @@ import triton.language as tl
 
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .sampling_decide import _decide_draw, _decide_exact, _decide_pivots, _decide_records
-from .sampling_jit import (COLLECT, EXACT, F_DTHR, F_HI, F_LO, F_PIV, F_XTHR, F_ZMAX, NONE, PIVOT, PIVOTS, POS_INF,
-                           THRESH, _seed_of)
+from .sampling_jit import (COLLECT, EXACT, F_DTHR, F_HI, F_LO, F_PIV, F_XTHR, F_ZMAX, INTERPRETING, NONE, PIVOT,
+                           PIVOTS, PLAN_W, POS_INF, THRESH, _seed_of)
 from .sampling_span import _count_value, _draw_span, _pivot_span, _records_span
 
 # integers that do not specialise a kernel (the row stride and V do: they decide vector loads)
@@ -33,16 +34,28 @@ INTS = ["col0", "tiles", "Q", "k_tie", "top_k", "cap", "seed_ptr", "seed_lo", "s
 
 
 @triton.jit
+def _fence(row):
+    """``fence.acq_rel.gpu`` in every thread (``__threadfence``): this program's stores are visible
+    before it counts itself done; the last program's reads see the others' (none in the interpreter)."""
+    if not INTERPRETING:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [row.to(tl.int32)], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@triton.jit
 def _last(CNT, row, Q):
     """Whether this program is the last of its row's ``Q`` to get here (its stores are done first)."""
+    _fence(row)
     tl.debug_barrier()
-    return tl.atomic_add(CNT + row, 1) == Q - 1
+    last = tl.atomic_add(CNT + row, 1) == Q - 1
+    _fence(row)
+    return last
 
 
-@triton.jit(do_not_specialize=INTS + ["c", "cmin", "probit", "slack"])
+@triton.jit(do_not_specialize=INTS + ["c", "cmin", "probit", "slack", "spread", "growth"])
 def _records_kernel(X, PART, TIES, MOM, CNT, V, col0, tiles, s_xn, Q, k_tie, SEED, seed_ptr, seed_lo, seed_hi,
                     OFFSET, off_ptr, off_lo, off_hi, XK, MODE, PLANF, OUT, c, shift, top_p_bits, cmin, top_k,
-                    probit, slack, GAPS, KR: tl.constexpr, QP: tl.constexpr, TILE: tl.constexpr,
+                    probit, slack, spread, growth, KR: tl.constexpr, QP: tl.constexpr, TILE: tl.constexpr,
                     STAGES: tl.constexpr, MOMENTS: tl.constexpr, FUSED: tl.constexpr, LARGE_K: tl.constexpr,
                     GREEDY: tl.constexpr, TOP_P: tl.constexpr):
     """Grid ``(N, Q)``: the span's top ``KR`` packed keys ``PART [N, QP, KR]``, with ``k_tie`` the count
@@ -78,42 +91,51 @@ def _records_kernel(X, PART, TIES, MOM, CNT, V, col0, tiles, s_xn, Q, k_tie, SEE
             seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
             off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
             _decide_records(row, keys, tie, Q, MOM, QP * 4, seed, off, XK, MODE, PLANF, OUT, c, shift, top_p_bits,
-                            cmin, top_k, probit, slack, GAPS, KR, QP, LARGE_K, GREEDY, TOP_P)
+                            cmin, top_k, probit, slack, spread, growth, KR, QP, LARGE_K, GREEDY, TOP_P)
             tl.store(CNT + row, 0)
 
 
 @triton.jit(do_not_specialize=INTS + ["c", "top_p", "slack"])
 def _pivot_kernel(X, PART, CNT, MODE, PLANF, V, tiles, s_xn, Q, c, shift, top_p, slack, cap, TILE: tl.constexpr,
-                  QP: tl.constexpr, STAGES: tl.constexpr):
-    """Grid ``(N, Q)``, PIVOT rows: the span's approximate masses ``(Z~, F~ [PIVOTS])`` (``PART [N, QP,
-    PIVOTS + 1]``) and, last, the row's bracket or next pivots."""
+                  QP: tl.constexpr, STAGES: tl.constexpr, MORE: tl.constexpr):
+    """Grid ``(N, Q)``, PIVOT rows: the span's approximate masses ``(Z~, F~ [PIVOTS])`` (``PART [N, Q,
+    PIVOTS + 1]``; ``QP >= Q``) and, last, the row's bracket or next pivots; a row still without a listable
+    bracket then takes up to ``MORE`` rounds over the whole row by that program alone."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if tl.load(MODE + row) == PIVOT:
-        p = PLANF + row * 24
+        p = PLANF + row * PLAN_W
+        xrow = X + row * s_xn
+        zmax = tl.load(p + F_ZMAX)
+        xthr = tl.load(p + F_XTHR)
         lo = split * tiles * TILE
         hi = tl.minimum(lo + tiles * TILE, V)
         piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
-        z, f, _ = _pivot_span(X + row * s_xn, lo, hi, c, tl.load(p + F_ZMAX), tl.load(p + F_XTHR), piv, shift, TILE,
-                              PIVOTS, STAGES, False)
-        out = PART + (row * QP + split) * (PIVOTS + 1)
+        z, f, unused = _pivot_span(xrow, lo, hi, c, zmax, xthr, piv, shift, TILE, PIVOTS, STAGES, False)
+        out = PART + (row * Q + split) * (PIVOTS + 1)
         tl.store(out, z)
         tl.store(out + 1 + tl.arange(0, PIVOTS), f)
         if _last(CNT, row, Q):
             qi = tl.arange(0, QP)
-            rows = PART + (row * QP + qi) * (PIVOTS + 1)
+            rows = PART + (row * Q + qi) * (PIVOTS + 1)
             zs = tl.sum(tl.load(rows, mask=qi < Q, other=0.0, cache_modifier=".cg"), axis=0)
             fs = tl.load(rows[:, None] + 1 + tl.arange(0, PIVOTS)[None, :], mask=(qi < Q)[:, None], other=0.0,
                          cache_modifier=".cg")
             _decide_pivots(row, zs, tl.sum(fs, axis=0), MODE, PLANF, shift, top_p, slack, cap)
             tl.store(CNT + row, 0)
+            for rnd in range(MORE):
+                tl.debug_barrier()
+                if tl.load(MODE + row) == PIVOT:
+                    piv = tl.load(p + F_PIV + tl.arange(0, PIVOTS))
+                    zr, fr, unused = _pivot_span(xrow, 0, V, c, zmax, xthr, piv, shift, TILE, PIVOTS, STAGES, False)
+                    _decide_pivots(row, zr, fr, MODE, PLANF, shift, top_p, slack, cap)
 
 
 @triton.jit
 def _row_draw(X, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT, MODE, PLANF, cap,
               TILE: tl.constexpr, STAGES: tl.constexpr):
     """The draw span of a THRESH or COLLECT row (``X``: the row) under its plan: ``(best, Z, A)``."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     collect = tl.load(MODE + row) == COLLECT
     b_hi = tl.load(p + F_HI)
     dthr = tl.load(p + F_DTHR)
@@ -127,7 +149,7 @@ def _exact_row(X, row, V, c, seed, off, shift, top_p_bits, cap, CAND, CCOUNT, MO
                TILE: tl.constexpr, XTILE: tl.constexpr, CP: tl.constexpr, STAGES: tl.constexpr):
     """A PIVOT or EXACT row (``X``: the row) by one program: exact rounds over the whole row until its
     bracket is listable or one value, then the draw and the token."""
-    p = PLANF + row * 24
+    p = PLANF + row * PLAN_W
     if tl.load(MODE + row) == PIVOT:            # the approximate pivots stay, between the widest ends
         tl.store(p + F_PIV, POS_INF)
         tl.store(p + F_PIV + PIVOTS - 1, -shift.to(tl.float32))
@@ -155,7 +177,7 @@ def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, s
                  off_ptr, off_lo, off_hi, V, col0, tiles, s_xn, Q, c, shift, top_p_bits, cap, SHIFT4: tl.constexpr,
                  TILE: tl.constexpr, QP: tl.constexpr, CP: tl.constexpr, STAGES: tl.constexpr, EXACT_ROWS: tl.constexpr,
                  ROUNDS: tl.constexpr, XTILE: tl.constexpr):
-    """Grid ``(N, Q)``, THRESH and COLLECT rows: the span's ``(best, Z, A)`` (``PART [N, QP, 4]``), the
+    """Grid ``(N, Q)``, THRESH and COLLECT rows: the span's ``(best, Z, A)`` (``PART [N, Q, 4]``, ``QP >= Q``), the
     bracket's columns listed in ``CAND [N, cap]``, and, last, the row's token. With ``EXACT_ROWS``
     (top-p), the rows the approximate rounds left and those whose bracket the exact masses refute
     are finished by one program each (``_exact_row``)."""
@@ -171,7 +193,7 @@ def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, s
         hi = tl.minimum(lo + tiles * TILE, V + SHIFT4)
         best, z, above = _row_draw(xrow, row, lo, hi, SHIFT4, V, col0, c, seed, off, shift, CAND, CCOUNT, MODE, PLANF,
                                    cap, TILE, STAGES)
-        out = PART + (row * QP + split) * 4
+        out = PART + (row * Q + split) * 4
         tl.store(out, best)
         tl.store(out + 1, z)
         tl.store(out + 2, above)
@@ -180,7 +202,7 @@ def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, s
         if _last(CNT, row, Q):
             if drawn:
                 qi = tl.arange(0, QP)
-                rows = PART + (row * QP + qi) * 4
+                rows = PART + (row * Q + qi) * 4
                 ok = qi < Q
                 best = tl.max(tl.load(rows, mask=ok, other=NONE, cache_modifier=".cg"), axis=0)
                 z = tl.sum(tl.load(rows + 1, mask=ok, other=0, cache_modifier=".cg"), axis=0)

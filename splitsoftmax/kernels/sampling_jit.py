@@ -28,6 +28,7 @@ F_XTHR, F_ZMAX, F_DTHR, F_LO, F_HI, F_RLO, F_RHI = (tl.constexpr(i) for i in ran
 F_PIV = tl.constexpr(8)
 PIVOTS = tl.constexpr(16)
 PLAN_F = 24
+PLAN_W = tl.constexpr(PLAN_F)
 
 
 @triton.jit

@@ -6,8 +6,10 @@ the loop) and reduces it once at the end:
 - ``_records_span``: the top ``KR`` packed keys ``(ord32(x), global id)``. Each position keeps its
   own top four (integer order keys and columns, inserted in column order, so an equal key keeps
   the lower id first); the top ``KR`` of the ``4 * TILE`` kept keys are the span's unless some
-  position dropped a key above the ``KR``-th (it saw more than four and its fourth lies above),
-  when the records are found again one pass per record (rare: logits periodic in the tile). With ``MOMENTS``: the mass, and its first two moments in ``zz``, of every column,
+  position dropped a key above the ``KR``-th (it saw more than four and its fourth lies above).
+  Then one more pass assigns the columns to the positions another way (rare: about one program
+  in a hundred at ``KR = 256`` on random logits), and should that saturate too, the records are
+  found one pass per record. With ``MOMENTS``: the mass, and its first two moments in ``zz``, of every column,
   relative to the first tile's largest ``zz`` (float32, approximate: they only place pivots).
 - ``_pivot_span``: the mass of the columns kept by top-k and at each of ``P`` pivots the mass of
   those with ``d >= pivot``: approximate (float32, ``exp2``) or ``EXACT`` (the integer masses,
@@ -71,9 +73,12 @@ def _insert4(k, col, v1, i1, v2, i2, v3, i3, v4, i4):
 
 
 @triton.jit
-def _top4_span(X, lo, hi, c, ref, TILE: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr):
+def _top4_span(X, lo, hi, c, ref, TILE: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr,
+               ROTATE: tl.constexpr = False):
     """Each position's top four order keys of columns ``[lo, hi)`` of the row at ``X``, and with
-    ``MOMENTS`` the position's ``(sum e, sum e t, sum e t^2)``, ``t = zz - ref``, ``e = 2^min(t, 60)``."""
+    ``MOMENTS`` the position's ``(sum e, sum e t, sum e t^2)``, ``t = zz - ref``, ``e = 2^min(t, 60)``.
+    ``ROTATE``: position ``p`` of the ``j``-th tile takes its column ``(p + 97 j) % TILE`` (another
+    assignment of columns to positions, for logits periodic in the tile)."""
     lanes = tl.arange(0, TILE)
     v1 = tl.full([TILE], INT32_MIN, tl.int32)
     i1 = tl.zeros([TILE], tl.int32)
@@ -81,7 +86,10 @@ def _top4_span(X, lo, hi, c, ref, TILE: tl.constexpr, STAGES: tl.constexpr, MOME
     l0 = tl.zeros([TILE], tl.float32)
     l1, l2 = l0, l0
     for t0 in tl.range(lo, hi, TILE, num_stages=STAGES):
-        cols = t0 + lanes
+        if ROTATE:
+            cols = t0 + (lanes + 97 * ((t0 - lo) // TILE)) % TILE
+        else:
+            cols = t0 + lanes
         valid = cols < hi
         x = tl.load(X + cols, mask=valid, other=0.0).to(tl.float32)
         k = tl.where(valid, _ord32(x), INT32_MIN)
@@ -91,8 +99,8 @@ def _top4_span(X, lo, hi, c, ref, TILE: tl.constexpr, STAGES: tl.constexpr, MOME
             t = tl.where(fin, zz - ref, 0.0)
             e = tl.where(fin, tl.exp2(tl.minimum(t, 60.0)), 0.0)
             l0 += e
-            l1 += e * t
-            l2 += e * t * t
+            l1 = tl.fma(e, t, l1)                     # approximate: fused where it saves an instruction
+            l2 = tl.fma(e * t, t, l2)
         v1, i1, v2, i2, v3, i3, v4, i4 = _insert4(k, cols, v1, i1, v2, i2, v3, i3, v4, i4)
     return v1, i1, v2, i2, v3, i3, v4, i4, l0, l1, l2
 
@@ -152,7 +160,12 @@ def _records_span(X, lo, hi, col0, c, KR: tl.constexpr, TILE: tl.constexpr, STAG
         p4 = _pack(v4, i4, col0)
         sat = (seen > 4) & (p4 > theta)
         if tl.max(sat.to(tl.int32), axis=0) > 0:             # a position may have dropped a top key: rare
-            rec = _top_by_max(X, lo, hi, col0, KR, TILE)
+            v1, i1, v2, i2, v3, i3, v4, i4, l0, l1, l2 = _top4_span(X, lo, hi, c, ref, TILE, 1, False, True)
+            rec = _top(_slots(v1, i1, v2, i2, v3, i3, v4, i4, col0, TILE), KR)
+            tiles = (hi - lo + TILE - 1) // TILE                 # a bound on what a position saw
+            sat = (tiles > 4) & (_pack(v4, i4, col0) > tl.min(rec, axis=0))
+            if tl.max(sat.to(tl.int32), axis=0) > 0:         # saturated under both assignments: rarer still
+                rec = _top_by_max(X, lo, hi, col0, KR, TILE)
     return rec, ref, tl.sum(l0, axis=0), tl.sum(l1, axis=0), tl.sum(l2, axis=0)
 
 

@@ -83,6 +83,7 @@ def setup_attention(ctx, inputs, output) -> None:
     q, k, v, scale, causal, diag, lo, softcap, kv_range, q_offset, rows, sinks = _attn_inputs(inputs)
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, kv_range, q_offset, rows, sinks)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros made and read
     ctx.args = (scale, causal, diag, lo, softcap)
     ctx.sinks_grad = sinks is not None and sinks.requires_grad  # (not needs_input_grad: call() shifts it)
 

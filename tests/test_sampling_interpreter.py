@@ -159,6 +159,21 @@ def test_records_on_periodic_logits(monkeypatch, stride):
     assert torch.equal(got[1], want[1][:, 0]) and torch.equal(got[0], want[0][:, 0])
 
 
+def test_records_three_at_one_position(monkeypatch):
+    """A span whose three largest logits share a tile position (they sit in its third slot and
+    below): its records are selected from all four slots, as the torch path finds them."""
+    monkeypatch.setattr(sc, "INTERPRET_SMS", 1)          # two spans of three tiles
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(8)) * 0.1
+    x[0, [5, 21, 37]] = torch.tensor([3.0, 2.0, 1.0])
+    assert _most_at_one_position(torch.arange(96) % 16 == 5, 0, 48, 16, False) == 3
+    keys, ties = tk.records(x, 0, 4)
+    vals, ids = tk.decode(keys)
+    got = rows.merge_partials(vals, ids, ties, 4)
+    want = sampling_cpu.records(x, 0, 4)
+    assert torch.equal(got[1], want[1][:, 0]) and torch.equal(got[0], want[0][:, 0])
+    assert got[1][0, :3].tolist() == [5, 21, 37]
+
+
 def test_tokens_match_the_torch_path(monkeypatch):
     x, seeds, offset = _rows()
     for kw in CONFIGS:

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
-from .sampling_finish import _and, _count_equal, _decode, _not, _or, _pick, _tau, _token, _winner
+from .sampling_finish import _and, _decode, _not, _or, _pick, _records_cut, _token, _winner
 from .sampling_jit import (COLLECT, DONE, EXACT, F_DTHR, F_HI, F_LO, F_PIV, F_RHI, F_RLO, F_XTHR, F_ZMAX, NEG_INF,
                            NONE, PIVOT, PIVOTS, PLAN_W, POS_INF, THRESH, _ord32, _qmass, _top, _unord32)
 from .sampling_span import _exact_key, _words_at
@@ -93,44 +93,13 @@ def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, O
     rec = _top(tl.reshape(keys, [QP * KR]), KR)                   # [KR] merged, descending
     x, gid, valid = _decode(rec)
     top = _pick(x, 0, KR)
-    zero_i = tl.sum(tl.zeros([1], tl.int64), axis=0)
     zero_f = tl.sum(tl.zeros([1], tl.float32), axis=0)
     if GREEDY:
         tl.store(MODE + row, DONE)
         tl.store(OUT + row, tl.where(_and(top == top, top > NEG_INF), _pick(gid, 0, KR), -1))
     else:
-        zmax = top * c
-        bad = _or(top != top, _not(tl.abs(zmax) < float("inf")))
-        zz = x * c
-        d = zz - zmax
-        q = tl.where(valid, tl.where(bad, 0, _qmass(d, shift)), 0)
-        if LARGE_K:
-            xk = tl.load(XK + row).to(tl.float32)
-            extra = zero_i - 1
-        elif top_k > 0:
-            xk = _pick(x, top_k - 1, KR)
-            total = _count_equal(keys, ties, _ord32(xk))
-            inside = tl.sum(((x == xk) & valid).to(tl.int64), axis=0)
-            extra = tl.where(total < 0, -1, total - inside)
-        else:
-            xk = zero_f + NEG_INF
-            extra = zero_i - 1
-        keptk = valid & (x >= xk)
-        dk = xk * c - zmax
-        known = _or(extra >= 0, tl.min(rec, axis=0) == NONE)
-        extra = tl.maximum(extra, 0)
-        extra_q = extra * _qmass(dk, shift)
-        z = tl.sum(tl.where(keptk, q, 0), axis=0) + extra_q
-        need = top_p_bits.to(tl.float64, bitcast=True) * z.to(tl.float64)
-        if TOP_P:
-            tau = _tau(d, q, keptk, need, tl.where(extra > 0, dk, NEG_INF), extra_q)
-            dthr = tl.where(known, tl.maximum(tau, cmin), zero_f + cmin)
-        else:
-            dthr = zero_f + cmin
-        d_last = _pick(d, KR - 1, KR)
-        outside = tl.where(known, tl.where(extra > 0, dk, NEG_INF), d_last)
-        outside = tl.where(_pick(x, KR - 1, KR) < xk, NEG_INF, outside)
-        decided = _or(_not(outside > NEG_INF), outside < dthr)
+        bad, zmax, zz, d, q, xk, keptk, known, need, dthr, d_last, decided = _records_cut(
+            x, valid, rec, keys, ties, XK, row, c, shift, top_p_bits, cmin, top_k, KR, LARGE_K, TOP_P)
         if TOP_P:
             to_pivot = _and(_not(known), _not(bad))
         else:

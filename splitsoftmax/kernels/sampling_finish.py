@@ -104,6 +104,52 @@ def _count_equal(keys, ties, ord_t):
     return tl.where(unknown, -1, tl.sum(tl.where(at_end, ties, in_rec.to(tl.int64)), axis=0))
 
 
+@triton.jit
+def _records_cut(x, valid, rec, keys, ties, XK, row, c, shift, top_p_bits, cmin, top_k, KR: tl.constexpr,
+                 LARGE_K: tl.constexpr, TOP_P: tl.constexpr):
+    """``sampling_rows.after_records``' cut-offs of one row (not greedy), from its merged records ``rec
+    [KR]`` (decoded: ``x``, ``valid``), its partial records ``keys [QP, KR]`` with their tie counts
+    ``ties [QP]`` (a top-k inside the records counts its ties there) and, with ``LARGE_K``, the top-k
+    threshold found outside the records (``XK [row]``): ``(bad, zmax, zz, d, q, xk, keptk, known,
+    need, dthr, d_last, decided)``, shared by the one-device and the sharded finishers."""
+    zero_i = tl.sum(tl.zeros([1], tl.int64), axis=0)
+    zero_f = tl.sum(tl.zeros([1], tl.float32), axis=0)
+    top = _pick(x, 0, KR)
+    zmax = top * c
+    bad = _or(top != top, _not(tl.abs(zmax) < float("inf")))
+    zz = x * c
+    d = zz - zmax
+    q = tl.where(valid, tl.where(bad, 0, _qmass(d, shift)), 0)
+    if LARGE_K:
+        xk = tl.load(XK + row).to(tl.float32)
+        extra = zero_i - 1
+    elif top_k > 0:
+        xk = _pick(x, top_k - 1, KR)
+        total = _count_equal(keys, ties, _ord32(xk))
+        inside = tl.sum(((x == xk) & valid).to(tl.int64), axis=0)
+        extra = tl.where(total < 0, -1, total - inside)
+    else:
+        xk = zero_f + NEG_INF
+        extra = zero_i - 1
+    keptk = valid & (x >= xk)
+    dk = xk * c - zmax
+    known = _or(extra >= 0, tl.min(rec, axis=0) == NONE)
+    extra = tl.maximum(extra, 0)
+    extra_q = extra * _qmass(dk, shift)
+    z = tl.sum(tl.where(keptk, q, 0), axis=0) + extra_q
+    need = top_p_bits.to(tl.float64, bitcast=True) * z.to(tl.float64)
+    if TOP_P:
+        tau = _tau(d, q, keptk, need, tl.where(extra > 0, dk, NEG_INF), extra_q)
+        dthr = tl.where(known, tl.maximum(tau, cmin), zero_f + cmin)
+    else:
+        dthr = zero_f + cmin
+    d_last = _pick(d, KR - 1, KR)
+    outside = tl.where(known, tl.where(extra > 0, dk, NEG_INF), d_last)
+    outside = tl.where(_pick(x, KR - 1, KR) < xk, NEG_INF, outside)
+    decided = _or(_not(outside > NEG_INF), outside < dthr)
+    return bad, zmax, zz, d, q, xk, keptk, known, need, dthr, d_last, decided
+
+
 @triton.jit(do_not_specialize=["Q", "c", "shift", "top_p_bits", "cmin", "top_k"])
 def _finish_records_kernel(PART, TIES, Q, SEED, OFFSET, XK, MODE, TOKEN, XTHR, ZMAX, DTHR, NEED, B1, ORNG, COUNT,
                            MERGED, s_pn, s_tn, c, shift, top_p_bits, cmin, top_k, KR: tl.constexpr,
@@ -118,7 +164,6 @@ def _finish_records_kernel(PART, TIES, Q, SEED, OFFSET, XK, MODE, TOKEN, XTHR, Z
     x, gid, valid = _decode(rec)
     top = _pick(x, 0, KR)
     zero_i = tl.sum(tl.zeros([1], tl.int64), axis=0)
-    zero_f = tl.sum(tl.zeros([1], tl.float32), axis=0)
     tl.store(B1 + 2 * row + tl.arange(0, 2), tl.zeros([2], tl.int64))
     tl.store(ORNG + 2 * row, zero_i + INT32_LO)
     tl.store(ORNG + 2 * row + 1, zero_i + INT32_END)
@@ -128,41 +173,9 @@ def _finish_records_kernel(PART, TIES, Q, SEED, OFFSET, XK, MODE, TOKEN, XTHR, Z
         tl.store(MODE + row, DONE)
         tl.store(TOKEN + row, tl.where(ok, _pick(gid, 0, KR), -1))
     else:
-        zmax = top * c
-        bad = _or(top != top, _not(tl.abs(zmax) < float("inf")))
-        zz = x * c
-        d = zz - zmax
-        q = tl.where(valid, tl.where(bad, 0, _qmass(d, shift)), 0)
-        if LARGE_K:
-            xk = tl.load(XK + row).to(tl.float32)
-            extra = zero_i - 1
-        elif top_k > 0:
-            xk = _pick(x, top_k - 1, KR)
-            ties = tl.load(TIES + row * s_tn + qi, mask=qi < Q, other=0)
-            total = _count_equal(keys, ties, _ord32(xk))
-            inside = tl.sum(((x == xk) & valid).to(tl.int64), axis=0)
-            extra = tl.where(total < 0, -1, total - inside)
-        else:
-            xk = zero_f + NEG_INF
-            extra = zero_i - 1
-        keptk = valid & (x >= xk)
-        dk = xk * c - zmax
-        last_x = _pick(x, KR - 1, KR)
-        complete = tl.min(rec, axis=0) == NONE
-        known = _or(extra >= 0, complete)
-        extra = tl.maximum(extra, 0)
-        extra_q = extra * _qmass(dk, shift)
-        z = tl.sum(tl.where(keptk, q, 0), axis=0) + extra_q
-        need = top_p_bits.to(tl.float64, bitcast=True) * z.to(tl.float64)
-        if TOP_P:
-            tau = _tau(d, q, keptk, need, tl.where(extra > 0, dk, NEG_INF), extra_q)
-            dthr = tl.where(known, tl.maximum(tau, cmin), zero_f + cmin)
-        else:
-            dthr = zero_f + cmin
-        d_last = _pick(d, KR - 1, KR)
-        outside = tl.where(known, tl.where(extra > 0, dk, NEG_INF), d_last)
-        outside = tl.where(last_x < xk, NEG_INF, outside)
-        decided = _or(_not(outside > NEG_INF), outside < dthr)
+        ties = tl.load(TIES + row * s_tn + qi, mask=qi < Q, other=0)
+        bad, zmax, zz, d, q, xk, keptk, known, need, dthr, d_last, decided = _records_cut(
+            x, valid, rec, keys, ties, XK, row, c, shift, top_p_bits, cmin, top_k, KR, LARGE_K, TOP_P)
         if TOP_P:
             to_mass = _not(known)
         else:

@@ -1,7 +1,7 @@
 """The sampling passes as compiled for sm_90 (Hopper), no GPU needed: no fused multiply-add in the
 exact float math (the draw would differ from the torch path's by one rounding; the approximate
 pivot rounds may use one, they decide nothing), the draw's bound from the special function unit,
-and no register spills in the passes of a one-device draw."""
+and no register spills in the passes of a one-device draw and the sharded draw's records finisher."""
 from __future__ import annotations
 
 import os
@@ -82,6 +82,20 @@ CASES = {
 def test_no_spills(name):
     kernel, types, consts, options = CASES[name]
     report = _ptxas_report(_compile(kernel, types, consts, sc.WARPS, options).asm["ptx"])
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
+@pytest.mark.parametrize("top_k", [False, True])
+def test_sharded_records_finisher_compiles_without_spills(top_k):
+    """The sharded draw's records finisher (four warps, as launched), with top-p and with a top-k
+    beyond the records, shares its cut-offs with the one-device finisher: compiled for sm_90 it
+    keeps everything in registers."""
+    from splitsoftmax.kernels import sampling_finish as kfin
+    types = dict(PART="*i64", TIES="*i64", SEED="*i64", OFFSET="*i64", XK="*fp32", MODE="*i64", TOKEN="*i64",
+                 XTHR="*fp64", ZMAX="*fp32", DTHR="*fp32", NEED="*fp64", B1="*i64", ORNG="*i64", COUNT="*i64",
+                 MERGED="*i64", c="fp32", cmin="fp32", top_p_bits="i64")
+    consts = dict(KR=64, QP=8, LARGE_K=top_k, GREEDY=False, TOP_P=True)
+    report = _ptxas_report(_compile(kfin._finish_records_kernel, types, consts, 4).asm["ptx"])
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 

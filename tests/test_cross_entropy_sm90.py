@@ -4,8 +4,6 @@ IEEE rounding (as torch does), the loss leaves the kernel in bf16, and no regist
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 
 import pytest
 
@@ -13,9 +11,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU target: not under the interpreter", allow_module_level=True)
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from _sm90 import compile_sm90 as _compile, no_spills  # noqa: E402
 
 from splitsoftmax.kernels import cross_entropy as K  # noqa: E402
 
@@ -24,28 +20,7 @@ FLOATS = {"one_minus", "smooth_v"}
 
 def compile_sm90(fn, pointers: dict, consts: dict, warps: int, stages: int = 1):
     """``fn`` compiled for sm_90 with its ``debug`` setting (pointers 16-byte aligned, ints ``i32``)."""
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name], attrs[(i,)] = pointers[name], [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32" if name in FLOATS else "i32"
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": warps, "num_stages": stages, "debug": bool(fn.debug)})
-
-
-def no_spills(ptx: str) -> bool:
-    """Whether ptxas (sm_90a) allocates ``ptx`` without spilling registers."""
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
-                         text=True)
-    os.unlink(f.name)
-    assert out.returncode == 0, out.stderr
-    return "0 bytes spill stores, 0 bytes spill loads" in out.stderr
+    return _compile(fn, pointers, consts, warps, stages, floats=FLOATS, options={"debug": bool(fn.debug)})
 
 
 ROWS = dict(STATS="*fp32", T="*i64", LSE="*fp32")

@@ -5,8 +5,6 @@ and no register spills in the passes of a one-device draw and the sharded draw's
 from __future__ import annotations
 
 import os
-import subprocess
-import tempfile
 
 import pytest
 
@@ -15,15 +13,16 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 import triton.language as tl  # noqa: E402
+from _sm90 import ptxas_report  # noqa: E402
 
 from splitsoftmax.kernels import sampling as ks  # noqa: E402
 from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
 from splitsoftmax.kernels import sampling_fused as kf  # noqa: E402
 from splitsoftmax.kernels.sampling_jit import _gumbel, _qmass  # noqa: E402
+
 
 def _compile(kernel, types: dict, consts: dict, warps: int, options=None):
     """``kernel`` compiled for sm_90 as a launch specialises it: pointers, ``V`` and the row stride
@@ -53,15 +52,6 @@ def test_the_exact_math_has_no_fma():
     assert "fma.rn" in _compile(_exact_math, types, {}, 4, options={"enable_fp_fusion": True}).asm["ptx"]
 
 
-def _ptxas_report(ptx: str) -> str:
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", os.devnull], capture_output=True,
-                         text=True)
-    os.unlink(f.name)
-    assert out.returncode == 0, out.stderr
-    return out.stderr
-
 
 TYPES = dict(X="*fp32", PART="*i64", TIES="*i64", MOM="*fp32", CNT="*i32", SEED="*i64", OFFSET="*i64", XK="*fp32",
              MODE="*i64", PLANF="*fp32", OUT="*i64", CAND="*i64", CCOUNT="*i32", c="fp32", cmin="fp32",
@@ -81,7 +71,7 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_no_spills(name):
     kernel, types, consts, options = CASES[name]
-    report = _ptxas_report(_compile(kernel, types, consts, sc.WARPS, options).asm["ptx"])
+    report = ptxas_report(_compile(kernel, types, consts, sc.WARPS, options).asm["ptx"])
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 
@@ -95,7 +85,7 @@ def test_sharded_records_finisher_compiles_without_spills(top_k):
                  XTHR="*fp64", ZMAX="*fp32", DTHR="*fp32", NEED="*fp64", B1="*i64", ORNG="*i64", COUNT="*i64",
                  MERGED="*i64", c="fp32", cmin="fp32", top_p_bits="i64")
     consts = dict(KR=64, QP=8, LARGE_K=top_k, GREEDY=False, TOP_P=True)
-    report = _ptxas_report(_compile(kfin._finish_records_kernel, types, consts, 4).asm["ptx"])
+    report = ptxas_report(_compile(kfin._finish_records_kernel, types, consts, 4).asm["ptx"])
     assert "0 bytes spill stores, 0 bytes spill loads" in report, report
 
 

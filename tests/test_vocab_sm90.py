@@ -10,9 +10,7 @@ import pytest
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for a GPU target: not under the interpreter", allow_module_level=True)
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+from _sm90 import compile_sm90 as _compile  # noqa: E402
 
 from splitsoftmax.kernels import configs  # noqa: E402
 from splitsoftmax.kernels import vocab as V  # noqa: E402
@@ -25,18 +23,8 @@ FLOATS = {"c", "inv_t"}
 def compile_sm90(fn, pointers: dict, consts: dict, warps: int, stages: int):
     """``fn`` compiled for sm_90 as a launch on bf16 logits would specialise it (pointers and the
     row strides 16-byte aligned)."""
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in pointers:
-            sig[name], attrs[(i,)] = pointers[name], [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32" if name in FLOATS else "i32"
-            if name.startswith("s_") or name == "V":
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    aligned = [n for n in fn.arg_names if n.startswith("s_") or n == "V"]
+    return _compile(fn, pointers, consts, warps, stages, floats=FLOATS, aligned=aligned)
 
 
 KERNELS = {

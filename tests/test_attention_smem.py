@@ -25,7 +25,7 @@ from splitsoftmax.kernels import configs, decode  # noqa: E402
 SM90_SMEM = 228 * 1024      # shared memory per SM
 RESERVED = 1024             # per program, reserved by the driver
 UNIT_STRIDES = ("s_qd", "s_kd", "s_vd", "s_od", "s_ls")
-INTS = ("NH", "G", "Sq", "Sk", "diag", "chunk", "lo_off", "kstart")
+INTS = ("NH", "G", "Sq", "Sk", "diag", "chunk", "lo_off", "kstart", "GH")
 MASK_PTRS = ("KVR", "QOFF", "ROWS")
 
 

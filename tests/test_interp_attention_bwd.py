@@ -200,6 +200,33 @@ def test_atomic_matches_deterministic_and_splits(case, monkeypatch):
         torch.testing.assert_close(f, s_, rtol=1e-5, atol=1e-5 * s_.abs().max().item())
 
 
+@pytest.mark.parametrize("waves,group", [(1, 3), (4, 5)])
+def test_launch_order_changes_nothing(waves, group, monkeypatch):
+    """Causal grids taken heads in groups (``configs.ATTN_ORDER_WAVES``; here groups of 3 and 2 of
+    the 5 kv heads, then all 5 in one) give the forward and both deterministic backward pairs
+    bit for bit what the grid's own order gives: every program runs once, on the block and head
+    it computed before."""
+    from splitsoftmax.kernels import attention as A
+    from splitsoftmax.kernels.decode import head_group
+    q, k, v, dout = inputs(1, 10, 5, 40, 40, 16)
+    scale = 0.3
+    _, lse, delta = oracle(q, k, v, dout, scale, True, 0, NO_MASK)
+    every_key = Mask(kv_range=torch.tensor([[0, 40]], dtype=torch.int32))
+
+    def results():
+        fwd = A.attn_fwd(q, k, v, scale, True, 0)
+        return [*fwd, *(t for m in (NO_MASK, every_key)
+                        for t in run(q, k, v, dout, lse, delta, scale, True, 0, m, True, monkeypatch))]
+    monkeypatch.setattr(configs, "ATTN_ORDER_WAVES", 0)
+    assert head_group(3, 5, q, True, 4) == 1
+    before = results()
+    monkeypatch.setattr(configs, "ATTN_ORDER_WAVES", waves)
+    assert head_group(3, 5, q, True, 4) == group and head_group(3, 5, q, False, 4) == 1
+    for got, want in zip(results(), before):
+        assert not torch.isnan(want).any()
+        assert torch.equal(got, want)
+
+
 class _Copies:
     """Counts ``Tensor.contiguous`` calls that copy."""
 

@@ -46,7 +46,7 @@ from ..mask import NO_MASK, Mask
 from ..state import stat_dtype
 from . import configs
 from .attn_mask import KernelMask, band_tiles, capped, kernel_mask, row_bounds
-from .decode import Plan, dot_precision, hopper, pad_dim, plan
+from .decode import Plan, dot_precision, head_group, hopper, pad_dim, plan
 from .launch import Launcher, Memo, fits_int32, geometry
 from ..local import interpreting
 from .merge import inv_or_zero, lse2_of, merge_into
@@ -65,6 +65,20 @@ def _dot(a, b, acc, PREC: tl.constexpr):
     else:
         out = tl.dot(a, b, acc, input_precision=PREC)
     return out
+
+
+@triton.jit
+def _program_order(GH):
+    """``(block, head)`` of this program of a ``(blocks, heads, ...)`` grid, in launch order (dim 0
+    fastest): heads in groups of ``GH`` (``decode.head_group``), within a group block-major and
+    head-minor. ``GH = 1`` is the grid's own order."""
+    nb = tl.num_programs(0)
+    lin = tl.program_id(1) * nb + tl.program_id(0)
+    group = lin // (GH * nb)
+    r = lin - group * GH * nb
+    gh = tl.minimum(GH, tl.num_programs(1) - group * GH)
+    blk = r // gh
+    return blk, group * GH + (r - blk * gh)
 
 
 @triton.jit
@@ -239,11 +253,11 @@ def _fwd_edges(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "chunk", "lo_off", "kstart", "s_lb", "s_lh", "s_lsplit"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "chunk", "lo_off", "kstart", "GH", "s_lb", "s_lh", "s_lsplit"])
 def _attn_fwd_kernel(Q, K, V, O, L,
                      s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                      s_ob, s_oh, s_os, s_od, s_osplit, s_lb, s_lh, s_ls, s_lsplit,
-                     NH, G, Sq, Sk, diag, chunk, qk_scale, KVR, QOFF, ROWS, lo_off, kstart, cap_in, cap_out,
+                     NH, G, Sq, Sk, diag, chunk, qk_scale, KVR, QOFF, ROWS, lo_off, kstart, cap_in, cap_out, GH,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                      PACK: tl.constexpr, ACC: tl.constexpr, POS_SCALE: tl.constexpr, PREC: tl.constexpr,
@@ -251,7 +265,8 @@ def _attn_fwd_kernel(Q, K, V, O, L,
                      TRIGGER: tl.constexpr = False, SEQ_ROWS: tl.constexpr = False, WINDOW: tl.constexpr = False,
                      KV_RANGE: tl.constexpr = False, Q_OFFSET: tl.constexpr = False, ROW_BOUNDS: tl.constexpr = False,
                      SOFTCAP: tl.constexpr = False, SOFTCAP_APPROX: tl.constexpr = False):
-    """Grid ``(row blocks, B * NH, splits)``; split ``s`` covers keys ``kstart + s * chunk ..``.
+    """Grid ``(row blocks, B * NH, splits)``, taken in the order of ``GH`` (:func:`_program_order`);
+    split ``s`` covers keys ``kstart + s * chunk ..``.
     ``TMA`` (not with ``PACK``; ``BLOCK_D == D``, ``BLOCK_DV == DV``): ``Q, K, V`` are tensor
     descriptors, else pointers; ``O_TMA`` (with ``TMA``, not ``ACC``, one split): ``O`` is one too.
     Descriptors are ``(B, H, S, D)``, or where ``ROW2D`` (no tile crossing the end of a head) 2-D row
@@ -262,10 +277,9 @@ def _attn_fwd_kernel(Q, K, V, O, L,
     give each row a key interval; ``SOFTCAP`` caps the scores (``cap_in``, ``cap_out``)."""
     if TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    pid_m = tl.program_id(0)
+    pid_m, pid_bh = _program_order(GH)
     if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
         pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
     pid_s = tl.program_id(2)
     b = (pid_bh // NH).to(tl.int64)
     hh = pid_bh % NH
@@ -517,14 +531,15 @@ def _fwd_launch(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale
     tma = _tma_specs(q, k, v, out, p, store=not (acc or split_dim))
     specs, o_tma, row2d, seq = tma if tma else ((None,) * 4, False, False, False)
     strides = (*q.stride(), *k.stride(), *v.stride(), *so[1:], so[0], *sl[1:], sl[0], hkv if p.pack else h, g)
-    key = (strides, fits_int32(sq, sk, diag, p.chunk, km.lo_off, p.start), q.dtype, k.dtype, v.dtype, out.dtype,
+    gh = 1 if p.pack else head_group(grid[0], grid[1], q, causal, warps)
+    key = (strides, fits_int32(sq, sk, diag, p.chunk, km.lo_off, p.start, gh), q.dtype, k.dtype, v.dtype, out.dtype,
            lse.dtype, *(t.data_ptr() % 16 == 0 for t in (q, k, v, out, lse, km.kvr, km.qoff, km.rows)))
     kwargs = dict(D=d, DV=dv, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
                   PACK=p.pack, ACC=acc, POS_SCALE=scale > 0, PREC=dot_precision(q.dtype), TMA=tma is not None,
                   O_TMA=o_tma, ROW2D=row2d, TRIGGER=split_dim and configs.ATTN_SPLIT_TRIGGER and hopper(q),
                   SEQ_ROWS=seq, **km.flags, num_warps=warps, num_stages=stages)
     return _FwdLaunch(grid, key, specs, (*strides, sq, sk, diag, p.chunk, scale * LOG2E),
-                      (km.lo_off, p.start, km.cap_in, km.cap_out), kwargs)
+                      (km.lo_off, p.start, km.cap_in, km.cap_out, gh), kwargs)
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
@@ -538,7 +553,7 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     if mask is NO_MASK:  # its kernel arguments are ``lse`` as the absent tensors, and constants
         kvr = qoff = rows = lse
         geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
-               configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER)
+               configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES)
         run = _FWD_LAUNCHES.get(geo)
         if run is None:
             run = _FWD_LAUNCHES.put(geo, _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim,

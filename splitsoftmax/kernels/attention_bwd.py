@@ -47,8 +47,8 @@ from . import configs
 from ..local import interpreting
 from ..mask import NO_MASK, Mask
 from ..state import stat_dtype
-from .decode import attn_tile, dot_precision, hopper, pad_dim, sm_count
-from .attention import LOG2E, _dot, _load_rows as _load
+from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm_count
+from .attention import LOG2E, _dot, _load_rows as _load, _program_order
 from .launch import Launcher, fits_int32
 
 @triton.jit
@@ -198,12 +198,12 @@ def _kv_rows(RB, pid_n, n0, n1, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: tl.constexpr,
     return first, end, ia, ib
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "s_lb", "s_lh", "s_eb", "s_eh"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_kv_kernel(Q, K, KS, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS, RB,
                         s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_db, s_dh, s_ds,
                         s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgp, s_kgb, s_kgh, s_kgs, s_vgp, s_vgb, s_vgh, s_vgs,
                         s_kvb, s_kvc, s_off, s_r,
-                        HKV, G, NH, NQ, Sq, Sk, diag, lo, qk_scale, scale, cap2,
+                        HKV, G, NH, NQ, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_LO: tl.constexpr,
                         HAS_KV: tl.constexpr, HAS_OFF: tl.constexpr, HAS_ROWS: tl.constexpr,
@@ -213,9 +213,9 @@ def _attn_bwd_kv_kernel(Q, K, KS, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS
     ``(sh, sq)`` taking query heads ``[sh * G // NH, (sh + 1) * G // NH)`` of the group and piece
     ``sq`` of ``NQ`` of the query blocks. ``TMA``: ``Q, K, V, DO`` (and ``GQ``, ``GK``, ``GV`` where
     atomic) are ``(B, H, S, D)`` descriptors, else pointers. ``DKV_ATOMIC``: dK/dV are added into
-    float32 buffers, else stored (at split ``s_kgp * split`` when partials)."""
-    pid_n = tl.program_id(0)  # key blocks of one head side by side: they share its Q/dO (and dQ) in L2
-    pid = tl.program_id(1)
+    float32 buffers, else stored (at split ``s_kgp * split`` when partials). Taken in the order of
+    ``GH`` (``attention._program_order``)."""
+    pid_n, pid = _program_order(GH)
     ns = NH * NQ
     split = pid % ns
     b = pid // ns // HKV
@@ -316,19 +316,18 @@ def _q_tile(dq, q, do, lse2, delta, k_base, v_base, kj, qi, rlo, rhi, dg, lw, kv
     return _dot(ds.to(k.dtype), k, dq, PREC)
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "s_lb", "s_lh", "s_eb", "s_eh"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ, KVR, QOFF, ROWS,
                        s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_db, s_dh, s_ds,
                        s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_qgb, s_qgh, s_qgs, s_kvb, s_kvc, s_off, s_r,
-                       H, G, Sq, Sk, diag, lo, qk_scale, scale, cap2,
+                       H, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_LO: tl.constexpr,
                        HAS_KV: tl.constexpr, HAS_OFF: tl.constexpr, HAS_ROWS: tl.constexpr,
                        SOFTCAP: tl.constexpr, PREC: tl.constexpr):
-    """Grid ``(query blocks, B * H)``, the blocks with the most keys first where causal (the query
-    blocks of one head side by side: they share its K/V in L2)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """Grid ``(query blocks, B * H)`` in the order of ``GH`` (``attention._program_order``), the
+    blocks with the most keys first where causal."""
+    pid_m, pid_bh = _program_order(GH)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
     b = pid_bh // H
@@ -590,9 +589,12 @@ def _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale: float, causal: 
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(),
                *delta.stride(), *_grad_strides(dk), *_grad_strides(dv), *mstrides, hkv, h // hkv, nh, nq)
     lo = mask.lo if mask.lo is not None else 0
-    args = (*ops, *grads, kvr, off, rows, rb, *strides, sq, sk, diag, lo, scale * LOG2E, scale, mask.softcap * LOG2E)
-    key = _key(args[:14], (*strides, fits_int32(sq, sk, diag, lo)))
-    _KV((configs.cdiv(sk, bn), b * hkv * nh * nq), key, args,
+    grid = (configs.cdiv(sk, bn), b * hkv * nh * nq)
+    gh = head_group(*grid, q, causal, warps)
+    args = (*ops, *grads, kvr, off, rows, rb, *strides, sq, sk, diag, lo, scale * LOG2E, scale, mask.softcap * LOG2E,
+            gh)
+    key = _key(args[:14], (*strides, fits_int32(sq, sk, diag, lo, gh)))
+    _KV(grid, key, args,
         dict(D=d, DV=dvd, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dvd), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
              TMA=atomic, DQ_ATOMIC=atomic, DKV_ATOMIC=dkv_atomic, GUARD=configs.ATTN_BWD_GUARD,
              PREC=dot_precision(q.dtype), **flags,
@@ -608,10 +610,12 @@ def _launch_q(q, k, v, dout, lse, delta, dq, scale: float, causal: bool, diag: i
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride(),
                *delta.stride(), *dq.stride()[:3], *mstrides, h, h // hkv)
     lo = mask.lo if mask.lo is not None else 0
+    grid = (configs.cdiv(sq, bm), b * h)
+    gh = head_group(*grid, q, causal, warps)
     args = (q, k, v, dout, lse, delta, dq, kvr, off, rows, *strides, sq, sk, diag, lo, scale * LOG2E, scale,
-            mask.softcap * LOG2E)
-    key = _key(args[:10], (*strides, fits_int32(sq, sk, diag, lo)))
-    _Q((configs.cdiv(sq, bm), b * h), key, args,
+            mask.softcap * LOG2E, gh)
+    key = _key(args[:10], (*strides, fits_int32(sq, sk, diag, lo, gh)))
+    _Q(grid, key, args,
        dict(D=d, DV=dvd, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dvd), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
             PREC=dot_precision(q.dtype), **flags, num_warps=warps, num_stages=stages))
 

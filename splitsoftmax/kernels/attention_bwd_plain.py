@@ -19,9 +19,9 @@ from torch import Tensor
 from . import configs
 from ..local import interpreting
 from ..state import stat_dtype
-from .attention import LOG2E, _dot, _load_rows
+from .attention import LOG2E, _dot, _load_rows, _program_order
 from .attention_bwd import _descriptor, _finite_or_zero, _tile, _tma_ok
-from .decode import attn_tile, dot_precision, hopper, pad_dim
+from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim
 from .launch import Launcher, Memo, auto_key, geometry
 
 
@@ -55,17 +55,17 @@ def _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b, h, m0, kj, Sq, 
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "s_lb", "s_lh", "s_eb", "s_eh"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GK, GV,
                         s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                         s_db, s_dh, s_ds, s_dd, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
                         s_kgb, s_kgh, s_kgs, s_kgd, s_vgb, s_vgh, s_vgs, s_vgd,
-                        HKV, G, Sq, Sk, diag, qk_scale, scale,
+                        HKV, G, Sq, Sk, diag, qk_scale, scale, GH,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                         TMA: tl.constexpr = False):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``)."""
+    pid_n, pid_bh = _program_order(GH)
     b32 = pid_bh // HKV  # (TMA coordinates are int32)
     b = b32.to(tl.int64)
     kvh = (pid_bh % HKV).to(tl.int64)
@@ -140,19 +140,19 @@ def _bwd_q_tile(dq, q, do, lse2, delta, k_src, v_src, b, kvh, n0, kj, qi, Sk, di
     return _dot(ds.to(k.dtype), k, dq, PREC)  # [BLOCK_M, BLOCK_D]
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "s_lb", "s_lh", "s_eb", "s_eh"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
                        s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                        s_db, s_dh, s_ds, s_dd, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
                        s_qgb, s_qgh, s_qgs, s_qgd,
-                       H, G, Sq, Sk, diag, qk_scale, scale,
+                       H, G, Sq, Sk, diag, qk_scale, scale, GH,
                        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
                        TMA: tl.constexpr = False):
-    pid_m = tl.program_id(0)
+    """Grid ``(query blocks, B * H)`` in the order of ``GH`` (``attention._program_order``)."""
+    pid_m, pid_bh = _program_order(GH)
     if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
         pid_m = tl.num_programs(0) - 1 - pid_m
-    pid_bh = tl.program_id(1)
     b32 = pid_bh // H  # (TMA coordinates are int32)
     kvh32 = (pid_bh % H) // G
     b = b32.to(tl.int64)
@@ -238,14 +238,18 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     if dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
-        scalars = (*strides, *dk.stride(), *dv.stride(), hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale)
-        kv = ((configs.cdiv(sk, bn), b * hkv), (auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), dtypes),
+        nkb = configs.cdiv(sk, bn)
+        scalars = (*strides, *dk.stride(), *dv.stride(), hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+                   head_group(nkb, b * hkv, q, causal, warps))
+        kv = ((nkb, b * hkv), (auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), dtypes),
               scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
     if dq.numel():
         bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
         q_rows = bn
-        scalars = (*strides, *dq.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E, scale)
-        qp = ((configs.cdiv(sq, bm), b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
+        nqb = configs.cdiv(sq, bm)
+        scalars = (*strides, *dq.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+                   head_group(nqb, b * h, q, causal, warps))
+        qp = ((nqb, b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
     return _Launches(kv, qp, (kv_rows, q_rows) if tma else None)
 
@@ -259,7 +263,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA,
-           attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_))
+           configs.ATTN_ORDER_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_))
     run = _LAUNCHES.get(geo)
     if run is None:
         run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))

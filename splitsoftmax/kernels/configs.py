@@ -94,6 +94,16 @@ ATTN_SPLIT_MIN_TILES = 4
 # keys, 504 tiles: 4 stages 0.2% faster; batch 4 at 128k, 256 tiles: equal).
 ATTN_SHORT_SPLIT_TILES = 128
 ATTN_SHORT_SPLIT_STAGES = 3
+# Launch order of the causal attention kernels (forward, both backward passes): heads in groups,
+# within a group the row (key) blocks major and the heads minor, so that the longest programs of
+# the group's heads start first, in one wave; a group holds the fewest heads whose blocks fill
+# this many waves (0: the grid's own order, the blocks of one head side by side, which non-causal
+# grids keep: their programs are all alike and share the head's rows in L2) ...
+ATTN_ORDER_WAVES = 4
+# ... where the grid fills fewer than this many waves (a longer grid's tail is short already, and
+# its forward lost to the wider reads: H200, 4 x 16 x 8k causal, 564 -> 531 TFLOP/s; at 1 x 16/4 x 8k
+# forward 517 -> 559, forward+backward 304 -> 384; launch/probes/attention_order.py).
+ATTN_ORDER_MAX_WAVES = 10
 # SM count assumed under the interpreter (no device to ask), so tests reach the split path.
 ATTN_INTERPRET_SMS = 4
 # Queries per head at or under which GQA heads are packed into one program's rows.

@@ -78,6 +78,19 @@ def sm_count(t: Tensor) -> int:
     return _sm_count(t.device.index or 0) if t.is_cuda else ATTN_INTERPRET_SMS
 
 
+def head_group(blocks: int, heads: int, t: Tensor, causal: bool, warps: int) -> int:
+    """Heads per group of a ``(blocks, heads)`` grid's launch order (``attention._program_order``)
+    for programs of ``warps`` warps (taken as ``8 // warps`` per SM): 1 unless ``causal`` and the
+    grid fills fewer than ``configs.ATTN_ORDER_MAX_WAVES`` waves, else the fewest heads whose blocks
+    fill ``configs.ATTN_ORDER_WAVES`` waves, evened out over the groups."""
+    slots = sm_count(t) * max(1, 8 // warps)
+    if (not causal or configs.ATTN_ORDER_WAVES <= 0 or heads <= 1
+            or blocks * heads >= configs.ATTN_ORDER_MAX_WAVES * slots):
+        return 1
+    want = min(heads, configs.cdiv(configs.ATTN_ORDER_WAVES * slots, max(blocks, 1)))
+    return configs.cdiv(heads, configs.cdiv(heads, want))
+
+
 def visible_keys(sq: int, sk: int, causal: bool, diag: int) -> int:
     """How many leading keys any query may see."""
     return max(0, min(sk, sq - 1 + diag + 1)) if causal else sk

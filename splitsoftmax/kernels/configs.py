@@ -100,10 +100,11 @@ ATTN_SHORT_SPLIT_STAGES = 3
 # this many waves (0: the grid's own order, the blocks of one head side by side, which non-causal
 # grids keep: their programs are all alike and share the head's rows in L2) ...
 ATTN_ORDER_WAVES = 4
-# ... where the grid fills fewer than this many waves (a longer grid's tail is short already, and
-# its forward lost to the wider reads: H200, 4 x 16 x 8k causal, 564 -> 531 TFLOP/s; at 1 x 16/4 x 8k
-# forward 517 -> 559, forward+backward 304 -> 384; launch/probes/attention_order.py).
-ATTN_ORDER_MAX_WAVES = 10
+# ... where the grid fills fewer than this many waves (a longer grid's tail is short already and
+# keeps its blocks side by side). H200, forward / forward+backward TFLOP/s, grid order -> groups:
+# 1 x 16/4 x 8k causal 517 -> 559 / 304 -> 384, 4 x 16/4 x 2k 402 -> 436 / 245 -> 312, 1 x 32/8 x
+# 8k 549 -> 539 / 350 -> 382 (launch/probes/attention_order.py; BENCHMARKS.md, "Attention backward").
+ATTN_ORDER_MAX_WAVES = 16
 # SM count assumed under the interpreter (no device to ask), so tests reach the split path.
 ATTN_INTERPRET_SMS = 4
 # Queries per head at or under which GQA heads are packed into one program's rows.

@@ -553,7 +553,8 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     if mask is NO_MASK:  # its kernel arguments are ``lse`` as the absent tensors, and constants
         kvr = qoff = rows = lse
         geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
-               configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES)
+               configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES,
+               configs.ATTN_ORDER_MAX_WAVES)
         run = _FWD_LAUNCHES.get(geo)
         if run is None:
             run = _FWD_LAUNCHES.put(geo, _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim,

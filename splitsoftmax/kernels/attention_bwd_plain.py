@@ -263,7 +263,8 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA,
-           configs.ATTN_ORDER_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_))
+           configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
+           attn_tile("bwd_q", q.dtype, d, dv_))
     run = _LAUNCHES.get(geo)
     if run is None:
         run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))

@@ -50,8 +50,10 @@ ATTN_TILE_DEFAULT = (16, 16, 4, 2)
 # the pair before this module 7.98) at B=4 H=16 S=8k D=128 causal, 5.39 / 4.36 / 4.55 at B=1 H=32/8 8k
 # causal, 2.58 / 2.19 / 2.65 at B=1 H=16/4 8k causal (launch/probes/attn_bwd_paths.py; programs then
 # ordered heads first, which spread the concurrent programs over heads: the key blocks of one head
-# are side by side since, and both paths want timing again). It runs for head dims up to
-# ATTN_BWD_ATOMIC_MAX_DIM (its dK/dV accumulators stay in registers).
+# are side by side since). Timed again under ATTN_ORDER_WAVES: forward+backward 323 against the
+# plain pair's 395 TFLOP/s at B=1 H=16/4 8k causal, 176 against 255 at B=4 2k
+# (launch/probes/attention_bwd_atomic.py). It runs for head dims up to ATTN_BWD_ATOMIC_MAX_DIM (its
+# dK/dV accumulators stay in registers).
 ATTN_BWD_ATOMIC = False
 ATTN_BWD_ATOMIC_MAX_DIM = 128
 # ... and both backwards split a key block's work across programs (query heads, then query range)

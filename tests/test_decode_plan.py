@@ -2,7 +2,8 @@
 
 Invariants: the splits cover exactly the visible keys in whole tiles; they fill at most one wave
 of ``ATTN_SPLIT_PROGRAMS_PER_SM`` programs per SM (a partial second wave ran batch-4 decode at 0.8x
-cuDNN, BENCHMARKS.md, History: decode and merge); short splits pipeline fewer stages.
+cuDNN, BENCHMARKS.md, History: decode and merge); short splits pipeline fewer stages. And the
+causal grids' launch order (``decode.head_group``) at the shapes it was timed at.
 """
 from __future__ import annotations
 
@@ -87,3 +88,27 @@ def test_window_splits_cover_only_the_window():
     assert p.start == ((sk - 8192) // bn) * bn and p.start % bn == 0
     assert p.start + (p.nsplit - 1) * p.chunk < sk <= p.start + p.nsplit * p.chunk
     assert p.nsplit * p.chunk < 8192 + 2 * bn * p.nsplit
+
+
+# (blocks, heads, warps) of causal grids -> heads per group (BENCHMARKS.md, "Attention backward":
+# the first three shapes gained, the last keeps its order); the forward's and dQ's grids coincide
+# at 1 x 8k 16/4
+ORDER_CASES = {"1x8k 16/4 fwd, dQ": ((64, 16, 8), 8), "1x8k 16/4 dK/dV": ((128, 4, 4), 4),
+               "4x2k 16/4 fwd": ((32, 64, 4), 32), "4x2k 16/4 dK/dV": ((32, 16, 4), 16),
+               "4x2k 16/4 dQ": ((16, 64, 8), 32), "1x8k 32/8 fwd, dQ": ((64, 32, 8), 8),
+               "1x8k 32/8 dK/dV": ((128, 8, 4), 8), "4x8k 16 dK/dV": ((128, 64, 4), 1),
+               "4x8k 16 fwd, dQ": ((64, 64, 8), 1)}
+
+
+@pytest.mark.parametrize("grid,group", list(ORDER_CASES.values()), ids=list(ORDER_CASES))
+def test_launch_order_groups_heads_of_short_causal_grids(grid, group):
+    """Causal grids of fewer than ``ATTN_ORDER_MAX_WAVES`` waves take heads in groups of about
+    ``ATTN_ORDER_WAVES`` waves, evened out (equal groups here); longer grids and non-causal ones
+    keep the grid's order (groups of one head)."""
+    blocks, heads, warps = grid
+    t = torch.empty(1, device="meta")
+    assert decode.head_group(blocks, heads, t, True, warps) == group
+    assert decode.head_group(blocks, heads, t, False, warps) == 1
+    slots = SMS * (8 // warps)
+    assert (group > 1) == (blocks * heads < configs.ATTN_ORDER_MAX_WAVES * slots)
+    assert heads % group == 0

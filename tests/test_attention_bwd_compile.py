@@ -18,8 +18,12 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor  # noqa: E402
+from triton.runtime.jit import mangle_type  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
+from _sm90 import no_spills, ptxas_report  # noqa: E402
 from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
 from splitsoftmax.kernels import configs, launch  # noqa: E402
 from splitsoftmax.mask import Mask  # noqa: E402
@@ -41,6 +45,8 @@ def _signature(fn, args, kwargs):
             attrs[(i,)] = [["tt.divisibility", 16]] if a.data_ptr() % 16 == 0 else []
         elif isinstance(a, TensorDescriptor):
             sig[name] = f"tensordesc<{TY[a.base.dtype]}[{','.join(map(str, a.block_shape))}]>"
+        elif isinstance(a, GluonDescriptor):
+            sig[name] = mangle_type(a)
         elif isinstance(a, int) and a == 1 and name not in fn.do_not_specialize:
             sig[name], consts[name] = "constexpr", 1
         elif isinstance(a, int):
@@ -52,7 +58,7 @@ def _signature(fn, args, kwargs):
     return sig, consts, {k: v for k, v in attrs.items() if v}
 
 
-def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False):
+def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False):
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
@@ -60,6 +66,8 @@ def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False):
     monkeypatch.setattr(AB, "hopper", lambda t: True)
     monkeypatch.setattr(AB, "sm_count", lambda t: 132)
     monkeypatch.setattr(ABP, "hopper", lambda t: True)
+    monkeypatch.setattr(ABP, "sm90", lambda t: gluon)
+    monkeypatch.setattr(ABP, "_LAUNCHES", launch.Memo())  # (it keys on the device, not on sm90)
     monkeypatch.setattr(configs, "ATTN_BWD_ATOMIC", atomic)
     monkeypatch.setattr(configs, "ATTN_BWD_TMA", tma)
     q, dout = (torch.randn(1, 16, 512, 128).to(torch.bfloat16) for _ in range(2))
@@ -74,19 +82,22 @@ MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch
             rows=torch.stack((torch.zeros(512), torch.full((512,), 512))).to(torch.int32))
 
 
-@pytest.mark.parametrize("atomic,mask,tma", [(False, Mask(), False), (False, Mask(), True), (False, MASK, False),
-                                             (True, Mask(), False)],
-                         ids=["pair", "pair-tma", "pair-masks", "five-product"])
-def test_backward_compiles_for_sm90(atomic, mask, tma, monkeypatch):
-    launches = _launches(monkeypatch, atomic, mask, tma)
+@pytest.mark.parametrize("atomic,mask,tma,gluon", [(False, Mask(), False, False), (False, Mask(), True, False),
+                                                   (False, Mask(), True, True), (False, MASK, False, False),
+                                                   (True, Mask(), False, False)],
+                         ids=["pair", "pair-tma", "pair-gluon", "pair-masks", "five-product"])
+def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, monkeypatch):
+    launches = _launches(monkeypatch, atomic, mask, tma, gluon)
     if tma:
-        assert all(any(isinstance(a, TensorDescriptor) for a in args) for _, args, _ in launches)
+        assert all(any(isinstance(a, (TensorDescriptor, GluonDescriptor)) for a in args) for _, args, _ in launches)
     names = [fn.fn.__name__ for fn, _, _ in launches]
-    assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic
-                     else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"])
+    kv = "_attn_bwd_kv_gluon" if gluon else "_attn_bwd_kv_kernel"
+    assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic else [kv, "_attn_bwd_q_kernel"])
     for fn, args, kwargs in launches:
         sig, consts, attrs = _signature(fn, args, kwargs)
-        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        src = (GluonASTSource if fn.is_gluon() else ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         assert kernel.metadata.shared <= SM90_SMEM, (fn.fn.__name__, kernel.metadata.shared)
+        if fn.is_gluon():  # its tile was chosen to run without spills
+            assert no_spills(kernel.asm["ptx"]), ptxas_report(kernel.asm["ptx"])

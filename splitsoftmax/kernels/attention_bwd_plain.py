@@ -9,6 +9,7 @@ Gradients are written once, in the output dtype, with their inputs' strides wher
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -21,7 +22,7 @@ from ..local import interpreting
 from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows, _program_order
 from .attention_bwd import _descriptor, _finite_or_zero, _tile, _tma_ok
-from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim
+from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm90
 from .launch import Launcher, Memo, auto_key, geometry
 
 
@@ -210,6 +211,7 @@ class _Launches(NamedTuple):
     kv: Optional[tuple]
     q: Optional[tuple]
     tma: Optional[tuple]
+    gluon: bool = False  # the dK/dV launch is ``attention_bwd_gluon``'s (its descriptors: ``tma[0]`` rows)
 
 
 # launches by geometry: the host work of a repeated backward is a lookup
@@ -224,6 +226,28 @@ def _use_tma(q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> bool:
             and (interpreting() or hopper(q)) and all(_tma_ok(t) for t in (q, k, v, dout)))
 
 
+def _use_gluon(q: Tensor, v: Tensor) -> bool:
+    """Whether the dK/dV launch is the Gluon kernel's (``attention_bwd_gluon``): ``configs.ATTN_BWD_GLUON``,
+    a Hopper GPU (sm_90: its warpgroup products), not the interpreter, a tile listed for the head dim
+    (equal for keys and values); the operands are TMA-addressable 2-byte ones (``_use_tma``)."""
+    d = q.shape[-1]
+    return (configs.ATTN_BWD_GLUON and not interpreting() and v.shape[-1] == d
+            and ("bwd_kv_gluon", 2, d) in configs.ATTN_TILES and sm90(q))
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_kv() -> Launcher:
+    """The launcher of the Gluon dK/dV kernel (imported on first use: Gluon needs a CUDA build)."""
+    from .attention_bwd_gluon import _attn_bwd_kv_gluon
+    return Launcher(_attn_bwd_kv_gluon)
+
+
+def gluon_descriptor(t: Tensor, rows: int):
+    """``attention_bwd_gluon.descriptor`` (imported on first use)."""
+    from .attention_bwd_gluon import descriptor
+    return descriptor(t, rows)
+
+
 def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int) -> _Launches:
     """The launches of :func:`attn_bwd` for these operands and gradient buffers."""
     b, h, sq, d = q.shape
@@ -235,7 +259,16 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     dtypes = (q.dtype, dout.dtype)  # (the descriptors' element types)
     kv = qp = None
     kv_rows = q_rows = 0
-    if dk.numel() or dv.numel():
+    gluon = tma and _use_gluon(q, v)
+    if (dk.numel() or dv.numel()) and gluon:
+        bm, bn, warps, stages = configs.ATTN_TILES[("bwd_kv_gluon", 2, d)]
+        kv_rows = bm
+        nkb = configs.cdiv(sk, bn)
+        scalars = (*lse.stride(), *delta.stride(), *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag,
+                   scale * LOG2E, scale, head_group(nkb, b * hkv, q, causal, warps))
+        kv = ((nkb, b * hkv), (auto_key((lse, delta, dk, dv, *scalars)), dtypes), scalars,
+              dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps))
+    elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
         nkb = configs.cdiv(sk, bn)
@@ -251,7 +284,7 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    head_group(nqb, b * h, q, causal, warps))
         qp = ((nqb, b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
-    return _Launches(kv, qp, (kv_rows, q_rows) if tma else None)
+    return _Launches(kv, qp, (kv_rows, q_rows) if tma else None, gluon)
 
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
@@ -262,17 +295,24 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     od = out_dtype or stat_dtype(q.dtype)
     dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
-    geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA,
+    geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA, configs.ATTN_BWD_GLUON,
            configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
-           attn_tile("bwd_q", q.dtype, d, dv_))
+           attn_tile("bwd_q", q.dtype, d, dv_), configs.ATTN_TILES.get(("bwd_kv_gluon", 2, d)))
     run = _LAUNCHES.get(geo)
     if run is None:
         run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))
     qt, kt, vt, dt = q, k, v, dout
     if run.tma:
-        qt, dt = _descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])
         kt, vt = _descriptor(k, run.tma[1]), _descriptor(v, run.tma[1])
-    if run.kv is not None:
+        if not run.gluon:
+            qt, dt = _descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])
+    if run.kv is not None and run.gluon:
+        grid, key, scalars, kwargs = run.kv
+        rows = (run.tma[0], kwargs["BLOCK_N"])
+        descs = (gluon_descriptor(q, rows[0]), gluon_descriptor(dout, rows[0]), gluon_descriptor(k, rows[1]),
+                 gluon_descriptor(v, rows[1]))
+        _gluon_kv()(grid, key, (*descs, lse, delta, dk, dv, *scalars), kwargs)
+    elif run.kv is not None:
         grid, key, scalars, kwargs = run.kv
         _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
     if run.q is not None:

@@ -28,6 +28,8 @@ ATTN_TILES = {
     # D=128, causal): 4 bytes of spills at G=1, 36 at G=4 (with the (head, block) loops nested: 16 / 500)
     ("bwd_kv", 2, 128): (32, 64, 4, 3),
     ("bwd_kv", 2, 256): (16, 64, 8, 2),
+    # ... or, on sm_90 (ATTN_BWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES)
+    ("bwd_kv_gluon", 2, 128): (32, 64, 4, 2),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
     ("bwd_q", 2, 128): (128, 64, 8, 4),
@@ -70,6 +72,9 @@ ATTN_BWD_GUARD = True
 # the pointer path's bit for bit. H200, forward+backward TFLOP/s at B=1 H=16/4 S=8k causal, (B, S, H, D)
 # views: 298 with pointer loads, 302 / 307 with TMA in the dK/dV kernel / both (one call, 2026-12-01).
 ATTN_BWD_TMA = True
+# On sm_90 the plain pair's dK/dV launch is the Gluon kernel (kernels/attention_bwd_gluon.py), which
+# overlaps its products, where ATTN_TILES lists a "bwd_kv_gluon" tile for the head dim.
+ATTN_BWD_GLUON = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

@@ -1,0 +1,255 @@
+"""The plain backward's dK/dV kernel for Hopper, written in Gluon: its products overlap.
+
+Triton waits for each of the dK/dV kernel's score-shaped products (``S^T = K Q^T``, ``dP^T = V dO^T``)
+right after issuing it, so the tensor cores idle while the exponentials are taken. This kernel issues
+both, waits for the first only, takes ``P^T`` while ``dP^T`` runs, issues ``dV += P^T dO``, and takes
+``dS^T`` while that runs: one program per key block and kv head, over every query block of the
+``G`` query heads that read the kv head, Q and dO tiles streamed by TMA through ``STAGES`` buffers,
+the row statistics read one tile ahead. Same math, masks and non-finite guard as
+``attention_bwd_plain._attn_bwd_kv_kernel``; 2-byte inputs with TMA-addressable (B, H, S, D) operands.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+# Names that changed across the Triton versions this package takes: the TMA load of a tile into
+# shared memory (`async_load` in newer releases) and the barrier of a program's threads (`barrier`)
+_tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+
+
+@gluon.jit
+def _finite_or_zero_smem(tile, ROWS: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr):
+    """Replace every NaN/Inf of the ``[ROWS, D]`` shared tile by 0, in place (the guard of masked tiles)."""
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+    x = tile.load(blocked)
+    tile.store(gl.where(gl.abs(x.to(gl.float32)) < float("inf"), x, gl.zeros_like(x)))
+
+
+@gluon.jit
+def _row_stats(LSE, DELTA, l_off, e_off, m0, Sq, s_ls, s_es, layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """``(lse * log2(e), delta)`` of query rows ``m0 + [0, BLOCK_M)``: rows past ``Sq`` and empty rows
+    (``lse = -inf``) get ``+inf``, so that their ``p`` is 0."""
+    qi = m0 + gl.arange(0, BLOCK_M, layout=layout)
+    qmask = qi < Sq
+    lse2 = gl.load(LSE + l_off + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
+    lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+    delta = gl.load(DELTA + e_off + qi * s_es, mask=qmask, other=0.0)
+    return lse2, delta
+
+
+@gluon.jit
+def _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M: gl.constexpr):
+    """``(query head within the group, first query row)`` of tile ``t``: the ``Tm`` diagonal tiles
+    (``nm`` per head) come first, then the full ones (``nf`` per head), each head-major."""
+    u = t - Tm
+    if t < Tm:
+        gi = t // nm
+        m0 = m_start + (t - gi * nm) * BLOCK_M
+    else:
+        gi = u // gl.maximum(nf, 1)
+        m0 = m_full + (u - gi * nf) * BLOCK_M
+    return gi, m0
+
+
+@gluon.jit
+def _load_tile(q_desc, do_desc, q_smem, do_smem, bars, t, T, Tm, nm, nf, m_start, m_full, b, h0,
+               BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """Start the TMA loads of tile ``t``'s Q and dO into buffer ``t % STAGES`` (nothing past ``T``)."""
+    gi, m0 = _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M)
+    s = t % STAGES
+    mbarrier.expect(bars.index(s), 2 * BLOCK_M * D * 2, pred=t < T)
+    _tma_load(q_desc, [b, h0 + gi, m0, 0], bars.index(s), q_smem.index(s), pred=t < T)
+    _tma_load(do_desc, [b, h0 + gi, m0, 0], bars.index(s), do_smem.index(s), pred=t < T)
+
+
+@gluon.jit
+def _tile_stats(LSE, DELTA, t, T, Tm, nm, nf, m_start, m_full, b, h0, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
+                layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """:func:`_row_stats` of tile ``min(t, T - 1)``."""
+    gi, m0 = _tile_of(gl.minimum(t, T - 1), Tm, nm, nf, m_start, m_full, BLOCK_M)
+    h = h0 + gi
+    return _row_stats(LSE, DELTA, b * s_lb + h * s_lh, b * s_eb + h * s_eh, m0, Sq, s_ls, s_es, layout, BLOCK_M)
+
+
+@gluon.jit
+def _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, nf, m_start, m_full, b, h0, Sq,
+             s_lb, s_lh, s_ls, s_eb, s_eh, s_es, layout: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+             STAGES: gl.constexpr):
+    """After tile ``t``'s products are issued: every product of tile ``t - 1`` is done (in every warp,
+    past the barrier), so its buffers take tile ``t + STAGES - 1``; returns tile ``t + 1``'s row
+    statistics, read while tile ``t``'s products run."""
+    _thread_barrier()
+    _load_tile(q_desc, do_desc, q_smem, do_smem, bars, t + STAGES - 1, T, Tm, nm, nf, m_start, m_full, b, h0,
+               BLOCK_M, D, STAGES)
+    return _tile_stats(LSE, DELTA, t + 1, T, Tm, nm, nf, m_start, m_full, b, h0, Sq, s_lb, s_lh, s_ls, s_eb, s_eh,
+                       s_es, layout, BLOCK_M)
+
+
+@gluon.jit
+def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
+                       s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
+                       HKV, G, Sq, Sk, diag, qk_scale, scale, GH,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                       STAGES: gl.constexpr, num_warps: gl.constexpr, GUARD: gl.constexpr = True):
+    """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``)."""
+    nb = gl.num_programs(0)
+    lin = gl.program_id(1) * nb + gl.program_id(0)
+    group = lin // (GH * nb)
+    r = lin - group * GH * nb
+    gh = gl.minimum(GH, gl.num_programs(1) - group * GH)
+    pid_n = r // gh
+    pid_bh = group * GH + (r - pid_n * gh)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    n0 = pid_n * BLOCK_N
+    dtype: gl.constexpr = q_desc.dtype
+
+    # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]; P^T, dS^T feed them from registers
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_M, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_M]
+    k_rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_N]
+
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    # query blocks [m_start, m_full) cross the diagonal; from m_full on every query sees every key.
+    # Tiles (query head, query block): first the Tm diagonal ones (nm per head), then the full ones
+    # (nf per head), each head-major; separate loops, so that no branch joins in-flight accumulators.
+    m_start = 0
+    m_full = 0
+    if CAUSAL:
+        m_start = (gl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
+        m_full = gl.maximum(m_start, gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M)
+    nm = gl.maximum(gl.cdiv(gl.minimum(m_full, Sq) - m_start, BLOCK_M), 0)
+    nf = gl.maximum(gl.cdiv(Sq - m_full, BLOCK_M), 0)
+    Tm = G * nm
+    T = Tm + G * nf
+
+    mbarrier.expect(kv_bar, 2 * BLOCK_N * D * 2)
+    _tma_load(k_desc, [b, kvh, n0, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [b, kvh, n0, 0], kv_bar, v_smem)
+    for i in gl.static_range(STAGES - 1):
+        _load_tile(q_desc, do_desc, q_smem, do_smem, bars, i, T, Tm, nm, nf, m_start, m_full, b, kvh * G,
+                   BLOCK_M, D, STAGES)
+
+    kj = n0 + gl.arange(0, BLOCK_N, layout=k_rows)
+    zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
+    lse2, delta = _tile_stats(LSE, DELTA, 0, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls,
+                              s_eb, s_eh, s_es, q_cols, BLOCK_M)
+    mbarrier.wait(kv_bar, 0)
+    k_t = k_smem.reshape([BLOCK_N, D])
+    v_t = v_smem.reshape([BLOCK_N, D])
+    if CAUSAL:  # (only causal grids have diagonal tiles)
+        for t in range(Tm):
+            # a diagonal tile: every product in turn, Q and dO guarded in place where hidden pairs
+            # would otherwise give 0 * NaN (S^T takes Q as it is)
+            s = t % STAGES
+            qi = m_start + (t % nm) * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_cols)
+            q_t = q_smem.index(s).reshape([BLOCK_M, D])
+            do_t = do_smem.index(s).reshape([BLOCK_M, D])
+            mbarrier.wait(bars.index(s), (t // STAGES) & 1)
+            qk_t = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False)
+            if GUARD:
+                _finite_or_zero_smem(q_t, BLOCK_M, D, num_warps)
+                _finite_or_zero_smem(do_t, BLOCK_M, D, num_warps)
+                fence_async_shared()
+                _thread_barrier()
+            dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False)
+            seen = kj[:, None] <= qi[None, :] + diag
+            p_t = gl.where(seen, gl.exp2(qk_t * qk_scale - lse2[None, :]), 0.0)
+            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_t, dv)
+            ds_t = gl.where(seen, p_t * (dp_t - delta[None, :]), 0.0)
+            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_t, dk)
+            lse2, delta = _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, nf, m_start,
+                                   m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M, D, STAGES)
+    dk = warpgroup_mma_init(dk)
+    dv = warpgroup_mma_init(dv)
+    for t in range(Tm, T):
+        s = t % STAGES
+        q_t = q_smem.index(s).reshape([BLOCK_M, D])
+        do_t = do_smem.index(s).reshape([BLOCK_M, D])
+        mbarrier.wait(bars.index(s), (t // STAGES) & 1)
+        qk_t = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))  # dP^T runs on while P^T is taken
+        p_t = gl.exp2(qk_t * qk_scale - lse2[None, :])
+        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_t, dv, is_async=True)
+        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))  # dV runs on while dS^T is taken
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_t, dk, is_async=True)
+        lse2, delta = _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, nf, m_start,
+                               m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M, D, STAGES)
+    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
+    mbarrier.invalidate(kv_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    ko = n0 + gl.arange(0, BLOCK_N, layout=o_rows)
+    do_ = gl.arange(0, D, layout=o_cols)
+    st = (ko < Sk)[:, None] & (do_ < D)[None, :]
+    gl.store(GK + b.to(gl.int64) * s_kgb + kvh.to(gl.int64) * s_kgh + ko[:, None].to(gl.int64) * s_kgs + do_[None, :],
+             (dk * scale).to(GK.dtype.element_ty), mask=st)
+    gl.store(GV + b.to(gl.int64) * s_vgb + kvh.to(gl.int64) * s_vgh + ko[:, None].to(gl.int64) * s_vgs + do_[None, :],
+             dv.to(GV.dtype.element_ty), mask=st)
+
+
+def descriptor(t, rows: int):
+    """The Gluon ``(B, H, S, D)`` descriptor of 2-byte ``t`` reading ``[1, 1, rows, D]`` tiles (zeros
+    past S), its tiles laid out for the tensor cores; a dim of one element gets a valid stride. The
+    caller has checked that TMA can address ``t`` (``__post_init__``'s checks cost host time)."""
+    strides = list(t.stride())
+    for i in (2, 1, 0):
+        if t.shape[i] == 1:
+            strides[i] = strides[i + 1] * t.shape[i + 1]
+    block = [1, 1, rows, t.shape[-1]]
+    desc = object.__new__(TensorDescriptor)
+    for f in dataclasses.fields(TensorDescriptor):  # (newer releases add fields with defaults)
+        if f.default is not dataclasses.MISSING:
+            setattr(desc, f.name, f.default)
+    desc.base, desc.shape, desc.strides, desc.block_shape = t, list(t.shape), strides, block
+    desc.layout = _smem_layout(tuple(block), t.dtype)
+    return desc
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple, dtype):
+    """The tensor cores' shared layout of a ``block`` tile of 16-bit ``dtype``."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+
+
+def attn_bwd_kv(q, k, v, dout, lse, delta, dk, dv, scale: float, causal: bool, diag: int, tile: tuple,
+                gh: int) -> None:
+    """dK, dV of 2-byte ``q, dout (B, H, Sq, D)``, ``k, v (B, Hkv, Sk, D)`` into ``dk, dv`` (their last
+    dims contiguous), ``tile = (BLOCK_M, BLOCK_N, num_warps, STAGES)``, programs in head groups of ``gh``."""
+    bm, bn, warps, stages = tile
+    b, h, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    grid = ((sk + bn - 1) // bn, b * hkv)
+    _attn_bwd_kv_gluon[grid](descriptor(q, bm), descriptor(dout, bm), descriptor(k, bn), descriptor(v, bn),
+                             lse, delta, dk, dv, *lse.stride(), *delta.stride(), *dk.stride()[:3], *dv.stride()[:3],
+                             hkv, h // hkv, sq, sk, diag, scale * 1.4426950408889634, scale, gh,
+                             BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps)

@@ -74,7 +74,7 @@ ATTN_BWD_GUARD = True
 ATTN_BWD_TMA = True
 # On sm_90 the plain pair's dK/dV launch is the Gluon kernel (kernels/attention_bwd_gluon.py), which
 # overlaps its products, where ATTN_TILES lists a "bwd_kv_gluon" tile for the head dim.
-ATTN_BWD_GLUON = False
+ATTN_BWD_GLUON = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

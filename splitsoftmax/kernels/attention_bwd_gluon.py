@@ -94,7 +94,7 @@ def _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, n
                        s_es, layout, BLOCK_M)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
                        s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
                        HKV, G, Sq, Sk, diag, qk_scale, scale, GH,

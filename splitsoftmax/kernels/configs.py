@@ -28,7 +28,10 @@ ATTN_TILES = {
     # D=128, causal): 4 bytes of spills at G=1, 36 at G=4 (with the (head, block) loops nested: 16 / 500)
     ("bwd_kv", 2, 128): (32, 64, 4, 3),
     ("bwd_kv", 2, 256): (16, 64, 8, 2),
-    # ... or, on sm_90 (ATTN_BWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES)
+    # ... or, on sm_90 (ATTN_BWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES).
+    # H200, the kernel's TFLOP/s at 1 x 16/4 x 8k causal / 4 x 16/4 x 2k causal / 4 x 16 x 8k full:
+    # 32x64 w4 2 buffers 443 / 391 / 498, 64x64 w4 442 / 397 / 539 (spills 48-80 bytes on sm_90),
+    # 32x64 3 buffers 438 / 389 / 506, 64x128 w8 439 / 367 / 457 (launch/probes/attention_bwd_gluon.py)
     ("bwd_kv_gluon", 2, 128): (32, 64, 4, 2),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
@@ -73,7 +76,10 @@ ATTN_BWD_GUARD = True
 # views: 298 with pointer loads, 302 / 307 with TMA in the dK/dV kernel / both (one call, 2026-12-01).
 ATTN_BWD_TMA = True
 # On sm_90 the plain pair's dK/dV launch is the Gluon kernel (kernels/attention_bwd_gluon.py), which
-# overlaps its products, where ATTN_TILES lists a "bwd_kv_gluon" tile for the head dim.
+# overlaps its products, where ATTN_TILES lists a "bwd_kv_gluon" tile for the head dim. H200, the
+# dK/dV kernel 1.06-1.08x the Triton one's speed causal, 1.08x full; ss.attention forward+backward
+# TFLOP/s 385 against 379 at 1 x 16/4 x 8k causal views, 316 / 306 at 4 x 2k, 423 / 399 at 4 x 16 x
+# 8k full (BENCHMARKS.md, "Attention backward", G1).
 ATTN_BWD_GLUON = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head

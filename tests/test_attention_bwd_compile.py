@@ -91,13 +91,14 @@ def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, monkeypatch):
     if tma:
         assert all(any(isinstance(a, (TensorDescriptor, GluonDescriptor)) for a in args) for _, args, _ in launches)
     names = [fn.fn.__name__ for fn, _, _ in launches]
-    kv = "_attn_bwd_kv_gluon" if gluon else "_attn_bwd_kv_kernel"
-    assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic else [kv, "_attn_bwd_q_kernel"])
+    pair = ["_attn_bwd_kv_gluon", "_attn_bwd_q_gluon"] if gluon else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
+    assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic else pair)
     for fn, args, kwargs in launches:
         sig, consts, attrs = _signature(fn, args, kwargs)
         src = (GluonASTSource if fn.is_gluon() else ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         assert kernel.metadata.shared <= SM90_SMEM, (fn.fn.__name__, kernel.metadata.shared)
-        if fn.is_gluon():  # its tile was chosen to run without spills
-            assert no_spills(kernel.asm["ptx"]), ptxas_report(kernel.asm["ptx"])
+        if fn.is_gluon():  # their tiles run without spills, and the products overlap as written
+            report = ptxas_report(kernel.asm["ptx"])
+            assert no_spills(kernel.asm["ptx"]) and "wgmma.mma_async instructions are serialized" not in report, report

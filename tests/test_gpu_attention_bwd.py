@@ -210,18 +210,19 @@ def test_plain_pair_tma_reads_are_bitwise_the_pointer_reads(case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[4] == 128], ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}c{int(c[5])}")
-def test_gluon_kv_kernel(case, monkeypatch):
-    """On sm_90 the plain pair's dK/dV come from the Gluon kernel: they meet the rule, as close to
-    float64 as the Triton kernel's, and a NaN/Inf in a row of Q or dO reaches exactly the gradient
-    entries it reaches through the Triton kernel (hidden pairs give exact zeros)."""
+def test_gluon_kernels(case, monkeypatch):
+    """On sm_90 the plain pair is the Gluon kernels: their gradients meet the rule, as close to
+    float64 as the Triton kernels', and a NaN/Inf in a row of Q or dO reaches exactly the gradient
+    entries it reaches through the Triton kernels (hidden pairs give exact zeros)."""
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     from splitsoftmax.kernels.decode import sm90
     b, h, hkv, s, d, causal, bshd, dtype = case
     q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
     if not sm90(q):
-        pytest.skip("the Gluon kernel runs on sm_90")
+        pytest.skip("the Gluon kernels run on sm_90")
     monkeypatch.setattr(configs, "ATTN_BWD_GLUON", True)
-    assert ABP._use_gluon(q, v) and ABP._use_tma(q, k, v, dout)
+    assert ABP._use_tma(q, k, v, dout)
+    assert all(ABP._gluon_tile(kind, q, v) for kind in ("bwd_kv_gluon", "bwd_q_gluon"))
     scale = 1 / math.sqrt(d)
     want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, NO_MASK)
     peers = sdpa_grads(q, k, v, dout, scale, causal)
@@ -229,17 +230,18 @@ def test_gluon_kv_kernel(case, monkeypatch):
     for gluon in (True, False):
         monkeypatch.setattr(configs, "ATTN_BWD_GLUON", gluon)
         grads[gluon] = ABP.attn_bwd(q, k, v, dout, lse, delta, scale, causal, out_dtype=torch.float32)
-    for name, g, t, p, w in zip("kv", grads[True][1:], grads[False][1:], peers[1:], want[1:]):
+    for name, g, t, p, w in zip("qkv", grads[True], grads[False], peers, want):
         ok, nums = rule(g.to(dtype), p, w)
         assert ok, (name, nums)
         assert err(g, w) <= 1.05 * err(t, w), (name, err(g, w), err(t, w))
-    q2, dout2 = q.clone(), dout.clone()
+    q2, k2, dout2 = q.clone(), k.clone(), dout.clone()
     dout2[0, 0, s // 3] = float("nan")
     q2[0, h - 1, s // 2, 5] = float("inf")
+    k2[0, 0, s - 1, 7] = float("nan")  # the last key: seen only by the last query rows when causal
     nans = {}
     for gluon in (True, False):
         monkeypatch.setattr(configs, "ATTN_BWD_GLUON", gluon)
-        nans[gluon] = [g.isnan() for g in ABP.attn_bwd(q2, k, v, dout2, lse, delta, scale, causal,
-                                                          out_dtype=torch.float32)[1:]]
-    for name, a, t in zip("kv", nans[True], nans[False]):
+        nans[gluon] = [g.isnan() for g in ABP.attn_bwd(q2, k2, v, dout2, lse, delta, scale, causal,
+                                                          out_dtype=torch.float32)]
+    for name, a, t in zip("qkv", nans[True], nans[False]):
         assert t.any() and torch.equal(a, t), name

@@ -1,13 +1,14 @@
-"""Probe: the Gluon dK/dV kernel (``configs.ATTN_BWD_GLUON``, sm_90) against the Triton one.
+"""Probe: the Gluon backward kernels (``configs.ATTN_BWD_GLUON``, sm_90) against the Triton ones.
 
-    PYTHONPATH=. python3 launch/probes/attention_bwd_gluon.py OUTDIR
+    PYTHONPATH=. python3 launch/probes/attention_bwd_gluon.py OUTDIR [kv] [q] [table]
 
-bf16, D=128. First the checks: at odd lengths, GQA and (B, S, H, D) views, each tile's dQ/dK/dV
-against float64 (relative Frobenius error, at most 1.5x the Triton kernel's) and a NaN/Inf row of dO
-/ Q reaching the same gradient entries; then the dK/dV kernel alone per tile (TFLOP/s of its four
-products), then ``ss.attention`` forward+backward TFLOP/s (3.5x the forward's products) with the
-Gluon kernel on and off beside SDPA cuDNN, each timed twice in alternation (BENCHMARKS.md,
-"Attention backward", G1).
+bf16, D=128. ``kv`` and ``q`` (the dK/dV and the dQ kernel): first the checks, at odd lengths, GQA
+and (B, S, H, D) views, each tile's dQ/dK/dV against float64 (relative Frobenius error, at most 1.5x
+the Triton kernels') and a NaN/Inf row of dO / Q reaching the same gradient entries; then the
+kernel alone per tile (TFLOP/s of its products) beside the Triton kernel. ``table``:
+``ss.attention`` forward+backward TFLOP/s (3.5x the forward's products) with the Gluon kernels on
+and off beside SDPA cuDNN, each timed twice in alternation (BENCHMARKS.md, "Attention backward",
+G1, G2). No section named: all three.
 """
 import os
 import sys
@@ -66,69 +67,109 @@ def bwd(q, k, v, do, lse, delta, causal, gluon):
     return ABP.attn_bwd(q, k, v, do, lse, delta, 128 ** -0.5, causal, 0, torch.float32)
 
 
-ok_all = True
-for tile in TILES:
-    configs.ATTN_TILES[KEY] = tile
-    for case in [(2, 4, 2, 333, True, True), (1, 4, 1, 1000, False, True), (1, 2, 2, 257, False, False),
-                 (1, 8, 2, 1024, True, True)]:
-        q, k, v, do, lse, delta = make(*case)
-        want = ref64(q, k, v, do, case[-1])
-        e = [rel(a, w) for a, w in zip(bwd(q, k, v, do, lse, delta, case[-1], True), want)]
-        et = [rel(a, w) for a, w in zip(bwd(q, k, v, do, lse, delta, case[-1], False), want)]
-        ok = all(x == x and x <= 1.5 * y + 1e-6 for x, y in zip(e, et))
-        ok_all &= ok
-        say("check", tile, case, "gluon", ["%.2e" % x for x in e], "triton", ["%.2e" % x for x in et], "OK" if ok else "FAIL")
-    q, k, v, do, lse, delta = make(1, 2, 2, 256, False, True)
-    do[0, 0, 10] = float("nan")
-    q[0, 1, 20, 3] = float("inf")
-    same = all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(bwd(q, k, v, do, lse, delta, True, True)[1:],
-                                                                    bwd(q, k, v, do, lse, delta, True, False)[1:]))
-    ok_all &= same
-    say("nan-guard", tile, "same NaN pattern" if same else "NaN PATTERN DIFFERS")
-say("CORRECT" if ok_all else "SOME CHECK FAILED")
-configs.ATTN_TILES[KEY] = TILES[0]
+SECTIONS = sys.argv[2:] or ["kv", "q", "table"]
+SHAPES = [("1x8k 16/4 views causal", 1, 16, 4, 8192, True, True),
+          ("4x2k 16/4 views causal", 4, 16, 4, 2048, True, True), ("4x8k 16 full", 4, 16, 16, 8192, False, False)]
 
-for name, B, H, HKV, S, views, causal in [("1x8k 16/4 views causal", 1, 16, 4, 8192, True, True),
-                                          ("4x2k 16/4 views causal", 4, 16, 4, 2048, True, True),
-                                          ("4x8k 16 full", 4, 16, 16, 8192, False, False)]:
-    q, k, v, do, lse, delta = make(B, H, HKV, S, views, causal)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    flops = 4 * 2 * B * H * S * S * 128 / (2 if causal else 1)
-    for tile in TILES:
-        gh = head_group(-(-S // tile[1]), B * HKV, q, causal, tile[2])
-        ms = do_bench(lambda: GB.attn_bwd_kv(q, k, v, do, lse, delta, dk, dv, 128 ** -0.5, causal, 0, tile, gh),
-                      warmup=25, rep=150, return_mode="median")
-        say("dK/dV kernel", name, tile, "%.3f ms %.0f TFLOP/s" % (ms, flops / ms / 1e9))
 
-rows = []
-for name, B, H, HKV, S, views, causal in [("1x8k 16/4 views causal", 1, 16, 4, 8192, True, True),
-                                          ("4x2k 16/4 views causal", 4, 16, 4, 2048, True, True),
-                                          ("1x8k 32/8 views causal", 1, 32, 8, 8192, True, True),
-                                          ("4x8k 16 causal", 4, 16, 16, 8192, False, True),
-                                          ("4x8k 16 full", 4, 16, 16, 8192, False, False),
-                                          ("1x32k 16/4 views causal", 1, 16, 4, 32768, True, True)]:
-    q, k, v, do, _, _ = make(B, H, HKV, S, views, causal)
-    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-    flops = 3.5 * 4 * B * H * S * S * 128 / (2 if causal else 1)
+def checks(key, tiles):
+    """Each tile of ``key`` (the other kernel at its default) against float64 and the Triton kernels."""
+    ok_all, default = True, configs.ATTN_TILES[key]
+    for tile in tiles:
+        configs.ATTN_TILES[key] = tile
+        for case in [(2, 4, 2, 333, True, True), (1, 4, 1, 1000, False, True), (1, 2, 2, 257, False, False),
+                     (1, 8, 2, 1024, True, True)]:
+            q, k, v, do, lse, delta = make(*case)
+            want = ref64(q, k, v, do, case[-1])
+            e = [rel(a, w) for a, w in zip(bwd(q, k, v, do, lse, delta, case[-1], True), want)]
+            et = [rel(a, w) for a, w in zip(bwd(q, k, v, do, lse, delta, case[-1], False), want)]
+            ok = all(x == x and x <= 1.5 * y + 1e-6 for x, y in zip(e, et))
+            ok_all &= ok
+            say("check", key[0], tile, case, "gluon", ["%.2e" % x for x in e], "triton", ["%.2e" % x for x in et],
+                "OK" if ok else "FAIL")
+        q, k, v, do, lse, delta = make(1, 2, 2, 256, False, True)
+        do[0, 0, 10] = float("nan")
+        q[0, 1, 20, 3] = float("inf")
+        k[0, 0, 255, 7] = float("nan")
+        same = all(torch.equal(a.isnan(), b.isnan()) for a, b in zip(bwd(q, k, v, do, lse, delta, True, True),
+                                                                        bwd(q, k, v, do, lse, delta, True, False)))
+        ok_all &= same
+        say("nan-guard", key[0], tile, "same NaN pattern" if same else "NaN PATTERN DIFFERS")
+    configs.ATTN_TILES[key] = default
+    say("CORRECT" if ok_all else "SOME CHECK FAILED")
 
-    def step(fn):
-        q.grad = k.grad = v.grad = None
-        fn().backward(do)
-    res = {"ss gluon": [], "ss triton": [], "cuDNN": []}
-    for _ in range(2):
-        for label in ("ss gluon", "ss triton"):
-            configs.ATTN_BWD_GLUON = label == "ss gluon"
-            ms = do_bench(lambda: step(lambda: ss.attention(q, k, v, causal=causal)), warmup=25, rep=200,
-                          return_mode="median")
-            res[label].append(flops / ms / 1e9)
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
-            ms = do_bench(lambda: step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)),
-                          warmup=25, rep=200, return_mode="median")
-            res["cuDNN"].append(flops / ms / 1e9)
-    configs.ATTN_BWD_GLUON = True
-    rows.append((name, res))
-say("\nshape | ss gluon (2 runs) | ss triton | cuDNN | gluon / cuDNN (means)")
-for name, r in rows:
-    mean = {a: sum(b) / len(b) for a, b in r.items()}
-    say(f"{name} | " + " | ".join("/".join("%.0f" % x for x in r[a]) for a in ("ss gluon", "ss triton", "cuDNN"))
-        + f" | {mean['ss gluon'] / mean['cuDNN']:.2f}")
+
+if "kv" in SECTIONS:
+    checks(KEY, TILES)
+    for name, B, H, HKV, S, views, causal in SHAPES:
+        q, k, v, do, lse, delta = make(B, H, HKV, S, views, causal)
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        flops = 4 * 2 * B * H * S * S * 128 / (2 if causal else 1)
+        for tile in TILES:
+            gh = head_group(-(-S // tile[1]), B * HKV, q, causal, tile[2])
+            ms = do_bench(lambda: GB.attn_bwd_kv(q, k, v, do, lse, delta, dk, dv, 128 ** -0.5, causal, 0, tile, gh),
+                          warmup=25, rep=150, return_mode="median")
+            say("dK/dV kernel", name, tile, "%.3f ms %.0f TFLOP/s" % (ms, flops / ms / 1e9))
+
+if "q" in SECTIONS:
+    KEY_Q = ("bwd_q_gluon", 2, 128)
+    TILES_Q = [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2)]
+    checks(KEY_Q, TILES_Q)
+    for name, B, H, HKV, S, views, causal in SHAPES:
+        q, k, v, do, lse, delta = make(B, H, HKV, S, views, causal)
+        flops = 3 * 2 * B * H * S * S * 128 / (2 if causal else 1)
+        empty = torch.empty(0, device="cuda", dtype=q.dtype)
+        for label, tile in [("triton", None)] + [("gluon", t) for t in TILES_Q]:
+            configs.ATTN_BWD_GLUON = tile is not None
+            if tile:
+                configs.ATTN_TILES[KEY_Q] = tile
+            dq = torch.empty_like(q)
+            run = ABP._launches(q, k, v, do, lse, delta, dq, empty, empty, 128 ** -0.5, causal, 0)
+            grid, key, scalars, kwargs = run.q
+
+            def launch():
+                if tile:
+                    ABP._gluon_launcher("_attn_bwd_q_gluon")(grid, key, (*ABP._gluon_operands(q, k, v, do, kwargs),
+                                                                        lse, delta, dq, *scalars), kwargs)
+                else:
+                    kt, vt = ABP._descriptor(k, run.tma[1]), ABP._descriptor(v, run.tma[1])
+                    ABP._Q(grid, key, (q, kt, vt, do, lse, delta, dq, *scalars), kwargs)
+            ms = do_bench(launch, warmup=25, rep=150, return_mode="median")
+            say("dQ kernel", name, label, tile, "%.3f ms %.0f TFLOP/s" % (ms, flops / ms / 1e9))
+        configs.ATTN_TILES[KEY_Q] = TILES_Q[0]
+        configs.ATTN_BWD_GLUON = True
+
+if "table" in SECTIONS:
+    rows = []
+    for name, B, H, HKV, S, views, causal in [("1x8k 16/4 views causal", 1, 16, 4, 8192, True, True),
+                                              ("4x2k 16/4 views causal", 4, 16, 4, 2048, True, True),
+                                              ("1x8k 32/8 views causal", 1, 32, 8, 8192, True, True),
+                                              ("4x8k 16 causal", 4, 16, 16, 8192, False, True),
+                                              ("4x8k 16 full", 4, 16, 16, 8192, False, False),
+                                              ("1x32k 16/4 views causal", 1, 16, 4, 32768, True, True)]:
+        q, k, v, do, _, _ = make(B, H, HKV, S, views, causal)
+        q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+        flops = 3.5 * 4 * B * H * S * S * 128 / (2 if causal else 1)
+
+        def step(fn):
+            q.grad = k.grad = v.grad = None
+            fn().backward(do)
+        res = {"ss gluon": [], "ss triton": [], "cuDNN": []}
+        for _ in range(2):
+            for label in ("ss gluon", "ss triton"):
+                configs.ATTN_BWD_GLUON = label == "ss gluon"
+                ms = do_bench(lambda: step(lambda: ss.attention(q, k, v, causal=causal)), warmup=25, rep=200,
+                              return_mode="median")
+                res[label].append(flops / ms / 1e9)
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                def peer():
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+                ms = do_bench(lambda: step(peer), warmup=25, rep=200, return_mode="median")
+                res["cuDNN"].append(flops / ms / 1e9)
+        configs.ATTN_BWD_GLUON = True
+        rows.append((name, res))
+    say("\nshape | ss gluon (2 runs) | ss triton | cuDNN | gluon / cuDNN (means)")
+    for name, r in rows:
+        mean = {a: sum(b) / len(b) for a, b in r.items()}
+        say(f"{name} | " + " | ".join("/".join("%.0f" % x for x in r[a]) for a in ("ss gluon", "ss triton", "cuDNN"))
+            + f" | {mean['ss gluon'] / mean['cuDNN']:.2f}")

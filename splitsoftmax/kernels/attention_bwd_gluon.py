@@ -47,6 +47,18 @@ def _row_stats(LSE, DELTA, l_off, e_off, m0, Sq, s_ls, s_es, layout: gl.constexp
 
 
 @gluon.jit
+def _program_order(GH):
+    """``attention._program_order`` (the same launch order) in Gluon."""
+    nb = gl.num_programs(0)
+    lin = gl.program_id(1) * nb + gl.program_id(0)
+    group = lin // (GH * nb)
+    r = lin - group * GH * nb
+    gh = gl.minimum(GH, gl.num_programs(1) - group * GH)
+    blk = r // gh
+    return blk, group * GH + (r - blk * gh)
+
+
+@gluon.jit
 def _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M: gl.constexpr):
     """``(query head within the group, first query row)`` of tile ``t``: the ``Tm`` diagonal tiles
     (``nm`` per head) come first, then the full ones (``nf`` per head), each head-major."""
@@ -101,13 +113,7 @@ def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                        STAGES: gl.constexpr, num_warps: gl.constexpr, GUARD: gl.constexpr = True):
     """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``)."""
-    nb = gl.num_programs(0)
-    lin = gl.program_id(1) * nb + gl.program_id(0)
-    group = lin // (GH * nb)
-    r = lin - group * GH * nb
-    gh = gl.minimum(GH, gl.num_programs(1) - group * GH)
-    pid_n = r // gh
-    pid_bh = group * GH + (r - pid_n * gh)
+    pid_n, pid_bh = _program_order(GH)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
     n0 = pid_n * BLOCK_N
@@ -182,8 +188,9 @@ def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
             dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_t, dv)
             ds_t = gl.where(seen, p_t * (dp_t - delta[None, :]), 0.0)
             dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_t, dk)
-            lse2, delta = _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, nf, m_start,
-                                   m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M, D, STAGES)
+            lse2, delta = _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, nf,
+                                   m_start, m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, q_cols,
+                                   BLOCK_M, D, STAGES)
     dk = warpgroup_mma_init(dk)
     dv = warpgroup_mma_init(dv)
     for t in range(Tm, T):
@@ -215,6 +222,122 @@ def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
              (dk * scale).to(GK.dtype.element_ty), mask=st)
     gl.store(GV + b.to(gl.int64) * s_vgb + kvh.to(gl.int64) * s_vgh + ko[:, None].to(gl.int64) * s_vgs + do_[None, :],
              dv.to(GV.dtype.element_ty), mask=st)
+
+
+@gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, t, T, b, kvh, BLOCK_N: gl.constexpr, D: gl.constexpr,
+             STAGES: gl.constexpr):
+    """Start the TMA loads of key block ``t``'s K and V into buffer ``t % STAGES`` (nothing past ``T``)."""
+    s = t % STAGES
+    mbarrier.expect(bars.index(s), 2 * BLOCK_N * D * 2, pred=t < T)
+    _tma_load(k_desc, [b, kvh, t * BLOCK_N, 0], bars.index(s), k_smem.index(s), pred=t < T)
+    _tma_load(v_desc, [b, kvh, t * BLOCK_N, 0], bars.index(s), v_smem.index(s), pred=t < T)
+
+
+@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
+def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ,
+                      s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_qgb, s_qgh, s_qgs,
+                      H, G, Sq, Sk, diag, qk_scale, scale, GH,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                      STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """dQ of one query block and head over its key blocks: grid ``(query blocks, B * H)`` in the order
+    of ``GH``, causal grids' longest blocks first. ``S`` and ``dP`` are issued together and ``P`` is
+    taken while ``dP`` runs; the full key blocks come first, then the masked ones (across the
+    diagonal or past ``Sk``), every product in turn, K guarded in place for the ``dS K`` product."""
+    pid_m, pid_bh = _program_order(GH)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    b = pid_bh // H
+    h = pid_bh % H
+    kvh = h // G
+    m0 = pid_m * BLOCK_M
+    dtype: gl.constexpr = q_desc.dtype
+
+    # S, dP: [BLOCK_M queries, BLOCK_N keys]; dQ: [BLOCK_M, D]; dS feeds it from registers
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_M]
+    k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_N]
+
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    # key blocks [0, nf) are seen whole by every row; [nf, T) cross the diagonal or end past Sk
+    hi = Sk
+    full = Sk
+    if CAUSAL:
+        hi = gl.minimum(Sk, gl.maximum(gl.minimum(m0 + BLOCK_M, Sq) + diag, 0))
+        full = gl.minimum(hi, gl.maximum(m0 + diag + 1, 0))
+    nf = full // BLOCK_N
+    T = gl.maximum(gl.cdiv(hi, BLOCK_N), nf)
+
+    mbarrier.expect(q_bar, 2 * BLOCK_M * D * 2)
+    _tma_load(q_desc, [b, h, m0, 0], q_bar, q_smem)
+    _tma_load(do_desc, [b, h, m0, 0], q_bar, do_smem)
+    for i in gl.static_range(STAGES - 1):
+        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, i, T, b, kvh, BLOCK_N, D, STAGES)
+    lse2, delta = _row_stats(LSE, DELTA, b * s_lb + h * s_lh, b * s_eb + h * s_eh, m0, Sq, s_ls, s_es, q_rows,
+                             BLOCK_M)
+    qi = m0 + gl.arange(0, BLOCK_M, layout=q_rows)
+    zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    dq = warpgroup_mma_init(gl.zeros([BLOCK_M, D], gl.float32, o_layout))
+    mbarrier.wait(q_bar, 0)
+    q_t = q_smem.reshape([BLOCK_M, D])
+    do_t = do_smem.reshape([BLOCK_M, D])
+    for t in range(nf):
+        s = t % STAGES
+        k_t = k_smem.index(s).reshape([BLOCK_N, D])
+        v_t = v_smem.index(s).reshape([BLOCK_N, D])
+        mbarrier.wait(bars.index(s), (t // STAGES) & 1)
+        qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_t, v_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(1, deps=(qk, ))  # dP runs on while P is taken
+        p = gl.exp2(qk * qk_scale - lse2[:, None])
+        dp = warpgroup_mma_wait(0, deps=(dp, ))
+        ds = p * (dp - delta[:, None])
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq, is_async=True)
+        # every product of block t - 1 is done, in every warp past the barrier: refill its buffers
+        _thread_barrier()
+        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, t + STAGES - 1, T, b, kvh, BLOCK_N, D, STAGES)
+    dq = warpgroup_mma_wait(0, deps=(dq, ))
+    for t in range(nf, T):
+        s = t % STAGES
+        k_t = k_smem.index(s).reshape([BLOCK_N, D])
+        v_t = v_smem.index(s).reshape([BLOCK_N, D])
+        kj = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=k_cols)
+        mbarrier.wait(bars.index(s), (t // STAGES) & 1)
+        qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
+        dp = warpgroup_mma(do_t, v_t.permute((1, 0)), zeros_s, use_acc=False)
+        ok = (kj < Sk)[None, :]
+        if CAUSAL:
+            ok = ok & (kj[None, :] <= qi[:, None] + diag)
+        ds = gl.where(ok, gl.exp2(qk * qk_scale - lse2[:, None]) * (dp - delta[:, None]), 0.0)
+        _finite_or_zero_smem(k_t, BLOCK_N, D, num_warps)  # hidden pairs: exact zeros, never 0 * NaN
+        fence_async_shared()
+        _thread_barrier()
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq)
+        _thread_barrier()
+        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, t + STAGES - 1, T, b, kvh, BLOCK_N, D, STAGES)
+    mbarrier.invalidate(q_bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
+    qo = m0 + gl.arange(0, BLOCK_M, layout=o_rows)
+    d_ = gl.arange(0, D, layout=o_cols)
+    gl.store(GQ + b.to(gl.int64) * s_qgb + h.to(gl.int64) * s_qgh + qo[:, None].to(gl.int64) * s_qgs + d_[None, :],
+             (dq * scale).to(GQ.dtype.element_ty), mask=(qo < Sq)[:, None] & (d_ < D)[None, :])
 
 
 def descriptor(t, rows: int):

@@ -206,12 +206,13 @@ _KV, _Q = Launcher(_attn_bwd_kv_kernel), Launcher(_attn_bwd_q_kernel)
 class _Launches(NamedTuple):
     """Both launches of :func:`attn_bwd` but their tensors, a function of the operands' geometry:
     per kernel ``(grid, key, scalars, kwargs)``, None where it has nothing to write; ``tma``: the
-    kernels read Q/dO (dK/dV) and K/V (dQ) tiles through descriptors, ``(rows of the dK/dV kernel's
-    query tiles, rows of the dQ kernel's key tiles)``."""
+    Triton kernels read Q/dO (dK/dV) and K/V (dQ) tiles through descriptors, ``(rows of the dK/dV
+    kernel's query tiles, rows of the dQ kernel's key tiles)``; ``gluon``: which of the two launches
+    (dK/dV, dQ) are ``attention_bwd_gluon``'s (their descriptors' rows: their kwargs' tile)."""
     kv: Optional[tuple]
     q: Optional[tuple]
     tma: Optional[tuple]
-    gluon: bool = False  # the dK/dV launch is ``attention_bwd_gluon``'s (its descriptors: ``tma[0]`` rows)
+    gluon: tuple = (False, False)
 
 
 # launches by geometry: the host work of a repeated backward is a lookup
@@ -226,26 +227,36 @@ def _use_tma(q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> bool:
             and (interpreting() or hopper(q)) and all(_tma_ok(t) for t in (q, k, v, dout)))
 
 
-def _use_gluon(q: Tensor, v: Tensor) -> bool:
-    """Whether the dK/dV launch is the Gluon kernel's (``attention_bwd_gluon``): ``configs.ATTN_BWD_GLUON``,
-    a Hopper GPU (sm_90: its warpgroup products), not the interpreter, a tile listed for the head dim
-    (equal for keys and values); the operands are TMA-addressable 2-byte ones (``_use_tma``)."""
+def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
+    """The tile of the Gluon kernel ``kind`` ("bwd_kv_gluon", "bwd_q_gluon") if it runs here, else None:
+    ``configs.ATTN_BWD_GLUON``, a Hopper GPU (sm_90: its warpgroup products), not the interpreter, a
+    tile listed for the head dim (equal for keys and values); the caller has checked the operands
+    (``_use_tma``)."""
     d = q.shape[-1]
-    return (configs.ATTN_BWD_GLUON and not interpreting() and v.shape[-1] == d
-            and ("bwd_kv_gluon", 2, d) in configs.ATTN_TILES and sm90(q))
+    if not configs.ATTN_BWD_GLUON or interpreting() or v.shape[-1] != d or not sm90(q):
+        return None
+    return configs.ATTN_TILES.get((kind, 2, d))
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_kv() -> Launcher:
-    """The launcher of the Gluon dK/dV kernel (imported on first use: Gluon needs a CUDA build)."""
-    from .attention_bwd_gluon import _attn_bwd_kv_gluon
-    return Launcher(_attn_bwd_kv_gluon)
+def _gluon_launcher(name: str) -> Launcher:
+    """The launcher of the Gluon kernel ``name`` (imported on first use: Gluon needs a CUDA build)."""
+    from . import attention_bwd_gluon
+    return Launcher(getattr(attention_bwd_gluon, name))
 
 
-def gluon_descriptor(t: Tensor, rows: int):
-    """``attention_bwd_gluon.descriptor`` (imported on first use)."""
+def _gluon_operands(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, kwargs: dict) -> tuple:
+    """The Gluon descriptors ``(q, dout, k, v)`` of a launch with tile ``kwargs``."""
     from .attention_bwd_gluon import descriptor
-    return descriptor(t, rows)
+    bm, bn = kwargs["BLOCK_M"], kwargs["BLOCK_N"]
+    return descriptor(q, bm), descriptor(dout, bm), descriptor(k, bn), descriptor(v, bn)
+
+
+def _gluon_launch(tile: tuple, grid: tuple, scalars: tuple, tensors: tuple, causal: bool, d: int, dtypes) -> tuple:
+    """``(grid, key, scalars, kwargs)`` of a Gluon kernel's launch (its tile ``tile``)."""
+    bm, bn, warps, stages = tile
+    return (grid, (auto_key((*tensors, *scalars)), dtypes), scalars,
+            dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps))
 
 
 def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int) -> _Launches:
@@ -256,18 +267,16 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     common = dict(D=d, DV=dv_, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dv_), CAUSAL=causal,
                   PREC=dot_precision(q.dtype), TMA=tma)
     strides = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), *delta.stride())
+    stats = (*lse.stride(), *delta.stride())
     dtypes = (q.dtype, dout.dtype)  # (the descriptors' element types)
     kv = qp = None
     kv_rows = q_rows = 0
-    gluon = tma and _use_gluon(q, v)
-    if (dk.numel() or dv.numel()) and gluon:
-        bm, bn, warps, stages = configs.ATTN_TILES[("bwd_kv_gluon", 2, d)]
-        kv_rows = bm
-        nkb = configs.cdiv(sk, bn)
-        scalars = (*lse.stride(), *delta.stride(), *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag,
-                   scale * LOG2E, scale, head_group(nkb, b * hkv, q, causal, warps))
-        kv = ((nkb, b * hkv), (auto_key((lse, delta, dk, dv, *scalars)), dtypes), scalars,
-              dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps))
+    gkv, gq = (_gluon_tile(kind, q, v) if tma else None for kind in ("bwd_kv_gluon", "bwd_q_gluon"))
+    if (dk.numel() or dv.numel()) and gkv:
+        nkb = configs.cdiv(sk, gkv[1])
+        scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+                   head_group(nkb, b * hkv, q, causal, gkv[2]))
+        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes)
     elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
@@ -276,7 +285,12 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    head_group(nkb, b * hkv, q, causal, warps))
         kv = ((nkb, b * hkv), (auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), dtypes),
               scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
-    if dq.numel():
+    if dq.numel() and gq:
+        nqb = configs.cdiv(sq, gq[0])
+        scalars = (*stats, *dq.stride()[:3], h, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+                   head_group(nqb, b * h, q, causal, gq[2]))
+        qp = _gluon_launch(gq, (nqb, b * h), scalars, (lse, delta, dq), causal, d, dtypes)
+    elif dq.numel():
         bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
         q_rows = bn
         nqb = configs.cdiv(sq, bm)
@@ -284,6 +298,7 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    head_group(nqb, b * h, q, causal, warps))
         qp = ((nqb, b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
+    gluon = (kv is not None and gkv is not None, qp is not None and gq is not None)
     return _Launches(kv, qp, (kv_rows, q_rows) if tma else None, gluon)
 
 
@@ -297,25 +312,25 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA, configs.ATTN_BWD_GLUON,
            configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
-           attn_tile("bwd_q", q.dtype, d, dv_), configs.ATTN_TILES.get(("bwd_kv_gluon", 2, d)))
+           attn_tile("bwd_q", q.dtype, d, dv_), configs.ATTN_TILES.get(("bwd_kv_gluon", 2, d)),
+           configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
     run = _LAUNCHES.get(geo)
     if run is None:
         run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))
-    qt, kt, vt, dt = q, k, v, dout
-    if run.tma:
-        kt, vt = _descriptor(k, run.tma[1]), _descriptor(v, run.tma[1])
-        if not run.gluon:
-            qt, dt = _descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])
-    if run.kv is not None and run.gluon:
+    if run.kv is not None:
         grid, key, scalars, kwargs = run.kv
-        rows = (run.tma[0], kwargs["BLOCK_N"])
-        descs = (gluon_descriptor(q, rows[0]), gluon_descriptor(dout, rows[0]), gluon_descriptor(k, rows[1]),
-                 gluon_descriptor(v, rows[1]))
-        _gluon_kv()(grid, key, (*descs, lse, delta, dk, dv, *scalars), kwargs)
-    elif run.kv is not None:
-        grid, key, scalars, kwargs = run.kv
-        _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
+        if run.gluon[0]:
+            _gluon_launcher("_attn_bwd_kv_gluon")(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta,
+                                                              dk, dv, *scalars), kwargs)
+        else:
+            qt, dt = (_descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])) if run.tma else (q, dout)
+            _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
     if run.q is not None:
         grid, key, scalars, kwargs = run.q
-        _Q(grid, key, (q, kt, vt, dout, lse, delta, dq, *scalars), kwargs)
+        if run.gluon[1]:
+            _gluon_launcher("_attn_bwd_q_gluon")(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta,
+                                                             dq, *scalars), kwargs)
+        else:
+            kt, vt = (_descriptor(k, run.tma[1]), _descriptor(v, run.tma[1])) if run.tma else (k, v)
+            _Q(grid, key, (q, kt, vt, dout, lse, delta, dq, *scalars), kwargs)
     return dq, dk, dv

@@ -36,6 +36,8 @@ ATTN_TILES = {
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
     ("bwd_q", 2, 128): (128, 64, 8, 4),
+    # ... or, on sm_90 (ATTN_BWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES)
+    ("bwd_q_gluon", 2, 128): (128, 64, 8, 3),
     ("bwd_q", 2, 256): (64, 32, 8, 2),
     ("bwd_q", 4, 64): (32, 32, 4, 2),
     ("bwd_q", 4, 256): (16, 16, 4, 2),

@@ -1,12 +1,15 @@
-"""The plain backward's dK/dV kernel for Hopper, written in Gluon: its products overlap.
+"""The plain backward's two kernels for Hopper, written in Gluon: their products overlap.
 
-Triton waits for each of the dK/dV kernel's score-shaped products (``S^T = K Q^T``, ``dP^T = V dO^T``)
-right after issuing it, so the tensor cores idle while the exponentials are taken. This kernel issues
-both, waits for the first only, takes ``P^T`` while ``dP^T`` runs, issues ``dV += P^T dO``, and takes
-``dS^T`` while that runs: one program per key block and kv head, over every query block of the
-``G`` query heads that read the kv head, Q and dO tiles streamed by TMA through ``STAGES`` buffers,
-the row statistics read one tile ahead. Same math, masks and non-finite guard as
-``attention_bwd_plain._attn_bwd_kv_kernel``; 2-byte inputs with TMA-addressable (B, H, S, D) operands.
+Triton waits for each of the backward's score-shaped products (``S = Q K^T``, ``dP = dO V^T``) right
+after issuing it, so the tensor cores idle while the exponentials are taken. These kernels issue
+both, wait for the first only and take ``P`` while ``dP`` runs. The dK/dV kernel (one program per
+key block and kv head, over every query block of the ``G`` query heads that read the kv head, Q and
+dO tiles streamed by TMA through ``STAGES`` buffers) also takes ``dS^T`` while ``dV += P^T dO``
+runs and leaves ``dK += dS^T Q`` in flight into the next tile; the dQ kernel (one program per query
+block and head, K and V streamed) leaves ``dQ += dS K`` in flight. Tiles across the diagonal (or
+past ``Sk``) run in loops of their own, every product in turn. Same math, masks and non-finite
+guard as the Triton pair in ``attention_bwd_plain``; 2-byte inputs, TMA-addressable (B, H, S, D)
+operands.
 """
 from __future__ import annotations
 

@@ -36,7 +36,9 @@ ATTN_TILES = {
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
     ("bwd_q", 2, 128): (128, 64, 8, 4),
-    # ... or, on sm_90 (ATTN_BWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES)
+    # ... or, on sm_90 (ATTN_BWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES). H200,
+    # its TFLOP/s at 1 x 16/4 x 8k causal / 4 x 16/4 x 2k causal / 4 x 16 x 8k full: 128x64 w8 3 buffers
+    # 647 / 514 / 638, 2 buffers 528 / 422 / 576, 64x64 w4 567 / 501 / 596; the Triton kernel 636 / 487 / 630
     ("bwd_q_gluon", 2, 128): (128, 64, 8, 3),
     ("bwd_q", 2, 256): (64, 32, 8, 2),
     ("bwd_q", 4, 64): (32, 32, 4, 2),
@@ -77,11 +79,12 @@ ATTN_BWD_GUARD = True
 # the pointer path's bit for bit. H200, forward+backward TFLOP/s at B=1 H=16/4 S=8k causal, (B, S, H, D)
 # views: 298 with pointer loads, 302 / 307 with TMA in the dK/dV kernel / both (one call, 2026-12-01).
 ATTN_BWD_TMA = True
-# On sm_90 the plain pair's dK/dV launch is the Gluon kernel (kernels/attention_bwd_gluon.py), which
-# overlaps its products, where ATTN_TILES lists a "bwd_kv_gluon" tile for the head dim. H200, the
-# dK/dV kernel 1.06-1.08x the Triton one's speed causal, 1.08x full; ss.attention forward+backward
-# TFLOP/s 385 against 379 at 1 x 16/4 x 8k causal views, 316 / 306 at 4 x 2k, 423 / 399 at 4 x 16 x
-# 8k full (BENCHMARKS.md, "Attention backward", G1).
+# On sm_90 the plain pair's launches are the Gluon kernels (kernels/attention_bwd_gluon.py), which
+# overlap their products, where ATTN_TILES lists a "bwd_kv_gluon" / "bwd_q_gluon" tile for the head
+# dim. H200: the dK/dV kernel 1.06-1.08x the Triton one's speed causal, 1.08x full; the dQ kernel
+# 1.01-1.06x; ss.attention forward+backward TFLOP/s, both Gluon against both Triton, 384 / 375 at
+# 1 x 16/4 x 8k causal views, 423 / 405 at 4 x 16 x 8k full (BENCHMARKS.md, "Attention backward",
+# G1, G2).
 ATTN_BWD_GLUON = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head

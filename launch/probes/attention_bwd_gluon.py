@@ -18,10 +18,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import splitsoftmax as ss
-from splitsoftmax.kernels import attention_bwd_gluon as GB
 from splitsoftmax.kernels import attention_bwd_plain as ABP
 from splitsoftmax.kernels import configs
-from splitsoftmax.kernels.decode import head_group
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 os.makedirs(OUT, exist_ok=True)
@@ -99,45 +97,47 @@ def checks(key, tiles):
     say("CORRECT" if ok_all else "SOME CHECK FAILED")
 
 
-if "kv" in SECTIONS:
-    checks(KEY, TILES)
+def kernel_times(kind, key, tiles):
+    """The dK/dV (``kind`` "kv") or dQ ("q") kernel alone, the Triton one and the Gluon one per tile."""
     for name, B, H, HKV, S, views, causal in SHAPES:
         q, k, v, do, lse, delta = make(B, H, HKV, S, views, causal)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        flops = 4 * 2 * B * H * S * S * 128 / (2 if causal else 1)
-        for tile in TILES:
-            gh = head_group(-(-S // tile[1]), B * HKV, q, causal, tile[2])
-            ms = do_bench(lambda: GB.attn_bwd_kv(q, k, v, do, lse, delta, dk, dv, 128 ** -0.5, causal, 0, tile, gh),
-                          warmup=25, rep=150, return_mode="median")
-            say("dK/dV kernel", name, tile, "%.3f ms %.0f TFLOP/s" % (ms, flops / ms / 1e9))
+        flops = (4 if kind == "kv" else 3) * 2 * B * H * S * S * 128 / (2 if causal else 1)
+        empty = torch.empty(0, device="cuda", dtype=q.dtype)
+        dq, dk, dv = (torch.empty_like(x) if (kind == "q") == (x is q) else empty for x in (q, k, v))
+        default = configs.ATTN_TILES[key]
+        for label, tile in [("triton", None)] + [("gluon", t) for t in tiles]:
+            configs.ATTN_BWD_GLUON = tile is not None
+            configs.ATTN_TILES[key] = tile or default
+            run = ABP._launches(q, k, v, do, lse, delta, dq, dk, dv, 128 ** -0.5, causal, 0)
+            grid, lkey, scalars, kwargs = run.kv if kind == "kv" else run.q
 
+            def launch():
+                if tile and kind == "kv":
+                    ABP._gluon_launcher("_attn_bwd_kv_gluon")(grid, lkey, (*ABP._gluon_operands(q, k, v, do, kwargs),
+                                                                          lse, delta, dk, dv, *scalars), kwargs)
+                elif tile:
+                    ABP._gluon_launcher("_attn_bwd_q_gluon")(grid, lkey, (*ABP._gluon_operands(q, k, v, do, kwargs),
+                                                                         lse, delta, dq, *scalars), kwargs)
+                elif kind == "kv":
+                    qt, dt = ABP._descriptor(q, run.tma[0]), ABP._descriptor(do, run.tma[0])
+                    ABP._KV(grid, lkey, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
+                else:
+                    kt, vt = ABP._descriptor(k, run.tma[1]), ABP._descriptor(v, run.tma[1])
+                    ABP._Q(grid, lkey, (q, kt, vt, do, lse, delta, dq, *scalars), kwargs)
+            ms = do_bench(launch, warmup=25, rep=150, return_mode="median")
+            say(f"{kind} kernel", name, label, tile, "%.3f ms %.0f TFLOP/s" % (ms, flops / ms / 1e9))
+        configs.ATTN_TILES[key] = default
+        configs.ATTN_BWD_GLUON = True
+
+
+if "kv" in SECTIONS:
+    checks(KEY, TILES)
+    kernel_times("kv", KEY, TILES)
 if "q" in SECTIONS:
     KEY_Q = ("bwd_q_gluon", 2, 128)
     TILES_Q = [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 2)]
     checks(KEY_Q, TILES_Q)
-    for name, B, H, HKV, S, views, causal in SHAPES:
-        q, k, v, do, lse, delta = make(B, H, HKV, S, views, causal)
-        flops = 3 * 2 * B * H * S * S * 128 / (2 if causal else 1)
-        empty = torch.empty(0, device="cuda", dtype=q.dtype)
-        for label, tile in [("triton", None)] + [("gluon", t) for t in TILES_Q]:
-            configs.ATTN_BWD_GLUON = tile is not None
-            if tile:
-                configs.ATTN_TILES[KEY_Q] = tile
-            dq = torch.empty_like(q)
-            run = ABP._launches(q, k, v, do, lse, delta, dq, empty, empty, 128 ** -0.5, causal, 0)
-            grid, key, scalars, kwargs = run.q
-
-            def launch():
-                if tile:
-                    ABP._gluon_launcher("_attn_bwd_q_gluon")(grid, key, (*ABP._gluon_operands(q, k, v, do, kwargs),
-                                                                        lse, delta, dq, *scalars), kwargs)
-                else:
-                    kt, vt = ABP._descriptor(k, run.tma[1]), ABP._descriptor(v, run.tma[1])
-                    ABP._Q(grid, key, (q, kt, vt, do, lse, delta, dq, *scalars), kwargs)
-            ms = do_bench(launch, warmup=25, rep=150, return_mode="median")
-            say("dQ kernel", name, label, tile, "%.3f ms %.0f TFLOP/s" % (ms, flops / ms / 1e9))
-        configs.ATTN_TILES[KEY_Q] = TILES_Q[0]
-        configs.ATTN_BWD_GLUON = True
+    kernel_times("q", KEY_Q, TILES_Q)
 
 if "table" in SECTIONS:
     rows = []

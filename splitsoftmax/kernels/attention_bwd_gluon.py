@@ -365,17 +365,3 @@ def descriptor(t, rows: int):
 def _smem_layout(block: tuple, dtype):
     """The tensor cores' shared layout of a ``block`` tile of 16-bit ``dtype``."""
     return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
-
-
-def attn_bwd_kv(q, k, v, dout, lse, delta, dk, dv, scale: float, causal: bool, diag: int, tile: tuple,
-                gh: int) -> None:
-    """dK, dV of 2-byte ``q, dout (B, H, Sq, D)``, ``k, v (B, Hkv, Sk, D)`` into ``dk, dv`` (their last
-    dims contiguous), ``tile = (BLOCK_M, BLOCK_N, num_warps, STAGES)``, programs in head groups of ``gh``."""
-    bm, bn, warps, stages = tile
-    b, h, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    grid = ((sk + bn - 1) // bn, b * hkv)
-    _attn_bwd_kv_gluon[grid](descriptor(q, bm), descriptor(dout, bm), descriptor(k, bn), descriptor(v, bn),
-                             lse, delta, dk, dv, *lse.stride(), *delta.stride(), *dk.stride()[:3], *dv.stride()[:3],
-                             hkv, h // hkv, sq, sk, diag, scale * 1.4426950408889634, scale, gh,
-                             BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps)

@@ -229,11 +229,12 @@ def _use_tma(q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> bool:
 
 def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
     """The tile of the Gluon kernel ``kind`` ("bwd_kv_gluon", "bwd_q_gluon") if it runs here, else None:
-    ``configs.ATTN_BWD_GLUON``, a Hopper GPU (sm_90: its warpgroup products), not the interpreter, a
-    tile listed for the head dim (equal for keys and values); the caller has checked the operands
-    (``_use_tma``)."""
+    ``configs.ATTN_BWD_GLUON``, a Hopper GPU (sm_90: its warpgroup products), not the interpreter,
+    bfloat16 inputs (the dtype its GPU tests cover), a tile listed for the head dim (equal for keys
+    and values); the caller has checked the operands (``_use_tma``)."""
     d = q.shape[-1]
-    if not configs.ATTN_BWD_GLUON or interpreting() or v.shape[-1] != d or not sm90(q):
+    if (not configs.ATTN_BWD_GLUON or interpreting() or q.dtype != torch.bfloat16 or v.shape[-1] != d
+            or not sm90(q)):
         return None
     return configs.ATTN_TILES.get((kind, 2, d))
 

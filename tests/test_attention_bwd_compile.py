@@ -58,7 +58,7 @@ def _signature(fn, args, kwargs):
     return sig, consts, {k: v for k, v in attrs.items() if v}
 
 
-def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False):
+def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False, causal: bool = True):
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
@@ -73,7 +73,7 @@ def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: b
     q, dout = (torch.randn(1, 16, 512, 128).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, 4, 512, 128).to(torch.bfloat16) for _ in range(2))
     lse, delta = torch.randn(1, 16, 512), torch.randn(1, 16, 512)
-    AB.attn_bwd(q, k, v, dout, lse, delta, 0.1, True, 0, mask, out_dtype=torch.bfloat16)
+    AB.attn_bwd(q, k, v, dout, lse, delta, 0.1, causal, 0, mask, out_dtype=torch.bfloat16)
     return captured
 
 
@@ -82,12 +82,12 @@ MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch
             rows=torch.stack((torch.zeros(512), torch.full((512,), 512))).to(torch.int32))
 
 
-@pytest.mark.parametrize("atomic,mask,tma,gluon", [(False, Mask(), False, False), (False, Mask(), True, False),
-                                                   (False, Mask(), True, True), (False, MASK, False, False),
-                                                   (True, Mask(), False, False)],
-                         ids=["pair", "pair-tma", "pair-gluon", "pair-masks", "five-product"])
-def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, monkeypatch):
-    launches = _launches(monkeypatch, atomic, mask, tma, gluon)
+@pytest.mark.parametrize("atomic,mask,tma,gluon,causal", [
+    (False, Mask(), False, False, True), (False, Mask(), True, False, True), (False, Mask(), True, True, True),
+    (False, Mask(), True, True, False), (False, MASK, False, False, True), (True, Mask(), False, False, True)],
+    ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-masks", "five-product"])
+def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, monkeypatch):
+    launches = _launches(monkeypatch, atomic, mask, tma, gluon, causal)
     if tma:
         assert all(any(isinstance(a, (TensorDescriptor, GluonDescriptor)) for a in args) for _, args, _ in launches)
     names = [fn.fn.__name__ for fn, _, _ in launches]

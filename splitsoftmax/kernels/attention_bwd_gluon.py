@@ -78,7 +78,7 @@ def _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M: gl.constexpr):
 @gluon.jit
 def _load_tile(q_desc, do_desc, q_smem, do_smem, bars, t, T, Tm, nm, nf, m_start, m_full, b, h0,
                BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    """Start the TMA loads of tile ``t``'s Q and dO into buffer ``t % STAGES`` (nothing past ``T``)."""
+    """Start the TMA loads of tile ``t``'s Q and dO (2-byte) into buffer ``t % STAGES`` (nothing past ``T``)."""
     gi, m0 = _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M)
     s = t % STAGES
     mbarrier.expect(bars.index(s), 2 * BLOCK_M * D * 2, pred=t < T)
@@ -114,7 +114,7 @@ def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
                        s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
                        HKV, G, Sq, Sk, diag, qk_scale, scale, GH,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                       STAGES: gl.constexpr, num_warps: gl.constexpr, GUARD: gl.constexpr = True):
+                       STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``)."""
     pid_n, pid_bh = _program_order(GH)
     b = pid_bh // HKV
@@ -180,11 +180,10 @@ def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
             do_t = do_smem.index(s).reshape([BLOCK_M, D])
             mbarrier.wait(bars.index(s), (t // STAGES) & 1)
             qk_t = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False)
-            if GUARD:
-                _finite_or_zero_smem(q_t, BLOCK_M, D, num_warps)
-                _finite_or_zero_smem(do_t, BLOCK_M, D, num_warps)
-                fence_async_shared()
-                _thread_barrier()
+            _finite_or_zero_smem(q_t, BLOCK_M, D, num_warps)
+            _finite_or_zero_smem(do_t, BLOCK_M, D, num_warps)
+            fence_async_shared()
+            _thread_barrier()
             dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False)
             seen = kj[:, None] <= qi[None, :] + diag
             p_t = gl.where(seen, gl.exp2(qk_t * qk_scale - lse2[None, :]), 0.0)
@@ -230,7 +229,7 @@ def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
 @gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, t, T, b, kvh, BLOCK_N: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr):
-    """Start the TMA loads of key block ``t``'s K and V into buffer ``t % STAGES`` (nothing past ``T``)."""
+    """Start the TMA loads of key block ``t``'s K and V (2-byte) into buffer ``t % STAGES`` (nothing past ``T``)."""
     s = t % STAGES
     mbarrier.expect(bars.index(s), 2 * BLOCK_N * D * 2, pred=t < T)
     _tma_load(k_desc, [b, kvh, t * BLOCK_N, 0], bars.index(s), k_smem.index(s), pred=t < T)

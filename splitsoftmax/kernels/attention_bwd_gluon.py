@@ -49,6 +49,29 @@ def _row_stats(LSE, DELTA, l_off, e_off, m0, Sq, s_ls, s_es, layout: gl.constexp
     return lse2, delta
 
 
+@gluon.constexpr_function
+def _mma_layout(n, num_warps):
+    """The accumulator layout of ``[rows, n]`` warpgroup products, the rows split over the warps."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def _buffers(held_a, held_b, ring_a, ring_b, STAGES: gl.constexpr):
+    """A program's shared memory: the tiles of descriptors ``held_a``, ``held_b`` (loaded once, one
+    barrier) and those of ``ring_a``, ``ring_b`` streamed through ``STAGES`` buffers (a barrier each)."""
+    dtype: gl.constexpr = held_a.dtype
+    a = gl.allocate_shared_memory(dtype, held_a.block_type.shape, held_a.layout)
+    b = gl.allocate_shared_memory(dtype, held_b.block_type.shape, held_b.layout)
+    ra = gl.allocate_shared_memory(dtype, [STAGES] + ring_a.block_type.shape, ring_a.layout)
+    rb = gl.allocate_shared_memory(dtype, [STAGES] + ring_b.block_type.shape, ring_b.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+    return a, b, ra, rb, bar, bars
+
+
 @gluon.jit
 def _program_order(GH):
     """``attention._program_order`` (the same launch order) in Gluon."""
@@ -123,23 +146,12 @@ def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
     dtype: gl.constexpr = q_desc.dtype
 
     # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]; P^T, dS^T feed them from registers
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_M, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
+    o_layout: gl.constexpr = _mma_layout(D, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_M]
     k_rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_N]
-
-    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _buffers(k_desc, v_desc, q_desc, do_desc, STAGES)
 
     # query blocks [m_start, m_full) cross the diagonal; from m_full on every query sees every key.
     # Tiles (query head, query block): first the Tm diagonal ones (nm per head), then the full ones
@@ -256,23 +268,12 @@ def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ,
     dtype: gl.constexpr = q_desc.dtype
 
     # S, dP: [BLOCK_M queries, BLOCK_N keys]; dQ: [BLOCK_M, D]; dS feeds it from registers
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, num_warps)
+    o_layout: gl.constexpr = _mma_layout(D, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     q_rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_M]
     k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_N]
-
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
+    q_smem, do_smem, k_smem, v_smem, q_bar, bars = _buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
 
     # key blocks [0, nf) are seen whole by every row; [nf, T) cross the diagonal or end past Sk
     hi = Sk

@@ -351,14 +351,16 @@ def descriptor(t, rows: int):
     for i in (2, 1, 0):
         if t.shape[i] == 1:
             strides[i] = strides[i + 1] * t.shape[i + 1]
-    block = [1, 1, rows, t.shape[-1]]
+    block = (1, 1, rows, t.shape[-1])
     desc = object.__new__(TensorDescriptor)
-    for f in dataclasses.fields(TensorDescriptor):  # (newer releases add fields with defaults)
-        if f.default is not dataclasses.MISSING:
-            setattr(desc, f.name, f.default)
-    desc.base, desc.shape, desc.strides, desc.block_shape = t, list(t.shape), strides, block
-    desc.layout = _smem_layout(tuple(block), t.dtype)
+    desc.__dict__.update(_DEFAULTS)
+    desc.base, desc.shape, desc.strides, desc.block_shape = t, list(t.shape), strides, list(block)
+    desc.layout = _smem_layout(block, t.dtype)
     return desc
+
+
+# the descriptor's fields that have defaults (newer releases add some)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING}
 
 
 @functools.lru_cache(maxsize=None)

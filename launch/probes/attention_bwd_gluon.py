@@ -109,22 +109,8 @@ def kernel_times(kind, key, tiles):
             configs.ATTN_BWD_GLUON = tile is not None
             configs.ATTN_TILES[key] = tile or default
             run = ABP._launches(q, k, v, do, lse, delta, dq, dk, dv, 128 ** -0.5, causal, 0)
-            grid, lkey, scalars, kwargs = run.kv if kind == "kv" else run.q
-
-            def launch():
-                if tile and kind == "kv":
-                    ABP._gluon_launcher("_attn_bwd_kv_gluon")(grid, lkey, (*ABP._gluon_operands(q, k, v, do, kwargs),
-                                                                          lse, delta, dk, dv, *scalars), kwargs)
-                elif tile:
-                    ABP._gluon_launcher("_attn_bwd_q_gluon")(grid, lkey, (*ABP._gluon_operands(q, k, v, do, kwargs),
-                                                                         lse, delta, dq, *scalars), kwargs)
-                elif kind == "kv":
-                    qt, dt = ABP._descriptor(q, run.tma[0]), ABP._descriptor(do, run.tma[0])
-                    ABP._KV(grid, lkey, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
-                else:
-                    kt, vt = ABP._descriptor(k, run.tma[1]), ABP._descriptor(v, run.tma[1])
-                    ABP._Q(grid, lkey, (q, kt, vt, do, lse, delta, dq, *scalars), kwargs)
-            ms = do_bench(launch, warmup=25, rep=150, return_mode="median")
+            ms = do_bench(lambda: ABP._run(run, q, k, v, do, lse, delta, dq, dk, dv), warmup=25, rep=150,
+                          return_mode="median")
             say(f"{kind} kernel", name, label, tile, "%.3f ms %.0f TFLOP/s" % (ms, flops / ms / 1e9))
         configs.ATTN_TILES[key] = default
         configs.ATTN_BWD_GLUON = True

@@ -318,6 +318,12 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     run = _LAUNCHES.get(geo)
     if run is None:
         run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))
+    _run(run, q, k, v, dout, lse, delta, dq, dk, dv)
+    return dq, dk, dv
+
+
+def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv) -> None:
+    """Make the launches ``run`` (of :func:`_launches`) on these tensors."""
     if run.kv is not None:
         grid, key, scalars, kwargs = run.kv
         if run.gluon[0]:
@@ -334,4 +340,3 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
         else:
             kt, vt = (_descriptor(k, run.tma[1]), _descriptor(v, run.tma[1])) if run.tma else (k, v)
             _Q(grid, key, (q, kt, vt, dout, lse, delta, dq, *scalars), kwargs)
-    return dq, dk, dv

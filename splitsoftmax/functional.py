@@ -122,4 +122,6 @@ def merge_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
         rows = tuple(outs.shape[1:-1])
         return outs.new_zeros(outs.shape[1:]), torch.full(rows, float("-inf"), device=outs.device)
     out, lse = call("merge_fwd", outs, lses)
-    return out.to(outs.dtype), lse.float()
+    # (``Tensor.to`` costs host time even where it changes nothing)
+    return (out if out.dtype == outs.dtype else out.to(outs.dtype),
+            lse if lse.dtype == torch.float32 else lse.float())

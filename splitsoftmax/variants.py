@@ -114,6 +114,13 @@ def _traced_cu(cu: Tensor, sq: int) -> Tensor:
     return cu.to(torch.long)
 
 
+def documents_need_no_offset(q_offset) -> None:
+    """``cu_seqlens`` takes ``q_offset`` 0 only: an int 0 or None (a tensor, whose values only the
+    device holds, is refused whatever it holds, on one device and sharded alike)."""
+    if q_offset is not None and (isinstance(q_offset, Tensor) or q_offset != 0):
+        raise ValueError(f"cu_seqlens needs q_offset == 0 (an int), got {q_offset!r}")
+
+
 def check_cu_seqlens(cu, sq: int, sk: int, q_offset) -> Optional[Union[tuple, Tensor]]:
     """``cu_seqlens`` as a tuple of host ints, checked against the (global) lengths ``sq``, ``sk``
     (inside ``torch.compile``, a tensor stays a tensor: :func:`_traced_cu`)."""
@@ -121,8 +128,7 @@ def check_cu_seqlens(cu, sq: int, sk: int, q_offset) -> Optional[Union[tuple, Te
         return None
     if sq != sk:
         raise ValueError(f"cu_seqlens needs self-attention (Sq == Sk), got Sq={sq}, Sk={sk}")
-    if isinstance(q_offset, Tensor) or q_offset != 0:
-        raise ValueError(f"cu_seqlens needs q_offset == 0, got {q_offset!r}")
+    documents_need_no_offset(q_offset)
     if isinstance(cu, Tensor) and torch.compiler.is_compiling():
         return _traced_cu(cu, sq)
     values = _cu_values(cu)
@@ -201,7 +207,9 @@ def check_kv_range(kv_range, batch: int, sk: int, device) -> Optional[Tensor]:
 
 
 def check_q_offset(q_offset, batch: int, device) -> Union[int, Tensor]:
-    """``q_offset`` as an int or a ``(B,)`` int32 tensor on ``device``."""
+    """``q_offset`` as an int or a ``(B,)`` int32 tensor on ``device``; a tensor's entries beyond
+    ``+-2^30`` (read on the device, so never checked on the host) are clamped there: with sequences
+    and windows shorter than ``2^29`` such a query sees the same keys either way (all or none)."""
     if _is_int(q_offset):
         return int(q_offset)
     if not isinstance(q_offset, Tensor):
@@ -211,7 +219,12 @@ def check_q_offset(q_offset, batch: int, device) -> Union[int, Tensor]:
         raise ValueError(f"q_offset must be an int or have shape (B,) = ({batch},), got {tuple(q_offset.shape)}")
     if q_offset.device != device:
         raise ValueError(f"q_offset is on {q_offset.device} but q is on {device}")
+    if q_offset.dtype in (torch.int32, torch.int64):  # (the kernels add positions to int32 offsets)
+        q_offset = q_offset.clamp(-_OFFSET_BOUND, _OFFSET_BOUND)
     return q_offset.to(torch.int32)
+
+
+_OFFSET_BOUND = 2 ** 30
 
 
 def parse(*, batch: int, heads: int, sq: int, sk: int, device, causal: bool, cu_seqlens=None, window_size=None,

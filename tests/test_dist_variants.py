@@ -340,6 +340,8 @@ def case_agreement(group):
                                                rf"\(rank {last}: q_offset")
     _raises(attn(kv_range=kv + s), rf"kv_range must satisfy .* <= Sk = {s}")
     _raises(attn(cu_seqlens=(0, 1, s + 1)), rf"cu_seqlens\[-1\] must equal the sequence length {s}")
+    _raises(attn(cu_seqlens=(0, 1, s), q_offset=torch.zeros(2, dtype=torch.long, device=DEVICE)),
+            r"cu_seqlens needs q_offset == 0")  # (as on one device: a tensor's values are not read)
     _raises(attn(cu_seqlens=(0, 1, s)), r"not of a per-document zigzag split of cu_seqlens")
     _raises(attn(sinks=sinks_of()[:2] if other else sinks_of()), rf"sinks must have shape|rank\(s\) \[{last}\]")
     _raises(attn(window_size=(-2, 0) if other else None), rf"window_size entries|rank\(s\) \[{last}\]")

@@ -138,6 +138,21 @@ def test_attention_empty_rows_and_zero_keys():
     assert torch.equal(g, torch.zeros_like(q))
 
 
+@pytest.mark.parametrize("qshape,kshape", [((1, 2, 0, 8), (1, 1, 4, 8)), ((0, 2, 4, 8), (0, 1, 4, 8)),
+                                           ((1, 4, 0, 8), (1, 2, 0, 8))], ids=["no-queries", "no-batch", "nothing"])
+@pytest.mark.parametrize("kw", [{}, dict(causal=True), dict(causal=True, window_size=(1, 0)), "sinks"],
+                         ids=["plain", "causal", "window", "sinks"])
+def test_attention_with_no_rows(qshape, kshape, kw):
+    """No query rows (or no batch): outputs of the right shapes and dtypes, gradients of zeros."""
+    q, k, v = (torch.randn(*s, requires_grad=True) for s in (qshape, kshape, kshape))
+    kw = dict(sinks=torch.zeros(qshape[1], requires_grad=True)) if kw == "sinks" else kw
+    out, lse = ss.attention(q, k, v, return_lse=True, **kw)
+    assert out.shape == (*qshape[:3], 8) and lse.shape == qshape[:3] and lse.dtype == torch.float32
+    grads = torch.autograd.grad(out.sum(), (q, k, v), allow_unused=True)
+    for g, t in zip(grads, (q, k, v)):
+        assert g is None or torch.equal(g, torch.zeros_like(t))
+
+
 def test_attention_causal_rows_that_see_nothing():
     """Causal with Sq > Sk is top-left aligned: every query sees key 0, so no row is empty; a
     scale of -inf is refused, so the empty rows come from Sk = 0 only or from sharding."""

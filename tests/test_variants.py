@@ -344,6 +344,17 @@ def test_bad_arguments(kw, match):
         _bad(**kw)
 
 
+@pytest.mark.parametrize("off", [2 ** 32, -2 ** 32, 2 ** 31 + 7, 2 ** 30 + 3])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window_size=(2, 0)), dict(window_size=(1, 1))],
+                         ids=["causal", "causal-window", "window"])
+def test_a_tensor_q_offset_beyond_int32_means_what_the_int_means(off, kw):
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 1, 5, 8), torch.randn(1, 1, 5, 8)
+    want = ss.attention(q, k, v, q_offset=off, return_lse=True, **kw)
+    got = ss.attention(q, k, v, q_offset=torch.tensor([off]), return_lse=True, **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.isinf(want[1]).all() == (off < 0 or "window_size" in kw)  # (none or all keys seen)
+
+
 def test_cu_seqlens_needs_self_attention():
     q, k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 6, 8), torch.randn(1, 1, 6, 8)
     with pytest.raises(ValueError, match="cu_seqlens.*Sq == Sk"):

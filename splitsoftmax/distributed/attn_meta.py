@@ -92,6 +92,7 @@ def check_keywords(q: Tensor, schedule: str, cu_seqlens, window_size, softcap, s
         if schedule == "tree":
             raise ValueError("cu_seqlens is not taken by schedule='tree' (split-KV queries are not one packed "
                              "sequence with the keys); use 'ring' or 'allgather'")
+        vs.documents_need_no_offset(q_offset)
         docs = doc_values(cu_seqlens)
     left, right = vs.check_window(window_size)
     return Keywords(docs, None if (left, right) == (-1, -1) else (left, right), vs.check_softcap(softcap),

@@ -168,7 +168,8 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     for j in _key_blocks(bounds, mask, sq, sk, causal, diag):
         kb, vb = k[:, :, j:j + CPU_BLOCK_KEYS].to(acc), v[:, :, j:j + CPU_BLOCK_KEYS].to(acc)
         s = merge(s, tile_state(_block_scores(qg, kb, scale, j, bounds, mask.softcap)[0], vb))
-    out, lse = (t.reshape(b, h, sq, -1).squeeze(-1) for t in to_out_lse(s))
+    out, lse = to_out_lse(s)
+    out, lse = out.reshape(b, h, sq, dv), lse.reshape(b, h, sq)  # (sizes spelled out: any may be 0)
     if sinks is not None:
         out, lse = add_sinks(out, lse, sinks)
     return out.to(out_dtype or dt), lse.to(dt)
@@ -221,11 +222,12 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     """
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
+    g = h // hkv
     dt, acc = stat_dtype(q.dtype), torch.float64
     qg, dog = _grouped(q, hkv).to(acc), _grouped(dout, hkv).to(acc)
-    lse_g = safe_max(lse.reshape(b, hkv, -1).to(acc)).unsqueeze(-1)
-    empty = (lse.reshape(b, hkv, -1) == NEG_INF).unsqueeze(-1)
-    delta_g = delta.reshape(b, hkv, -1, 1).to(acc)
+    lse_g = safe_max(lse.reshape(b, hkv, g * sq).to(acc)).unsqueeze(-1)
+    empty = (lse.reshape(b, hkv, g * sq) == NEG_INF).unsqueeze(-1)
+    delta_g = delta.reshape(b, hkv, g * sq, 1).to(acc)
     bounds = _row_bounds(mask, causal, diag, q, sk, h // hkv)
     dq = torch.zeros_like(qg)
     dk = torch.zeros(k.shape, dtype=dt, device=k.device)
@@ -237,7 +239,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
         dv[:, :, j:j + CPU_BLOCK_KEYS] = weighted_sum(p.transpose(-1, -2), dog)
         dp = torch.where(p != 0, dog @ vb.transpose(-1, -2), 0.0)
         if rowsum is not None:
-            rowsum.view(2, b, hkv, -1).add_(torch.stack(((p * dp).sum(-1), p.sum(-1))))
+            rowsum.view(2, b, hkv, g * sq).add_(torch.stack(((p * dp).sum(-1), p.sum(-1))))
         ds = torch.where(p != 0, p * (dp - delta_g), 0.0)
         if t is not None:
             ds = torch.where(p != 0, ds * (1.0 - t * t), 0.0)  # d(c tanh(s / c)) / ds

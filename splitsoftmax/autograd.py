@@ -48,6 +48,32 @@ def softmax_backward(ctx, dy: Tensor, _dlse: Optional[Tensor]):
     return _ops().softmax_bwd(y, dy.contiguous(), lse, ctx.log), None
 
 
+def setup_softmax_bwd(ctx, inputs, output) -> None:
+    """``softmax_bwd(y, dy, lse, log) -> dx``: saves ``y``, ``dy``, ``lse`` (for a second derivative)."""
+    y, dy, lse, log = inputs
+    ctx.save_for_backward(y, dy, lse)
+    ctx.log = log
+
+
+def softmax_bwd_backward(ctx, g: Tensor):
+    """``(d y, d dy)`` of ``dx = y (dy - sum(dy y))`` (softmax) or ``dy - exp(y) sum(dy)`` (log-softmax)
+    against the cotangent ``g`` of ``dx``, in torch ops (so differentiable again); 0 in empty rows."""
+    y, dy, lse = ctx.saved_tensors
+    f = torch.float64 if y.dtype == torch.float64 else torch.float32
+    yf, dyf, gf = y.to(f), dy.to(f), g.to(f)
+    live = (lse != float("-inf")).unsqueeze(-1)
+    if ctx.log:
+        p = torch.where(live, torch.exp(yf), 0.0)
+        d_dy = gf - (gf * p).sum(-1, keepdim=True)
+        d_y = -gf * p * dyf.sum(-1, keepdim=True)
+    else:
+        gy = (gf * yf).sum(-1, keepdim=True)
+        d_dy = yf * (gf - gy)
+        d_y = gf * (dyf - (dyf * yf).sum(-1, keepdim=True)) - dyf * gy
+    zero = torch.zeros((), dtype=f, device=y.device)
+    return torch.where(live, d_y, zero).to(y.dtype), torch.where(live, d_dy, zero).to(dy.dtype), None, None
+
+
 def setup_logsumexp(ctx, inputs, output) -> None:
     """``logsumexp_fwd(x (R, N)) -> lse (R,)``: saves ``x`` and ``lse``."""
     (x,) = inputs
@@ -58,6 +84,23 @@ def logsumexp_backward(ctx, g: Tensor):
     """``dx = g * exp(x - lse)``: ``(R, N)`` in ``x.dtype``."""
     x, lse = ctx.saved_tensors
     return _ops().logsumexp_bwd(x, lse, g.contiguous())
+
+
+def setup_logsumexp_bwd(ctx, inputs, output) -> None:
+    """``logsumexp_bwd(x, lse, g) -> dx``: saves all three (for a second derivative)."""
+    ctx.save_for_backward(*inputs)
+
+
+def logsumexp_bwd_backward(ctx, h: Tensor):
+    """``(d x, d lse, d g)`` of ``dx = g exp(x - lse)`` against the cotangent ``h`` of ``dx``, in torch
+    ops; 0 in empty rows (``lse = -inf``)."""
+    x, lse, g = ctx.saved_tensors
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    live = (lse != float("-inf")).unsqueeze(-1)
+    p = torch.where(live, torch.exp(x.to(f) - torch.where(live, lse.unsqueeze(-1).to(f), 0.0)), 0.0)
+    hp = h.to(f) * p
+    gf = g.to(f).unsqueeze(-1)
+    return (hp * gf).to(x.dtype), -(hp * gf).sum(-1).to(lse.dtype), hp.sum(-1).to(g.dtype)
 
 
 def backward_stats(out: Tensor, lse: Tensor, dout: Tensor, dlse) -> tuple[Tensor, Tensor]:

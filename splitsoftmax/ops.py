@@ -332,6 +332,8 @@ def _autograd(name: str, backward, setup_context) -> None:
 
 _autograd("softmax_fwd", ag.softmax_backward, ag.setup_softmax)
 _autograd("logsumexp_fwd", ag.logsumexp_backward, ag.setup_logsumexp)
+_autograd("softmax_bwd", ag.softmax_bwd_backward, ag.setup_softmax_bwd)  # (second derivatives)
+_autograd("logsumexp_bwd", ag.logsumexp_bwd_backward, ag.setup_logsumexp_bwd)
 _autograd("attn_fwd", ag.attention_backward, ag.setup_attention)
 _autograd("merge_fwd", ag.merge_backward, ag.setup_merge)
 _autograd("ce_fwd", ag.cross_entropy_backward, ag.setup_cross_entropy)

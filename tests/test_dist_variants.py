@@ -370,3 +370,17 @@ def test_gloo(size):
     """The cases on Gloo process groups of 2 and 3 ranks."""
     assert_ok(spawn(size, "tests/test_dist_variants.py:case_all", timeout=300, env={"SPLITSOFTMAX_TIMEOUT": "60"}),
               f"gloo world of {size}")
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_tree_with_no_queries(size):
+    """Split-KV attention with no query rows: outputs of the right shapes, a backward of zeros."""
+    def case(group):
+        q = torch.randn(2, 4, 0, 8, requires_grad=True)
+        k, v = (torch.randn(2, 2, 3, 8, requires_grad=True) for _ in range(2))
+        for causal in (False, True):
+            out, lse = sharded_attention(q, k, v, schedule="tree", group=group, causal=causal, return_lse=True)
+            assert out.shape == (2, 4, 0, 8) and lse.shape == (2, 4, 0)
+            grads = torch.autograd.grad(out.sum(), (k, v))
+            assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    LoopbackWorld(size).run(case)

@@ -98,6 +98,32 @@ def test_gradcheck_float64_softmax():
     assert torch.autograd.gradcheck(lambda t: ss.log_softmax(t, 0), (x,))
 
 
+def test_gradgradcheck_float64_softmax():
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: ss.softmax(t, -1), (x,))
+    assert torch.autograd.gradgradcheck(lambda t: ss.log_softmax(t, 0), (x,))
+
+
+@pytest.mark.parametrize("fn,oracle", [(ss.softmax, torch.softmax), (ss.log_softmax, torch.log_softmax),
+                                       (ss.logsumexp, torch.logsumexp)], ids=["softmax", "log_softmax", "logsumexp"])
+def test_second_derivatives_against_torch(fn, oracle):
+    """Hessian-vector products through the backward (``create_graph=True``) equal torch's; a row of
+    all ``-inf`` gets zeros, no NaN. (``logsumexp``'s float32 result rules out ``gradgradcheck``.)"""
+    x = torch.randn(4, 6, dtype=torch.float64)
+    x[2] = float("-inf")
+    w = torch.randn(4, 6, dtype=torch.float64)
+
+    def hvp(f):
+        t = x.clone().requires_grad_()
+        y = f(t, 1)
+        c = torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)
+        (g,) = torch.autograd.grad(torch.where(torch.isinf(y), 0, y * c).sum(), t, create_graph=True)
+        return torch.autograd.grad((g * w).sum(), t)[0]
+    got, want = hvp(fn), hvp(oracle).nan_to_num(0.0)
+    assert not got.isnan().any() and torch.equal(got[2], torch.zeros(6, dtype=got.dtype))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def sdpa64(q, k, v, causal, scale=None):
     return ref.attention(q, k, v, causal=causal, scale=scale)
 

@@ -91,6 +91,25 @@ def test_handshake_every_call_when_asked(monkeypatch):
     assert meta == 3 * 6 and rounds == 3 * 2, (meta, rounds)
 
 
+def test_many_worlds_in_one_process_keep_their_sessions():
+    """Each group keeps its own sessions (one per operation), so a hundred three-rank worlds in one
+    process, each drawing twice (the second call skipping the handshake), never leave one rank
+    handshaking while its peers exchange data; the sessions go with their groups."""
+    import gc
+    from splitsoftmax.distributed import session
+    x = torch.randn(2, 8)
+    want = ss.sample(x, seed=1, offset=0)
+
+    def draw(group):
+        mine = torch.tensor_split(x, 3, dim=1)[group.rank]
+        return [ss.sharded_sample(mine, seed=1, offset=0, group=group) for _ in range(2)]
+    for _ in range(100):
+        for tokens in LoopbackWorld(3).run(draw, timeout=30):
+            assert all(torch.equal(t, want) for t in tokens)
+    gc.collect()
+    assert len(session._TABLES) == 0
+
+
 def test_split_widths():
     for v, p in [(97, 1), (97, 2), (97, 3), (5, 3)]:
         for empty in (False, True):

@@ -10,10 +10,16 @@ the peers see the poison, and every rank runs the handshake, which raises the us
 naming the field and the ranks (or accepts the new configuration, and the call runs again).
 
 ``SPLITSOFTMAX_HANDSHAKE=always`` runs the handshake on every call (the per-call check).
+
+The sessions are kept per group, one per operation: the ranks of a group make the same calls on it
+in the same order, so whether a call finds its session is the same on every rank. Nothing is
+evicted but with its group (the tables hold the groups weakly), so a rank in more groups than its
+peers, or many groups in one process, cannot drop a session its peers keep.
 """
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -23,8 +29,8 @@ from .comm import Communicator
 from .tree import allgather
 
 POISON = -1                    # the fingerprint word of a poison buffer (real fingerprints are >= 0)
-_SESSIONS: dict = {}           # (op, id(group), rank, size) -> Session
-_MAX_SESSIONS = 64
+_TABLES = weakref.WeakKeyDictionary()  # group -> {(op, rank, size): Session}
+_HELD: dict = {}                       # id(group) -> (group, its table): groups no weak reference takes (None)
 
 
 class ConfigMismatch(ValueError):
@@ -66,13 +72,24 @@ class Guard:
 
 
 class Session:
-    """The last configuration handshaken on a group by this rank, the handshake's result, and
-    the length and device of that configuration's first exchange (None before one ran)."""
+    """The last configuration of an operation handshaken on a group by this rank, the handshake's
+    result, and the length and device of that configuration's first exchange (None before one ran)."""
 
-    def __init__(self, op: str, group, config, meta: dict):
-        self.op, self.group, self.config, self.meta = op, group, config, meta
+    def __init__(self, op: str, config, meta: dict):
+        self.op, self.config, self.meta = op, config, meta
         self.first_size: Optional[int] = None
         self.device = torch.device("cpu")
+
+
+def _table(group) -> dict:
+    """This process's sessions on ``group``."""
+    try:
+        return _TABLES.setdefault(group, {})
+    except TypeError:  # (None, the default group, and objects that take no weak reference)
+        held = _HELD.get(id(group))
+        if held is None or held[0] is not group:
+            held = _HELD[id(group)] = (group, {})
+        return held[1]
 
 
 def collective(comm: Communicator, group, op: str, agree: Optional[dict], per_rank: Optional[dict],
@@ -80,9 +97,8 @@ def collective(comm: Communicator, group, op: str, agree: Optional[dict], per_ra
     """``body(meta, guard)``, ``meta`` the handshake's ``{field: [value per rank]}``, under the
     once-per-configuration protocol above. ``extra``: values outside the handshake that must agree
     too (integer seeds), folded into the fingerprint."""
-    key = (op, id(group), comm.rank, comm.size)
-    s = _SESSIONS.get(key)
-    s = s if s is not None and s.group is group else None
+    sessions, key = _table(group), (op, comm.rank, comm.size)
+    s = sessions.get(key)
     config = None if error is not None else (tuple((agree or {}).items()), tuple((per_rank or {}).items()))
     cached = s is not None and s.first_size is not None and os.environ.get("SPLITSOFTMAX_HANDSHAKE") != "always"
     if cached and config == s.config:
@@ -91,20 +107,18 @@ def collective(comm: Communicator, group, op: str, agree: Optional[dict], per_ra
         except _Poisoned:
             pass
         except ConfigMismatch:
-            _SESSIONS.pop(key, None)
+            sessions.pop(key, None)
             hs.handshake(comm, op, agree, per_rank, None)   # names a field that differs, if one does
             raise
     elif cached:
         poison = torch.full((s.first_size,), POISON, dtype=torch.int64, device=s.device)
         allgather(comm, poison, f"{op}: configuration change")
     meta = hs.handshake(comm, op, agree, per_rank, error)
-    if len(_SESSIONS) >= _MAX_SESSIONS:
-        _SESSIONS.clear()
-    s = _SESSIONS[key] = Session(op, group, config, meta)
+    s = sessions[key] = Session(op, config, meta)
     try:
         return _run(s, body, extra)
     except ConfigMismatch:
-        _SESSIONS.pop(key, None)
+        sessions.pop(key, None)
         raise
 
 

@@ -65,6 +65,8 @@ def _kl_args(logits_p, logits_q, temperature) -> float:
         raise ValueError(f"logits_q shape {tuple(logits_q.shape)} must equal logits_p shape {tuple(logits_p.shape)}")
     if logits_q.device != logits_p.device:
         raise ValueError(f"logits_q is on {logits_q.device} but logits_p is on {logits_p.device}")
+    if logits_q.dtype != logits_p.dtype:
+        raise TypeError(f"logits_q dtype {logits_q.dtype} must equal logits_p dtype {logits_p.dtype} (no mixed dtypes)")
     return _temperature(temperature)
 
 

@@ -183,6 +183,7 @@ def test_bad_arguments():
              (ValueError, "class 10, outside", lambda: ss.logprobs(x, torch.tensor([1, 10, 3, 4]))),
              (ValueError, "class -3, outside", lambda: ss.logprobs(x, torch.tensor([1, -3, 3, 4]))),
              (ValueError, "logits_q shape", lambda: ss.kl_div(x, x[:, :9])),
+             (TypeError, "logits_q dtype torch.bfloat16 must equal", lambda: ss.kl_div(x, x.bfloat16())),
              (ValueError, "logits_p must be 2-D", lambda: ss.kl_div(x[0], x[0]))]
     for kind, match, call in cases:
         with pytest.raises(kind, match=match):

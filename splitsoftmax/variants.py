@@ -294,6 +294,9 @@ def local_mask(spec: Variants, q_start: int, q_len: int, k_start: int, k_len: in
     """
     tensor_off = isinstance(spec.q_offset, Tensor)
     causal, diag, lo = _band(spec, (0 if tensor_off else spec.q_offset) + q_start - k_start)
+    if not tensor_off:  # edges past either end see all keys or none: the kernels' int32 positions stay small
+        diag = min(max(diag, -q_len), k_len)
+        lo = None if lo is None else min(max(lo, -q_len), k_len)
     if isinstance(spec.cu, Tensor):
         rows = _rows_of(spec.cu, q_start, q_len, k_start, k_len)
     else:

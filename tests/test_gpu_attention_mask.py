@@ -135,3 +135,27 @@ def test_nan_in_hidden_keys_changes_nothing():
     v2.transpose(1, 2)[hidden] = float("inf")
     got = A.attn_fwd(q, k2, v2, 0.1, True, 0, out_dtype=q.dtype, mask=m)
     assert hidden.any() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("off", [2 ** 32, -2 ** 32, 2 ** 31 + 5], ids=["far-right", "far-left", "past-int32"])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(causal=True, window_size=(7, 0))], ids=["causal", "window"])
+def test_offsets_past_int32(off, kw):
+    """A ``q_offset`` (int or tensor) past the int32 range: every key seen or none, as on the CPU
+    path, and the same for the int and the tensor (which runs with no host synchronisation)."""
+    import splitsoftmax as ss
+    q = torch.randn(2, 4, 64, 64, device=DEV, dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 96, 64, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    got = ss.attention(q, k, v, q_offset=off, return_lse=True, **kw)
+    want = ss.attention(q.cpu(), k.cpu(), v.cpu(), q_offset=off, return_lse=True, **kw)
+    torch.testing.assert_close(got[0].cpu().float(), want[0].float(), atol=2e-2, rtol=0)
+    assert torch.equal(got[1].isinf().cpu(), want[1].isinf())
+    offs = torch.full((2,), off, device=DEV)
+    ss.attention(q, k, v, q_offset=offs, **kw)  # (compiles and plans first)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        by_tensor = ss.attention(q, k, v, q_offset=offs, return_lse=True, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(by_tensor[1].isinf(), got[1].isinf())
+    torch.testing.assert_close(by_tensor[0].float(), got[0].float(), atol=2e-2, rtol=0)

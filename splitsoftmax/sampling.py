@@ -105,7 +105,8 @@ def _spec(t: float, k: int, p: float, m: float, vocab: int) -> tuple[Spec, bool]
     kr = 1 if greedy else max(configs.SAMPLE_RECORDS_MIN, configs.next_pow2(k + 1) if k else 1)
     if kr > configs.SAMPLE_RECORDS_MAX:
         kr = configs.SAMPLE_RECORDS_MIN
-    spec = Spec(greedy=greedy, top_k=k, top_p=p, cmin=cmin, c=sm.temperature_scale(t) if t else 0.0,
+    reach = p if p >= 1.0 else p * (1.0 - configs.SAMPLE_TOP_P_REACH)  # (see configs)
+    spec = Spec(greedy=greedy, top_k=k, top_p=reach, cmin=cmin, c=sm.temperature_scale(t) if t else 0.0,
                 shift=sm.mass_shift(vocab), kr=kr, bins=configs.SAMPLE_BINS, span=configs.SAMPLE_BIN_SPAN,
                 cap=configs.SAMPLE_CAP)
     return spec, not greedy and not k and p >= 1.0 and m <= 0.0
@@ -161,7 +162,8 @@ def sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, top_k: Opt
     ``temperature=0`` is greedy (argmax, ties to the lower index). Filters, in this order, ties at
     each cut-off kept: ``top_k`` keeps the ``k`` largest logits (``top_k >= V``: all); ``top_p``
     keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (the crossing token
-    included), computed on what top-k kept; ``min_p`` keeps ``p >= min_p * p_max``. ``seed`` and
+    included; a mass within ``configs.SAMPLE_TOP_P_REACH`` of it, the float32 rounding of the scaled
+    logits, counts as reaching it), computed on what top-k kept; ``min_p`` keeps ``p >= min_p * p_max``. ``seed`` and
     ``offset`` are ints or ``(N,)`` integer tensors on the logits' device (per request, per position;
     device tensors keep a CUDA graph valid: on CUDA nothing is read back to the host). A row of all
     ``-inf``, or holding NaN, gives -1; so does a row whose largest scaled logit is ``+inf``

@@ -144,6 +144,16 @@ def test_top_p_keeps_the_crossing_token():
     assert _support(x, top_k=3, top_p=0.9) == {0, 1, 2}   # 0.8 of 0.95: the third crosses 0.9
 
 
+@pytest.mark.parametrize("probs,top_p,kept", [([0.5, 0.3, 0.2], 0.8, {0, 1}), ([0.4, 0.3, 0.2, 0.1], 0.7, {0, 1}),
+                                              ([0.4, 0.3, 0.2, 0.1], 0.9, {0, 1, 2}), ([0.25] * 4, 0.5, {0, 1, 2, 3}),
+                                              ([0.5, 0.25, 0.125, 0.125], 0.75, {0, 1})])
+def test_top_p_mass_that_reaches_it_exactly(probs, top_p, kept):
+    """A prefix whose mass is ``top_p`` in exact arithmetic reaches it (the logits' float32 rounding
+    does not push the next token in); tied tokens at the crossing stay together."""
+    x = torch.log(torch.tensor(probs, dtype=torch.float64)).float().unsqueeze(0)
+    assert _support(x, top_p=top_p) == kept
+
+
 def test_top_k_at_least_vocab_is_no_filter():
     x = edge_rows()
     base = ss.sample(x, seed=3, offset=4)

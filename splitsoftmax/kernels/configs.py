@@ -342,6 +342,10 @@ SAMPLE_INTERPRET_SMS = 4
 SAMPLE_BINS = 2048
 SAMPLE_BIN_SPAN = 16.0
 SAMPLE_CAP = 4096
+# Top-p's mass "reaches" top_p when it comes within this relative margin of it: the masses carry the
+# float32 rounding of the scaled logits (about 1e-7 per unit of |logit / T| in log2), so a mass that
+# is top_p in exact arithmetic (probabilities 0.5, 0.3, 0.2 and top_p = 0.8) counts as reaching it.
+SAMPLE_TOP_P_REACH = 2.0 ** -16
 
 
 def sample_refine_rounds(bins: int) -> int:

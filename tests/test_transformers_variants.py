@@ -67,6 +67,8 @@ def test_flattening_collator_matches_sdpa():
     a.loss.backward()
     b.loss.backward()
     assert_grads_close(ref, ours)
+    c = ours(ids, labels=labels, use_cache=False, **kw)  # (the documents from cu_seq_lens_q alone)
+    torch.testing.assert_close(c.logits, a.logits, **CLOSE)
     bad = dict(kw, cu_seq_lens_q=torch.tensor([0, 8, 17], dtype=torch.int32))
     bad["cu_seq_lens_k"] = bad["cu_seq_lens_q"]
     with pytest.raises(ValueError, match="documents of position_ids and of cu_seq_lens_q differ"):

@@ -82,9 +82,16 @@ def _from_given(cu_given, from_mask: tuple, b: int, s: int, where: str) -> tuple
         raise ValueError(f"{WHO}{where}: cu_seq_lens_q ends at {total}, but the batch holds {b} row(s) of {s} "
                          "tokens (it counts the tokens of all rows laid end to end)")
     mine = (cu, total == b * s and b > 1)
-    if from_mask[0] is not None and not torch.equal(_stream(*from_mask, b, s), _stream(*mine, b, s)):
+    if (from_mask[0] is not None and not _one_per_row(*from_mask, s)
+            and not torch.equal(_stream(*from_mask, b, s), _stream(*mine, b, s))):
         raise ValueError(f"{WHO}{where}: the documents of position_ids and of cu_seq_lens_q differ")
     return mine
+
+
+def _one_per_row(cu: Tensor, flat: bool, s: int) -> bool:
+    """Whether ``(cu, flat)`` holds one document per row: what the mask of transformers 4.5x carries
+    from default ``position_ids`` (no restart), which says nothing against ``cu_seq_lens_q``."""
+    return not flat and cu.numel() == 2 and int(cu[-1]) == s
 
 
 def check_runs(module, position_ids: Optional[Tensor], vis, where: str) -> None:

@@ -103,8 +103,8 @@ def check_runs(module, position_ids: Optional[Tensor], vis, where: str) -> None:
         return
     if not bool((position_ids.diff(dim=-1) == 1).all()):
         raise ValueError(f"{WHO}{where}: position_ids restart within a row (packed sequences) but transformers built "
-                         "no packed-sequence mask (it does so only without a KV cache and without an attention_mask: "
-                         "pass use_cache=False), or pass cu_seq_lens_q/k")
+                         "no packed-sequence mask (some models never do; the others only without a KV cache and "
+                         "without an attention_mask): pass cu_seq_lens_q/k, or use_cache=False")
 
 
 def positions(cu: Optional[Tensor], s: int, device) -> Tensor:

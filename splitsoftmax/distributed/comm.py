@@ -125,9 +125,19 @@ class Communicator:
                 return
             if time.monotonic() > deadline:
                 peers = sorted({h.peer for h in pending})
+                self.abandon(pending, step)
                 raise RuntimeError(f"{step}: rank {self.rank}: peer rank(s) {peers} did not answer within "
                                    f"{limit:g} s (SPLITSOFTMAX_TIMEOUT)")
             time.sleep(_poll_pause(time.monotonic() - start))
+
+
+    def abandon(self, pending: Sequence[Handle], step: str) -> None:
+        """A timeout gave up on ``pending`` in ``step``: their transfers may still land, so their
+        buffers are kept for the life of the process (the transport writes into them)."""
+        _ABANDONED.extend(pending)
+
+
+_ABANDONED: list = []  # handles a timeout gave up on, with the buffers they reference
 
 
 def _poll_pause(waited: float) -> float:
@@ -276,9 +286,18 @@ class MpiComm(Communicator):
     """mpi4py ``Isend``/``Irecv`` on byte views of CPU tensors; CUDA tensors staged via the host."""
 
     def __init__(self, comm):
+        gave_up = mpi_attrs(comm).get("timed out")
+        if gave_up is not None:
+            raise RuntimeError(f"an earlier transfer on this MPI communicator timed out ({gave_up}): its messages "
+                               "may still arrive and would be taken for later ones, so the communicator cannot be "
+                               "used again; call on a new one (comm.Dup())")
         self.comm = comm
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
+
+    def abandon(self, pending: Sequence[Handle], step: str) -> None:
+        super().abandon(pending, step)
+        mpi_attrs(self.comm)["timed out"] = step
 
     @staticmethod
     def _bytes(t: Tensor):
@@ -398,6 +417,26 @@ class LoopbackComm(Communicator):
         return Handle(peer, poll)
 
 
+_MPI_KEYVAL: list = []
+
+
+def mpi_attrs(comm) -> dict:
+    """This process's state kept on the MPI communicator ``comm`` itself (an attribute: shared by
+    every mpi4py object of that communicator, dropped when it is freed, not copied by ``Dup``)."""
+    if not _MPI_KEYVAL:
+        _MPI_KEYVAL.append(type(comm).Create_keyval())
+    state = comm.Get_attr(_MPI_KEYVAL[0])
+    if state is None:
+        state = {}
+        comm.Set_attr(_MPI_KEYVAL[0], state)
+    return state
+
+
+def is_mpi(group) -> bool:
+    """Whether ``group`` is an ``mpi4py`` communicator."""
+    return type(group).__module__.startswith("mpi4py.")
+
+
 def as_comm(group) -> Communicator:
     """The communicator of ``group``: None (default group), a ProcessGroup, a 1-d DeviceMesh,
     an ``mpi4py.MPI.Comm``, or a :class:`Communicator` (e.g. a loopback rank)."""
@@ -406,7 +445,7 @@ def as_comm(group) -> Communicator:
     if group is None:
         return TorchComm(None)
     kind = type(group).__module__ + "." + type(group).__name__
-    if kind.startswith("mpi4py."):
+    if is_mpi(group):
         return MpiComm(group)
     if type(group).__name__ == "DeviceMesh":
         if group.ndim != 1:

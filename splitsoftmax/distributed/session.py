@@ -13,8 +13,9 @@ naming the field and the ranks (or accepts the new configuration, and the call r
 
 The sessions are kept per group, one per operation: the ranks of a group make the same calls on it
 in the same order, so whether a call finds its session is the same on every rank. Nothing is
-evicted but with its group (the tables hold the groups weakly), so a rank in more groups than its
-peers, or many groups in one process, cannot drop a session its peers keep.
+evicted but with its group (the tables hold the groups weakly; an MPI communicator holds its own
+table as an attribute), so a rank in more groups than its peers, or many groups in one process,
+cannot drop a session its peers keep.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from . import handshake as hs
-from .comm import Communicator
+from .comm import Communicator, is_mpi, mpi_attrs
 from .tree import allgather
 
 POISON = -1                    # the fingerprint word of a poison buffer (real fingerprints are >= 0)
@@ -82,7 +83,10 @@ class Session:
 
 
 def _table(group) -> dict:
-    """This process's sessions on ``group``."""
+    """This process's sessions on ``group`` (an MPI communicator's on the communicator itself, so
+    that every mpi4py object of it finds them)."""
+    if is_mpi(group):
+        return mpi_attrs(group).setdefault("sessions", {})
     try:
         return _TABLES.setdefault(group, {})
     except TypeError:  # (None, the default group, and objects that take no weak reference)

@@ -48,14 +48,23 @@ def dim(name: str, d, ndim: int) -> int:
     return d % n
 
 
+def as_float(name: str, value) -> float:
+    """Real ``value`` as a float; an int too large for one is a ``ValueError`` naming ``name``."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name}={value} is out of the range of a float") from None
+
+
 def scale(s, head_dim: int) -> float:
     if s is None:
         return 1.0 / math.sqrt(head_dim) if head_dim else 1.0
     if isinstance(s, bool) or not isinstance(s, numbers.Real):  # numpy floats too, as torch
         raise TypeError(f"scale must be a float or None, got {type(s).__name__} {s!r}")
+    s = as_float("scale", s)
     if not math.isfinite(s):
         raise ValueError(f"scale must be finite, got {s}")
-    return float(s)
+    return s
 
 
 def flag(name: str, value) -> bool:

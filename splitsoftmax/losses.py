@@ -114,7 +114,7 @@ def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_
                  "reduction": _checks.REDUCTIONS.index(reduction), "label_smoothing": hs.encode_float(eps),
                  "target": hs.fingerprint(target)}
         per = {"V_local": logits.shape[1]}
-    except (TypeError, ValueError) as e:
+    except hs.LOCAL_ERRORS as e:
         err = e
     meta = hs.handshake(comm, "sharded_cross_entropy", agree, per, err)
     widths = meta["V_local"]

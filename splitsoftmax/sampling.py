@@ -51,7 +51,7 @@ def _int(name: str, value, low: int) -> int:
 def _real(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
-    return float(value)
+    return _checks.as_float(name, value)
 
 
 def _filters(temperature, top_k, top_p, min_p) -> tuple[float, int, float, float]:
@@ -141,7 +141,7 @@ def sharded_topk(logits: Tensor, k: int, *, group=None) -> tuple[Tensor, Tensor]
         _logits(logits)
         k = _int("k", k, 0)
         agree = {"N": logits.shape[0], "dtype": hs.encode_dtype(logits.dtype), "k": k}
-    except (TypeError, ValueError) as e:
+    except hs.LOCAL_ERRORS as e:
         err = e
     v_local = logits.shape[1] if err is None else 0
 
@@ -244,7 +244,7 @@ def sharded_sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, to
         agree = {"N": n, "dtype": hs.encode_dtype(logits.dtype), "temperature": hs.encode_float(filters[0]),
                  "top_k": filters[1], "top_p": hs.encode_float(filters[2]), "min_p": hs.encode_float(filters[3])}
         codes = (s_code, o_code)
-    except (TypeError, ValueError) as e:
+    except hs.LOCAL_ERRORS as e:
         err = e
     v_local = logits.shape[1] if err is None else 0
 

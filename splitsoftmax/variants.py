@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _checks
 from .mask import NO_MASK, Mask
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
@@ -154,7 +155,11 @@ def check_window(window) -> tuple[int, int]:
         raise ValueError(f"window_size entries must be ints, got {window!r}")
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1, got {tuple(window)}")
-    return int(left), int(right)
+    # (an edge 2^31 - 1 or more away bounds nothing: positions are below 2^31)
+    return tuple(-1 if int(e) >= _UNBOUNDED else int(e) for e in (left, right))
+
+
+_UNBOUNDED = 2 ** 31 - 1
 
 
 def check_softcap(softcap) -> float:
@@ -163,9 +168,10 @@ def check_softcap(softcap) -> float:
         return 0.0
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise ValueError(f"softcap must be a positive float, got {type(softcap).__name__} {softcap!r}")
+    softcap = _checks.as_float("softcap", softcap)
     if not (math.isfinite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be finite and > 0, got {softcap}")
-    return float(softcap)
+    return softcap
 
 
 def check_sinks(sinks, heads: int, device) -> Optional[Tensor]:
@@ -207,11 +213,11 @@ def check_kv_range(kv_range, batch: int, sk: int, device) -> Optional[Tensor]:
 
 
 def check_q_offset(q_offset, batch: int, device) -> Union[int, Tensor]:
-    """``q_offset`` as an int or a ``(B,)`` int32 tensor on ``device``; a tensor's entries beyond
+    """``q_offset`` as an int (within ``+-2^40``) or a ``(B,)`` int32 tensor on ``device``; a tensor's entries beyond
     ``+-2^30`` (read on the device, so never checked on the host) are clamped there: with sequences
     and windows shorter than ``2^29`` such a query sees the same keys either way (all or none)."""
-    if _is_int(q_offset):
-        return int(q_offset)
+    if _is_int(q_offset):  # (past +-2^40 every key is seen or none, as at +-2^40)
+        return min(max(int(q_offset), -(2 ** 40)), 2 ** 40)
     if not isinstance(q_offset, Tensor):
         raise ValueError(f"q_offset must be an int or an integer tensor (B,), got {type(q_offset).__name__}")
     _int_tensor("q_offset", q_offset)

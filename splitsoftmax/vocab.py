@@ -36,7 +36,7 @@ def _temperature(t) -> float:
     """``1 / T`` for a temperature ``T > 0`` (finite, with a finite float32 reciprocal)."""
     if isinstance(t, bool) or not isinstance(t, numbers.Real):
         raise TypeError(f"temperature must be a float, got {type(t).__name__} {t!r}")
-    t = float(t)
+    t = _checks.as_float("temperature", t)
     if t == 0:
         raise ValueError("temperature=0 (greedy decoding) has no finite statistics; they need temperature > 0")
     if not t > 0 or not math.isfinite(t) or 1.0 / t > 3.0e38:
@@ -169,7 +169,7 @@ def _agree(comm, op: str, local: Callable[[], tuple]):
     agree, per, result, err = None, None, None, None
     try:
         agree, per, result = local()
-    except (TypeError, ValueError) as e:
+    except hs.LOCAL_ERRORS as e:
         err = e
     return result, hs.handshake(comm, op, agree, per, err)
 

@@ -384,3 +384,29 @@ def test_tree_with_no_queries(size):
             grads = torch.autograd.grad(out.sum(), (k, v))
             assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
     LoopbackWorld(size).run(case)
+
+
+def test_out_of_range_arguments_on_one_rank():
+    """An argument too large for a float, on the last rank only: that rank raises the ValueError
+    naming it and the others learn of it in the same exchange (no wait for a timeout); a q_offset
+    past int64 and a window edge 2^31 - 1 or more away, on every rank, run."""
+    import time
+    q = torch.randn(1, 2, 8, 8)
+    cases = [(dict(scale=10 ** 400), r"scale=1000*0* is out of the range of a float"),
+             (dict(softcap=10 ** 400), r"softcap=.* is out of the range of a float"),
+             (dict(schedule="tree", q_offset=2 ** 70), None)]
+
+    def case(group):
+        last = group.rank == group.size - 1
+        for kw, mine in cases:
+            if mine is None:  # (on every rank: an offset that far acts as where every key is seen)
+                sharded_attention(q, q, q, causal=True, group=group, **kw)
+                continue
+            bad = kw if last else {}
+            start = time.monotonic()
+            with pytest.raises(ValueError, match=mine if last else r"rank\(s\) \[\d+\] rejected their arguments"):
+                sharded_attention(q, q, q, causal=True, group=group, **bad)
+            assert time.monotonic() - start < 5
+        wide = sharded_attention(q, q, q, causal=True, window_size=(2 ** 31, 0), group=group)
+        assert torch.equal(wide, sharded_attention(q, q, q, causal=True, group=group))
+    LoopbackWorld(2).run(case, timeout=60)

@@ -230,3 +230,17 @@ def test_mpi(size):
     pytest.importorskip("mpi4py")
     assert_ok(mpirun(size, "tests/test_vocab_sharded.py:case_all", timeout=240, env={"SPLITSOFTMAX_TIMEOUT": "60"}),
               f"mpirun -n {size}")
+
+
+def test_an_int_past_int64_on_one_rank_is_refused_by_every_rank():
+    """``k = 2^70`` on the last rank only: it does not fit the handshake's int64 words, so that rank
+    raises the ValueError naming ``k`` and its peers refuse in the same exchange."""
+    x = torch.randn(3, 10)
+
+    def case(group):
+        last = group.rank == group.size - 1
+        mine = x.tensor_split(group.size, dim=1)[group.rank]
+        with pytest.raises(ValueError, match=r"k=1180591620717411303424 is out of range" if last
+                           else r"rank\(s\) \[1\] rejected their arguments \(rank 1: k"):
+            ss.sharded_topk(mine, 2 ** 70 if last else 2, group=group)
+    LoopbackWorld(2).run(case, timeout=60)

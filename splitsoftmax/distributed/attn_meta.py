@@ -17,7 +17,7 @@ from torch import Tensor
 from .. import _checks
 from .. import variants as vs
 from . import layout as lay
-from .handshake import _BITS, encode_dtype, encode_float, encode_sinks, encode_window, start_handshake
+from .handshake import LOCAL_ERRORS, _BITS, encode_dtype, encode_float, encode_sinks, encode_window, start_handshake
 
 _M, _A, _C = 2147483629, 48271, 12345  # fingerprint modulus (prime < 2^31) and weights
 
@@ -167,7 +167,7 @@ def start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords: 
         extra_agree, extra_per = _fields(kw, b)
         agree.update(extra_agree)
         per = {"Sq_local": sq, "Sk_local": k.shape[2], **extra_per}
-    except (TypeError, ValueError) as e:
+    except LOCAL_ERRORS as e:
         err, s, kw = e, None, None
     pending = start_handshake(comm, "sharded_attention", agree, per, err)
 

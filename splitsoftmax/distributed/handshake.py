@@ -144,9 +144,23 @@ def handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank: Opti
     return start_handshake(comm, op, agree, per_rank, error)()
 
 
+LOCAL_ERRORS = (TypeError, ValueError, OverflowError)  # what a rank's own argument checks may raise
+
+
+def out_of_range(names: list, values: list) -> Optional[ValueError]:
+    """A ``ValueError`` naming the first field whose int value does not fit the int64 vector, or None:
+    raised by this rank after the exchange (as its argument error), never before it."""
+    for name, v in zip(names, values):
+        if not isinstance(v, torch.Tensor) and not -(2 ** 63) <= int(v) < 2 ** 63:
+            return ValueError(f"{name}={int(v)} is out of range (at most 2^63 - 1 in magnitude)")
+    return None
+
+
 def _vector(comm: Communicator, op: str, error, values: list) -> torch.Tensor:
     """The ``(META_LEN,)`` int64 vector on the metadata device; tensor values are placed on the
-    device (no read), ints written from the host."""
+    device (no read), ints written from the host (none where ``error``)."""
+    if error is not None:
+        values = [0] * len(values)
     head = [OPS.index(op), _status(error)]
     ints = [0 if isinstance(v, torch.Tensor) else int(v) for v in values]
     mine = torch.tensor(head + ints + [0] * (META_LEN - len(head) - len(ints)), dtype=torch.int64,
@@ -166,7 +180,9 @@ def start_handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank
     names = list(agree) + list(per_rank)
     if len(names) + 2 > META_LEN:
         raise ValueError(f"{op}: too many handshake fields")
-    mine = _vector(comm, op, error, [*agree.values(), *per_rank.values()])
+    values = [*agree.values(), *per_rank.values()]
+    error = error or out_of_range(names, values)
+    mine = _vector(comm, op, error, values)
     rows, handles = _post(comm, mine)
 
     def finish() -> dict:

@@ -21,7 +21,7 @@ from . import attn_meta, work
 from . import layout as lay
 from .allgather import allgather_attention_bwd, allgather_attention_fwd, allgather_var
 from .comm import as_comm
-from .handshake import encode_dtype, handshake
+from .handshake import LOCAL_ERRORS, encode_dtype, handshake
 from .ring import ring_attention_bwd, ring_attention_fwd
 from .tree import allreduce_sum, early_local, merge_lse, tree_attention_bwd, tree_attention_fwd
 from .work import AttnSpec
@@ -82,7 +82,7 @@ def _row_shards(name: str, x, dim, group, log: Optional[bool]):
             rows *= s if i != d else 1
         agree = {"ndim": x.dim(), "dim": d, "rows": rows, "dtype": encode_dtype(x.dtype), **_other_sizes(shape, d)}
         per = {"length": shape[d]}
-    except (TypeError, ValueError) as e:
+    except LOCAL_ERRORS as e:
         err = e
     handshake(comm, name, agree, per, err)
     x2, moved = _rows(x, d)
@@ -239,7 +239,7 @@ def _seq_meta(name: str, x, dim, group, layout, cu_seqlens):
         agree = {"ndim": x.dim(), "dim": d, "dtype": encode_dtype(x.dtype), "layout": _checks.LAYOUTS.index(layout),
                  "cu_seqlens": attn_meta.docs_code(docs), **_other_sizes(list(x.shape), d)}
         per = {"length": x.shape[d]}
-    except (TypeError, ValueError) as e:
+    except LOCAL_ERRORS as e:
         err = e
     return comm, d, handshake(comm, name, agree, per, err), docs
 

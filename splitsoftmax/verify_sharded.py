@@ -144,9 +144,38 @@ def vocab_rows(job: Job) -> list[Row]:
                       **dict(kw, sharding=two)))
 
 
+def selection_rows(job: Job) -> list[Row]:
+    """Vocabulary-sharded top-k and sampling (uneven slices, ties, an all -inf row), which must
+    equal the single-device twin exactly: the error is the count of entries that differ."""
+    import time
+
+    import splitsoftmax as ss
+    n, v = 8, 13 * job.world + 3
+    x = job.randn(n, v, seed=13, scale=3.0).float()
+    x[2] = float("-inf")
+    x[3, 5:9] = x[3].max()  # (ties at the top)
+    mine = job.narrow(uneven_lengths(v, job.world), 1)(x)
+    seed, offset = torch.arange(n, device=job.device), torch.arange(n, device=job.device) * 7
+    rows = []
+    for name, kw in [("greedy", dict(temperature=0.0)), ("T=0.8 top-k 7 top-p 0.9", dict(temperature=0.8, top_k=7,
+                                                                                         top_p=0.9)),
+                     ("min-p 0.05", dict(min_p=0.05)), ("plain", {})]:
+        start = time.perf_counter()
+        got = ss.sharded_sample(mine, seed=seed, offset=offset, group=job.group, **kw)
+        seconds = time.perf_counter() - start
+        bad = int((got != ss.sample(x, seed=seed, offset=offset, **kw)).sum())
+        rows.append(Row(f"sharded_sample {n}xV {name}", "tree", "contiguous", float(bad), 0.0, seconds))
+    start = time.perf_counter()
+    values, idx = ss.sharded_topk(mine, 5, group=job.group)
+    seconds = time.perf_counter() - start
+    want_v, want_i = ss.topk(x, 5)
+    bad = int((idx != want_i).sum()) + int(((values != want_v) & ~(values.isinf() & want_v.isinf())).sum())
+    return rows + [Row(f"sharded_topk {n}xV k=5", "tree", "contiguous", float(bad), 0.0, seconds)]
+
+
 def cases(job: Job) -> list[tuple[str, Callable[[], list[Row]]]]:
     out = [("softmax family", lambda: softmax_rows(job)), ("cross-entropy", lambda: cross_entropy_rows(job)),
-           ("vocabulary statistics", lambda: vocab_rows(job))]
+           ("vocabulary statistics", lambda: vocab_rows(job)), ("top-k and sampling", lambda: selection_rows(job))]
     for schedule in ("ring", "allgather"):
         for layout in ("contiguous", "zigzag"):
             for causal in (False, True):

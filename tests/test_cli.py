@@ -54,6 +54,7 @@ def test_verify_default_runs_every_sharded_op_on_cpu_ranks():
     r = run("verify")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "checks passed" in r.stdout and "MISMATCH" not in r.stdout
-    for what in ("sharded_softmax", "sharded_logsumexp", "ring", "allgather", "tree", "zigzag", "contiguous"):
+    for what in ("sharded_softmax", "sharded_logsumexp", "sharded_topk", "sharded_sample", "ring", "allgather", "tree",
+                 "zigzag", "contiguous"):
         assert what in r.stdout, what
     assert "on 4 ranks (cpu)" in r.stderr  # progress lines

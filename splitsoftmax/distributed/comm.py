@@ -130,7 +130,6 @@ class Communicator:
                                    f"{limit:g} s (SPLITSOFTMAX_TIMEOUT)")
             time.sleep(_poll_pause(time.monotonic() - start))
 
-
     def abandon(self, pending: Sequence[Handle], step: str) -> None:
         """A timeout gave up on ``pending`` in ``step``: their transfers may still land, so their
         buffers are kept for the life of the process (the transport writes into them)."""

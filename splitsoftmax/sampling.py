@@ -162,10 +162,11 @@ def sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, top_k: Opt
     ``temperature=0`` is greedy (argmax, ties to the lower index). Filters, in this order, ties at
     each cut-off kept: ``top_k`` keeps the ``k`` largest logits (``top_k >= V``: all); ``top_p``
     keeps the smallest set of most probable tokens whose mass reaches ``top_p`` (the crossing token
-    included; a mass within ``configs.SAMPLE_TOP_P_REACH`` of it, the float32 rounding of the scaled
-    logits, counts as reaching it), computed on what top-k kept; ``min_p`` keeps ``p >= min_p * p_max``. ``seed`` and
-    ``offset`` are ints or ``(N,)`` integer tensors on the logits' device (per request, per position;
-    device tensors keep a CUDA graph valid: on CUDA nothing is read back to the host). A row of all
+    included; a mass within ``configs.SAMPLE_TOP_P_REACH`` of it, the float32 rounding of the
+    scaled logits, counts as reaching it), computed on what top-k kept; ``min_p`` keeps
+    ``p >= min_p * p_max``. ``seed`` and ``offset`` are ints or ``(N,)`` integer tensors on the
+    logits' device (per request, per position; device tensors keep a CUDA graph valid: on CUDA
+    nothing is read back to the host). A row of all
     ``-inf``, or holding NaN, gives -1; so does a row whose largest scaled logit is ``+inf``
     (sampling only). The token for a given ``(seed, offset, logits)`` is the same on every device
     and equals :func:`sharded_sample` for every split of the vocabulary.

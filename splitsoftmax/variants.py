@@ -213,9 +213,10 @@ def check_kv_range(kv_range, batch: int, sk: int, device) -> Optional[Tensor]:
 
 
 def check_q_offset(q_offset, batch: int, device) -> Union[int, Tensor]:
-    """``q_offset`` as an int (within ``+-2^40``) or a ``(B,)`` int32 tensor on ``device``; a tensor's entries beyond
-    ``+-2^30`` (read on the device, so never checked on the host) are clamped there: with sequences
-    and windows shorter than ``2^29`` such a query sees the same keys either way (all or none)."""
+    """``q_offset`` as an int (within ``+-2^40``) or a ``(B,)`` int32 tensor on ``device``; a tensor's
+    entries beyond ``+-2^30`` (read on the device, so never checked on the host) are clamped there:
+    with sequences and windows shorter than ``2^29`` such a query sees the same keys either way (all
+    or none)."""
     if _is_int(q_offset):  # (past +-2^40 every key is seen or none, as at +-2^40)
         return min(max(int(q_offset), -(2 ** 40)), 2 ** 40)
     if not isinstance(q_offset, Tensor):

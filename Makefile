@@ -22,7 +22,7 @@ SM90_TESTS    := tests/test_attention_smem.py tests/test_attention_bwd_compile.p
 HF_OLDEST := 4.53.3
 HF_PY     := .venv-hf-oldest/bin/python
 
-.PHONY: venv verify test test-cpu test-interpreter test-interpreter-oldest test-hf-oldest test-gpu bench clean
+.PHONY: venv verify test test-cpu test-mpi test-interpreter test-interpreter-oldest test-hf-oldest test-gpu bench clean
 
 venv: .venv/.done
 
@@ -47,10 +47,14 @@ $(OLDEST)/.done: .venv/.done Makefile
 verify: venv
 	$(PY) -m splitsoftmax verify --nproc $(NPROC)
 
-test: test-cpu test-interpreter test-interpreter-oldest test-hf-oldest
+# (the two interpreter lanes, the longest, first: under -j2 each takes a slot and the rest fill in)
+test: test-interpreter test-interpreter-oldest test-cpu test-hf-oldest test-mpi
 
 test-cpu: venv
-	$(PYTEST) -q -m "not interpreter and not gpu" -p no:cacheprovider
+	$(PYTEST) -q -m "not interpreter and not gpu and not mpi" -p no:cacheprovider
+
+test-mpi: venv
+	$(PYTEST) -q -m "mpi and not interpreter and not gpu" -p no:cacheprovider
 
 test-interpreter: venv
 	TRITON_INTERPRET=1 $(PYTEST) -q -m interpreter -p no:cacheprovider

@@ -73,6 +73,24 @@ def _buffers(held_a, held_b, ring_a, ring_b, STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _invalidate(bar, bars, STAGES: gl.constexpr):
+    """Retire a program's barriers: ``bar`` and the ``STAGES`` of ``bars``."""
+    mbarrier.invalidate(bar)
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+
+@gluon.jit
+def _store_rows(G, tile, b, h, r0, n, s_b, s_h, s_s, layout: gl.constexpr, ROWS: gl.constexpr, D: gl.constexpr):
+    """Store ``tile [ROWS, D]`` (``layout``) as rows ``r0 ..`` (those below ``n``) of head ``(b, h)``
+    of the gradient ``G`` (unit last stride), in its dtype."""
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+    gl.store(G + b.to(gl.int64) * s_b + h.to(gl.int64) * s_h + rows[:, None].to(gl.int64) * s_s + cols[None, :],
+             tile.to(G.dtype.element_ty), mask=(rows < n)[:, None] & (cols < D)[None, :])
+
+
+@gluon.jit
 def _program_order(GH):
     """``attention._program_order`` (the same launch order) in Gluon."""
     nb = gl.num_programs(0)
@@ -223,19 +241,9 @@ def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
         lse2, delta = _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, nf, m_start,
                                m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M, D, STAGES)
     dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-    mbarrier.invalidate(kv_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
-    ko = n0 + gl.arange(0, BLOCK_N, layout=o_rows)
-    do_ = gl.arange(0, D, layout=o_cols)
-    st = (ko < Sk)[:, None] & (do_ < D)[None, :]
-    gl.store(GK + b.to(gl.int64) * s_kgb + kvh.to(gl.int64) * s_kgh + ko[:, None].to(gl.int64) * s_kgs + do_[None, :],
-             (dk * scale).to(GK.dtype.element_ty), mask=st)
-    gl.store(GV + b.to(gl.int64) * s_vgb + kvh.to(gl.int64) * s_vgh + ko[:, None].to(gl.int64) * s_vgs + do_[None, :],
-             dv.to(GV.dtype.element_ty), mask=st)
+    _invalidate(kv_bar, bars, STAGES)
+    _store_rows(GK, dk * scale, b, kvh, n0, Sk, s_kgb, s_kgh, s_kgs, o_layout, BLOCK_N, D)
+    _store_rows(GV, dv, b, kvh, n0, Sk, s_vgb, s_vgh, s_vgs, o_layout, BLOCK_N, D)
 
 
 @gluon.jit
@@ -331,16 +339,8 @@ def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ,
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq)
         _thread_barrier()
         _load_kv(k_desc, v_desc, k_smem, v_smem, bars, t + STAGES - 1, T, b, kvh, BLOCK_N, D, STAGES)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(bars.index(i))
-
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    o_cols: gl.constexpr = gl.SliceLayout(0, o_layout)
-    qo = m0 + gl.arange(0, BLOCK_M, layout=o_rows)
-    d_ = gl.arange(0, D, layout=o_cols)
-    gl.store(GQ + b.to(gl.int64) * s_qgb + h.to(gl.int64) * s_qgh + qo[:, None].to(gl.int64) * s_qgs + d_[None, :],
-             (dq * scale).to(GQ.dtype.element_ty), mask=(qo < Sq)[:, None] & (d_ < D)[None, :])
+    _invalidate(q_bar, bars, STAGES)
+    _store_rows(GQ, dq * scale, b, h, m0, Sq, s_qgb, s_qgh, s_qgs, o_layout, BLOCK_M, D)
 
 
 def descriptor(t, rows: int):

@@ -53,7 +53,8 @@ def _flat_rows(n: int = 6, v: int = 5003):
 def test_every_path_on_cuda(monkeypatch, case):
     """Top-p brackets listed by the draw, refuted by the exact masses (a negative slack), and too
     full for the list (a capacity of 3): each finished by its path, as on the CPU; the per-row
-    counters are back at zero after every draw."""
+    counters are back at zero after every draw (top-p alone too takes these passes here)."""
+    monkeypatch.setattr(sc, "NUCLEUS_MISS", 0.0)
     if case == "refuted":
         monkeypatch.setattr(sc, "SLACK", -0.2)
     if case == "overflowing":
@@ -69,6 +70,24 @@ def test_every_path_on_cuda(monkeypatch, case):
         assert any(exact) == (case != "listed"), (case, kw)
         for w in sampling_device._CACHE.values():
             assert int(w.cnt.abs().sum()) == 0 and int(w.ccount.abs().sum()) == 0
+
+
+def test_top_p_alone_on_cuda(monkeypatch):
+    """Top-p alone by candidates on CUDA: the CPU tokens at several top-p and temperatures (rows
+    with ties, NaN, masked and infinite logits; flat rows), and rows none of whose four candidates
+    is kept (a miss bound of 1 allows four at top_p 0.3), which the exact rounds finish."""
+    x, seeds, offset = _rows(128256)
+    flat, flat_seeds = _flat_rows()
+    for rows, s in ((x, seeds), (flat, flat_seeds)):
+        for kw in (dict(top_p=0.9), dict(top_p=0.6, temperature=0.8), dict(top_p=0.999, temperature=2.0)):
+            want = ss.sample(rows, seed=s, offset=offset, **kw)
+            assert torch.equal(ss.sample(rows.cuda(), seed=s.cuda(), offset=offset, **kw).cpu(), want), kw
+    monkeypatch.setattr(sc, "NUCLEUS_MISS", 1.0)
+    assert sampling_device.nucleus_candidates(0.3) == 4
+    want = ss.sample(flat, seed=flat_seeds, offset=offset, top_p=0.3)
+    assert torch.equal(ss.sample(flat.cuda(), seed=flat_seeds.cuda(), offset=offset, top_p=0.3).cpu(), want)
+    for w in sampling_device._CACHE.values():
+        assert int(w.cnt.abs().sum()) == 0 and int(w.ccount.abs().sum()) == 0
 
 
 def test_batch_of_one_and_non_contiguous():
@@ -136,11 +155,13 @@ def test_topk_on_cuda():
 
 def test_near_ties_of_the_keys_on_cuda():
     """Logits that cancel each token's noise (every key within 1e-5): the draw kernel's bound keeps
-    every lane, the exact keys and the lower id decide, as on the CPU."""
+    every lane, the exact keys and the lower id decide, as on the CPU; top-p alone rescans its
+    candidates by exact keys."""
     from splitsoftmax.kernels import sampling_math as sm
     n, v = 4, 5003
     seeds, offsets = torch.arange(n) + 5, torch.arange(n) + 1
     noise = sm.gumbel_key(torch.zeros(n, v), sm.words(seeds[:, None], offsets[:, None], 0, v))
     x = (-noise / sm.temperature_scale(1.0)).float()
-    want = ss.sample(x, seed=seeds, offset=offsets)
-    assert torch.equal(ss.sample(x.cuda(), seed=seeds.cuda(), offset=offsets.cuda()).cpu(), want)
+    for kw in (dict(), dict(top_p=0.9)):
+        want = ss.sample(x, seed=seeds, offset=offsets, **kw)
+        assert torch.equal(ss.sample(x.cuda(), seed=seeds.cuda(), offset=offsets.cuda(), **kw).cpu(), want), kw

@@ -21,6 +21,8 @@ from _sm90 import ptxas_report  # noqa: E402
 from splitsoftmax.kernels import sampling as ks  # noqa: E402
 from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
 from splitsoftmax.kernels import sampling_fused as kf  # noqa: E402
+from splitsoftmax.kernels import sampling_device  # noqa: E402
+from splitsoftmax.kernels import sampling_nucleus as kn  # noqa: E402
 from splitsoftmax.kernels.sampling_jit import _gumbel, _qmass  # noqa: E402
 
 
@@ -65,6 +67,11 @@ CASES = {
     "pivots": (kf._pivot_kernel, dict(TYPES, PART="*fp32"), dict(TILE=sc.TILE, QP=512, STAGES=sc.STAGES, MORE=1),
                {"enable_fp_fusion": True}),
     "draw, top-p": (kf._draw_kernel, TYPES, dict(DRAW, EXACT_ROWS=True), None),
+    "nucleus keys": (kn._nucleus_keys_kernel, dict(TYPES, NUC="*i64"),
+                     dict(M=16, TILE=sc.TILE, QP=512, STAGES=sc.STAGES), None),
+    "nucleus masses": (kn._nucleus_mass_kernel, dict(TYPES, NUC="*i64"),
+                       dict(M=16, TILE=sampling_device.mass_tile(16), STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS,
+                            DTILE=sc.TILE, XTILE=sc.TILE_EXACT, CP=sc.SLOTS), None),
 }
 
 

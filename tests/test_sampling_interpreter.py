@@ -4,7 +4,8 @@ masses and tokens bit for bit (tiny records, tiles and lists, so that every path
 The one-device draw (``kernels.sampling_device``) is checked on each of its paths, and each test
 asserts that its path ran (the row modes between the passes): the records alone, an approximate
 bracket listed by the draw, a bracket the exact masses refute, rows the approximate rounds leave
-to the exact ones, the records' slow path, and keys too close for the draw's bound."""
+to the exact ones, the records' slow path, keys too close for the draw's bound, and top-p alone by
+candidates (kept, none kept: the exact rounds, three near the cut at one position: a rescan)."""
 import os
 
 import pytest
@@ -27,7 +28,7 @@ from splitsoftmax.kernels import sampling_math as sm  # noqa: E402
 
 CONFIGS = [dict(temperature=0.0), dict(), dict(top_k=3, top_p=0.8, min_p=0.05), dict(top_p=0.7),
            dict(top_p=0.95, temperature=2.0), dict(min_p=0.1), dict(top_k=12), dict(top_k=12, top_p=0.6)]
-DONE, THRESH, COLLECT, PIVOT, EXACT = range(5)
+DONE, THRESH, COLLECT, PIVOT, EXACT, NUCLEUS = range(6)
 
 
 @pytest.fixture(autouse=True)
@@ -47,7 +48,7 @@ def small(monkeypatch):
         real_init(self, *args)
         for name in ("planf", "mom", "part_p"):
             getattr(self, name).fill_(float("nan"))
-        for name in ("mode", "part_r", "ties", "part_d", "cand"):
+        for name in ("mode", "part_r", "ties", "part_d", "cand", "part_n", "nuc"):
             getattr(self, name).fill_(0x7F7F7F7F7F7F7F7F)
     monkeypatch.setattr(sampling_device._Work, "__init__", poisoned)
     threads = torch.get_num_threads()
@@ -80,7 +81,7 @@ def _modes(monkeypatch) -> list:
     """Records ``(pass, modes)`` after each launch of the one-device draw."""
     seen = []
     monkeypatch.setattr(sampling_device, "_PLANS", {})       # plans keep the launchers they were built with
-    for name in ("_RECORDS", "_PIVOTS", "_DRAW"):
+    for name in ("_RECORDS", "_PIVOTS", "_DRAW", "_KEYS", "_MASSES"):
         real = getattr(sampling_device, name)
 
         def launch(grid, key, args, consts, _real=real, _name=name):
@@ -199,6 +200,7 @@ def test_top_p_paths(monkeypatch, case):
     x, seeds = _wide_rows()
     monkeypatch.setattr(sc, "TILE_INTERPRET", 32)
     monkeypatch.setattr(sc, "CAP", 64)
+    monkeypatch.setattr(sc, "NUCLEUS_MISS", 0.0)            # top-p alone too takes the records and pivots
     if case == "refuted":
         monkeypatch.setattr(sc, "SLACK", -0.2)
     if case == "left to the exact rounds":
@@ -223,6 +225,66 @@ def test_top_p_paths(monkeypatch, case):
             assert COLLECT in after["_PIVOTS"], seen
         if case == "left to the exact rounds":
             assert PIVOT in after["_RECORDS"] and "_PIVOTS" not in after, seen
+
+
+def _first_keys(x, seeds, offset, m: int) -> torch.Tensor:
+    """The ids of each row's ``m`` best exact Gumbel keys (ties to the lower id): ``(N, m)``."""
+    n, v = x.shape
+    offsets = torch.as_tensor(offset).expand(n)
+    key = sm.gumbel_key(x.float() * sm.temperature_scale(1.0), sm.words(seeds[:, None], offsets[:, None], 0, v))
+    packed = torch.where(torch.isnan(key), sm.PACKED_NONE, sm.pack(key, torch.arange(v).expand(n, v)))
+    return sm.packed_gid(torch.topk(packed, m, dim=1).values)
+
+
+def test_top_p_alone_by_candidates(monkeypatch):
+    """Top-p alone takes the two candidate passes (no records, pivots or draw) on rows with ties,
+    NaN, masked and infinite logits, peaked and flat rows, at several top-p and temperatures: the
+    torch path's tokens; every row settled by the second pass, or by the first (invalid rows, a
+    best key at the largest logit)."""
+    x, seeds, offset = _rows()
+    wide, wide_seeds = _wide_rows()
+    peaked = torch.zeros(2, 29)
+    peaked[:, 4] = 9.0
+    seen = _modes(monkeypatch)
+    after_keys = set()
+    for rows_, s_ in ((x, seeds), (wide, wide_seeds), (peaked, torch.tensor([3, 4]))):
+        for kw in (dict(top_p=0.9), dict(top_p=0.6), dict(top_p=0.999, temperature=0.7),
+                   dict(top_p=0.8, temperature=3.0)):
+            seen.clear()
+            got = ss.sample(rows_, seed=s_, offset=offset, **kw)
+            assert torch.equal(got, _torch_tokens(monkeypatch, rows_, s_, offset, **kw)), (kw, rows_.shape)
+            passes = dict(seen)
+            assert list(passes) == ["_KEYS", "_MASSES"] and set(passes["_KEYS"]) <= {DONE, NUCLEUS}, seen
+            assert set(passes["_MASSES"]) == {DONE} and _counters_clear(), seen
+            after_keys |= set(passes["_KEYS"])
+    assert after_keys == {DONE, NUCLEUS}
+
+
+def test_top_p_alone_none_kept(monkeypatch):
+    """Rows none of whose four candidates top-p keeps (top_p 0.3 on flat rows, four candidates
+    allowed by a miss bound of 1): the second pass finishes them by the exact rounds, as the torch
+    path draws them."""
+    monkeypatch.setattr(sc, "NUCLEUS_MISS", 1.0)
+    assert sampling_device.nucleus_candidates(0.3) == 4
+    x = torch.randn(12, 61, generator=torch.Generator().manual_seed(2)) * 0.7
+    seeds = torch.arange(12) * 7 + 3
+    want = _torch_tokens(monkeypatch, x, seeds, 5, top_p=0.3)
+    missed = [r for r in range(12) if int(want[r]) not in _first_keys(x, seeds, 5, 4)[r].tolist()]
+    assert len(missed) >= 2, missed
+    seen = _modes(monkeypatch)
+    assert torch.equal(ss.sample(x, seed=seeds, offset=5, top_p=0.3), want)
+    assert set(dict(seen)["_MASSES"]) == {DONE} and _counters_clear(), seen
+
+
+def test_top_p_alone_near_ties(monkeypatch):
+    """Keys all within 1e-4 of each other: every position holds three keys near the cut, so each
+    span's candidates come from its rescan by exact keys; the torch path's tokens."""
+    monkeypatch.setattr(sc, "INTERPRET_SMS", 1)          # one span of three tiles a row
+    x, seeds, offsets = _near_ties(3, 40)
+    assert sampling_device._splits(3, 40, 16, sampling_device.row_splits(3, x.device), x.device) == (1, 3)
+    for kw in (dict(top_p=0.9), dict(top_p=0.6)):
+        assert torch.equal(ss.sample(x, seed=seeds, offset=offsets, **kw),
+                           _torch_tokens(monkeypatch, x, seeds, offsets, **kw)), kw
 
 
 def test_sharded_over_the_kernels(monkeypatch):
@@ -270,7 +332,7 @@ def test_infinite_logits(monkeypatch):
     x[1, :] = float("-inf")
     x[1, 37] = float("inf")
     parts = torch.split(x, [13, 27], dim=1)
-    for kw in (dict(), dict(top_p=0.5), dict(min_p=0.1)):
+    for kw in (dict(), dict(top_p=0.5), dict(top_p=0.9), dict(min_p=0.1)):
         want = _torch_tokens(monkeypatch, x, 1, 2, **kw)
         assert want[:2].tolist() == [-1, -1] and torch.equal(ss.sample(x, seed=1, offset=2, **kw), want), kw
         for got in LoopbackWorld(2).run(lambda c: ss.sharded_sample(parts[c.rank], seed=1, offset=2, group=c, **kw)):

@@ -1,7 +1,8 @@
 """Host side of a draw on one device: the launches of ``kernels.sampling_fused``.
 
 Greedy is one launch (records), plain sampling one (the draw), top-k and min-p two (records, draw),
-top-p three (records, approximate pivot rounds, the draw); passes with no row to serve return at
+top-p alone two (``sampling_nucleus``: the row's best keys, then their masses), top-p with another
+filter three (records, approximate pivot rounds, the draw); passes with no row to serve return at
 once, and nothing is read back, so a CUDA graph can hold a draw. The
 per-row buffers (plan, partials, counters, bracket lists) are kept per device, stream and batch
 size: a decode loop allocates only its output. Seeds and offsets given as ints travel as kernel
@@ -21,9 +22,11 @@ from . import configs
 from . import sampling_config as sc
 from .launch import Launcher
 from .sampling_fused import _draw_kernel, _pivot_kernel, _records_kernel
-from .sampling_jit import LAUNCH, PLAN_F, THRESH
+from .sampling_jit import LAUNCH, PIVOTS, PLAN_F, THRESH
+from .sampling_nucleus import _nucleus_keys_kernel, _nucleus_mass_kernel
 
-_RECORDS, _PIVOTS, _DRAW = (Launcher(k) for k in (_records_kernel, _pivot_kernel, _draw_kernel))
+_RECORDS, _PIVOTS, _DRAW, _KEYS, _MASSES = (Launcher(k) for k in (_records_kernel, _pivot_kernel, _draw_kernel,
+                                                                   _nucleus_keys_kernel, _nucleus_mass_kernel))
 _CACHE: dict = {}
 
 
@@ -58,9 +61,25 @@ def row_splits(n: int, device: torch.device) -> int:
     return min(_max_splits(device), configs.next_pow2(configs.cdiv(sc.PROGRAMS_PER_SM * _sms(device), max(n, 1))))
 
 
-def records_splits(kr: int, device: torch.device, n: int = 1) -> int:
-    """Partials per row of the records pass (a power of two): at most ``MERGE_MAX`` records in all."""
-    return min(row_splits(n, device), max(1, sc.MERGE_MAX // kr))
+def records_splits(kr: int, device: torch.device, n: int = 1, merge: int = 0) -> int:
+    """Partials per row of the records pass (a power of two): at most ``merge`` (default
+    ``MERGE_MAX``) records in all."""
+    return min(row_splits(n, device), max(1, (merge or sc.MERGE_MAX) // kr))
+
+
+def _records_sizes(n: int) -> tuple[int, int]:
+    """``(tile, records merged per row)`` of the one-device records pass over ``n`` rows: few rows
+    take small tiles and fewer partials (their programs' selection and the row's merge are the
+    pass's time), more rows ``TILE`` and ``MERGE_MAX``."""
+    if n <= sc.FEW_ROWS and not interpreting():
+        return sc.FEW_ROWS_TILE, sc.FEW_ROWS_MERGE
+    return _tile(), sc.MERGE_MAX
+
+
+def nucleus_candidates(top_p: float) -> int:
+    """Candidates ``M`` per row of a top-p-alone draw: the fewest of 4, 8, 16 whose miss bound
+    ``(1 - top_p)^M`` is at most ``NUCLEUS_MISS`` (0: none is, the row takes the pivot rounds)."""
+    return next((m for m in (4, 8, 16) if (1.0 - top_p) ** m <= sc.NUCLEUS_MISS), 0)
 
 
 class _Work:
@@ -71,7 +90,7 @@ class _Work:
     def __init__(self, n: int, v: int, kr: int, device: torch.device):
         i32, i64, f32 = (dict(dtype=t, device=device) for t in (torch.int32, torch.int64, torch.float32))
         self.q = row_splits(n, device)
-        self.qr = records_splits(kr, device, n)
+        self.qr = records_splits(kr, device, n, _records_sizes(n)[1])
         self.cap = max(1, min(sc.CAP, v))
         self.cnt = torch.zeros(n, **i32)
         self.ccount = torch.zeros(n, **i32)
@@ -83,6 +102,8 @@ class _Work:
         self.part_p = torch.empty((n, self.q, 17), **f32)
         self.part_d = torch.empty((n, self.q, 4), **i64)
         self.cand = torch.empty((n, self.cap), **i64)
+        self.part_n = torch.empty((n, self.q, PIVOTS + 1), **i64)      # the nucleus passes' partials
+        self.nuc = torch.empty((n, PIVOTS), **i64)                     # and a row's candidates
         # the plan of plain sampling (every row THRESH, nothing filtered), read only; made by device
         # operations only, so that a first draw inside a CUDA-graph capture records them
         self.plain_mode = torch.full((n,), int(THRESH.value), **i64)
@@ -136,8 +157,8 @@ def _bits(x: float) -> int:
 def _config_key() -> tuple:
     """The sizes a test may change (a launch plan is kept per their values)."""
     return (sc.TILE, sc.TILE_INTERPRET, sc.TILE_EXACT, sc.WARPS, sc.STAGES, sc.PROGRAMS_PER_SM, sc.MERGE_MAX, sc.CAP,
-            sc.SLOTS,
-            sc.PIVOT_ROUNDS, sc.EXACT_ROUNDS, sc.SLACK, sc.SPREAD, sc.GROWTH, sc.INTERPRET_SMS)
+            sc.SLOTS, sc.PIVOT_ROUNDS, sc.EXACT_ROUNDS, sc.SLACK, sc.SPREAD, sc.GROWTH, sc.INTERPRET_SMS, sc.FEW_ROWS,
+            sc.FEW_ROWS_TILE, sc.FEW_ROWS_MERGE, sc.NUCLEUS_MISS, sc.NUCLEUS_TILE)
 
 
 _PLANS: dict = {}
@@ -176,6 +197,9 @@ def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_larg
             seeds[4].data_ptr() % 16 == 0)
     tile = _tile()
     steps = []
+    m = nucleus_candidates(spec.top_p) if _nucleus_alone(spec, plain, xk_large) else 0
+    if m:
+        return w.mode, [_nucleus_keys(x, w, spec, base, tile, m), _nucleus_masses(x, w, spec, base, m)]
     if plain:
         mode, planf = w.plain_mode, w.plain_planf
     else:
@@ -188,8 +212,42 @@ def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_larg
     return w.mode, steps
 
 
+def _nucleus_alone(spec: Spec, plain: bool, xk_large) -> bool:
+    """Whether top-p is the draw's only filter (no top-k, no min-p)."""
+    return not plain and not spec.greedy and spec.top_p < 1.0 and not spec.top_k and xk_large is None and \
+        spec.cmin == float("-inf")
+
+
+def _nucleus_keys(x, w: _Work, spec: Spec, base: tuple, tile: int, m: int) -> tuple:
+    n, v = x.shape
+    q, tiles = _splits(n, v, tile, w.q, x.device)
+    head = (w.part_n, w.cnt, w.mode, w.planf, w.nuc)
+    tail = (v, tiles, x.stride(0), q, spec.c)
+    consts = dict(M=m, TILE=tile, QP=_max_splits(x.device), STAGES=sc.STAGES, num_warps=sc.WARPS, **LAUNCH)
+    return _KEYS, (n, q), base, lambda x, out, seeds, xk: (x, *head, out, *seeds, *tail), consts
+
+
+def mass_tile(m: int) -> int:
+    """Columns per tile of the candidates' mass pass: ``NUCLEUS_TILE`` up to 8 candidates, half
+    that for 16 (their int64 masses per column stay in registers)."""
+    return sc.TILE_INTERPRET if interpreting() else sc.NUCLEUS_TILE // max(1, m // 8)
+
+
+def _nucleus_masses(x, w: _Work, spec: Spec, base: tuple, m: int) -> tuple:
+    n, v = x.shape
+    tile = mass_tile(m)
+    q, tiles = _splits(n, v, tile, w.q, x.device)
+    head = (w.part_n, w.cnt, w.mode, w.planf, w.nuc)
+    tail = (v, tiles, x.stride(0), q, spec.c, spec.shift, _bits(spec.top_p), w.cap)
+    consts = dict(M=m, TILE=tile, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, DTILE=_tile(),
+                  XTILE=sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT, CP=_slots(), num_warps=sc.WARPS,
+                  **LAUNCH)
+    return _MASSES, (n, q), base, lambda x, out, seeds, xk: (x, *head, out, w.cand, w.ccount, *seeds, *tail), consts
+
+
 def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large, tile: int) -> tuple:
     n, v = x.shape
+    tile = _records_sizes(n)[0]
     rtile = max(tile, kr // 4)
     q, tiles = _splits(n, v, rtile, w.qr, x.device)
     qp = configs.next_pow2(q)       # the row's partials as the finisher merges them (sorting qp * kr keys)

@@ -13,11 +13,12 @@ WARPS = 8
 STAGES = 4
 PROGRAMS_PER_SM = 2
 MERGE_MAX = 2048         # partial records per row: splits * records
-FEW_ROWS = 16            # a records pass over at most this many rows takes FEW_ROWS_TILE columns a
+FEW_ROWS = 32            # a records pass over at most this many rows takes FEW_ROWS_TILE columns a
 FEW_ROWS_TILE = 256      # tile and FEW_ROWS_MERGE partial records per row: at batch 1 the span's
 FEW_ROWS_MERGE = 1024    # selection and the row's merge, not the read, are the pass's time
 NUCLEUS_MISS = 1e-5      # top-p alone: candidates per row so that none is kept with at most this
                          # probability (``sampling_device.nucleus_candidates``)
+NUCLEUS_FIRST = 2        # candidates the first mass pass tests (the second tests all, on the rows left)
 NUCLEUS_TILE = 512       # columns per tile of the candidates' mass pass (int64 masses per candidate)
 SLOTS = 1024             # bracket tokens a row's list can hold (the draw's finisher sorts them: 80
                          # registers at 8 warps)

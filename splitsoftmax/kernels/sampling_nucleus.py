@@ -14,9 +14,11 @@ test, and two passes settle a row whose ``M`` best keys hold a kept token:
   row (NaN, ``+inf`` or all ``-inf``) draws -1, a best candidate at ``d = 0`` is drawn at once.
 - ``_nucleus_mass_kernel``: each span's ``Z`` and, per candidate, the mass of ``d > d_i``; the last
   program draws the first candidate top-p keeps. Each candidate lies outside the kept set with
-  probability at most ``1 - top_p`` given those before it, so a row finds none with probability at
-  most ``(1 - top_p)^M`` (the host picks ``M``); such a row takes the exact rounds over the whole
-  row by that program (``sampling_fused._exact_row``).
+  probability at most ``1 - top_p`` given those before it: a first launch tests the first two
+  (most rows end there, and two masses a column keep the pass near a plain read), a second all
+  ``M`` of the rows left. A row finds none with probability at most ``(1 - top_p)^M`` (the host
+  picks ``M``); it takes the exact rounds over the whole row by that program
+  (``sampling_fused._exact_row``).
 """
 from __future__ import annotations
 
@@ -206,35 +208,34 @@ def _mass_sums(PART, row, Q, M: tl.constexpr):
 @triton.jit(do_not_specialize=INTS + ["c"])
 def _nucleus_mass_kernel(X, PART, CNT, MODE, PLANF, NUC, OUT, CAND, CCOUNT, SEED, seed_ptr, seed_lo, seed_hi, OFFSET,
                          off_ptr, off_lo, off_hi, V, tiles, s_xn, Q, c, shift, top_p_bits, cap, M: tl.constexpr,
-                         TILE: tl.constexpr, STAGES: tl.constexpr, ROUNDS: tl.constexpr,
-                         DTILE: tl.constexpr, XTILE: tl.constexpr, CP: tl.constexpr):
-    """Grid ``(N, Q)``, NUCLEUS rows: the span's ``(Z, A [M])`` (``PART [N, Q, M + 1]``); last, the first
-    candidate top-p keeps, or (none) the exact rounds over the row by this program (``DTILE``: their
-    draw's tile)."""
+                         T: tl.constexpr, LAST: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
+                         ROUNDS: tl.constexpr, DTILE: tl.constexpr, XTILE: tl.constexpr, CP: tl.constexpr):
+    """Grid ``(N, Q)``, NUCLEUS rows, the first ``T`` of their ``M`` candidates: the span's ``(Z, A [T])``
+    (``PART [N, Q, T + 1]``); last, the first candidate top-p keeps, or (none) the row stays for the
+    next pass, or with ``LAST`` takes the exact rounds by this program (``DTILE``: their draw's tile)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if tl.load(MODE + row) == NUCLEUS:
         p = PLANF + row * PLAN_W
         xrow = X + row * s_xn
-        ki = tl.arange(0, M)
-        t = tl.load(p + F_PIV + ki)
+        ki = tl.arange(0, T)
         lo = split * tiles * TILE
         hi = tl.minimum(lo + tiles * TILE, V)
-        z, a = _mass_span(xrow, lo, hi, c, tl.load(p + F_ZMAX), t, shift, M, TILE, STAGES)
-        part = PART + (row * Q + split) * (M + 1)
+        z, a = _mass_span(xrow, lo, hi, c, tl.load(p + F_ZMAX), tl.load(p + F_PIV + ki), shift, T, TILE, STAGES)
+        part = PART + (row * Q + split) * (T + 1)
         tl.store(part, z)
         tl.store(part + 1 + ki, a)
         if _last(CNT, row, Q):
-            zs, az = _mass_sums(PART, row, Q, M)
+            zs, az = _mass_sums(PART, row, Q, T)
             need = top_p_bits.to(tl.float64, bitcast=True) * zs.to(tl.float64)
             cand = tl.load(NUC + row * M + ki)
             kept = (cand != NONE) & (az.to(tl.float64) < need)
-            first = tl.min(tl.where(kept, ki, M), axis=0)
+            first = tl.min(tl.where(kept, ki, T), axis=0)
             tl.store(CNT + row, 0)
-            if first < M:
+            if first < T:
                 tl.store(OUT + row, _token(tl.max(tl.where(ki == first, cand, NONE), axis=0)))
                 tl.store(MODE + row, DONE)
-            else:
+            elif LAST:
                 floor = -shift.to(tl.float32)
                 tl.store(p + F_XTHR, NEG_INF)
                 tl.store(p + F_DTHR, NEG_INF)

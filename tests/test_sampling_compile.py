@@ -21,7 +21,6 @@ from _sm90 import ptxas_report  # noqa: E402
 from splitsoftmax.kernels import sampling as ks  # noqa: E402
 from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
 from splitsoftmax.kernels import sampling_fused as kf  # noqa: E402
-from splitsoftmax.kernels import sampling_device  # noqa: E402
 from splitsoftmax.kernels import sampling_nucleus as kn  # noqa: E402
 from splitsoftmax.kernels.sampling_jit import _gumbel, _qmass  # noqa: E402
 
@@ -60,7 +59,6 @@ TYPES = dict(X="*fp32", PART="*i64", TIES="*i64", MOM="*fp32", CNT="*i32", SEED=
              probit="fp32", slack="fp32", spread="fp32", growth="fp32", top_p="fp32", top_p_bits="i64")
 RECORDS = dict(QP=32, TILE=sc.TILE, STAGES=sc.STAGES, FUSED=True, LARGE_K=False, GREEDY=False)
 DRAW = dict(SHIFT4=0, TILE=sc.TILE, QP=512, CP=sc.SLOTS, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, XTILE=sc.TILE_EXACT)
-NUCLEUS = dict(M=16, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, DTILE=sc.TILE, XTILE=sc.TILE_EXACT, CP=sc.SLOTS)
 CASES = {
     "records, top-p": (kf._records_kernel, dict(TYPES, X="*bf16"), dict(RECORDS, KR=64, MOMENTS=True, TOP_P=True),
                        None),
@@ -70,10 +68,9 @@ CASES = {
     "draw, top-p": (kf._draw_kernel, TYPES, dict(DRAW, EXACT_ROWS=True), None),
     "nucleus keys": (kn._nucleus_keys_kernel, dict(TYPES, NUC="*i64"),
                      dict(M=16, TILE=sc.TILE, QP=512, STAGES=sc.STAGES), None),
-    "nucleus masses, first two": (kn._nucleus_mass_kernel, dict(TYPES, NUC="*i64"),
-                                  dict(NUCLEUS, T=2, LAST=False, TILE=sampling_device.mass_tile(2)), None),
-    "nucleus masses, all": (kn._nucleus_mass_kernel, dict(TYPES, NUC="*i64"),
-                            dict(NUCLEUS, T=16, LAST=True, TILE=sampling_device.mass_tile(16)), None),
+    "nucleus masses": (kn._nucleus_mass_kernel, dict(TYPES, NUC="*i64", PART="*fp32", slack="fp32"),
+                       dict(M=16, TILE=sc.NUCLEUS_TILE, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, DTILE=sc.TILE,
+                            XTILE=sc.TILE_EXACT, ETILE=sc.NUCLEUS_TILE // 4, CP=sc.SLOTS), None),
 }
 
 

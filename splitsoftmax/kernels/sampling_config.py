@@ -18,8 +18,8 @@ FEW_ROWS_TILE = 256      # tile and FEW_ROWS_MERGE partial records per row: at b
 FEW_ROWS_MERGE = 1024    # selection and the row's merge, not the read, are the pass's time
 NUCLEUS_MISS = 1e-5      # top-p alone: candidates per row so that none is kept with at most this
                          # probability (``sampling_device.nucleus_candidates``)
-NUCLEUS_FIRST = 2        # candidates the first mass pass tests (the second tests all, on the rows left)
-NUCLEUS_TILE = 512       # columns per tile of the candidates' mass pass (int64 masses per candidate)
+NUCLEUS_TILE = 512       # columns per tile of the candidates' mass pass
+NUCLEUS_SLACK = 1.0      # factor on that pass's float32 error bound (``sampling_device.nucleus_slack``)
 SLOTS = 1024             # bracket tokens a row's list can hold (the draw's finisher sorts them: 80
                          # registers at 8 warps)
 CAP = 1024               # bracket tokens listed per row (at most SLOTS; a kernel argument)

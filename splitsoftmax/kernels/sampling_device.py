@@ -1,8 +1,7 @@
 """Host side of a draw on one device: the launches of ``kernels.sampling_fused``.
 
 Greedy is one launch (records), plain sampling one (the draw), top-k and min-p two (records, draw),
-top-p alone three (``sampling_nucleus``: the row's best keys, then the masses above the first two and,
-for the rows left, above all), top-p with another
+top-p alone two (``sampling_nucleus``: the row's best keys, then the masses above them), top-p with another
 filter three (records, approximate pivot rounds, the draw); passes with no row to serve return at
 once, and nothing is read back, so a CUDA graph can hold a draw. The
 per-row buffers (plan, partials, counters, bracket lists) are kept per device, stream and batch
@@ -159,7 +158,7 @@ def _config_key() -> tuple:
     """The sizes a test may change (a launch plan is kept per their values)."""
     return (sc.TILE, sc.TILE_INTERPRET, sc.TILE_EXACT, sc.WARPS, sc.STAGES, sc.PROGRAMS_PER_SM, sc.MERGE_MAX, sc.CAP,
             sc.SLOTS, sc.PIVOT_ROUNDS, sc.EXACT_ROUNDS, sc.SLACK, sc.SPREAD, sc.GROWTH, sc.INTERPRET_SMS, sc.FEW_ROWS,
-            sc.FEW_ROWS_TILE, sc.FEW_ROWS_MERGE, sc.NUCLEUS_MISS, sc.NUCLEUS_FIRST, sc.NUCLEUS_TILE)
+            sc.FEW_ROWS_TILE, sc.FEW_ROWS_MERGE, sc.NUCLEUS_MISS, sc.NUCLEUS_TILE, sc.NUCLEUS_SLACK)
 
 
 _PLANS: dict = {}
@@ -200,9 +199,7 @@ def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_larg
     steps = []
     m = nucleus_candidates(spec.top_p) if _nucleus_alone(spec, plain, xk_large) else 0
     if m:
-        first = min(m, sc.NUCLEUS_FIRST)
-        steps = [_nucleus_keys(x, w, spec, base, tile, m), _nucleus_masses(x, w, spec, base, m, first)]
-        return w.mode, steps + [_nucleus_masses(x, w, spec, base, m, m)] * (m > first)
+        return w.mode, [_nucleus_keys(x, w, spec, base, tile, m), _nucleus_masses(x, w, spec, base, m)]
     if plain:
         mode, planf = w.plain_mode, w.plain_planf
     else:
@@ -226,27 +223,27 @@ def _nucleus_keys(x, w: _Work, spec: Spec, base: tuple, tile: int, m: int) -> tu
     q, tiles = _splits(n, v, tile, w.q, x.device)
     head = (w.part_n, w.cnt, w.mode, w.planf, w.nuc)
     tail = (v, tiles, x.stride(0), q, spec.c)
-    consts = dict(M=m, TILE=tile, QP=_max_splits(x.device), STAGES=sc.STAGES, num_warps=sc.WARPS, **LAUNCH)
+    consts = dict(M=m, TILE=tile, QP=configs.next_pow2(q), STAGES=sc.STAGES, num_warps=sc.WARPS, **LAUNCH)
     return _KEYS, (n, q), base, lambda x, out, seeds, xk: (x, *head, out, *seeds, *tail), consts
 
 
-def mass_tile(t: int) -> int:
-    """Columns per tile of a mass pass testing ``t`` candidates: ``NUCLEUS_TILE`` up to 8, half that
-    for 16 (their int64 masses per column stay in registers)."""
-    return sc.TILE_INTERPRET if interpreting() else sc.NUCLEUS_TILE // max(1, t // 8)
-
-
-def _nucleus_masses(x, w: _Work, spec: Spec, base: tuple, m: int, t: int) -> tuple:
-    """The mass pass testing a row's first ``t`` of ``m`` candidates (the last one when ``t == m``)."""
+def _nucleus_masses(x, w: _Work, spec: Spec, base: tuple, m: int) -> tuple:
     n, v = x.shape
-    tile = mass_tile(t)
+    tile = sc.TILE_INTERPRET if interpreting() else sc.NUCLEUS_TILE
     q, tiles = _splits(n, v, tile, w.q, x.device)
-    head = (w.part_n, w.cnt, w.mode, w.planf, w.nuc)
-    tail = (v, tiles, x.stride(0), q, spec.c, spec.shift, _bits(spec.top_p), w.cap)
-    consts = dict(M=m, T=t, LAST=t == m, TILE=tile, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, DTILE=_tile(),
-                  XTILE=sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT, CP=_slots(), num_warps=sc.WARPS,
-                  **LAUNCH)
+    head = (w.part_p, w.cnt, w.mode, w.planf, w.nuc)
+    tail = (v, tiles, x.stride(0), q, spec.c, spec.shift, _bits(spec.top_p), w.cap, nucleus_slack(v, tile))
+    small = sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT
+    consts = dict(M=m, TILE=tile, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, DTILE=_tile(), XTILE=small,
+                  ETILE=small if interpreting() else sc.NUCLEUS_TILE // 4, CP=_slots(), num_warps=sc.WARPS, **LAUNCH)
     return _MASSES, (n, q), base, lambda x, out, seeds, xk: (x, *head, out, w.cand, w.ccount, *seeds, *tail), consts
+
+
+def nucleus_slack(v: int, tile: int) -> float:
+    """The relative error bound of the mass pass's float32 sums over ``v`` columns in tiles of
+    ``tile`` (each position adds up to ``v / tile`` terms, the reductions about 64 levels more),
+    four times the first-order bound ``terms * 2^-24``, times ``NUCLEUS_SLACK``."""
+    return sc.NUCLEUS_SLACK * (configs.cdiv(v, tile) + 64) * 2.0 ** -22
 
 
 def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large, tile: int) -> tuple:

@@ -12,11 +12,12 @@ test, and two passes settle a row whose ``M`` best keys hold a kept token:
   position, rare, rescans the span with exact keys). The row's last program merges them: the row's
   ``M`` best keys (``NUC``), ``zmax`` and the candidates' ``d`` (the plan's pivot fields); an invalid
   row (NaN, ``+inf`` or all ``-inf``) draws -1, a best candidate at ``d = 0`` is drawn at once.
-- ``_nucleus_mass_kernel``: each span's ``Z`` and, per candidate, the mass of ``d > d_i``; the last
-  program draws the first candidate top-p keeps. Each candidate lies outside the kept set with
-  probability at most ``1 - top_p`` given those before it: a first launch tests the first two
-  (most rows end there, and two masses a column keep the pass near a plain read), a second all
-  ``M`` of the rows left. A row finds none with probability at most ``(1 - top_p)^M`` (the host
+- ``_nucleus_mass_kernel``: each span's ``Z`` and, per candidate, the mass of ``d > d_i``, in float32
+  (``2^d``: a column costs about a read); the last program draws the first candidate top-p keeps
+  where the approximate masses decide it beyond their error bound, else it computes the exact
+  integer masses over the row alone (rare: a candidate's mass above lies within that bound of
+  ``top_p * Z``). Each candidate lies outside the kept set with probability at most ``1 - top_p``
+  given those before it, so a row finds none with probability at most ``(1 - top_p)^M`` (the host
   picks ``M``); it takes the exact rounds over the whole row by that program
   (``sampling_fused._exact_row``).
 """
@@ -175,67 +176,94 @@ def _nucleus_keys_kernel(X, PART, CNT, MODE, PLANF, NUC, OUT, SEED, seed_ptr, se
 
 
 @triton.jit
-def _mass_span(X, lo, hi, c, zmax, t, shift, M: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr):
-    """``(Z, A [M])`` of the span: the integer mass of its columns, and of those with ``d > t_i``."""
+def _mass_span(X, lo, hi, c, zmax, t, shift, M: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
+               EXACT: tl.constexpr):
+    """``(Z, A [M])`` of the columns ``[lo, hi)``: their mass, and that of those with ``d > t_i``;
+    approximate (float32 ``2^d``) or ``EXACT`` (the integer masses ``qmass(d)``)."""
     lanes = tl.arange(0, TILE)[:, None]                       # [TILE, 1]
     tv = t[None, :]                                           # [1, M]
-    z = tl.zeros([TILE, 1], tl.int64)
-    f = tl.zeros([TILE, M], tl.int64)
+    if EXACT:
+        z = tl.zeros([TILE, 1], tl.int64)
+        f = tl.zeros([TILE, M], tl.int64)
+    else:
+        z = tl.zeros([TILE, 1], tl.float32)
+        f = tl.zeros([TILE, M], tl.float32)
     for t0 in tl.range(lo, hi, TILE, num_stages=STAGES):
         cols = t0 + lanes
         x = tl.load(X + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
-        q = _qmass(x * c - zmax, shift)
+        d = x * c - zmax
+        if EXACT:
+            q = _qmass(d, shift)
+        else:
+            q = tl.exp2(d)
         z += q
-        f += tl.where((x * c - zmax) > tv, q, 0)
+        f += tl.where(d > tv, q, 0)
     return tl.sum(tl.sum(z, axis=1), axis=0), tl.sum(f, axis=0)
 
 
 @triton.jit
 def _mass_sums(PART, row, Q, M: tl.constexpr):
-    """The row's ``(Z, A [M])`` from its ``Q`` partials, 64 at a time (few registers at any ``Q``)."""
-    z = tl.sum(tl.zeros([1], tl.int64), axis=0)
-    a = tl.zeros([M], tl.int64)
+    """The row's approximate ``(Z, A [M])`` from its ``Q`` partials, 64 at a time (few registers at any ``Q``)."""
+    z = tl.sum(tl.zeros([1], tl.float32), axis=0)
+    a = tl.zeros([M], tl.float32)
     ki = tl.arange(0, M)
     for q0 in range(0, Q, 64):
         qi = q0 + tl.arange(0, 64)
         rows = PART + (row * Q + qi) * (M + 1)
-        z += tl.sum(tl.load(rows, mask=qi < Q, other=0, cache_modifier=".cg"), axis=0)
-        a += tl.sum(tl.load(rows[:, None] + 1 + ki[None, :], mask=(qi < Q)[:, None], other=0, cache_modifier=".cg"),
+        z += tl.sum(tl.load(rows, mask=qi < Q, other=0.0, cache_modifier=".cg"), axis=0)
+        a += tl.sum(tl.load(rows[:, None] + 1 + ki[None, :], mask=(qi < Q)[:, None], other=0.0, cache_modifier=".cg"),
                     axis=0)
     return z, a
 
 
-@triton.jit(do_not_specialize=INTS + ["c"])
+@triton.jit
+def _first_kept(z, a, cand, top_p, ki, M: tl.constexpr):
+    """Index of the first candidate top-p keeps (exact masses ``Z``, ``A [M]``; ``M``: none)."""
+    kept = (cand != NONE) & (a.to(tl.float64) < top_p * z.to(tl.float64))
+    return tl.min(tl.where(kept, ki, M), axis=0)
+
+
+@triton.jit(do_not_specialize=INTS + ["c", "slack"])
 def _nucleus_mass_kernel(X, PART, CNT, MODE, PLANF, NUC, OUT, CAND, CCOUNT, SEED, seed_ptr, seed_lo, seed_hi, OFFSET,
-                         off_ptr, off_lo, off_hi, V, tiles, s_xn, Q, c, shift, top_p_bits, cap, M: tl.constexpr,
-                         T: tl.constexpr, LAST: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
-                         ROUNDS: tl.constexpr, DTILE: tl.constexpr, XTILE: tl.constexpr, CP: tl.constexpr):
-    """Grid ``(N, Q)``, NUCLEUS rows, the first ``T`` of their ``M`` candidates: the span's ``(Z, A [T])``
-    (``PART [N, Q, T + 1]``); last, the first candidate top-p keeps, or (none) the row stays for the
-    next pass, or with ``LAST`` takes the exact rounds by this program (``DTILE``: their draw's tile)."""
+                         off_ptr, off_lo, off_hi, V, tiles, s_xn, Q, c, shift, top_p_bits, cap, slack,
+                         M: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr, ROUNDS: tl.constexpr,
+                         DTILE: tl.constexpr, XTILE: tl.constexpr, ETILE: tl.constexpr, CP: tl.constexpr):
+    """Grid ``(N, Q)``, NUCLEUS rows: the span's approximate ``(Z, A [M])`` (``PART [N, Q, M + 1]``
+    float32); last, the row's token: the first candidate the approximate masses keep, when those
+    before it are out by more than their relative error ``slack``; else the exact masses over the
+    row by this program decide; a row none of whose candidates is kept takes the exact rounds by
+    this program (``ETILE``: the exact masses' tile; ``DTILE``, ``XTILE``: the exact rounds' draw and
+    pivot tiles)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if tl.load(MODE + row) == NUCLEUS:
         p = PLANF + row * PLAN_W
         xrow = X + row * s_xn
-        ki = tl.arange(0, T)
+        ki = tl.arange(0, M)
+        t = tl.load(p + F_PIV + ki)
+        zmax = tl.load(p + F_ZMAX)
         lo = split * tiles * TILE
         hi = tl.minimum(lo + tiles * TILE, V)
-        z, a = _mass_span(xrow, lo, hi, c, tl.load(p + F_ZMAX), tl.load(p + F_PIV + ki), shift, T, TILE, STAGES)
-        part = PART + (row * Q + split) * (T + 1)
+        z, a = _mass_span(xrow, lo, hi, c, zmax, t, shift, M, TILE, STAGES, False)
+        part = PART + (row * Q + split) * (M + 1)
         tl.store(part, z)
         tl.store(part + 1 + ki, a)
         if _last(CNT, row, Q):
-            zs, az = _mass_sums(PART, row, Q, T)
-            need = top_p_bits.to(tl.float64, bitcast=True) * zs.to(tl.float64)
-            cand = tl.load(NUC + row * M + ki)
-            kept = (cand != NONE) & (az.to(tl.float64) < need)
-            first = tl.min(tl.where(kept, ki, T), axis=0)
             tl.store(CNT + row, 0)
-            if first < T:
+            top_p = top_p_bits.to(tl.float64, bitcast=True)
+            zs, az = _mass_sums(PART, row, Q, M)
+            need = top_p.to(tl.float32) * zs
+            cand = tl.load(NUC + row * M + ki)
+            out = (cand == NONE) | (az >= need * (1.0 + slack))
+            first = tl.min(tl.where(out, M, ki), axis=0)
+            sure = tl.sum(tl.where((ki == first) & (az < need * (1.0 - slack)), 1, 0), axis=0) > 0
+            if (first < M) & ~sure:                    # the approximate masses cannot tell: exact ones
+                ze, ae = _mass_span(xrow, 0, V, c, zmax, t, shift, M, ETILE, STAGES, True)
+                first = _first_kept(ze, ae, cand, top_p, ki, M)
+            if first < M:
                 tl.store(OUT + row, _token(tl.max(tl.where(ki == first, cand, NONE), axis=0)))
                 tl.store(MODE + row, DONE)
-            elif LAST:
+            else:
                 floor = -shift.to(tl.float32)
                 tl.store(p + F_XTHR, NEG_INF)
                 tl.store(p + F_DTHR, NEG_INF)

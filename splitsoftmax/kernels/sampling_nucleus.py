@@ -31,8 +31,8 @@ from .sampling_decide import _range_pivots
 from .sampling_finish import _token
 from .sampling_fused import INTS, _exact_row, _last
 from .sampling_jit import (DONE, EXACT, F_DTHR, F_PIV, F_RHI, F_RLO, F_XTHR, F_ZMAX, NEG_INF, NONE, PIVOTS, PLAN_W,
-                           POS_INF, U32, _qmass, _seed_of)
-from .sampling_span import _approx_noise, _draw_tile, _exact_key, _words_at
+                           POS_INF, U32, _ord32, _seed_of, _unord32)
+from .sampling_span import _approx_noise, _draw_tile, _exact_key, _pivot_span, _words_at
 
 NUCLEUS = tl.constexpr(5)          # the row mode between the two passes (after sampling_jit's modes)
 NAN_FLAG = tl.constexpr(1 << 40)   # a span's NaN mark in its partial's logit word (above any int32 bits)
@@ -176,32 +176,6 @@ def _nucleus_keys_kernel(X, PART, CNT, MODE, PLANF, NUC, OUT, SEED, seed_ptr, se
 
 
 @triton.jit
-def _mass_span(X, lo, hi, c, zmax, t, shift, M: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
-               EXACT: tl.constexpr):
-    """``(Z, A [M])`` of the columns ``[lo, hi)``: their mass, and that of those with ``d > t_i``;
-    approximate (float32 ``2^d``) or ``EXACT`` (the integer masses ``qmass(d)``)."""
-    lanes = tl.arange(0, TILE)[:, None]                       # [TILE, 1]
-    tv = t[None, :]                                           # [1, M]
-    if EXACT:
-        z = tl.zeros([TILE, 1], tl.int64)
-        f = tl.zeros([TILE, M], tl.int64)
-    else:
-        z = tl.zeros([TILE, 1], tl.float32)
-        f = tl.zeros([TILE, M], tl.float32)
-    for t0 in tl.range(lo, hi, TILE, num_stages=STAGES):
-        cols = t0 + lanes
-        x = tl.load(X + cols, mask=cols < hi, other=float("-inf")).to(tl.float32)
-        d = x * c - zmax
-        if EXACT:
-            q = _qmass(d, shift)
-        else:
-            q = tl.exp2(d)
-        z += q
-        f += tl.where(d > tv, q, 0)
-    return tl.sum(tl.sum(z, axis=1), axis=0), tl.sum(f, axis=0)
-
-
-@triton.jit
 def _mass_sums(PART, row, Q, M: tl.constexpr):
     """The row's approximate ``(Z, A [M])`` from its ``Q`` partials, 64 at a time (few registers at any ``Q``)."""
     z = tl.sum(tl.zeros([1], tl.float32), axis=0)
@@ -240,11 +214,11 @@ def _nucleus_mass_kernel(X, PART, CNT, MODE, PLANF, NUC, OUT, CAND, CCOUNT, SEED
         p = PLANF + row * PLAN_W
         xrow = X + row * s_xn
         ki = tl.arange(0, M)
-        t = tl.load(p + F_PIV + ki)
+        above = _unord32(_ord32(tl.load(p + F_PIV + ki)) + 1)     # d > t_i as d >= the next float up
         zmax = tl.load(p + F_ZMAX)
         lo = split * tiles * TILE
         hi = tl.minimum(lo + tiles * TILE, V)
-        z, a = _mass_span(xrow, lo, hi, c, zmax, t, shift, M, TILE, STAGES, False)
+        z, a, unused = _pivot_span(xrow, lo, hi, c, zmax, NEG_INF, above, shift, TILE, M, STAGES, False)
         part = PART + (row * Q + split) * (M + 1)
         tl.store(part, z)
         tl.store(part + 1 + ki, a)
@@ -258,7 +232,7 @@ def _nucleus_mass_kernel(X, PART, CNT, MODE, PLANF, NUC, OUT, CAND, CCOUNT, SEED
             first = tl.min(tl.where(out, M, ki), axis=0)
             sure = tl.sum(tl.where((ki == first) & (az < need * (1.0 - slack)), 1, 0), axis=0) > 0
             if (first < M) & ~sure:                    # the approximate masses cannot tell: exact ones
-                ze, ae = _mass_span(xrow, 0, V, c, zmax, t, shift, M, ETILE, STAGES, True)
+                ze, ae, unused = _pivot_span(xrow, 0, V, c, zmax, NEG_INF, above, shift, ETILE, M, STAGES, True)
                 first = _first_kept(ze, ae, cand, top_p, ki, M)
             if first < M:
                 tl.store(OUT + row, _token(tl.max(tl.where(ki == first, cand, NONE), axis=0)))

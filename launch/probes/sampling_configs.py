@@ -7,8 +7,10 @@ V = 128256 float32 logits (``randn * 2``, as ``bench vocab``), batch 1 and 256, 
 device tensors; each filter of the bench timed eager and replayed from a CUDA graph (``bench.best_ms``,
 L2 flushed between calls), for each named setting of ``SETTINGS`` (all by default). The kernels of
 every setting are compiled first in one process per setting (Triton's cache is shared), then timed
-one after another in this process. Every setting's tokens are checked equal to the first's.
-Prints a table last and writes OUTDIR/sampling_configs.json.
+one after another in this process, after the device time of each pass under the first setting
+(unless ``--no-profile``). Every setting's tokens are checked equal to the first's (``!`` marks a
+difference). Prints a table last (``graph/eager`` us per batch and filter) and writes
+OUTDIR/sampling_configs.json.
 """
 import json
 import os
@@ -95,8 +97,8 @@ DEFAULTS = {k: getattr(sc, k) for s in SETTINGS.values() for k in s}
 
 
 def kernel_times(name):
-    """The torch profiler's device time per kernel of each draw of ``name`` (20 draws, L2 flushed
-    before each, as ``do_bench`` does), and the wall time of those draws."""
+    """The torch profiler's device time per kernel of a draw under setting ``name``, per batch and
+    filter (averaged over 20 draws, L2 flushed before each, as ``do_bench`` does)."""
     from torch.profiler import ProfilerActivity, profile
     _apply(name)
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")

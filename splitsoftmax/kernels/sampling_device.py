@@ -1,9 +1,9 @@
 """Host side of a draw on one device: the launches of ``kernels.sampling_fused``.
 
 Greedy is one launch (records), plain sampling one (the draw), top-k and min-p two (records, draw),
-top-p alone two (``sampling_nucleus``: the row's best keys, then the masses above them), top-p with another
-filter three (records, approximate pivot rounds, the draw); passes with no row to serve return at
-once, and nothing is read back, so a CUDA graph can hold a draw. The
+top-p alone two (``sampling_nucleus``: the row's best keys, then the masses above them), top-p with
+another filter three (records, approximate pivot rounds, the draw); passes with no row to serve
+return at once, and nothing is read back, so a CUDA graph can hold a draw. The
 per-row buffers (plan, partials, counters, bracket lists) are kept per device, stream and batch
 size: a decode loop allocates only its output. Seeds and offsets given as ints travel as kernel
 arguments (two int32 halves, so every value runs the same compiled kernel).
@@ -102,7 +102,7 @@ class _Work:
         self.part_p = torch.empty((n, self.q, 17), **f32)
         self.part_d = torch.empty((n, self.q, 4), **i64)
         self.cand = torch.empty((n, self.cap), **i64)
-        self.part_n = torch.empty((n, self.q, PIVOTS + 1), **i64)      # the nucleus passes' partials
+        self.part_n = torch.empty((n, self.q, PIVOTS + 1), **i64)      # top-p alone: the keys' partials
         self.nuc = torch.empty((n, PIVOTS), **i64)                     # and a row's candidates
         # the plan of plain sampling (every row THRESH, nothing filtered), read only; made by device
         # operations only, so that a first draw inside a CUDA-graph capture records them
@@ -204,7 +204,7 @@ def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_larg
         mode, planf = w.plain_mode, w.plain_planf
     else:
         mode, planf = w.mode, w.planf
-        steps.append(_records(x, w, spec, kr, base, xk_large, tile))
+        steps.append(_records(x, w, spec, kr, base, xk_large))
         if not spec.greedy and spec.top_p < 1.0 and sc.PIVOT_ROUNDS:
             steps.append(_pivots(x, w, spec, base, tile))
     if not spec.greedy:
@@ -246,10 +246,9 @@ def nucleus_slack(v: int, tile: int) -> float:
     return sc.NUCLEUS_SLACK * (configs.cdiv(v, tile) + 64) * 2.0 ** -22
 
 
-def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large, tile: int) -> tuple:
+def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large) -> tuple:
     n, v = x.shape
-    tile = _records_sizes(n)[0]
-    rtile = max(tile, kr // 4)
+    rtile = max(_records_sizes(n)[0], kr // 4)
     q, tiles = _splits(n, v, rtile, w.qr, x.device)
     qp = configs.next_pow2(q)       # the row's partials as the finisher merges them (sorting qp * kr keys)
     top_p = spec.top_p < 1.0

@@ -287,6 +287,8 @@ def test_top_p_alone_near_ties(monkeypatch):
     monkeypatch.setattr(sc, "INTERPRET_SMS", 1)          # one span of three tiles a row
     x, seeds, offsets = _near_ties(3, 40)
     assert sampling_device._splits(3, 40, 16, sampling_device.row_splits(3, x.device), x.device) == (1, 3)
+    keys = sm.gumbel_key(x * sm.temperature_scale(1.0), sm.words(seeds[:, None], offsets[:, None], 0, 40))
+    assert (keys.amax(dim=1) - keys.amin(dim=1)).max() < 1e-4
     for kw in (dict(top_p=0.9), dict(top_p=0.6)):
         assert torch.equal(ss.sample(x, seed=seeds, offset=offsets, **kw),
                            _torch_tokens(monkeypatch, x, seeds, offsets, **kw)), kw

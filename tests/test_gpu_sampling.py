@@ -159,8 +159,8 @@ def test_topk_on_cuda():
 
 def test_near_ties_of_the_keys_on_cuda():
     """Logits that cancel each token's noise (every key within 1e-5): the draw kernel's bound keeps
-    every lane, the exact keys and the lower id decide, as on the CPU; top-p alone rescans its
-    candidates by exact keys."""
+    every lane, the exact keys and the lower id decide, as on the CPU; top-p alone too (every
+    position's bounded key within the margin of the cut: exact keys for all)."""
     from splitsoftmax.kernels import sampling_math as sm
     n, v = 4, 5003
     seeds, offsets = torch.arange(n) + 5, torch.arange(n) + 1

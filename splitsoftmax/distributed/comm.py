@@ -443,7 +443,6 @@ def as_comm(group) -> Communicator:
         return group
     if group is None:
         return TorchComm(None)
-    kind = type(group).__module__ + "." + type(group).__name__
     if is_mpi(group):
         return MpiComm(group)
     if type(group).__name__ == "DeviceMesh":
@@ -454,4 +453,4 @@ def as_comm(group) -> Communicator:
     if isinstance(group, dist.ProcessGroup):
         return TorchComm(group)
     raise TypeError(f"group must be None, a ProcessGroup, a 1-d DeviceMesh or an mpi4py communicator, "
-                    f"got {kind}")
+                    f"got {type(group).__module__}.{type(group).__name__}")

@@ -32,7 +32,7 @@ from .sampling_finish import _token
 from .sampling_fused import INTS, _exact_row, _last
 from .sampling_jit import (DONE, EXACT, F_DTHR, F_PIV, F_RHI, F_RLO, F_XTHR, F_ZMAX, NEG_INF, NONE, PIVOTS, PLAN_W,
                            POS_INF, U32, _ord32, _seed_of, _unord32)
-from .sampling_span import _approx_noise, _draw_tile, _exact_key, _pivot_span, _words_at
+from .sampling_span import _approx_noise, _draw_tile, _exact_at, _exact_key, _pivot_span
 
 NUCLEUS = tl.constexpr(5)          # the row mode between the two passes (after sampling_jit's modes)
 NAN_FLAG = tl.constexpr(1 << 40)   # a span's NaN mark in its partial's logit word (above any int32 bits)
@@ -73,14 +73,6 @@ def _best_m(e1, e2, M: tl.constexpr):
         e1 = tl.where(e1 == m, NONE, e1)
         e2 = tl.where(e2 == m, NONE, e2)
     return rec
-
-
-@triton.jit
-def _exact_at(X, near, col, c, seed, off):
-    """Packed exact keys of the columns ``col`` where ``near`` (NONE elsewhere)."""
-    gid = col.to(tl.int64)
-    zz = tl.load(X + col, mask=near, other=0.0).to(tl.float32) * c
-    return tl.where(near, _exact_key(zz, _words_at(seed, off, gid), gid), NONE)
 
 
 @triton.jit
@@ -125,8 +117,8 @@ def _keys_span(X, lo, hi, V, c, seed, off, M: tl.constexpr, TILE: tl.constexpr, 
     if third > 0:
         rec = _rescan_m(X, lo, hi, V, c, seed, off, floor, M, TILE)
     else:
-        e1 = _exact_at(X, (a1 >= floor) & (a1 > NEG_INF), i1, c, seed, off)
-        e2 = _exact_at(X, (a2 >= floor) & (a2 > NEG_INF), i2, c, seed, off)
+        e1 = _exact_at(X, (a1 >= floor) & (a1 > NEG_INF), i1, 0, c, seed, off)
+        e2 = _exact_at(X, (a2 >= floor) & (a2 > NEG_INF), i2, 0, c, seed, off)
         rec = _best_m(e1, e2, M)
     return rec, tl.max(tl.max(xm, axis=1), axis=0), tl.max(tl.max(nan, axis=1), axis=0)
 

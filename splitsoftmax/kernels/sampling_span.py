@@ -263,6 +263,15 @@ def _exact_key(zz, word, gid):
 
 
 @triton.jit
+def _exact_at(X, near, col, col0, c, seed, off):
+    """Packed exact keys of the local columns ``col`` (global ids ``col + col0``) where ``near``, NONE
+    elsewhere."""
+    gid = (col + col0).to(tl.int64)
+    zz = tl.load(X + col, mask=near, other=0.0).to(tl.float32) * c
+    return tl.where(near, _exact_key(zz, _words_at(seed, off, gid), gid), NONE)
+
+
+@triton.jit
 def _tile_words(seed, off, g0, Q4: tl.constexpr):
     """The words of global ids ``g0 + [0, 4 Q4)`` (``g0`` divisible by 4) as ``[Q4, 4]``."""
     ctr = (g0 >> 2) + tl.arange(0, Q4).to(tl.int64)
@@ -350,10 +359,6 @@ def _draw_span(X, lo, hi, SHIFT4, V, col0, c, zmax, xthr, thr, b_lo, b_hi, seed,
         if tl.max(tl.max(a2, axis=1), axis=0) >= floor:        # two bounded keys near the best at one position
             best = _near_rescan(X, lo, hi, SHIFT4, V, col0, c, zmax, xthr, thr, seed, off, floor, TILE)
         else:
-            near = a1 >= floor
-            gid = (i1 + col0).to(tl.int64)
-            xk = tl.load(X + i1, mask=near, other=0.0).to(tl.float32)
-            packed = _exact_key(xk * c, _words_at(seed, off, gid), gid)
-            best = tl.max(tl.max(tl.where(near, packed, NONE), axis=1), axis=0)
+            best = tl.max(tl.max(_exact_at(X, a1 >= floor, i1, col0, c, seed, off), axis=1), axis=0)
     best = tl.where(tl.max(tl.max(nan, axis=1), axis=0) > 0, NAN_KEY, best)
     return best, tl.sum(tl.sum(zq, axis=1), axis=0), tl.sum(tl.sum(aq, axis=1), axis=0)

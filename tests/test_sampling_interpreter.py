@@ -227,6 +227,28 @@ def test_top_p_paths(monkeypatch, case):
             assert PIVOT in after["_RECORDS"] and "_PIVOTS" not in after, seen
 
 
+def test_top_k_settles_top_p(monkeypatch):
+    """Top-p (and min-p) after a top-k inside the records: two launches, records and draw, no pivot
+    rounds; the records decide every row (DONE) but those whose cut-off ties run past them (THRESH:
+    the draw takes them), tokens the torch path's. The rows: random, rounded to many ties, all
+    equal, and one whose top-k cut-off value fills a span past its records."""
+    x, seeds = _wide_rows()
+    flat = torch.full((1, 100), -3.0)
+    flat[0, 20:32] = torch.tensor([4.0, 3.5] + [3.0] * 10)
+    x = torch.cat((x, torch.zeros(1, 100), flat))
+    seeds = torch.cat((seeds, torch.tensor([77, 78])))
+    seen = _modes(monkeypatch)
+    for kw in (dict(top_k=3, top_p=0.9), dict(top_k=6, top_p=0.5, temperature=1.7),
+               dict(top_k=6, top_p=0.95, min_p=0.2)):
+        seen.clear()
+        got = ss.sample(x, seed=seeds, offset=3, **kw)
+        assert torch.equal(got, _torch_tokens(monkeypatch, x, seeds, 3, **kw)), (kw, got)
+        assert [name for name, _ in seen] == ["_RECORDS", "_DRAW"], seen
+        modes = seen[0][1]
+        assert set(modes) <= {DONE, THRESH} and modes[-2:] == [THRESH, THRESH], (kw, modes)
+        assert dict(seen)["_DRAW"] == modes and _counters_clear(), seen
+
+
 def _first_keys(x, seeds, offset, m: int) -> torch.Tensor:
     """The ids of each row's ``m`` best exact Gumbel keys (ties to the lower id): ``(N, m)``."""
     n, v = x.shape

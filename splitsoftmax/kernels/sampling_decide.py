@@ -86,10 +86,11 @@ def _moment_pivots(MOM, row, s_mn, Q, zmax, d_last, probit, floor, spread, growt
 @triton.jit
 def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, OUT, c, shift,
                     top_p_bits, cmin, top_k, probit, slack, spread, growth, KR: tl.constexpr, QP: tl.constexpr,
-                    LARGE_K: tl.constexpr, GREEDY: tl.constexpr, TOP_P: tl.constexpr):
+                    LARGE_K: tl.constexpr, GREEDY: tl.constexpr, TOP_P: tl.constexpr, MOMENTS: tl.constexpr):
     """``sampling_rows.after_records`` on the partial records ``keys [QP, KR]`` (ties ``[QP]``) of
     one row; a top-p the records cannot settle gets a bracket from the records (when their mass
-    surely reaches the threshold) or the first round's pivots."""
+    surely reaches the threshold) or the first round's pivots (around the threshold the
+    ``MOMENTS`` suggest, else evenly below the records)."""
     rec = _top(tl.reshape(keys, [QP * KR]), KR)                   # [KR] merged, descending
     x, gid, valid = _decode(rec)
     top = _pick(x, 0, KR)
@@ -115,7 +116,7 @@ def _decide_records(row, keys, ties, Q, MOM, s_mn, seed, off, XK, MODE, PLANF, O
         if TOP_P:
             if to_pivot:
                 floor = -shift.to(tl.float32)
-                if LARGE_K:         # no moments (they would count what top-k drops): pivots evenly below
+                if not MOMENTS:     # none taken (a large top-k's would count what it drops): pivots evenly below
                     piv = _range_pivots(floor, tl.maximum(d_last, floor), floor)
                     a = zero_f + NEG_INF
                 else:

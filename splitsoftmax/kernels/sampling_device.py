@@ -2,7 +2,8 @@
 
 Greedy is one launch (records), plain sampling one (the draw), top-k and min-p two (records, draw),
 top-p alone two (``sampling_nucleus``: the row's best keys, then the masses above them), top-p with
-another filter three (records, approximate pivot rounds, the draw); passes with no row to serve
+top-k two (the records hold every token top-k keeps, so they settle top-p), top-p with min-p alone
+three (records, approximate pivot rounds, the draw); passes with no row to serve
 return at once, and nothing is read back, so a CUDA graph can hold a draw. The
 per-row buffers (plan, partials, counters, bracket lists) are kept per device, stream and batch
 size: a decode loop allocates only its output. Seeds and offsets given as ints travel as kernel
@@ -205,11 +206,18 @@ def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_larg
     else:
         mode, planf = w.mode, w.planf
         steps.append(_records(x, w, spec, kr, base, xk_large))
-        if not spec.greedy and spec.top_p < 1.0 and sc.PIVOT_ROUNDS:
+        if not spec.greedy and spec.top_p < 1.0 and sc.PIVOT_ROUNDS and not _records_settle(spec, xk_large):
             steps.append(_pivots(x, w, spec, base, tile))
     if not spec.greedy:
         steps.append(_draw(x, w, mode, planf, spec, base, tile, not plain and spec.top_p < 1.0))
     return w.mode, steps
+
+
+def _records_settle(spec: Spec, xk_large) -> bool:
+    """Whether the records settle a top-p: a top-k inside them keeps only records and the ties of
+    its cut-off, which each span counts, so no row needs the pivot rounds (a row left to them all
+    the same would take the draw's exact rounds)."""
+    return 0 < spec.top_k < spec.kr and xk_large is None
 
 
 def _nucleus_alone(spec: Spec, plain: bool, xk_large) -> bool:
@@ -261,7 +269,8 @@ def _records(x, w: _Work, spec: Spec, kr: int, base: tuple, xk_large) -> tuple:
 
     def build(x, out, seeds, xk):
         return (x, *head, *seeds, dummy if xk is None else xk, *mid, out, *tail)
-    consts = dict(KR=kr, QP=qp, TILE=rtile, STAGES=sc.STAGES, MOMENTS=top_p and xk_large is None, FUSED=True,
+    moments = top_p and xk_large is None and not _records_settle(spec, xk_large)
+    consts = dict(KR=kr, QP=qp, TILE=rtile, STAGES=sc.STAGES, MOMENTS=moments, FUSED=True,
                   LARGE_K=xk_large is not None, GREEDY=spec.greedy, TOP_P=top_p, num_warps=sc.WARPS, **LAUNCH)
     return _RECORDS, (n, q), base + (n, (xk_large if xk_large is not None else dummy).dtype), build, consts
 

@@ -91,7 +91,7 @@ def _records_kernel(X, PART, TIES, MOM, CNT, V, col0, tiles, s_xn, Q, k_tie, SEE
             seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
             off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
             _decide_records(row, keys, tie, Q, MOM, QP * 4, seed, off, XK, MODE, PLANF, OUT, c, shift, top_p_bits,
-                            cmin, top_k, probit, slack, spread, growth, KR, QP, LARGE_K, GREEDY, TOP_P)
+                            cmin, top_k, probit, slack, spread, growth, KR, QP, LARGE_K, GREEDY, TOP_P, MOMENTS)
             tl.store(CNT + row, 0)
 
 

@@ -44,6 +44,12 @@ SETTINGS = {
     "stages2": dict(STAGES=2),
     "few0": dict(FEW_ROWS=0),
     "few64": dict(FEW_ROWS=64),
+    "fm512": dict(FEW_ROWS_MERGE=512),
+    "fm2048": dict(FEW_ROWS_MERGE=2048),
+    "fm4096": dict(FEW_ROWS_MERGE=4096),
+    "ft128": dict(FEW_ROWS_TILE=128),
+    "ft512": dict(FEW_ROWS_TILE=512),
+    "ft128fm2048": dict(FEW_ROWS_TILE=128, FEW_ROWS_MERGE=2048),
 }
 
 

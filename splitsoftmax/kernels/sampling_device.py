@@ -172,7 +172,7 @@ def draw(x: Tensor, spec: Spec, plain: bool, ident: int, seed, offset, xk_large=
     configuration, shape, dtype, alignment, device and stream."""
     n = x.shape[0]
     out = torch.empty(n, dtype=torch.int64, device=x.device)
-    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else 0
+    stream = torch._C._cuda_getCurrentRawStream(x.get_device()) if x.is_cuda else 0   # (as Triton reads it)
     seed_t, offset_t = isinstance(seed, Tensor), isinstance(offset, Tensor)
     key = (ident, x.shape, x.stride(0), x.dtype, x.data_ptr() % 16, x.device, stream, seed_t and seed.data_ptr() % 16,
            offset_t and offset.data_ptr() % 16, seed_t, offset_t, None if xk_large is None else xk_large.dtype,

@@ -64,6 +64,8 @@ CASES = {
                        None),
     "records, top-k and top-p, few rows": (kf._records_kernel, TYPES, dict(RECORDS, TILE=sc.FEW_ROWS_TILE, KR=64,
                                                                          MOMENTS=False, TOP_P=True), None),
+    "records, min-p alone": (kf._records_kernel, TYPES, dict(RECORDS, TILE=sc.FEW_ROWS_TILE, QP=512, KR=1,
+                                                             MOMENTS=False, TOP_P=False), None),
     "records 256": (kf._records_kernel, TYPES, dict(RECORDS, QP=8, KR=256, MOMENTS=False, TOP_P=False), None),
     "pivots": (kf._pivot_kernel, dict(TYPES, PART="*fp32"), dict(TILE=sc.TILE, QP=512, STAGES=sc.STAGES, MORE=1),
                {"enable_fp_fusion": True}),

@@ -175,6 +175,32 @@ def test_records_three_at_one_position(monkeypatch):
     assert got[1][0, :3].tolist() == [5, 21, 37]
 
 
+@pytest.mark.parametrize("fifth", [False, True])
+def test_records_rescan_only_where_a_top_key_was_dropped(monkeypatch, fifth):
+    """A tile position holding four of a span's top eight keys, and a fifth column of its own below
+    them, keeps its four and drops nothing the records need: no second pass over the span. With
+    that fifth column among the top keys too, it dropped one: the second pass runs. Records as the
+    torch path finds them either way."""
+    from splitsoftmax.kernels import sampling_span
+    monkeypatch.setattr(sc, "INTERPRET_SMS", 1)          # two spans of five tiles
+    x = torch.randn(1, 160, generator=torch.Generator().manual_seed(3)) * 0.1
+    x[0, [5, 21, 37, 53]] = torch.tensor([9.0, 8.0, 7.0, 6.0])
+    x[0, [2, 40, 60, 78]] = torch.tensor([5.0, 4.0, 3.0, 2.0])
+    x[0, 69] = 8.5 if fifth else -1.0
+    real, rescans = sampling_span._top4_span, []
+
+    def counted(*args):
+        rescans.extend([1] * (len(args) == 9))            # the other assignment of columns (``ROTATE``)
+        return real(*args)
+    monkeypatch.setattr(sampling_span, "_top4_span", counted)
+    keys, ties = tk.records(x, 0, 8)
+    vals, ids = tk.decode(keys)
+    got = rows.merge_partials(vals, ids, ties, 8)
+    want = sampling_cpu.records(x, 0, 8)
+    assert torch.equal(got[1], want[1][:, 0]) and torch.equal(got[0], want[0][:, 0])
+    assert len(rescans) == (1 if fifth else 0), rescans
+
+
 def test_tokens_match_the_torch_path(monkeypatch):
     x, seeds, offset = _rows()
     for kw in CONFIGS:
@@ -247,6 +273,28 @@ def test_top_k_settles_top_p(monkeypatch):
         modes = seen[0][1]
         assert set(modes) <= {DONE, THRESH} and modes[-2:] == [THRESH, THRESH], (kw, modes)
         assert dict(seen)["_DRAW"] == modes and _counters_clear(), seen
+
+
+def test_min_p_alone_takes_the_row_maximum(monkeypatch):
+    """Min-p alone: a records pass of one record (the row's largest logit places the cut-off), then
+    the draw above the cut-off for every row but the invalid ones; tokens the torch path's, on the
+    edge rows (NaN, all equal, masked) and on wide rows."""
+    x, seeds, offset = _rows()
+    wide, wide_seeds = _wide_rows()
+    kr = []
+    real = sampling_device._RECORDS
+
+    def records(grid, key, args, consts):
+        kr.append(consts["KR"])
+        real(grid, key, args, consts)
+    monkeypatch.setattr(sampling_device, "_RECORDS", records)
+    monkeypatch.setattr(sampling_device, "_PLANS", {})
+    for rows_, seeds_ in ((x, seeds), (torch.cat((wide, x[:, :29].repeat(1, 4)[:, :100])), torch.arange(11))):
+        for kw in (dict(min_p=0.1), dict(min_p=0.6, temperature=0.7), dict(min_p=1.0)):
+            got = ss.sample(rows_, seed=seeds_, offset=offset, **kw)
+            assert torch.equal(got, _torch_tokens(monkeypatch, rows_, seeds_, offset, **kw)), (kw, got)
+            assert _counters_clear(), kw
+    assert kr == [1] * 6, kr
 
 
 def _first_keys(x, seeds, offset, m: int) -> torch.Tensor:

@@ -6,7 +6,8 @@
 1. Gate: the CUDA tokens equal the CPU path's bit for bit (the draw does not depend on the device)
    for every filter on rows of a 50k vocabulary with ties, masked and NaN rows; greedy equals
    ``torch.argmax``.
-2. Timing at batch 1, 32 and 256 over V = 128256 float32 logits (``randn * 2``): plain sampling,
+2. Timing at batch 1, 32 and 256 over V = 128256 float32 logits (``randn * 2``, seeded by the
+   batch: a row's records, and so whether a filter is settled by them, depend on its logits): plain sampling,
    top-k 50, top-p 0.9, top-k 50 + top-p 0.9, min-p 0.1 and greedy, for ss eager and replayed from
    a CUDA graph (seeds and offsets as device tensors), beside torch in the same run: multinomial of
    the softmax, ``torch.topk``, and top-p by a full sort + cumsum (the ``transformers`` /
@@ -98,7 +99,7 @@ def _time(fn) -> tuple[float, float]:
 def run_bench() -> list:
     results = []
     for b in BATCHES:
-        x = torch.randn(b, VOCAB, device="cuda") * 2
+        x = torch.randn(b, VOCAB, device="cuda", generator=torch.Generator("cuda").manual_seed(b)) * 2
         seeds = torch.arange(b, device="cuda", dtype=torch.int64)
         offsets = torch.zeros(b, device="cuda", dtype=torch.int64)
         for name, kw in FILTERS.items():

@@ -1,6 +1,7 @@
 """Host side of a draw on one device: the launches of ``kernels.sampling_fused``.
 
-Greedy is one launch (records), plain sampling one (the draw), top-k and min-p two (records, draw),
+Greedy is one launch (records), plain sampling one (the draw), top-k two (records, draw), min-p
+alone two (one record: the row's largest logit, which places the cut-off; then the draw above it),
 top-p alone two (``sampling_nucleus``: the row's best keys, then the masses above them), top-p with
 top-k two (the records hold every token top-k keeps, so they settle top-p), top-p with min-p alone
 three (records, approximate pivot rounds, the draw); passes with no row to serve
@@ -191,7 +192,7 @@ def draw(x: Tensor, spec: Spec, plain: bool, ident: int, seed, offset, xk_large=
 def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_large) -> tuple:
     """``(dummy tensor, launches)``: each launch ``(launcher, grid, key, build(x, out, seeds, xk), consts)``."""
     n, v = x.shape
-    kr = 1 if spec.greedy else spec.kr
+    kr = 1 if spec.greedy or _max_only(spec, xk_large) else spec.kr
     w = _work(n, v, kr, x.device, stream)
     seeds = (*_seed_args(seed, w.mode), *_seed_args(offset, w.mode))
     base = (x.dtype, x.data_ptr() % 16 == 0, _int_key(v), _int_key(x.stride(0)), seeds[0].data_ptr() % 16 == 0,
@@ -211,6 +212,14 @@ def _plan(x: Tensor, spec: Spec, plain: bool, stream: int, seed, offset, xk_larg
     if not spec.greedy:
         steps.append(_draw(x, w, mode, planf, spec, base, tile, not plain and spec.top_p < 1.0))
     return w.mode, steps
+
+
+def _max_only(spec: Spec, xk_large) -> bool:
+    """Whether min-p is the draw's only filter: its cut-off needs only the row's largest logit (one
+    record), and the draw takes every token above it (more records would settle only rows whose
+    kept tokens they all hold)."""
+    return not spec.greedy and not spec.top_k and xk_large is None and spec.top_p >= 1.0 and \
+        spec.cmin > float("-inf")
 
 
 def _records_settle(spec: Spec, xk_large) -> bool:

@@ -5,11 +5,11 @@ the loop) and reduces it once at the end:
 
 - ``_records_span``: the top ``KR`` packed keys ``(ord32(x), global id)``. Each position keeps its
   own top four (integer order keys and columns, inserted in column order, so an equal key keeps
-  the lower id first); the top ``KR`` of the ``4 * TILE`` kept keys are the span's unless some
-  position dropped a key above the ``KR``-th (it saw more than four and its fourth lies above).
-  Then one more pass assigns the columns to the positions another way (rare: about one program
-  in a hundred at ``KR = 256`` on random logits), and should that saturate too, the records are
-  found one pass per record. With ``MOMENTS``: the mass, and its first two moments in ``zz``, of every column,
+  the lower id first) and the largest order key it dropped; the top ``KR`` of the ``4 * TILE``
+  kept keys are the span's unless some position dropped a key at or above the ``KR``-th's value
+  (five of the span's top ``KR`` at one position: on random logits about one span in 500 at
+  ``KR = 64`` and 256 positions). Then one more pass assigns the columns to the positions another
+  way, and should that saturate too, the records are found one pass per record. With ``MOMENTS``: the mass, and its first two moments in ``zz``, of every column,
   relative to the first tile's largest ``zz`` (float32, approximate: they only place pivots).
 - ``_pivot_span``: the mass of the columns kept by top-k and at each of ``P`` pivots the mass of
   those with ``d >= pivot``: approximate (float32, ``exp2``) or ``EXACT`` (the integer masses,
@@ -57,32 +57,35 @@ def _pack(v, col, col0):
 
 
 @triton.jit
-def _insert4(k, col, v1, i1, v2, i2, v3, i3, v4, i4):
-    """Keys ``k`` at columns ``col`` inserted into each position's descending top four ``(v, i)``."""
+def _insert4(k, col, v1, i1, v2, i2, v3, i3, v4, i4, v5):
+    """Keys ``k`` at columns ``col`` inserted into each position's descending top four ``(v, i)``;
+    ``v5``: the largest key each position dropped (the old fourth, or ``k`` itself)."""
     g1 = k > v1
     g2 = k > v2
     g3 = k > v3
     g4 = k > v4
+    v5n = tl.maximum(v5, tl.where(g4, v4, k))
     v4n = tl.where(g3, v3, tl.where(g4, k, v4))
     i4n = tl.where(g3, i3, tl.where(g4, col, i4))
     v3n = tl.where(g2, v2, tl.where(g3, k, v3))
     i3n = tl.where(g2, i2, tl.where(g3, col, i3))
     v2n = tl.where(g1, v1, tl.where(g2, k, v2))
     i2n = tl.where(g1, i1, tl.where(g2, col, i2))
-    return tl.where(g1, k, v1), tl.where(g1, col, i1), v2n, i2n, v3n, i3n, v4n, i4n
+    return tl.where(g1, k, v1), tl.where(g1, col, i1), v2n, i2n, v3n, i3n, v4n, i4n, v5n
 
 
 @triton.jit
 def _top4_span(X, lo, hi, c, ref, TILE: tl.constexpr, STAGES: tl.constexpr, MOMENTS: tl.constexpr,
                ROTATE: tl.constexpr = False):
-    """Each position's top four order keys of columns ``[lo, hi)`` of the row at ``X``, and with
-    ``MOMENTS`` the position's ``(sum e, sum e t, sum e t^2)``, ``t = zz - ref``, ``e = 2^min(t, 60)``.
+    """Each position's top four order keys of columns ``[lo, hi)`` of the row at ``X`` and the
+    largest it dropped (``INT32_MIN``: none), and with ``MOMENTS`` the position's ``(sum e, sum e t,
+    sum e t^2)``, ``t = zz - ref``, ``e = 2^min(t, 60)``.
     ``ROTATE``: position ``p`` of the ``j``-th tile takes its column ``(p + 97 j) % TILE`` (another
     assignment of columns to positions, for logits periodic in the tile)."""
     lanes = tl.arange(0, TILE)
     v1 = tl.full([TILE], INT32_MIN, tl.int32)
     i1 = tl.zeros([TILE], tl.int32)
-    v2, v3, v4, i2, i3, i4 = v1, v1, v1, i1, i1, i1
+    v2, v3, v4, v5, i2, i3, i4 = v1, v1, v1, v1, i1, i1, i1
     l0 = tl.zeros([TILE], tl.float32)
     l1, l2 = l0, l0
     for t0 in tl.range(lo, hi, TILE, num_stages=STAGES):
@@ -101,8 +104,8 @@ def _top4_span(X, lo, hi, c, ref, TILE: tl.constexpr, STAGES: tl.constexpr, MOME
             l0 += e
             l1 = tl.fma(e, t, l1)                     # approximate: fused where it saves an instruction
             l2 = tl.fma(e * t, t, l2)
-        v1, i1, v2, i2, v3, i3, v4, i4 = _insert4(k, cols, v1, i1, v2, i2, v3, i3, v4, i4)
-    return v1, i1, v2, i2, v3, i3, v4, i4, l0, l1, l2
+        v1, i1, v2, i2, v3, i3, v4, i4, v5 = _insert4(k, cols, v1, i1, v2, i2, v3, i3, v4, i4, v5)
+    return v1, i1, v2, i2, v3, i3, v4, i4, v5, l0, l1, l2
 
 
 @triton.jit
@@ -143,28 +146,29 @@ def _top_by_max(X, lo, hi, col0, KR: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
+def _dropped_a_top_key(v5, rec):
+    """Whether a position dropped a key ``v5`` that may belong in the records ``rec`` (descending):
+    one at or above the last record's value (an equal value may have the lower id)."""
+    last = (tl.min(rec, axis=0) >> 32).to(tl.int32)
+    return tl.max(((v5 > INT32_MIN) & (v5 >= last)).to(tl.int32), axis=0) > 0
+
+
+@triton.jit
 def _records_span(X, lo, hi, col0, c, KR: tl.constexpr, TILE: tl.constexpr, STAGES: tl.constexpr,
                   MOMENTS: tl.constexpr):
     """``(top KR packed keys descending [KR], ref, sum e, sum e t, sum e t^2)`` of the span."""
     ref = 0.0
     if MOMENTS:
         ref = _first_ref(X, lo, hi, c, TILE)
-    v1, i1, v2, i2, v3, i3, v4, i4, l0, l1, l2 = _top4_span(X, lo, hi, c, ref, TILE, STAGES, MOMENTS)
+    v1, i1, v2, i2, v3, i3, v4, i4, v5, l0, l1, l2 = _top4_span(X, lo, hi, c, ref, TILE, STAGES, MOMENTS)
     if KR == 1:
         rec = _top(_pack(v1, i1, col0), 1)
     else:
         rec = _top(_slots(v1, i1, v2, i2, v3, i3, v4, i4, col0, TILE), KR)
-        theta = tl.min(rec, axis=0)
-        lanes = tl.arange(0, TILE)
-        seen = tl.maximum(hi - lo - lanes + TILE - 1, 0) // TILE
-        p4 = _pack(v4, i4, col0)
-        sat = (seen > 4) & (p4 > theta)
-        if tl.max(sat.to(tl.int32), axis=0) > 0:             # a position may have dropped a top key: rare
-            v1, i1, v2, i2, v3, i3, v4, i4, l0, l1, l2 = _top4_span(X, lo, hi, c, ref, TILE, 1, False, True)
+        if _dropped_a_top_key(v5, rec):                      # rare
+            v1, i1, v2, i2, v3, i3, v4, i4, v5, l0, l1, l2 = _top4_span(X, lo, hi, c, ref, TILE, 1, False, True)
             rec = _top(_slots(v1, i1, v2, i2, v3, i3, v4, i4, col0, TILE), KR)
-            tiles = (hi - lo + TILE - 1) // TILE                 # a bound on what a position saw
-            sat = (tiles > 4) & (_pack(v4, i4, col0) > tl.min(rec, axis=0))
-            if tl.max(sat.to(tl.int32), axis=0) > 0:         # saturated under both assignments: rarer still
+            if _dropped_a_top_key(v5, rec):                  # under both assignments: rarer still
                 rec = _top_by_max(X, lo, hi, col0, KR, TILE)
     return rec, ref, tl.sum(l0, axis=0), tl.sum(l1, axis=0), tl.sum(l2, axis=0)
 

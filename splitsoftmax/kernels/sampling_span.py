@@ -9,8 +9,9 @@ the loop) and reduces it once at the end:
   kept keys are the span's unless some position dropped a key at or above the ``KR``-th's value
   (five of the span's top ``KR`` at one position: on random logits about one span in 500 at
   ``KR = 64`` and 256 positions). Then one more pass assigns the columns to the positions another
-  way, and should that saturate too, the records are found one pass per record. With ``MOMENTS``: the mass, and its first two moments in ``zz``, of every column,
-  relative to the first tile's largest ``zz`` (float32, approximate: they only place pivots).
+  way, and should that saturate too, the records are found one pass per record. With
+  ``MOMENTS``: the mass, and its first two moments in ``zz``, of every column, relative to the
+  first tile's largest ``zz`` (float32, approximate: they only place pivots).
 - ``_pivot_span``: the mass of the columns kept by top-k and at each of ``P`` pivots the mass of
   those with ``d >= pivot``: approximate (float32, ``exp2``) or ``EXACT`` (the integer masses,
   and counts).

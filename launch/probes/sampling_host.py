@@ -15,30 +15,18 @@ import json
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 import splitsoftmax as ss
 from splitsoftmax.bench import best_ms
+from splitsoftmax.bench.host import per_call_us
 
 V = 128256
 FILTERS = {"plain": {}, "top_k=50": dict(top_k=50), "top_p=0.9": dict(top_p=0.9),
            "top_k=50,top_p=0.9": dict(top_k=50, top_p=0.9), "min_p=0.1": dict(min_p=0.1),
            "greedy": dict(temperature=0.0)}
 CALLS = 300
-
-
-def host_wall(fn) -> tuple[float, float]:
-    """(host us, wall us) per call over ``CALLS`` back-to-back calls."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) / CALLS * 1e6, (t2 - t0) / CALLS * 1e6
 
 
 def profile(fn) -> str:
@@ -66,7 +54,7 @@ def main():
             fn = lambda: ss.sample(x, seed=seeds, offset=offsets, **FILTERS[name])  # noqa: E731
             for _ in range(20):
                 fn()
-            host, wall = min(host_wall(fn) for _ in range(3))
+            host, wall = min(per_call_us(fn, CALLS) for _ in range(3))
             eager = best_ms(fn) * 1e3
             rows.append({"round": rnd, "filter": name, "host_us": host, "wall_us": wall, "eager_us": eager})
             if rnd == 0:

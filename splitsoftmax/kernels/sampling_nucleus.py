@@ -7,10 +7,9 @@ it). So the token drawn is the first of the row's tokens in descending key order
 test, and two passes settle a row whose ``M`` best keys hold a kept token:
 
 - ``_nucleus_keys_kernel``: each span's ``M`` best exact keys and its largest logit. Per position the
-  three best bounded keys (``_approx_noise``) with their columns, and the largest it dropped; the
-  exact keys of those within the bound's margin of the span's ``M``-th bounded key (a dropped one
-  within it, four at one position, rescans the span with exact keys: under one span in a million
-  of random logits at ``M = 8`` over 1024 positions). The row's last program merges them: the row's
+  three best bounded keys (``_approx_noise``) and the columns of the first two; the exact keys of
+  those within the bound's margin of the span's ``M``-th bounded key (a third within it at one
+  position, rare, rescans the span with exact keys). The row's last program merges them: the row's
   ``M`` best keys (``NUC``), ``zmax`` and the candidates' ``d`` (the plan's pivot fields); an invalid
   row (NaN, ``+inf`` or all ``-inf``) draws -1, a best candidate at ``d = 0`` is drawn at once.
 - ``_nucleus_mass_kernel``: each span's ``Z`` and, per candidate, the mass of ``d > d_i``, in float32
@@ -40,18 +39,14 @@ NAN_FLAG = tl.constexpr(1 << 40)   # a span's NaN mark in its partial's logit wo
 
 
 @triton.jit
-def _insert3(ap, col, a1, i1, a2, i2, a3, i3, a4):
-    """Bounded keys ``ap`` at columns ``col`` into each position's best three ``(a, i)``; ``a4``: the
-    largest each position dropped (the old third, or ``ap`` itself)."""
+def _insert3(ap, col, a1, i1, a2, i2, a3):
+    """Bounded keys ``ap`` at columns ``col`` into each position's best three (columns of the first two)."""
     g1 = ap > a1
     g2 = ap > a2
-    g3 = ap > a3
-    a4 = tl.maximum(a4, tl.where(g3, a3, ap))
-    a3n = tl.where(g2, a2, tl.where(g3, ap, a3))
-    i3 = tl.where(g2, i2, tl.where(g3, col, i3))
+    a3 = tl.where(g2, a2, tl.where(ap > a3, ap, a3))
     a2n = tl.where(g1, a1, tl.where(g2, ap, a2))
     i2 = tl.where(g1, i1, tl.where(g2, col, i2))
-    return tl.where(g1, ap, a1), tl.where(g1, col, i1), a2n, i2, a3n, i3, a4
+    return tl.where(g1, ap, a1), tl.where(g1, col, i1), a2n, i2, a3
 
 
 @triton.jit
@@ -68,32 +63,22 @@ def _mth(a, M: tl.constexpr):
 
 
 @triton.jit
-def _best_m(e1, e2, e3, M: tl.constexpr):
-    """The ``M`` largest packed keys of ``e1``, ``e2`` and ``e3`` (distinct but for NONE; ``e2``,
-    ``e3``: 2-D or a scalar), descending ``[M]``."""
+def _best_m(e1, e2, M: tl.constexpr):
+    """The ``M`` largest packed keys of ``e1`` and ``e2`` (distinct but for NONE), descending ``[M]``."""
     ki = tl.arange(0, M)
     rec = tl.full([M], NONE, tl.int64)
     for j in range(M):
-        m = tl.maximum(tl.max(tl.max(e1, axis=1), axis=0), tl.maximum(_max2(e2), _max2(e3)))
+        m = tl.maximum(tl.max(tl.max(e1, axis=1), axis=0), tl.max(tl.max(e2, axis=1), axis=0))
         rec = tl.where(ki == j, m, rec)
         e1 = tl.where(e1 == m, NONE, e1)
         e2 = tl.where(e2 == m, NONE, e2)
-        e3 = tl.where(e3 == m, NONE, e3)
     return rec
-
-
-@triton.jit
-def _max2(e):
-    """The largest entry of a 2-D tensor, or a scalar itself."""
-    if len(e.shape) == 2:
-        e = tl.max(tl.max(e, axis=1), axis=0)
-    return e
 
 
 @triton.jit
 def _rescan_m(X, lo, hi, V, c, seed, off, floor, M: tl.constexpr, TILE: tl.constexpr):
     """The span's ``M`` best exact keys among the columns whose bounded key reaches ``floor``, one
-    pass each (the rare path: four such keys at one position)."""
+    pass each (the rare path: three such keys at one position)."""
     ki = tl.arange(0, M)
     rec = tl.full([M], NONE, tl.int64)
     prev = tl.sum(tl.zeros([1], tl.int64), axis=0) + 0x7FFFFFFFFFFFFFFF
@@ -116,28 +101,25 @@ def _keys_span(X, lo, hi, V, c, seed, off, M: tl.constexpr, TILE: tl.constexpr, 
     a1 = tl.full([Q4, 4], NEG_INF, tl.float32)
     a2 = a1
     a3 = a1
-    a4 = a1
     xm = a1
     i1 = tl.zeros([Q4, 4], tl.int32)
     i2 = i1
-    i3 = i1
     nan = i1
     for u0 in tl.range(lo, hi, TILE, num_stages=STAGES):
         cols, valid, x, zz, d, keep, word = _draw_tile(X, u0, 0, V, 0, c, 0.0, NEG_INF, seed, off, TILE)
         ap = tl.where(keep, zz + _approx_noise(word), NEG_INF)          # keep: valid and not NaN
-        a1, i1, a2, i2, a3, i3, a4 = _insert3(ap, cols, a1, i1, a2, i2, a3, i3, a4)
+        a1, i1, a2, i2, a3 = _insert3(ap, cols, a1, i1, a2, i2, a3)
         xm = tl.maximum(xm, tl.where(keep, x, NEG_INF))
         nan = tl.maximum(nan, (valid & (x != x)).to(tl.int32))
     t = _mth(a1, M)
     floor = t - (4e-3 + tl.abs(t) * 2e-6)
-    fourth = tl.max(tl.max(((a4 >= floor) & (a4 > NEG_INF)).to(tl.int32), axis=1), axis=0)
-    if fourth > 0:
+    third = tl.max(tl.max(((a3 >= floor) & (a3 > NEG_INF)).to(tl.int32), axis=1), axis=0)
+    if third > 0:
         rec = _rescan_m(X, lo, hi, V, c, seed, off, floor, M, TILE)
     else:
         e1 = _exact_at(X, (a1 >= floor) & (a1 > NEG_INF), i1, 0, c, seed, off)
         e2 = _exact_at(X, (a2 >= floor) & (a2 > NEG_INF), i2, 0, c, seed, off)
-        e3 = _exact_at(X, (a3 >= floor) & (a3 > NEG_INF), i3, 0, c, seed, off)
-        rec = _best_m(e1, e2, e3, M)
+        rec = _best_m(e1, e2, M)
     return rec, tl.max(tl.max(xm, axis=1), axis=0), tl.max(tl.max(nan, axis=1), axis=0)
 
 
@@ -169,8 +151,7 @@ def _nucleus_keys_kernel(X, PART, CNT, MODE, PLANF, NUC, OUT, SEED, seed_ptr, se
         xs = (word & U32).to(tl.int32).to(tl.float32, bitcast=True)
         bad_nan = tl.max((word >= NAN_FLAG).to(tl.int32), axis=0) > 0
         zmax = tl.max(xs, axis=0) * c
-        none = tl.sum(tl.zeros([1], tl.int64), axis=0) + NONE
-        cand = _best_m(keys, none, none, M)
+        cand = _best_m(keys, tl.full([QP, M], NONE, tl.int64), M)
         gid = U32 - (cand & U32)
         valid = cand != NONE
         zz = tl.load(xrow + gid, mask=valid, other=0.0).to(tl.float32) * c

@@ -147,11 +147,12 @@ def _top_by_max(X, lo, hi, col0, KR: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _dropped_a_top_key(v5, rec):
-    """Whether a position dropped a key ``v5`` that may belong in the records ``rec`` (descending):
-    one at or above the last record's value (an equal value may have the lower id)."""
+def _dropped_a_top_key(dropped, rec):
+    """Whether the largest key the positions dropped, ``dropped`` (``INT32_MIN``: none), may belong
+    in the records ``rec`` (descending): at or above the last record's value (an equal value may have
+    the lower id)."""
     last = (tl.min(rec, axis=0) >> 32).to(tl.int32)
-    return tl.max(((v5 > INT32_MIN) & (v5 >= last)).to(tl.int32), axis=0) > 0
+    return (dropped > INT32_MIN) & (dropped >= last)
 
 
 @triton.jit
@@ -165,11 +166,13 @@ def _records_span(X, lo, hi, col0, c, KR: tl.constexpr, TILE: tl.constexpr, STAG
     if KR == 1:
         rec = _top(_pack(v1, i1, col0), 1)
     else:
+        dropped = tl.max(v5, axis=0)                         # (one register through the selection)
         rec = _top(_slots(v1, i1, v2, i2, v3, i3, v4, i4, col0, TILE), KR)
-        if _dropped_a_top_key(v5, rec):                      # rare
+        if _dropped_a_top_key(dropped, rec):                 # rare
             v1, i1, v2, i2, v3, i3, v4, i4, v5, l0, l1, l2 = _top4_span(X, lo, hi, c, ref, TILE, 1, False, True)
+            dropped = tl.max(v5, axis=0)
             rec = _top(_slots(v1, i1, v2, i2, v3, i3, v4, i4, col0, TILE), KR)
-            if _dropped_a_top_key(v5, rec):                  # under both assignments: rarer still
+            if _dropped_a_top_key(dropped, rec):             # under both assignments: rarer still
                 rec = _top_by_max(X, lo, hi, col0, KR, TILE)
     return rec, ref, tl.sum(l0, axis=0), tl.sum(l1, axis=0), tl.sum(l2, axis=0)
 

@@ -280,13 +280,14 @@ def test_min_p_alone_takes_the_row_maximum(monkeypatch):
     the draw above the cut-off for every row but the invalid ones; tokens the torch path's, on the
     edge rows (NaN, all equal, masked) and on wide rows."""
     x, seeds, offset = _rows()
-    wide, wide_seeds = _wide_rows()
-    kr = []
+    wide, _ = _wide_rows()
+    kr, modes = [], []
     real = sampling_device._RECORDS
 
     def records(grid, key, args, consts):
         kr.append(consts["KR"])
         real(grid, key, args, consts)
+        modes.append(args[real.fn.arg_names.index("MODE")].tolist())
     monkeypatch.setattr(sampling_device, "_RECORDS", records)
     monkeypatch.setattr(sampling_device, "_PLANS", {})
     for rows_, seeds_ in ((x, seeds), (torch.cat((wide, x[:, :29].repeat(1, 4)[:, :100])), torch.arange(11))):
@@ -294,6 +295,8 @@ def test_min_p_alone_takes_the_row_maximum(monkeypatch):
             got = ss.sample(rows_, seed=seeds_, offset=offset, **kw)
             assert torch.equal(got, _torch_tokens(monkeypatch, rows_, seeds_, offset, **kw)), (kw, got)
             assert _counters_clear(), kw
+            # every valid row is left to the draw; an invalid one (NaN) is done with -1
+            assert modes[-1] == [DONE if t < 0 else THRESH for t in got.tolist()], (kw, modes[-1], got)
     assert kr == [1] * 6, kr
 
 

@@ -33,6 +33,7 @@ whose masked edge tiles run first).
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -46,8 +47,8 @@ from ..mask import NO_MASK, Mask
 from ..state import stat_dtype
 from . import configs
 from .attn_mask import KernelMask, band_tiles, capped, kernel_mask, row_bounds
-from .decode import Plan, dot_precision, head_group, hopper, pad_dim, plan
-from .launch import Launcher, Memo, fits_int32, geometry
+from .decode import Plan, dot_precision, head_group, hopper, pad_dim, plan, sm90
+from .launch import Launcher, Memo, auto_key, fits_int32, geometry
 from ..local import interpreting
 from .merge import inv_or_zero, lse2_of, merge_into
 
@@ -542,6 +543,58 @@ def _fwd_launch(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale
                       (km.lo_off, p.start, km.cap_in, km.cap_out, gh), kwargs)
 
 
+class _GluonFwdLaunch(NamedTuple):
+    """A launch of the Gluon forward (``attention_fwd_gluon``), a function of its operands' geometry."""
+    grid: tuple
+    key: tuple
+    rows: tuple     # the descriptors' rows: (query tile, key tile)
+    scalars: tuple  # the arguments after ``out`` and ``lse``
+    kwargs: dict
+
+
+def _gluon_fwd_tile(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, p: Plan, acc: bool,
+                    split_dim: bool) -> Optional[tuple]:
+    """The Gluon forward's tile if it runs this launch of the plain mask, else None:
+    ``configs.ATTN_FWD_GLUON``, a Hopper GPU (sm_90: its warpgroup products), not the interpreter,
+    bfloat16 inputs (the dtype its GPU tests cover) with equal head dims and a tile listed for them,
+    one split written directly (no running state, no partials), rows not packed, a positive scale,
+    TMA-addressable inputs and an output with unit last stride."""
+    d = q.shape[-1]
+    if (not configs.ATTN_FWD_GLUON or interpreting() or acc or split_dim or p.pack or p.nsplit != 1 or scale <= 0
+            or not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or v.shape[-1] != d or out.stride(-1) != 1
+            or not sm90(q) or not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v))):
+        return None
+    return configs.ATTN_TILES.get(("fwd_gluon", 2, d))
+
+
+def _gluon_fwd_launch(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, diag: int,
+                      tile: tuple) -> _GluonFwdLaunch:
+    """The Gluon forward's launch for these operands (its tile ``tile``)."""
+    b, h, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    bm, bn, warps, stages = tile
+    grid = (configs.cdiv(sq, bm), b * h)
+    scalars = (*out.stride()[:3], *lse.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E,
+               head_group(grid[0], grid[1], q, causal, warps))
+    return _GluonFwdLaunch(grid, (auto_key((out, lse, *scalars)), q.dtype), (bm, bn), scalars,
+                           dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps))
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_fwd_launcher() -> Launcher:
+    """The Gluon forward's launcher (imported on first use: Gluon needs a CUDA build)."""
+    from .attention_fwd_gluon import _attn_fwd_gluon
+    return Launcher(_attn_fwd_gluon)
+
+
+def _run_gluon_fwd(run: _GluonFwdLaunch, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Launch ``run`` on these operands."""
+    from .attention_bwd_gluon import descriptor
+    bm, bn = run.rows
+    _gluon_fwd_launcher()(run.grid, run.key, (descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), out, lse,
+                                              *run.scalars), run.kwargs)
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                diag: int, p: Plan, *, acc: bool = False, split_dim: bool = False, mask: Mask = NO_MASK) -> None:
     """Run the forward kernel into ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)`` (any strides).
@@ -554,11 +607,16 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
         kvr = qoff = rows = lse
         geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
                configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES,
-               configs.ATTN_ORDER_MAX_WAVES)
+               configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])))
         run = _FWD_LAUNCHES.get(geo)
         if run is None:
-            run = _FWD_LAUNCHES.put(geo, _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim,
-                                                     _kernel_mask(mask, q, scale, lse)))
+            tile = _gluon_fwd_tile(q, k, v, out, scale, p, acc, split_dim)
+            run = _FWD_LAUNCHES.put(geo, _gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile) if tile else
+                                    _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim,
+                                                _kernel_mask(mask, q, scale, lse)))
+        if isinstance(run, _GluonFwdLaunch):
+            _run_gluon_fwd(run, q, k, v, out, lse)
+            return
     else:
         km = _kernel_mask(mask, q, scale, lse)
         kvr, qoff, rows = km.kvr, km.qoff, km.rows

@@ -12,6 +12,9 @@ ATTN_TILES = {
     # forward over many queries (prefill, ring steps)
     ("fwd", 2, 64): (128, 64, 4, 3),
     ("fwd", 2, 128): (128, 128, 8, 3),   # H200 sweep: 504/474 TFLOP/s at S=8k full/causal
+    # ... or, on sm_90 (ATTN_FWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES): two
+    # buffers each of K and V
+    ("fwd_gluon", 2, 128): (128, 128, 8, 2),
     ("fwd", 2, 256): (64, 64, 8, 2),
     ("fwd", 4, 64): (16, 32, 4, 2),
     ("fwd", 4, 256): (16, 16, 4, 2),     # float32 runs exact (no tf32) FMA products: small tiles
@@ -86,6 +89,13 @@ ATTN_BWD_TMA = True
 # 1 x 16/4 x 8k causal views, 423 / 405 at 4 x 16 x 8k full (BENCHMARKS.md, "Attention backward",
 # G1, G2).
 ATTN_BWD_GLUON = True
+# The plain forward (causal or full, one split written directly) in Gluon on sm_90
+# (kernels/attention_fwd_gluon.py), which takes each key block's softmax while the tensor cores run
+# the next block's scores and the last block's values. Off: on one H200 (Triton 3.6, 2026-12-02) it
+# was slower than the Triton kernel at every shape timed, its best tile (64x64, 4 warps, 3 buffers)
+# 0.89-1.06x and its 128x128 tile 0.77-0.94x (launch/probes/attention_fwd_gluon.py; BENCHMARKS.md,
+# "Attention", F1): a barrier of every warp per key block keeps its two warpgroups in step.
+ATTN_FWD_GLUON = False
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

@@ -1,0 +1,91 @@
+"""Probe: the Gluon forward (``configs.ATTN_FWD_GLUON``, sm_90) against the Triton one and SDPA cuDNN.
+
+    PYTHONPATH=. python3 launch/probes/attention_fwd_gluon.py OUTDIR [SECTIONS]
+
+bf16, D=128, the forward through ``kernels.attention.attn_fwd`` (bf16 out, float32 lse).
+SECTIONS (comma-separated, default all): ``check`` (each Gluon tile's output and lse against the
+Triton kernel's and float64, at odd lengths, GQA and (B, S, H, D) views), ``time`` (TFLOP/s of
+the Triton kernel, each Gluon tile and SDPA cuDNN on the bench's MHA grid and the model's GQA
+layers; tiles that fail to run are recorded and skipped). Writes OUTDIR/probe.json.
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from helpers import bench, guard, rec, run_sections  # beside this file
+from splitsoftmax import reference as ref
+from splitsoftmax.kernels import attention as A
+from splitsoftmax.kernels import configs
+
+KEY = ("fwd_gluon", 2, 128)
+TILES = [(128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3)]
+configs.LAUNCH_VERIFY = True
+configs.ATTN_FWD_GLUON = True
+
+
+def make(B, H, HKV, S, views, sk=None, seed=0):
+    """bf16 ``q (B, H, S, 128)``, ``k, v (B, HKV, sk, 128)``; ``views``: of ``(B, S, H, D)`` tensors."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def t(h, s):
+        x = torch.randn(B, s, h, 128, device="cuda", generator=g).to(torch.bfloat16)
+        return x.transpose(1, 2) if views else x.transpose(1, 2).contiguous()
+    return t(H, S), t(HKV, sk or S), t(HKV, sk or S)
+
+
+def fwd(q, k, v, causal, diag=0, tile=None):
+    """``attn_fwd`` with the Gluon kernel at ``tile``, or the Triton kernel (``tile`` None)."""
+    configs.ATTN_FWD_GLUON = tile is not None
+    if tile is not None:
+        configs.ATTN_TILES[KEY] = tile
+    return A.attn_fwd(q, k, v, q.shape[-1] ** -0.5, causal, diag, out_dtype=torch.bfloat16)
+
+
+def sec_check():
+    """Max |out - float64| and |lse - float64| of each tile and of the Triton kernel."""
+    cases = [(2, 8, 2, 1000, False, None, True, 0), (2, 8, 2, 1000, False, None, False, 0),
+             (1, 16, 4, 777, True, None, True, 0), (1, 4, 4, 300, True, 1000, True, 700),
+             (1, 4, 2, 640, False, 512, True, -100), (2, 4, 4, 4096, True, None, True, 0)]
+    for B, H, HKV, S, views, sk, causal, diag in cases:
+        q, k, v = make(B, H, HKV, S, views, sk)
+        o64, l64 = ref.attention(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5, diag=diag)
+        name = f"{B}x{H}/{HKV} {S}x{sk or S} {'views' if views else 'contig'} {'causal' if causal else 'full'} {diag}"
+        for tile in [None] + TILES:
+            def one():
+                o, lse = fwd(q, k, v, causal, diag, tile)
+                if tile is not None:
+                    assert A._gluon_fwd_tile(q, k, v, o, 1.0, A.plan(q, k, v, causal, diag), False, False) == tile
+                eo = (o.double() - o64).abs().max().item()
+                fin = l64 > float("-inf")
+                el = (lse.double() - l64)[fin].abs().max().item()
+                empty_ok = bool((lse[~fin] == float("-inf")).all() and (o[~fin] == 0).all())
+                rec("check " + name, "triton" if tile is None else f"gluon {tile}", float("nan"),
+                    out_err=eo, lse_err=el, empty_ok=empty_ok, nan=bool(o.isnan().any()))
+            guard("check " + name, str(tile), one)
+
+
+def sec_time():
+    """TFLOP/s at the bench's grid (H=16, B*S = 32k) and the model's GQA layers (views)."""
+    shapes = [(32768 // S, 16, 16, S, False, c) for S in (1024, 2048, 8192, 32768) for c in (True, False)]
+    shapes += [(1, 16, 4, 8192, True, True), (4, 16, 4, 2048, True, True), (1, 32, 8, 8192, True, True)]
+    for B, H, HKV, S, views, causal in shapes:
+        q, k, v = make(B, H, HKV, S, views)
+        flops = 4 * B * H * S * S * 128 / (2 if causal else 1)
+        name = f"{B}x{H}/{HKV}x{S} {'views' if views else 'contig'} {'causal' if causal else 'full'}"
+        base = fwd(q, k, v, causal)[0]
+        for tile in [None] + TILES:
+            def one():
+                diff = (fwd(q, k, v, causal, 0, tile)[0].float() - base.float()).abs().max().item()
+                rec(name, "triton" if tile is None else f"gluon {tile}",
+                    bench(lambda: fwd(q, k, v, causal, 0, tile)), flops=flops, diff=diff)
+            guard(name, str(tile), one)
+        kr, vr = k.repeat_interleave(H // HKV, 1), v.repeat_interleave(H // HKV, 1)
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            guard(name, "cudnn", lambda: rec(name, "sdpa cudnn", bench(
+                lambda: F.scaled_dot_product_attention(q, kr, vr, is_causal=causal)), flops=flops))
+
+
+if __name__ == "__main__":
+    run_sections({"check": sec_check, "time": sec_time}, sys.argv)

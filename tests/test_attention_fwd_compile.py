@@ -1,0 +1,68 @@
+"""The Gluon forward (kernels/attention_fwd_gluon.py) as compiled for sm_90 (Hopper), no GPU needed.
+
+A host call of the plain forward is made on CPU tensors with the launch captured (an sm_90 GPU of
+132 SMs assumed); the launch is compiled for sm_90 with the signature it would have. It must take
+the Gluon kernel, fit an SM's shared memory, run without spills, and keep its products overlapped.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles for a GPU target: not under the interpreter", allow_module_level=True)
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+from _sm90 import no_spills, ptxas_report  # noqa: E402
+from test_attention_bwd_compile import SM90_SMEM, _signature  # noqa: E402
+from splitsoftmax.kernels import attention as A  # noqa: E402
+from splitsoftmax.kernels import configs, decode, launch  # noqa: E402
+from splitsoftmax.kernels.attention_bwd_gluon import descriptor  # noqa: E402
+
+
+def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True):
+    """The forward's one launch on bf16 ``(1, 16, sq, 128)`` queries over 4 kv heads (``views``:
+    ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors), as captured."""
+    captured = []
+    monkeypatch.setattr(launch.Launcher, "__call__",
+                        lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON", gluon)
+    monkeypatch.setattr(A, "sm90", lambda t: True)
+    monkeypatch.setattr(A, "hopper", lambda t: True)
+    monkeypatch.setattr(decode, "hopper", lambda t: True)
+    monkeypatch.setattr(decode, "sm_count", lambda t: 132)
+    monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())
+    monkeypatch.setattr(A, "_run_gluon_fwd", lambda run, q, k, v, out, lse: captured.append(
+        (A._gluon_fwd_launcher().fn, (descriptor(q, run.rows[0]), descriptor(k, run.rows[1]),
+                                      descriptor(v, run.rows[1]), out, lse, *run.scalars), run.kwargs)))
+
+    def make(h):
+        t = torch.randn(1, sq, h, 128).to(torch.bfloat16)
+        return t.transpose(1, 2) if views else t.transpose(1, 2).contiguous()
+    q, k, v = make(16), make(4), make(4)
+    A.attn_fwd(q, k, v, 0.088, causal, out_dtype=torch.bfloat16)
+    return captured
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("views", [False, True], ids=["contiguous", "views"])
+def test_gluon_forward_compiles_for_sm90(causal, views, monkeypatch):
+    (fn, args, kwargs), = _launch(monkeypatch, causal, 1000, views)
+    assert fn.fn.__name__ == "_attn_fwd_gluon"
+    sig, consts, attrs = _signature(fn, args, kwargs)
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kwargs["num_warps"]})
+    assert kernel.metadata.shared <= SM90_SMEM, kernel.metadata.shared
+    report = ptxas_report(kernel.asm["ptx"])
+    assert no_spills(kernel.asm["ptx"]) and "wgmma.mma_async instructions are serialized" not in report, report
+
+
+def test_gluon_forward_only_when_on(monkeypatch):
+    """With the flag off the Triton kernel runs."""
+    (fn, _, _), = _launch(monkeypatch, True, 1000, False, gluon=False)
+    assert fn.fn.__name__ == "_attn_fwd_kernel"

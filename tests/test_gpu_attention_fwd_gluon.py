@@ -1,0 +1,83 @@
+"""GPU lane: the Gluon forward (kernels/attention_fwd_gluon.py) on sm_90, against float64 and the Triton kernel.
+
+FlashAttention's rule (error against float64 at most 2x torch's attention in bf16) for the output,
+the lse within the Triton kernel's error; odd lengths, GQA, (B, S, H, D) views, a diagonal
+offset in both directions (empty rows: ``(0, -inf)``); a NaN/Inf value in a diagonal block reaches
+the same rows as under the Triton kernel. Outputs are NaN-poisoned (conftest).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+from splitsoftmax import reference as ref  # noqa: E402
+from splitsoftmax.kernels import attention as A  # noqa: E402
+from splitsoftmax.kernels import configs  # noqa: E402
+from splitsoftmax.kernels.decode import sm90  # noqa: E402
+from test_gpu_attention import sdpa  # noqa: E402
+
+if not (torch.cuda.is_available() and sm90(torch.empty(0, device="cuda"))):
+    pytest.skip("the Gluon forward runs on sm_90", allow_module_level=True)
+
+CASES = [
+    # b, h, hkv, sq, sk, views, causal, diag
+    (2, 8, 2, 1000, 1000, False, True, 0),
+    (2, 8, 2, 1000, 1000, False, False, 0),
+    (1, 16, 4, 777, 777, True, True, 0),
+    (2, 16, 4, 1024, 1024, True, True, 0),
+    (1, 4, 4, 300, 1000, False, True, 700),
+    (1, 4, 2, 640, 512, True, True, -100),
+    (1, 2, 1, 129, 2000, False, False, 0),
+]
+
+
+def _inputs(b, h, hkv, sq, sk, views, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def t(n, s):
+        x = torch.randn(b, s, n, 128, device="cuda", generator=g).to(torch.bfloat16)
+        return x.transpose(1, 2) if views else x.transpose(1, 2).contiguous()
+    return t(h, sq), t(hkv, sk), t(hkv, sk)
+
+
+def _fwd(q, k, v, causal, diag, gluon, monkeypatch):
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON", gluon)
+    scale = q.shape[-1] ** -0.5
+    p = A.plan(q, k, v, causal, diag)
+    ran = A._gluon_fwd_tile(q, k, v, A._empty_out(q, 128, torch.bfloat16), scale, p, False, False) is not None
+    assert ran == gluon
+    return A.attn_fwd(q, k, v, scale, causal, diag, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_flash_rule(case, monkeypatch):
+    b, h, hkv, sq, sk, views, causal, diag = case
+    q, k, v = _inputs(b, h, hkv, sq, sk, views)
+    scale = q.shape[-1] ** -0.5
+    o64, l64 = ref.attention(q, k, v, causal=causal, scale=scale, diag=diag)
+    out, lse = _fwd(q, k, v, causal, diag, True, monkeypatch)
+    tri_out, tri_lse = _fwd(q, k, v, causal, diag, False, monkeypatch)
+    seen = l64 > float("-inf")
+    assert not out[seen].isnan().any() and not lse.isnan().any()
+    assert (out[~seen] == 0).all() and (lse[~seen] == float("-inf")).all()
+    peer = sdpa(q, k, v, scale, causal, diag).double()[seen]
+    err = (out[seen].double() - o64[seen]).abs().max().item()
+    assert err <= 2 * (peer - o64[seen]).abs().max().item() + 1e-6
+    err_l = (lse[seen].double() - l64[seen]).abs().max().item()
+    tri_l = (tri_lse[seen].double() - l64[seen]).abs().max().item()
+    assert err_l <= 2 * tri_l + 1e-6, (err_l, tri_l)
+    assert (out.double() - tri_out.double()).abs().max().item() <= 2 * err + 1e-6
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("where", ["k", "v"])
+def test_hidden_poison_reaches_the_same_rows(bad, where, monkeypatch):
+    q, k, v = _inputs(1, 2, 1, 1000, 1000, False)
+    for key in (200, 999, 130):  # inside diagonal blocks: seen by the rows at or below it only
+        (k if where == "k" else v)[0, 0, key, 5] = bad
+    outs = {g: _fwd(q, k, v, True, 0, g, monkeypatch) for g in (True, False)}
+    for i in range(2):
+        assert torch.equal(outs[True][i].isnan(), outs[False][i].isnan())
+    assert outs[True][0].isnan().any() and not outs[True][0][:, :, :130].isnan().any()

@@ -6,7 +6,8 @@ bf16, D=128, the forward through ``kernels.attention.attn_fwd`` (bf16 out, float
 SECTIONS (comma-separated, default all): ``check`` (each Gluon tile's output and lse against the
 Triton kernel's and float64, at odd lengths, GQA and (B, S, H, D) views), ``time`` (TFLOP/s of
 the Triton kernel, each Gluon tile and SDPA cuDNN on the bench's MHA grid and the model's GQA
-layers; tiles that fail to run are recorded and skipped). Writes OUTDIR/probe.json.
+layers; tiles that fail to run are recorded and skipped), ``few`` (``time`` at 1k full, 8k causal
+and full, 32k full and the model's two layers). Writes OUTDIR/probe.json.
 """
 import sys
 
@@ -20,7 +21,7 @@ from splitsoftmax.kernels import attention as A
 from splitsoftmax.kernels import configs
 
 KEY = ("fwd_gluon", 2, 128)
-TILES = [(128, 128, 8, 2), (64, 128, 4, 2), (128, 64, 8, 3), (64, 64, 4, 3)]
+TILES = [(64, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
 configs.LAUNCH_VERIFY = True
 configs.ATTN_FWD_GLUON = True
 
@@ -66,10 +67,12 @@ def sec_check():
             guard("check " + name, str(tile), one)
 
 
-def sec_time():
+GRID = [(32768 // S, 16, 16, S, False, c) for S in (1024, 2048, 8192, 32768) for c in (True, False)]
+MODEL = [(1, 16, 4, 8192, True, True), (4, 16, 4, 2048, True, True), (1, 32, 8, 8192, True, True)]
+
+
+def sec_time(shapes=GRID + MODEL):
     """TFLOP/s at the bench's grid (H=16, B*S = 32k) and the model's GQA layers (views)."""
-    shapes = [(32768 // S, 16, 16, S, False, c) for S in (1024, 2048, 8192, 32768) for c in (True, False)]
-    shapes += [(1, 16, 4, 8192, True, True), (4, 16, 4, 2048, True, True), (1, 32, 8, 8192, True, True)]
     for B, H, HKV, S, views, causal in shapes:
         q, k, v = make(B, H, HKV, S, views)
         flops = 4 * B * H * S * S * 128 / (2 if causal else 1)
@@ -88,4 +91,5 @@ def sec_time():
 
 
 if __name__ == "__main__":
-    run_sections({"check": sec_check, "time": sec_time}, sys.argv)
+    run_sections({"check": sec_check, "time": sec_time,
+                  "few": lambda: sec_time([GRID[1], GRID[4], GRID[5], GRID[7], MODEL[0], MODEL[1]])}, sys.argv)

@@ -27,9 +27,9 @@ CASES = [
     (2, 8, 2, 1000, 1000, False, False, 0),
     (1, 16, 4, 777, 777, True, True, 0),
     (2, 16, 4, 1024, 1024, True, True, 0),
-    (1, 4, 4, 300, 1000, False, True, 700),
-    (1, 4, 2, 640, 512, True, True, -100),
-    (1, 2, 1, 129, 2000, False, False, 0),
+    (4, 16, 4, 300, 1000, False, True, 700),
+    (2, 8, 2, 640, 512, True, True, -100),
+    (8, 16, 2, 129, 2000, False, False, 0),
 ]
 
 
@@ -40,6 +40,11 @@ def _inputs(b, h, hkv, sq, sk, views, seed=0):
         x = torch.randn(b, s, n, 128, device="cuda", generator=g).to(torch.bfloat16)
         return x.transpose(1, 2) if views else x.transpose(1, 2).contiguous()
     return t(h, sq), t(hkv, sk), t(hkv, sk)
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "warp-specialized"], autouse=True)
+def _form(request, monkeypatch):
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_WS", request.param)
 
 
 def _fwd(q, k, v, causal, diag, gluon, monkeypatch):
@@ -74,7 +79,7 @@ def test_flash_rule(case, monkeypatch):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 @pytest.mark.parametrize("where", ["k", "v"])
 def test_hidden_poison_reaches_the_same_rows(bad, where, monkeypatch):
-    q, k, v = _inputs(1, 2, 1, 1000, 1000, False)
+    q, k, v = _inputs(4, 8, 1, 1000, 1000, False)
     for key in (200, 999, 130):  # inside diagonal blocks: seen by the rows at or below it only
         (k if where == "k" else v)[0, 0, key, 5] = bad
     outs = {g: _fwd(q, k, v, True, 0, g, monkeypatch) for g in (True, False)}

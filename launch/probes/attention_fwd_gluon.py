@@ -15,13 +15,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from helpers import bench, guard, rec, run_sections  # beside this file
+from helpers import ROWS, bench, guard, rec, run_sections  # beside this file
 from splitsoftmax import reference as ref
 from splitsoftmax.kernels import attention as A
 from splitsoftmax.kernels import configs
 
-KEY = ("fwd_gluon", 2, 128)
-TILES = [(64, 64, 4, 2), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)]
+# (tile, warp-specialized): the tile of each consumer where warp-specialized
+TILES = [((64, 64, 4, 2), False), ((64, 128, 4, 2), True), ((64, 64, 4, 4), True)]
 configs.LAUNCH_VERIFY = True
 configs.ATTN_FWD_GLUON = True
 
@@ -37,10 +37,11 @@ def make(B, H, HKV, S, views, sk=None, seed=0):
 
 
 def fwd(q, k, v, causal, diag=0, tile=None):
-    """``attn_fwd`` with the Gluon kernel at ``tile``, or the Triton kernel (``tile`` None)."""
+    """``attn_fwd`` with the Gluon kernel at ``tile`` (one of TILES), or the Triton kernel (``tile`` None)."""
     configs.ATTN_FWD_GLUON = tile is not None
     if tile is not None:
-        configs.ATTN_TILES[KEY] = tile
+        configs.ATTN_FWD_GLUON_WS = tile[1]
+        configs.ATTN_TILES[("fwd_gluon_ws" if tile[1] else "fwd_gluon", 2, 128)] = tile[0]
     return A.attn_fwd(q, k, v, q.shape[-1] ** -0.5, causal, diag, out_dtype=torch.bfloat16)
 
 
@@ -57,13 +58,15 @@ def sec_check():
             def one():
                 o, lse = fwd(q, k, v, causal, diag, tile)
                 if tile is not None:
-                    assert A._gluon_fwd_tile(q, k, v, o, 1.0, A.plan(q, k, v, causal, diag), False, False) == tile
+                    assert A._gluon_fwd_tile(q, k, v, o, 1.0, A.plan(q, k, v, causal, diag), False, False) == tile[0]
                 eo = (o.double() - o64).abs().max().item()
                 fin = l64 > float("-inf")
                 el = (lse.double() - l64)[fin].abs().max().item()
                 empty_ok = bool((lse[~fin] == float("-inf")).all() and (o[~fin] == 0).all())
-                rec("check " + name, "triton" if tile is None else f"gluon {tile}", float("nan"),
-                    out_err=eo, lse_err=el, empty_ok=empty_ok, nan=bool(o.isnan().any()))
+                row = dict(group="check " + name, name=str(tile), out_err=eo, lse_err=el, empty_ok=empty_ok,
+                           nan=bool(o.isnan().any()))
+                ROWS.append(row)
+                print(row, flush=True)
             guard("check " + name, str(tile), one)
 
 

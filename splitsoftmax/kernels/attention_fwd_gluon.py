@@ -191,3 +191,210 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh
                 BLOCK_M, D)
     gl.store(LSE + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + qi * s_ls, lse2 * 0.6931471805599453,
              mask=qi < Sq)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The warp-specialized form: one producer warp streams Q, K and V through TMA; two consumer warpgroups,
+# each with BLOCK_M rows of the program's 2 * BLOCK_M, run the loop above with no barrier across
+# them, each releasing a buffer (an mbarrier arrival) as soon as its product that read it is done.
+# ----------------------------------------------------------------------------------------------------
+
+@gluon.jit
+def _ws_producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                 STAGES: gl.constexpr):
+    """Q's two halves once, then K and V of key blocks ``[0, T)``, each into its ring's next buffer
+    once both consumers have released it."""
+    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_bars, k_full, k_empty, v_full, v_empty,
+     O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, b, h, kvh, m0, T, Sq, Sk, diag, qk_scale) = p
+    for c in gl.static_range(2):
+        mbarrier.expect(q_bars.index(c), BLOCK_M * D * 2)
+        _tma_load(q_desc, [b, h, m0 + c * BLOCK_M, 0], q_bars.index(c), q_smem.index(c))
+    for j in range(T):
+        s = j % STAGES
+        phase = ((j // STAGES) & 1) ^ 1  # a fresh barrier counts as released
+        mbarrier.wait(k_empty.index(s), phase)
+        mbarrier.expect(k_full.index(s), BLOCK_N * D * 2)
+        _tma_load(k_desc, [b, kvh, j * BLOCK_N, 0], k_full.index(s), k_ring.index(s))
+        mbarrier.wait(v_empty.index(s), phase)
+        mbarrier.expect(v_full.index(s), BLOCK_N * D * 2)
+        _tma_load(v_desc, [b, kvh, j * BLOCK_N, 0], v_full.index(s), v_ring.index(s))
+
+
+@gluon.jit
+def _ws_take(ring, full, j, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """Key block ``j``'s ``[BLOCK_N, D]`` tile of a ring, once landed."""
+    s = j % STAGES
+    mbarrier.wait(full.index(s), (j // STAGES) & 1)
+    return ring.index(s).reshape([BLOCK_N, D])
+
+
+@gluon.jit
+def _ws_release(empty, j, STAGES: gl.constexpr):
+    """This consumer is done with key block ``j``'s buffer of a ring."""
+    mbarrier.arrive(empty.index(j % STAGES), count=1)
+
+
+@gluon.jit
+def _ws_consumer(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """Rows ``m0 + C * BLOCK_M + [0, BLOCK_M)``: their key blocks (full ones pipelined as in
+    ``_attn_fwd_gluon``, then masked ones), then the program's remaining blocks released unread."""
+    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_bars, k_full, k_empty, v_full, v_empty,
+     O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, b, h, kvh, m0, T, Sq, Sk, diag, qk_scale) = p
+    NW: gl.constexpr = 4
+    dtype: gl.constexpr = q_smem.dtype
+    # S, P: [BLOCK_M queries, BLOCK_N keys]; O: [BLOCK_M, D], P feeds it from registers
+    s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
+    o_layout: gl.constexpr = _mma_layout(D, NW)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_M]
+    cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_N]
+    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)  # [BLOCK_M]
+    r0 = m0 + C * BLOCK_M
+    hi = Sk
+    full = Sk
+    if CAUSAL:
+        hi = gl.minimum(Sk, gl.maximum(gl.minimum(r0 + BLOCK_M, Sq) + diag, 0))
+        full = gl.minimum(hi, gl.maximum(r0 + diag + 1, 0))
+    nf = full // BLOCK_N
+    Tc = gl.maximum(gl.cdiv(hi, BLOCK_N), nf)
+
+    zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows)
+    l_i = gl.zeros([BLOCK_M], gl.float32, rows)
+    mbarrier.wait(q_bars.index(C), 0)
+    q_t = q_smem.index(C).reshape([BLOCK_M, D])
+    if nf > 0:
+        k_t = _ws_take(k_ring, k_full, 0, BLOCK_N, D, STAGES)
+        qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
+        _ws_release(k_empty, 0, STAGES)
+        p_j, alpha, m_i, l_i = _online(qk, m_i, l_i, qk_scale)
+        for j in range(1, nf):
+            k_t = _ws_take(k_ring, k_full, j, BLOCK_N, D, STAGES)
+            qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+            v_t = _ws_take(v_ring, v_full, j - 1, BLOCK_N, D, STAGES)
+            acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc, is_async=True)
+            qk = warpgroup_mma_wait(1, deps=(qk, ))
+            _ws_release(k_empty, j, STAGES)
+            p_j, alpha, m_i, l_i = _online(qk, m_i, l_i, qk_scale)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            _ws_release(v_empty, j - 1, STAGES)
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        v_t = _ws_take(v_ring, v_full, nf - 1, BLOCK_N, D, STAGES)
+        acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)
+        _ws_release(v_empty, nf - 1, STAGES)
+    qi = r0 + gl.arange(0, BLOCK_M, layout=rows)
+    g_t = g_smem.index(C)
+    for j in range(nf, Tc):
+        # a masked block: every product in turn; V through this consumer's guarded copy (CAUSAL)
+        k_t = _ws_take(k_ring, k_full, j, BLOCK_N, D, STAGES)
+        qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
+        _ws_release(k_empty, j, STAGES)
+        kj = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
+        ok = (kj < Sk)[None, :]
+        if CAUSAL:
+            ok = ok & (kj[None, :] <= qi[:, None] + diag)
+        s = gl.where(ok, qk * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p_j = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
+        l_i = l_i * alpha + gl.sum(p_j, 1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        v_t = _ws_take(v_ring, v_full, j, BLOCK_N, D, STAGES)
+        if CAUSAL:  # a NaN/Inf value counts only for the rows that see it (p > 0)
+            bad = _guarded_copy(v_t, g_t, BLOCK_N, D, NW, cols)
+            _ws_release(v_empty, j, STAGES)
+            hit = gl.sum(gl.where(bad[None, :], p_j, 0.0), 1) > 0
+            acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), g_t, acc)
+            acc = gl.where(gl.convert_layout(hit, o_rows)[:, None], float("nan"), acc)
+        else:
+            acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)
+            _ws_release(v_empty, j, STAGES)
+    for j in range(Tc, T):  # the other consumer's blocks: released in turn, unread
+        mbarrier.wait(k_full.index(j % STAGES), (j // STAGES) & 1)
+        _ws_release(k_empty, j, STAGES)
+        mbarrier.wait(v_full.index(j % STAGES), (j // STAGES) & 1)
+        _ws_release(v_empty, j, STAGES)
+
+    some = l_i != 0
+    lse2 = gl.where(some, m_i + gl.log2(gl.where(some, l_i, 1.0)), float("-inf"))
+    inv = 1.0 / gl.where(some, l_i, 1.0)
+    _store_rows(O, acc * gl.convert_layout(inv, o_rows)[:, None], b, h, r0, Sq, s_ob, s_oh, s_os, o_layout,
+                BLOCK_M, D)
+    gl.store(LSE + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + qi * s_ls, lse2 * 0.6931471805599453,
+             mask=qi < Sq)
+
+
+@gluon.jit
+def _guarded_copy(v_t, g_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr, cols: gl.constexpr):
+    """``g_t = v_t`` with every NaN/Inf replaced by 0 (``[BLOCK_N, D]`` shared tiles), ready for the
+    tensor cores in every warp; returns which keys held one (``[BLOCK_N]`` in layout ``cols``)."""
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    x = v_t.load(blocked)
+    finite = gl.abs(x.to(gl.float32)) < float("inf")
+    g_t.store(gl.where(finite, x, gl.zeros_like(x)))
+    fence_async_shared()
+    _thread_barrier()
+    return gl.convert_layout(gl.max(gl.where(finite, 0, 1), 1) > 0, cols)
+
+
+@gluon.jit
+def _ws_consumer0(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                  STAGES: gl.constexpr):
+    _ws_consumer(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
+
+
+@gluon.jit
+def _ws_consumer1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                  STAGES: gl.constexpr):
+    _ws_consumer(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
+
+
+@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh"])
+def _attn_fwd_gluon_ws(q_desc, k_desc, v_desc, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
+                       H, G, Sq, Sk, diag, qk_scale, GH,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                       STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """Grid ``(blocks of 2 * BLOCK_M queries, B * H)`` in the order of ``GH``, causal grids' longest
+    blocks first; ``num_warps = 4`` (the first consumer), plus the second consumer's 4 and the
+    producer's 1. ``q_desc`` reads ``BLOCK_M`` rows; otherwise as ``_attn_fwd_gluon``."""
+    pid_m, pid_bh = _program_order(GH)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    b = pid_bh // H
+    h = pid_bh % H
+    kvh = h // G
+    m0 = pid_m * (2 * BLOCK_M)
+    hi = Sk
+    if CAUSAL:
+        hi = gl.minimum(Sk, gl.maximum(gl.minimum(m0 + 2 * BLOCK_M, Sq) + diag, 0))
+    T = gl.cdiv(hi, BLOCK_N)
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
+    k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
+    g_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], g_layout)
+    q_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(2):
+        mbarrier.init(q_bars.index(c), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_full.index(i), count=1)
+        mbarrier.init(v_full.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)
+        mbarrier.init(v_empty.index(i), count=2)
+    p = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_bars, k_full, k_empty, v_full, v_empty,
+         O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, b, h, kvh, m0, T, Sq, Sk, diag, qk_scale)
+    gl.warp_specialize([
+        (_ws_consumer0, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_ws_consumer1, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_ws_producer, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+    ], [4, 1], [232, 24])

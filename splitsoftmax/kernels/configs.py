@@ -15,6 +15,8 @@ ATTN_TILES = {
     # ... or, on sm_90 (ATTN_FWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES): two
     # buffers each of K and V
     ("fwd_gluon", 2, 128): (128, 128, 8, 2),
+    # ... in its warp-specialized form (ATTN_FWD_GLUON_WS): each consumer's (BLOCK_M, BLOCK_N, 4, STAGES)
+    ("fwd_gluon_ws", 2, 128): (64, 128, 4, 2),
     ("fwd", 2, 256): (64, 64, 8, 2),
     ("fwd", 4, 64): (16, 32, 4, 2),
     ("fwd", 4, 256): (16, 16, 4, 2),     # float32 runs exact (no tf32) FMA products: small tiles
@@ -96,6 +98,10 @@ ATTN_BWD_GLUON = True
 # 0.89-1.06x and its 128x128 tile 0.77-0.94x (launch/probes/attention_fwd_gluon.py; BENCHMARKS.md,
 # "Attention", F1): a barrier of every warp per key block keeps its two warpgroups in step.
 ATTN_FWD_GLUON = False
+# ... in its warp-specialized form (two consumer warpgroups of BLOCK_M rows each, one producer warp),
+# under this register limit per thread (12 warps' worth within an SM's 64K registers)
+ATTN_FWD_GLUON_WS = True
+ATTN_FWD_GLUON_WS_MAXNREG = 168
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

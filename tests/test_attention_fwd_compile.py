@@ -32,6 +32,7 @@ def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True)
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON", gluon)
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", 0)
     monkeypatch.setattr(A, "sm90", lambda t: True)
     monkeypatch.setattr(A, "hopper", lambda t: True)
     monkeypatch.setattr(decode, "hopper", lambda t: True)

@@ -555,12 +555,14 @@ class _GluonFwdLaunch(NamedTuple):
 def _gluon_fwd_tile(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, p: Plan, acc: bool,
                     split_dim: bool) -> Optional[tuple]:
     """The Gluon forward's tile if it runs this launch of the plain mask, else None:
-    ``configs.ATTN_FWD_GLUON``, a Hopper GPU (sm_90: its warpgroup products), not the interpreter,
+    ``configs.ATTN_FWD_GLUON`` and at least ``configs.ATTN_FWD_GLUON_MIN_SQ`` queries, a Hopper GPU
+    (sm_90: its warpgroup products), not the interpreter,
     bfloat16 inputs (the dtype its GPU tests cover) with equal head dims and a tile listed for them,
     one split written directly (no running state, no partials), rows not packed, a positive scale,
     TMA-addressable inputs and an output with unit last stride."""
     d = q.shape[-1]
-    if (not configs.ATTN_FWD_GLUON or interpreting() or acc or split_dim or p.pack or p.nsplit != 1 or scale <= 0
+    if (not configs.ATTN_FWD_GLUON or q.shape[2] < configs.ATTN_FWD_GLUON_MIN_SQ or interpreting() or acc
+            or split_dim or p.pack or p.nsplit != 1 or scale <= 0
             or not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or v.shape[-1] != d or out.stride(-1) != 1
             or not sm90(q) or not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v))):
         return None
@@ -611,7 +613,7 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
         kvr = qoff = rows = lse
         geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
                configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES,
-               configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_WS,
+               configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_WS, configs.ATTN_FWD_GLUON_MIN_SQ,
                configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])), configs.ATTN_TILES.get(("fwd_gluon_ws", 2, q.shape[-1])))
         run = _FWD_LAUNCHES.get(geo)
         if run is None:

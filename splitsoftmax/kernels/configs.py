@@ -97,11 +97,13 @@ ATTN_BWD_GLUON = True
 # was slower than the Triton kernel at every shape timed, its best tile (64x64, 4 warps, 3 buffers)
 # 0.89-1.06x and its 128x128 tile 0.77-0.94x (launch/probes/attention_fwd_gluon.py; BENCHMARKS.md,
 # "Attention", F1): a barrier of every warp per key block keeps its two warpgroups in step.
-ATTN_FWD_GLUON = False
+ATTN_FWD_GLUON = True
 # ... in its warp-specialized form (two consumer warpgroups of BLOCK_M rows each, one producer warp),
 # under this register limit per thread (12 warps' worth within an SM's 64K registers)
 ATTN_FWD_GLUON_WS = True
 ATTN_FWD_GLUON_WS_MAXNREG = 168
+# ... from this many queries on (shorter rows keep the Triton kernel and its short causal tile)
+ATTN_FWD_GLUON_MIN_SQ = 4096
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

@@ -89,4 +89,6 @@ def test_hidden_poison_reaches_the_same_rows(bad, where, monkeypatch):
     reached = {g: (~torch.isfinite(o)).any(-1) for g, (o, _) in outs.items()}
     assert torch.equal(reached[True], reached[False]), (reached[True] != reached[False]).nonzero()[:8]
     assert torch.equal(outs[True][1].isnan(), outs[False][1].isnan())
-    assert reached[True][0, 0, 130:].all() and not reached[True][:, :, :130].any() and not reached[True][:, 1:].any()
+    assert not reached[True][:, :, :130].any() and not reached[True][1:].any()
+    if where == "v" or bad != bad:  # (an infinite key may give a row -inf scores only: not reached)
+        assert reached[True][0, :, 130:].all()

@@ -10,8 +10,7 @@ its **bucket**, worked out on the host by the planners (:func:`bucket`):
   queries or more, decoding (at most ``configs.ATTN_PACK_MAX_SQ`` queries) or not, and a decode
   split's pipeline depth (at most ``configs.ATTN_SHORT_SPLIT_TILES`` key tiles per split or more);
 - whole tiles (``Sq``, ``Sk`` multiples of the tile: 2-D TMA row views) or a partial last tile;
-- on sm_90 in bfloat16, the Gluon forward (``configs.ATTN_FWD_GLUON``, from
-  ``configs.ATTN_FWD_GLUON_MIN_SQ`` queries) or the Triton one;
+- on sm_90 in bfloat16, the Gluon forward (``kernels.attention.gluon_fwd_length``) or the Triton one;
 - one key split or several (split-KV: fewer than ``configs.ATTN_SPLIT_PROGRAMS_PER_SM`` programs
   per SM otherwise, which depends on batch x heads x query blocks), and then the merge kernel
   (``merge.merge_plan``: row-tiled, or all parts at once in ``BLOCK_P`` = the split count rounded
@@ -67,6 +66,7 @@ def bucket(b: int, h: int, hkv: int, sq: int, sk: int, d: int, causal: bool, lik
     """What fixes the compiled kernels of ``ss.attention`` over ``q (b, h, sq, d)``, ``k, v (b, hkv,
     sk, d)`` of ``like``'s dtype and device, and its backward (see the module docstring)."""
     from .kernels import configs, decode, merge
+    from .kernels.attention import gluon_fwd_length
     from .kernels.attention_bwd import splits
     from .kernels.launch import fits_int32
     q, k = _shaped(like, b, h, sq, d), _shaped(like, b, hkv, sk, d)
@@ -82,9 +82,9 @@ def bucket(b: int, h: int, hkv: int, sq: int, sk: int, d: int, causal: bool, lik
     # the strides proportional to a length, of the tensors (the row statistics' are not specialised)
     strides = (*(sq * c % 16 == 0 for c in (d, h * d, b * h * d)),
                *(sk * c % 16 == 0 for c in (d, hkv * d, b * hkv * d)))
-    # the Gluon forward on sm_90 (kernels.attention._gluon_fwd_tile) from its least length on
-    gluon = (configs.ATTN_FWD_GLUON and sq >= configs.ATTN_FWD_GLUON_MIN_SQ and p.nsplit == 1 and not p.pack
-             and like.dtype == torch.bfloat16 and decode.sm90(like))
+    # the Gluon forward on sm_90 (kernels.attention._gluon_fwd_tile) at its lengths
+    gluon = (gluon_fwd_length(sq, causal) and p.nsplit == 1 and not p.pack and like.dtype == torch.bfloat16
+             and decode.sm90(like))
     return (causal, p.tile, p.pack, sq % bm == 0 and sk % bn == 0, p.nsplit > 1, merged, bwd_split, prep_rows,
             strides, fits_int32(b * h * sq * d * p.nsplit, b * hkv * sk * d), gluon)
 

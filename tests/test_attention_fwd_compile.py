@@ -25,14 +25,14 @@ from splitsoftmax.kernels import configs, decode, launch  # noqa: E402
 from splitsoftmax.kernels.attention_bwd_gluon import descriptor  # noqa: E402
 
 
-def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True):
+def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True, lengths=(0, 0), batch: int = 1):
     """The forward's one launch on bf16 ``(1, 16, sq, 128)`` queries over 4 kv heads (``views``:
     ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors), as captured."""
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON", gluon)
-    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", 0)
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", lengths)
     monkeypatch.setattr(A, "sm90", lambda t: True)
     monkeypatch.setattr(A, "hopper", lambda t: True)
     monkeypatch.setattr(decode, "hopper", lambda t: True)
@@ -43,7 +43,7 @@ def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True)
                                       descriptor(v, run.rows[1]), out, lse, *run.scalars), run.kwargs)))
 
     def make(h):
-        t = torch.randn(1, sq, h, 128).to(torch.bfloat16)
+        t = torch.randn(batch, sq, h, 128).to(torch.bfloat16)
         return t.transpose(1, 2) if views else t.transpose(1, 2).contiguous()
     q, k, v = make(16), make(4), make(4)
     A.attn_fwd(q, k, v, 0.088, causal, out_dtype=torch.bfloat16)
@@ -72,3 +72,12 @@ def test_gluon_forward_only_when_on(monkeypatch):
     """With the flag off the Triton kernel runs."""
     (fn, _, _), = _launch(monkeypatch, True, 1000, False, gluon=False)
     assert fn.fn.__name__ == "_attn_fwd_kernel"
+
+
+@pytest.mark.parametrize("sq,causal,gluon", [(1000, False, False), (1024, False, True), (2048, True, False),
+                                             (4095, True, False), (4096, True, True), (5000, False, True)])
+def test_gluon_forward_from_its_least_lengths(sq, causal, gluon, monkeypatch):
+    """The Gluon forward runs from ``configs.ATTN_FWD_GLUON_MIN_SQ`` queries on (full, causal), where
+    it was timed faster than the Triton kernel; shorter rows keep the Triton kernel."""
+    (fn, _, _), = _launch(monkeypatch, causal, sq, True, lengths=configs.ATTN_FWD_GLUON_MIN_SQ, batch=4)
+    assert (fn.fn.__name__ == "_attn_fwd_gluon_ws") == gluon

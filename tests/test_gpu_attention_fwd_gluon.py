@@ -45,14 +45,14 @@ def _inputs(b, h, hkv, sq, sk, views, seed=0):
 @pytest.fixture(params=[False, True], ids=["plain", "warp-specialized"], autouse=True)
 def _form(request, monkeypatch):
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON_WS", request.param)
-    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", 0)
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", (0, 0))
 
 
 def _fwd(q, k, v, causal, diag, gluon, monkeypatch):
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON", gluon)
     scale = q.shape[-1] ** -0.5
     p = A.plan(q, k, v, causal, diag)
-    ran = A._gluon_fwd_tile(q, k, v, A._empty_out(q, 128, torch.bfloat16), scale, p, False, False) is not None
+    ran = A._gluon_fwd_tile(q, k, v, A._empty_out(q, 128, torch.bfloat16), scale, causal, p, False, False) is not None
     assert ran == gluon
     return A.attn_fwd(q, k, v, scale, causal, diag, out_dtype=torch.bfloat16)
 

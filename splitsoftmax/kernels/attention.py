@@ -552,17 +552,22 @@ class _GluonFwdLaunch(NamedTuple):
     kwargs: dict
 
 
-def _gluon_fwd_tile(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, p: Plan, acc: bool,
+def gluon_fwd_length(sq: int, causal: bool) -> bool:
+    """Whether ``configs.ATTN_FWD_GLUON`` is on and ``sq`` queries reach its least length
+    (``configs.ATTN_FWD_GLUON_MIN_SQ``: full, causal)."""
+    return configs.ATTN_FWD_GLUON and sq >= configs.ATTN_FWD_GLUON_MIN_SQ[causal]
+
+
+def _gluon_fwd_tile(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, causal: bool, p: Plan, acc: bool,
                     split_dim: bool) -> Optional[tuple]:
     """The Gluon forward's tile if it runs this launch of the plain mask, else None:
-    ``configs.ATTN_FWD_GLUON`` and at least ``configs.ATTN_FWD_GLUON_MIN_SQ`` queries, a Hopper GPU
-    (sm_90: its warpgroup products), not the interpreter,
+    :func:`gluon_fwd_length`, a Hopper GPU (sm_90: its warpgroup products), not the interpreter,
     bfloat16 inputs (the dtype its GPU tests cover) with equal head dims and a tile listed for them,
     one split written directly (no running state, no partials), rows not packed, a positive scale,
     TMA-addressable inputs and an output with unit last stride."""
     d = q.shape[-1]
-    if (not configs.ATTN_FWD_GLUON or q.shape[2] < configs.ATTN_FWD_GLUON_MIN_SQ or interpreting() or acc
-            or split_dim or p.pack or p.nsplit != 1 or scale <= 0
+    if (not gluon_fwd_length(q.shape[2], causal) or interpreting() or acc or split_dim or p.pack or p.nsplit != 1
+            or scale <= 0
             or not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or v.shape[-1] != d or out.stride(-1) != 1
             or not sm90(q) or not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v))):
         return None
@@ -613,11 +618,12 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
         kvr = qoff = rows = lse
         geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
                configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES,
-               configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_WS, configs.ATTN_FWD_GLUON_MIN_SQ,
-               configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])), configs.ATTN_TILES.get(("fwd_gluon_ws", 2, q.shape[-1])))
+               configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_WS,
+               configs.ATTN_FWD_GLUON_MIN_SQ, configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])),
+               configs.ATTN_TILES.get(("fwd_gluon_ws", 2, q.shape[-1])))
         run = _FWD_LAUNCHES.get(geo)
         if run is None:
-            tile = _gluon_fwd_tile(q, k, v, out, scale, p, acc, split_dim)
+            tile = _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
             run = _FWD_LAUNCHES.put(geo, _gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile) if tile else
                                     _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim,
                                                 _kernel_mask(mask, q, scale, lse)))

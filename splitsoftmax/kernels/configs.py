@@ -91,19 +91,21 @@ ATTN_BWD_TMA = True
 # 1 x 16/4 x 8k causal views, 423 / 405 at 4 x 16 x 8k full (BENCHMARKS.md, "Attention backward",
 # G1, G2).
 ATTN_BWD_GLUON = True
-# The plain forward (causal or full, one split written directly) in Gluon on sm_90
+# The plain forward (causal or full, bf16, one split written directly) in Gluon on sm_90
 # (kernels/attention_fwd_gluon.py), which takes each key block's softmax while the tensor cores run
-# the next block's scores and the last block's values. Off: on one H200 (Triton 3.6, 2026-12-02) it
-# was slower than the Triton kernel at every shape timed, its best tile (64x64, 4 warps, 3 buffers)
-# 0.89-1.06x and its 128x128 tile 0.77-0.94x (launch/probes/attention_fwd_gluon.py; BENCHMARKS.md,
-# "Attention", F1): a barrier of every warp per key block keeps its two warpgroups in step.
+# the next block's scores and the last block's values ...
 ATTN_FWD_GLUON = True
 # ... in its warp-specialized form (two consumer warpgroups of BLOCK_M rows each, one producer warp),
-# under this register limit per thread (12 warps' worth within an SM's 64K registers)
+# under this register limit per thread (12 warps' worth within an SM's 64K registers). Without it
+# (one program's warps in step, a barrier per key block) it was slower than the Triton kernel at
+# every shape but one on one H200: 0.77-0.94x at 128x128 (8 warps), 0.88-1.07x at 64x64 (F1-F3).
 ATTN_FWD_GLUON_WS = True
 ATTN_FWD_GLUON_WS_MAXNREG = 168
-# ... from this many queries on (shorter rows keep the Triton kernel and its short causal tile)
-ATTN_FWD_GLUON_MIN_SQ = 4096
+# ... from this many queries on, (full, causal): shorter rows keep the Triton kernel (and its short
+# causal tile). H200, forward TFLOP/s, Triton kernel -> warp-specialized Gluon (BENCHMARKS.md,
+# "Attention", F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;
+# causal 369 -> 265 at 1k, 415 -> 384 at 2k, 479 -> 491 at 4k, 571 -> 628 at 32k
+ATTN_FWD_GLUON_MIN_SQ = (1024, 4096)
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

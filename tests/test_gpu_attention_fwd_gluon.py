@@ -3,7 +3,7 @@
 FlashAttention's rule (error against float64 at most 2x torch's attention in bf16) for the output,
 the lse within the Triton kernel's error; odd lengths, GQA, (B, S, H, D) views, a diagonal
 offset in both directions (empty rows: ``(0, -inf)``); a NaN/Inf value in a diagonal block reaches
-the same rows as under the Triton kernel. Both forms: plain and warp-specialized. Outputs are NaN-poisoned (conftest).
+the same rows as under the Triton kernel. Outputs are NaN-poisoned (conftest).
 """
 from __future__ import annotations
 
@@ -42,9 +42,8 @@ def _inputs(b, h, hkv, sq, sk, views, seed=0):
     return t(h, sq), t(hkv, sk), t(hkv, sk)
 
 
-@pytest.fixture(params=[False, True], ids=["plain", "warp-specialized"], autouse=True)
-def _form(request, monkeypatch):
-    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_WS", request.param)
+@pytest.fixture(autouse=True)
+def _every_length(monkeypatch):
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", (0, 0))
 
 

@@ -571,39 +571,37 @@ def _gluon_fwd_tile(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, 
             or not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or v.shape[-1] != d or out.stride(-1) != 1
             or not sm90(q) or not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v))):
         return None
-    return configs.ATTN_TILES.get(("fwd_gluon_ws" if configs.ATTN_FWD_GLUON_WS else "fwd_gluon", 2, d))
+    return configs.ATTN_TILES.get(("fwd_gluon", 2, d))
 
 
 def _gluon_fwd_launch(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, diag: int,
                       tile: tuple) -> _GluonFwdLaunch:
-    """The Gluon forward's launch for these operands (its tile ``tile``)."""
+    """The Gluon forward's launch for these operands (its tile ``tile``: each consumer's)."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, warps, stages = tile
-    ws = configs.ATTN_FWD_GLUON_WS
-    grid = (configs.cdiv(sq, 2 * bm if ws else bm), b * h)
+    grid = (configs.cdiv(sq, 2 * bm), b * h)
     scalars = (*out.stride()[:3], *lse.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E,
-               head_group(grid[0], grid[1], q, causal, 8 if ws else warps))
-    kwargs = dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps)
-    if ws:  # the second consumer's warpgroup and the producer's, within an SM's registers
-        kwargs["maxnreg"] = configs.ATTN_FWD_GLUON_WS_MAXNREG
-    return _GluonFwdLaunch(grid, (auto_key((out, lse, *scalars)), q.dtype, ws), (bm, bn), scalars, kwargs)
+               head_group(grid[0], grid[1], q, causal, 2 * warps))
+    # maxnreg: the second consumer's warpgroup and the producer's, within an SM's registers
+    return _GluonFwdLaunch(grid, (auto_key((out, lse, *scalars)), q.dtype), (bm, bn), scalars,
+                           dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps,
+                                maxnreg=configs.ATTN_FWD_GLUON_MAXNREG))
 
 
 @functools.lru_cache(maxsize=None)
-def _gluon_fwd_launcher(ws: bool) -> Launcher:
-    """The Gluon forward's launcher, warp-specialized or not (imported on first use: Gluon needs a
-    CUDA build)."""
-    from . import attention_fwd_gluon
-    return Launcher(attention_fwd_gluon._attn_fwd_gluon_ws if ws else attention_fwd_gluon._attn_fwd_gluon)
+def _gluon_fwd_launcher() -> Launcher:
+    """The Gluon forward's launcher (imported on first use: Gluon needs a CUDA build)."""
+    from .attention_fwd_gluon import _attn_fwd_gluon
+    return Launcher(_attn_fwd_gluon)
 
 
 def _run_gluon_fwd(run: _GluonFwdLaunch, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor) -> None:
     """Launch ``run`` on these operands."""
     from .attention_bwd_gluon import descriptor
     bm, bn = run.rows
-    _gluon_fwd_launcher(run.key[-1])(run.grid, run.key, (descriptor(q, bm), descriptor(k, bn), descriptor(v, bn),
-                                                         out, lse, *run.scalars), run.kwargs)
+    _gluon_fwd_launcher()(run.grid, run.key, (descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), out, lse,
+                                              *run.scalars), run.kwargs)
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
@@ -618,9 +616,8 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
         kvr = qoff = rows = lse
         geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
                configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES,
-               configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_WS,
-               configs.ATTN_FWD_GLUON_MIN_SQ, configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])),
-               configs.ATTN_TILES.get(("fwd_gluon_ws", 2, q.shape[-1])))
+               configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_MIN_SQ,
+               configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])))
         run = _FWD_LAUNCHES.get(geo)
         if run is None:
             tile = _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)

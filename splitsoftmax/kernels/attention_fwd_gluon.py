@@ -1,15 +1,19 @@
-"""The plain forward for Hopper, written in Gluon: the score product of the next key block runs
-while the softmax of this one is taken, and the value product of the last one runs beside both.
+"""The plain forward for Hopper, written in Gluon and warp-specialized: the score product of the
+next key block runs while the softmax of this one is taken, and the value product of the last one
+runs beside both.
 
 Triton issues a key block's ``S = Q K^T`` only after the previous block's ``O += P V`` (the
 tensor cores take products in order), so the softmax of a block waits for both and the tensor
-cores idle while it runs. This kernel issues ``S_j`` first and ``O += P_{j-1} V_{j-1}`` right
-after, waits for ``S_j`` alone and takes its softmax while ``P_{j-1} V_{j-1}`` runs; the
-rescale of ``O`` by ``alpha_j`` follows that product. K and V stream through rings of their own,
-each buffer refilled as soon as the product that read it is done in every warp. Key blocks that
-every row sees whole run pipelined like this; those crossing the diagonal or ``Sk`` run after
-them, every product in turn, masked, their V guarded: a NaN/Inf value reaches only the rows that
-see it (as ``attention._guarded_pv``).
+cores idle while it runs. Here each of two consumer warpgroups (``BLOCK_M`` rows each of the
+program's ``2 * BLOCK_M``) issues ``S_j`` first and ``O += P_{j-1} V_{j-1}`` right after, waits for
+``S_j`` alone and takes its softmax while ``P_{j-1} V_{j-1}`` runs; the rescale of ``O`` by
+``alpha_j`` follows that product. One producer warp streams Q, then K and V through rings of their
+own by TMA; each consumer releases a buffer (an mbarrier arrival) as soon as its product that read
+it is done, and nothing else ties the two consumers together, so that one's softmax runs beside the
+other's products. Key blocks that every row of a consumer sees whole run pipelined like this;
+those crossing the diagonal or ``Sk`` run after them, every product in turn, masked, their V read
+through the consumer's own guarded copy: a NaN/Inf value reaches only the rows that see it (as
+``attention._guarded_pv``).
 
 Same semantics as ``attention._attn_fwd_kernel`` on the plain (causal or full) mask, one key
 split: ``out (B, H, Sq, D)`` in its dtype, ``lse`` in the natural log, empty rows ``(0, -inf)``.
@@ -26,33 +30,6 @@ from .attention_bwd_gluon import _mma_layout, _program_order, _store_rows, _thre
 
 
 @gluon.jit
-def _load_kv_block(desc, smem, bars, j, T, b, kvh, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    """Start the TMA load of key block ``j`` of ``desc`` (K or V, 2-byte) into buffer ``j % STAGES``
-    (nothing past ``T``)."""
-    s = j % STAGES
-    mbarrier.expect(bars.index(s), BLOCK_N * D * 2, pred=j < T)
-    _tma_load(desc, [b, kvh, j * BLOCK_N, 0], bars.index(s), smem.index(s), pred=j < T)
-
-
-@gluon.jit
-def _ring(desc, STAGES: gl.constexpr):
-    """``STAGES`` shared buffers of ``desc``'s tile and a barrier each."""
-    smem = gl.allocate_shared_memory(desc.dtype, [STAGES] + desc.block_type.shape, desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(bars.index(i), count=1)
-    return smem, bars
-
-
-@gluon.jit
-def _block(ring, bars, j, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    """Key block ``j``'s ``[BLOCK_N, D]`` tile of a ring, once its load has landed."""
-    s = j % STAGES
-    mbarrier.wait(bars.index(s), (j // STAGES) & 1)
-    return ring.index(s).reshape([BLOCK_N, D])
-
-
-@gluon.jit
 def _online(qk, m_i, l_i, qk_scale):
     """One block of the online softmax, unmasked: ``(p, alpha, m, l)`` from scores ``qk
     [BLOCK_M, BLOCK_N]`` (unscaled; ``qk_scale > 0`` holds log2(e))."""
@@ -61,143 +38,6 @@ def _online(qk, m_i, l_i, qk_scale):
     alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
-
-@gluon.jit
-def _guard_v(v_t, BLOCK_N: gl.constexpr, D: gl.constexpr, num_warps: gl.constexpr, cols: gl.constexpr):
-    """Zero every NaN/Inf of the ``[BLOCK_N, D]`` shared tile ``v_t`` in place; returns which keys
-    held one (``[BLOCK_N]`` in layout ``cols``)."""
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-    x = v_t.load(blocked)
-    finite = gl.abs(x.to(gl.float32)) < float("inf")
-    bad = gl.max(gl.where(finite, 0, 1), 1) > 0  # [BLOCK_N]
-    v_t.store(gl.where(finite, x, gl.zeros_like(x)))
-    return gl.convert_layout(bad, cols)
-
-
-@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh"])
-def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
-                    H, G, Sq, Sk, diag, qk_scale, GH,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                    STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """Grid ``(query blocks, B * H)`` in the order of ``GH`` (``attention._program_order``), causal
-    grids' longest blocks first. ``O`` has unit last stride; ``qk_scale`` is the scale times log2(e)."""
-    pid_m, pid_bh = _program_order(GH)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    b = pid_bh // H
-    h = pid_bh % H
-    kvh = h // G
-    m0 = pid_m * BLOCK_M
-    dtype: gl.constexpr = q_desc.dtype
-
-    # S, P: [BLOCK_M queries, BLOCK_N keys]; O: [BLOCK_M, D], P feeds it from registers
-    s_layout: gl.constexpr = _mma_layout(BLOCK_N, num_warps)
-    o_layout: gl.constexpr = _mma_layout(D, num_warps)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_M]
-    cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_N]
-    o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)  # [BLOCK_M]
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
-    k_ring, k_bars = _ring(k_desc, STAGES)
-    v_ring, v_bars = _ring(v_desc, STAGES)
-
-    # key blocks [0, nf) are seen whole by every row; [nf, T) cross the diagonal or end past Sk
-    hi = Sk
-    full = Sk
-    if CAUSAL:
-        hi = gl.minimum(Sk, gl.maximum(gl.minimum(m0 + BLOCK_M, Sq) + diag, 0))
-        full = gl.minimum(hi, gl.maximum(m0 + diag + 1, 0))
-    nf = full // BLOCK_N
-    T = gl.maximum(gl.cdiv(hi, BLOCK_N), nf)
-
-    mbarrier.expect(q_bar, BLOCK_M * D * 2)
-    _tma_load(q_desc, [b, h, m0, 0], q_bar, q_smem)
-    for i in gl.static_range(STAGES):
-        _load_kv_block(k_desc, k_ring, k_bars, i, T, b, kvh, BLOCK_N, D, STAGES)
-        _load_kv_block(v_desc, v_ring, v_bars, i, T, b, kvh, BLOCK_N, D, STAGES)
-    zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, rows)
-    l_i = gl.zeros([BLOCK_M], gl.float32, rows)
-    mbarrier.wait(q_bar, 0)
-    q_t = q_smem.reshape([BLOCK_M, D])
-    if nf > 0:
-        # block 0, then for each next block j: S_j and O += P_{j-1} V_{j-1} issued together, the
-        # softmax of S_j taken while the latter runs
-        k_t = _block(k_ring, k_bars, 0, BLOCK_N, D, STAGES)
-        qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
-        p, alpha, m_i, l_i = _online(qk, m_i, l_i, qk_scale)
-        _thread_barrier()
-        _load_kv_block(k_desc, k_ring, k_bars, STAGES, T, b, kvh, BLOCK_N, D, STAGES)
-        for j in range(1, nf):
-            k_t = _block(k_ring, k_bars, j, BLOCK_N, D, STAGES)
-            qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-            v_t = _block(v_ring, v_bars, j - 1, BLOCK_N, D, STAGES)
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc, is_async=True)
-            qk = warpgroup_mma_wait(1, deps=(qk, ))
-            p, alpha_j, m_i, l_i = _online(qk, m_i, l_i, qk_scale)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
-            acc = acc * gl.convert_layout(alpha_j, o_rows)[:, None]
-            # K_j and V_{j-1} are read in every warp: their buffers take the blocks STAGES on
-            _thread_barrier()
-            _load_kv_block(k_desc, k_ring, k_bars, j + STAGES, T, b, kvh, BLOCK_N, D, STAGES)
-            _load_kv_block(v_desc, v_ring, v_bars, j - 1 + STAGES, T, b, kvh, BLOCK_N, D, STAGES)
-        v_t = _block(v_ring, v_bars, nf - 1, BLOCK_N, D, STAGES)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc)
-        _thread_barrier()
-        _load_kv_block(v_desc, v_ring, v_bars, nf - 1 + STAGES, T, b, kvh, BLOCK_N, D, STAGES)
-    qi = m0 + gl.arange(0, BLOCK_M, layout=rows)
-    for j in range(nf, T):
-        # a masked block: every product in turn; rows with no visible key so far keep m = -inf
-        k_t = _block(k_ring, k_bars, j, BLOCK_N, D, STAGES)
-        qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
-        kj = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
-        ok = (kj < Sk)[None, :]
-        if CAUSAL:
-            ok = ok & (kj[None, :] <= qi[:, None] + diag)
-        s = gl.where(ok, qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        v_t = _block(v_ring, v_bars, j, BLOCK_N, D, STAGES)
-        if CAUSAL:  # a NaN/Inf value counts only for the rows that see it (p > 0)
-            bad = _guard_v(v_t, BLOCK_N, D, num_warps, cols)
-            hit = gl.sum(gl.where(bad[None, :], p, 0.0), 1) > 0
-            fence_async_shared()
-            _thread_barrier()
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc)
-            acc = gl.where(gl.convert_layout(hit, o_rows)[:, None], float("nan"), acc)
-        else:
-            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_t, acc)
-        _thread_barrier()
-        _load_kv_block(k_desc, k_ring, k_bars, j + STAGES, T, b, kvh, BLOCK_N, D, STAGES)
-        _load_kv_block(v_desc, v_ring, v_bars, j + STAGES, T, b, kvh, BLOCK_N, D, STAGES)
-    mbarrier.invalidate(q_bar)
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(k_bars.index(i))
-        mbarrier.invalidate(v_bars.index(i))
-
-    # epilogue: an empty row (l exactly 0) is (0, -inf); a NaN l stays NaN
-    some = l_i != 0
-    lse2 = gl.where(some, m_i + gl.log2(gl.where(some, l_i, 1.0)), float("-inf"))
-    inv = 1.0 / gl.where(some, l_i, 1.0)
-    _store_rows(O, acc * gl.convert_layout(inv, o_rows)[:, None], b, h, m0, Sq, s_ob, s_oh, s_os, o_layout,
-                BLOCK_M, D)
-    gl.store(LSE + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + qi * s_ls, lse2 * 0.6931471805599453,
-             mask=qi < Sq)
-
-
-# ----------------------------------------------------------------------------------------------------
-# The warp-specialized form: one producer warp streams Q, K and V through TMA; two consumer warpgroups,
-# each with BLOCK_M rows of the program's 2 * BLOCK_M, run the loop above with no barrier across
-# them, each releasing a buffer (an mbarrier arrival) as soon as its product that read it is done.
-# ----------------------------------------------------------------------------------------------------
 
 @gluon.jit
 def _ws_producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
@@ -237,8 +77,8 @@ def _ws_release(empty, j, STAGES: gl.constexpr):
 @gluon.jit
 def _ws_consumer(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                  CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """Rows ``m0 + C * BLOCK_M + [0, BLOCK_M)``: their key blocks (full ones pipelined as in
-    ``_attn_fwd_gluon``, then masked ones), then the program's remaining blocks released unread."""
+    """Rows ``m0 + C * BLOCK_M + [0, BLOCK_M)``: their key blocks (those every row sees whole
+    pipelined, then the masked ones), then the program's remaining blocks released unread."""
     (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_bars, k_full, k_empty, v_full, v_empty,
      O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, b, h, kvh, m0, T, Sq, Sk, diag, qk_scale) = p
     NW: gl.constexpr = 4
@@ -354,13 +194,14 @@ def _ws_consumer1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constex
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh"])
-def _attn_fwd_gluon_ws(q_desc, k_desc, v_desc, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
+def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
                        H, G, Sq, Sk, diag, qk_scale, GH,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                        STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(blocks of 2 * BLOCK_M queries, B * H)`` in the order of ``GH``, causal grids' longest
     blocks first; ``num_warps = 4`` (the first consumer), plus the second consumer's 4 and the
-    producer's 1. ``q_desc`` reads ``BLOCK_M`` rows; otherwise as ``_attn_fwd_gluon``."""
+    producer's 1. ``q_desc`` reads ``BLOCK_M`` rows, ``k_desc`` and ``v_desc`` ``BLOCK_N``; ``O`` has
+    unit last stride; ``qk_scale`` is the scale times log2(e)."""
     pid_m, pid_bh = _program_order(GH)
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - pid_m

@@ -12,11 +12,10 @@ ATTN_TILES = {
     # forward over many queries (prefill, ring steps)
     ("fwd", 2, 64): (128, 64, 4, 3),
     ("fwd", 2, 128): (128, 128, 8, 3),   # H200 sweep: 504/474 TFLOP/s at S=8k full/causal
-    # ... or, on sm_90 (ATTN_FWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES): two
-    # buffers each of K and V
-    ("fwd_gluon", 2, 128): (128, 128, 8, 2),
-    # ... in its warp-specialized form (ATTN_FWD_GLUON_WS): each consumer's (BLOCK_M, BLOCK_N, 4, STAGES)
-    ("fwd_gluon_ws", 2, 128): (64, 128, 4, 2),
+    # ... or, on sm_90 (ATTN_FWD_GLUON), the Gluon kernel's: each consumer's (BLOCK_M, BLOCK_N, 4, STAGES
+    # buffers each of K and V). H200, TFLOP/s at 8k full / 32k full / 8k causal: 64x128 s2 611 / 640 /
+    # 548, 64x64 s4 537 / 557 / 515 (launch/probes/attention_fwd_gluon.py)
+    ("fwd_gluon", 2, 128): (64, 128, 4, 2),
     ("fwd", 2, 256): (64, 64, 8, 2),
     ("fwd", 4, 64): (16, 32, 4, 2),
     ("fwd", 4, 256): (16, 16, 4, 2),     # float32 runs exact (no tf32) FMA products: small tiles
@@ -92,15 +91,14 @@ ATTN_BWD_TMA = True
 # G1, G2).
 ATTN_BWD_GLUON = True
 # The plain forward (causal or full, bf16, one split written directly) in Gluon on sm_90
-# (kernels/attention_fwd_gluon.py), which takes each key block's softmax while the tensor cores run
-# the next block's scores and the last block's values ...
+# (kernels/attention_fwd_gluon.py): two consumer warpgroups each take a key block's softmax while
+# the tensor cores run the next block's scores and the last block's values, one producer warp
+# streams Q, K, V. The same loop without warp specialization (one program's warps in step, a barrier
+# per key block; a156112 and before) was slower than the Triton kernel at every shape but one on one
+# H200: 0.77-0.94x at 128x128 (8 warps), 0.88-1.07x at 64x64 (BENCHMARKS.md, "Attention", F1-F3) ...
 ATTN_FWD_GLUON = True
-# ... in its warp-specialized form (two consumer warpgroups of BLOCK_M rows each, one producer warp),
-# under this register limit per thread (12 warps' worth within an SM's 64K registers). Without it
-# (one program's warps in step, a barrier per key block) it was slower than the Triton kernel at
-# every shape but one on one H200: 0.77-0.94x at 128x128 (8 warps), 0.88-1.07x at 64x64 (F1-F3).
-ATTN_FWD_GLUON_WS = True
-ATTN_FWD_GLUON_WS_MAXNREG = 168
+# ... under this register limit per thread: 12 warps' worth within an SM's 64K registers ...
+ATTN_FWD_GLUON_MAXNREG = 168
 # ... from this many queries on, (full, causal): shorter rows keep the Triton kernel (and its short
 # causal tile). H200, forward TFLOP/s, Triton kernel -> warp-specialized Gluon (BENCHMARKS.md,
 # "Attention", F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;

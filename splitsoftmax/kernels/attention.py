@@ -23,7 +23,9 @@ or later, rows not packed) the forward reads its Q/K/V tiles, V beside K, throug
 tensor descriptors (zeros past S), or 2-D row views where no tile crosses the end of a head
 (``(B * H * S, D)`` of contiguous tensors, ``(B * S, H * D)`` of ``(B, S, H, D)`` ones, at batch 1 with
 any length), and stores its output through one where it writes it directly (one split, no running
-state); the results are the pointer path's bit for bit.
+state); the results are the pointer path's bit for bit. On sm_90, bfloat16 rows of the plain mask
+written directly take the warp-specialized Gluon kernel instead (``attention_fwd_gluon``) from
+``configs.ATTN_FWD_GLUON_MIN_SQ`` queries on.
 
 Masked tiles multiply hidden keys' values by ``p = 0``, and ``0 * NaN`` is NaN: a NaN/Inf value that
 a row may not see must not reach it. Such a value makes a NaN in every row of the tile's product,
@@ -566,10 +568,10 @@ def _gluon_fwd_tile(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, 
     one split written directly (no running state, no partials), rows not packed, a positive scale,
     TMA-addressable inputs and an output with unit last stride."""
     d = q.shape[-1]
-    if (not gluon_fwd_length(q.shape[2], causal) or interpreting() or acc or split_dim or p.pack or p.nsplit != 1
-            or scale <= 0
-            or not (q.dtype == k.dtype == v.dtype == torch.bfloat16) or v.shape[-1] != d or out.stride(-1) != 1
-            or not sm90(q) or not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v))):
+    if (not gluon_fwd_length(q.shape[2], causal) or interpreting() or acc or split_dim or p.pack
+            or p.nsplit != 1 or scale <= 0 or not (q.dtype == k.dtype == v.dtype == torch.bfloat16)
+            or v.shape[-1] != d or out.stride(-1) != 1 or not sm90(q)
+            or not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v))):
         return None
     return configs.ATTN_TILES.get(("fwd_gluon", 2, d))
 

@@ -43,7 +43,7 @@ def _online(qk, m_i, l_i, qk_scale):
 def _ws_producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                  STAGES: gl.constexpr):
     """Q's two halves once, then K and V of key blocks ``[0, T)``, each into its ring's next buffer
-    once both consumers have released it."""
+    once both consumers have released it (``CAUSAL`` unused: the workers share one signature)."""
     (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_bars, k_full, k_empty, v_full, v_empty,
      O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, b, h, kvh, m0, T, Sq, Sk, diag, qk_scale) = p
     for c in gl.static_range(2):
@@ -184,20 +184,22 @@ def _guarded_copy(v_t, g_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.const
 @gluon.jit
 def _ws_consumer0(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                   STAGES: gl.constexpr):
+    """The first consumer (the default partition: the kernel's own warps)."""
     _ws_consumer(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
 
 
 @gluon.jit
 def _ws_consumer1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                   STAGES: gl.constexpr):
+    """The second consumer (a worker partition of 4 warps)."""
     _ws_consumer(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh"])
 def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
-                       H, G, Sq, Sk, diag, qk_scale, GH,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                       STAGES: gl.constexpr, num_warps: gl.constexpr):
+                    H, G, Sq, Sk, diag, qk_scale, GH,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                    STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(blocks of 2 * BLOCK_M queries, B * H)`` in the order of ``GH``, causal grids' longest
     blocks first; ``num_warps = 4`` (the first consumer), plus the second consumer's 4 and the
     producer's 1. ``q_desc`` reads ``BLOCK_M`` rows, ``k_desc`` and ``v_desc`` ``BLOCK_N``; ``O`` has
@@ -234,6 +236,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh
         mbarrier.init(v_empty.index(i), count=2)
     p = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_bars, k_full, k_empty, v_full, v_empty,
          O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, b, h, kvh, m0, T, Sq, Sk, diag, qk_scale)
+    # workers: the second consumer (4 warps) and the producer (1). The registers asked for each are not
+    # reallocated by Triton 3.6 (no setmaxnreg): every warp holds the launch's maxnreg.
     gl.warp_specialize([
         (_ws_consumer0, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
         (_ws_consumer1, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),

@@ -26,8 +26,9 @@ from splitsoftmax.kernels.attention_bwd_gluon import descriptor  # noqa: E402
 
 
 def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True, lengths=(0, 0), batch: int = 1):
-    """The forward's one launch on bf16 ``(1, 16, sq, 128)`` queries over 4 kv heads (``views``:
-    ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors), as captured."""
+    """The forward's one launch on bf16 ``(batch, 16, sq, 128)`` queries over 4 kv heads (``views``:
+    ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors), as captured; ``gluon``, ``lengths``: the
+    Gluon forward's flag and least lengths."""
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))

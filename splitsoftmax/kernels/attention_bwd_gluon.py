@@ -247,6 +247,19 @@ def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
 
 
 @gluon.jit
+def key_blocks(r0, Sq, Sk, diag, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """``(nf, T)`` of query rows ``r0 + [0, ROWS)``: key blocks ``[0, nf)`` are seen whole by every
+    row (of those below ``Sq``); ``[nf, T)`` cross the diagonal or end past ``Sk``."""
+    hi = Sk
+    full = Sk
+    if CAUSAL:
+        hi = gl.minimum(Sk, gl.maximum(gl.minimum(r0 + ROWS, Sq) + diag, 0))
+        full = gl.minimum(hi, gl.maximum(r0 + diag + 1, 0))
+    nf = full // BLOCK_N
+    return nf, gl.maximum(gl.cdiv(hi, BLOCK_N), nf)
+
+
+@gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, t, T, b, kvh, BLOCK_N: gl.constexpr, D: gl.constexpr,
              STAGES: gl.constexpr):
     """Start the TMA loads of key block ``t``'s K and V (2-byte) into buffer ``t % STAGES`` (nothing past ``T``)."""
@@ -284,13 +297,7 @@ def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ,
     q_smem, do_smem, k_smem, v_smem, q_bar, bars = _buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
 
     # key blocks [0, nf) are seen whole by every row; [nf, T) cross the diagonal or end past Sk
-    hi = Sk
-    full = Sk
-    if CAUSAL:
-        hi = gl.minimum(Sk, gl.maximum(gl.minimum(m0 + BLOCK_M, Sq) + diag, 0))
-        full = gl.minimum(hi, gl.maximum(m0 + diag + 1, 0))
-    nf = full // BLOCK_N
-    T = gl.maximum(gl.cdiv(hi, BLOCK_N), nf)
+    nf, T = key_blocks(m0, Sq, Sk, diag, BLOCK_M, BLOCK_N, CAUSAL)
 
     mbarrier.expect(q_bar, 2 * BLOCK_M * D * 2)
     _tma_load(q_desc, [b, h, m0, 0], q_bar, q_smem)

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_gluon import _mma_layout, _program_order, _store_rows, _thread_barrier, _tma_load
+from .attention_bwd_gluon import _mma_layout, _program_order, _store_rows, _thread_barrier, _tma_load, key_blocks
 
 
 @gluon.jit
@@ -91,13 +91,7 @@ def _ws_consumer(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexp
     cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_N]
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)  # [BLOCK_M]
     r0 = m0 + C * BLOCK_M
-    hi = Sk
-    full = Sk
-    if CAUSAL:
-        hi = gl.minimum(Sk, gl.maximum(gl.minimum(r0 + BLOCK_M, Sq) + diag, 0))
-        full = gl.minimum(hi, gl.maximum(r0 + diag + 1, 0))
-    nf = full // BLOCK_N
-    Tc = gl.maximum(gl.cdiv(hi, BLOCK_N), nf)
+    nf, Tc = key_blocks(r0, Sq, Sk, diag, BLOCK_M, BLOCK_N, CAUSAL)
 
     zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -211,10 +205,7 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh
     h = pid_bh % H
     kvh = h // G
     m0 = pid_m * (2 * BLOCK_M)
-    hi = Sk
-    if CAUSAL:
-        hi = gl.minimum(Sk, gl.maximum(gl.minimum(m0 + 2 * BLOCK_M, Sq) + diag, 0))
-    T = gl.cdiv(hi, BLOCK_N)
+    _, T = key_blocks(m0, Sq, Sk, diag, 2 * BLOCK_M, BLOCK_N, CAUSAL)  # both consumers' blocks
 
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)

@@ -84,21 +84,28 @@ MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch
 
 @pytest.mark.parametrize("atomic,mask,tma,gluon,causal", [
     (False, Mask(), False, False, True), (False, Mask(), True, False, True), (False, Mask(), True, True, True),
-    (False, Mask(), True, True, False), (False, MASK, False, False, True), (True, Mask(), False, False, True)],
-    ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-masks", "five-product"])
+    (False, Mask(), True, True, False), (False, Mask(), True, "ws", True), (False, Mask(), True, "ws", False),
+    (False, MASK, False, False, True), (True, Mask(), False, False, True)],
+    ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-ws", "pair-ws-full", "pair-masks",
+         "five-product"])
 def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, monkeypatch):
-    launches = _launches(monkeypatch, atomic, mask, tma, gluon, causal)
+    """``gluon``: the Gluon pair with its first dK/dV kernel (True) or the warp-specialized one ("ws")."""
+    monkeypatch.setattr(configs, "ATTN_BWD_KV_WS", gluon == "ws")
+    launches = _launches(monkeypatch, atomic, mask, tma, bool(gluon), causal)
     if tma:
         assert all(any(isinstance(a, (TensorDescriptor, GluonDescriptor)) for a in args) for _, args, _ in launches)
     names = [fn.fn.__name__ for fn, _, _ in launches]
-    pair = ["_attn_bwd_kv_gluon", "_attn_bwd_q_gluon"] if gluon else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
+    kv = "_attn_bwd_kv_ws" if gluon == "ws" else "_attn_bwd_kv_gluon"
+    pair = [kv, "_attn_bwd_q_gluon"] if gluon else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
     assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic else pair)
     for fn, args, kwargs in launches:
         sig, consts, attrs = _signature(fn, args, kwargs)
         src = (GluonASTSource if fn.is_gluon() else ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        opts = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        opts = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
         assert kernel.metadata.shared <= SM90_SMEM, (fn.fn.__name__, kernel.metadata.shared)
         if fn.is_gluon():  # their tiles run without spills, and the products overlap as written
             report = ptxas_report(kernel.asm["ptx"])
             assert no_spills(kernel.asm["ptx"]) and "wgmma.mma_async instructions are serialized" not in report, report
+        if fn.fn.__name__ == "_attn_bwd_kv_ws":  # its warpgroups' registers are reallocated within the launch's
+            assert "setmaxnreg.inc" in kernel.asm["ptx"] and f".maxnreg {kwargs['maxnreg']}" in kernel.asm["ptx"]

@@ -62,8 +62,7 @@ def test_gluon_forward_compiles_for_sm90(causal, views, monkeypatch):
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     assert kernel.metadata.shared <= SM90_SMEM, kernel.metadata.shared
     report = ptxas_report(kernel.asm["ptx"])
-    # (under its register limit, which Triton 3.6 does not reallocate between the warpgroups, it spills
-    # a few bytes: 4 full, 56 causal)
+    # (within the registers its warpgroups are given it spills a few bytes: 4 full, 56 causal)
     assert "wgmma.mma_async instructions are serialized" not in report, report
 
 

@@ -207,12 +207,12 @@ class _Launches(NamedTuple):
     """Both launches of :func:`attn_bwd` but their tensors, a function of the operands' geometry:
     per kernel ``(grid, key, scalars, kwargs)``, None where it has nothing to write; ``tma``: the
     Triton kernels read Q/dO (dK/dV) and K/V (dQ) tiles through descriptors, ``(rows of the dK/dV
-    kernel's query tiles, rows of the dQ kernel's key tiles)``; ``gluon``: which of the two launches
-    (dK/dV, dQ) are ``attention_bwd_gluon``'s (their descriptors' rows: their kwargs' tile)."""
+    kernel's query tiles, rows of the dQ kernel's key tiles)``; ``gluon``: the Gluon kernel each of
+    the two launches (dK/dV, dQ) runs, by name, or None (their descriptors' rows: their kwargs' tile)."""
     kv: Optional[tuple]
     q: Optional[tuple]
     tma: Optional[tuple]
-    gluon: tuple = (False, False)
+    gluon: tuple = (None, None)
 
 
 # launches by geometry: the host work of a repeated backward is a lookup
@@ -239,9 +239,23 @@ def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
     return configs.ATTN_TILES.get((kind, 2, d))
 
 
+def _gluon_kv(q: Tensor, v: Tensor) -> Optional[tuple[str, tuple]]:
+    """``(kernel, tile)`` of the Gluon dK/dV kernel that runs here, or None: the warp-specialized
+    one where ``configs.ATTN_BWD_KV_WS`` is on and a "bwd_kv_ws" tile is listed, else
+    ``_attn_bwd_kv_gluon`` where its tile is (:func:`_gluon_tile`)."""
+    ws = _gluon_tile("bwd_kv_ws", q, v) if configs.ATTN_BWD_KV_WS else None
+    if ws:
+        return "_attn_bwd_kv_ws", ws
+    tile = _gluon_tile("bwd_kv_gluon", q, v)
+    return ("_attn_bwd_kv_gluon", tile) if tile else None
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_launcher(name: str) -> Launcher:
     """The launcher of the Gluon kernel ``name`` (imported on first use: Gluon needs a CUDA build)."""
+    if name == "_attn_bwd_kv_ws":
+        from .attention_bwd_kv_ws import _attn_bwd_kv_ws
+        return Launcher(_attn_bwd_kv_ws)
     from . import attention_bwd_gluon
     return Launcher(getattr(attention_bwd_gluon, name))
 
@@ -253,11 +267,13 @@ def _gluon_operands(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, kwargs: dict)
     return descriptor(q, bm), descriptor(dout, bm), descriptor(k, bn), descriptor(v, bn)
 
 
-def _gluon_launch(tile: tuple, grid: tuple, scalars: tuple, tensors: tuple, causal: bool, d: int, dtypes) -> tuple:
-    """``(grid, key, scalars, kwargs)`` of a Gluon kernel's launch (its tile ``tile``)."""
+def _gluon_launch(tile: tuple, grid: tuple, scalars: tuple, tensors: tuple, causal: bool, d: int, dtypes,
+                  **options) -> tuple:
+    """``(grid, key, scalars, kwargs)`` of a Gluon kernel's launch (its tile ``tile``; ``options``
+    beside it, such as ``maxnreg``)."""
     bm, bn, warps, stages = tile
     return (grid, (auto_key((*tensors, *scalars)), dtypes), scalars,
-            dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps))
+            dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps, **options))
 
 
 def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int) -> _Launches:
@@ -272,12 +288,17 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     dtypes = (q.dtype, dout.dtype)  # (the descriptors' element types)
     kv = qp = None
     kv_rows = q_rows = 0
-    gkv, gq = (_gluon_tile(kind, q, v) if tma else None for kind in ("bwd_kv_gluon", "bwd_q_gluon"))
+    kv_kernel, gkv = (_gluon_kv(q, v) if tma else None) or (None, None)
+    gq = _gluon_tile("bwd_q_gluon", q, v) if tma else None
     if (dk.numel() or dv.numel()) and gkv:
         nkb = configs.cdiv(sk, gkv[1])
+        # the warp-specialized kernel: two warpgroups of num_warps (and a producer warp) per program,
+        # their registers within an SM's
+        ws = kv_kernel == "_attn_bwd_kv_ws"
+        options = dict(maxnreg=configs.ATTN_FWD_GLUON_MAXNREG) if ws else {}
         scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
-                   head_group(nkb, b * hkv, q, causal, gkv[2]))
-        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes)
+                   head_group(nkb, b * hkv, q, causal, gkv[2] * (2 if ws else 1)))
+        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes, **options)
     elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
@@ -299,7 +320,7 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    head_group(nqb, b * h, q, causal, warps))
         qp = ((nqb, b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
-    gluon = (kv is not None and gkv is not None, qp is not None and gq is not None)
+    gluon = (kv_kernel if kv is not None else None, "_attn_bwd_q_gluon" if qp is not None and gq else None)
     return _Launches(kv, qp, (kv_rows, q_rows) if tma else None, gluon)
 
 
@@ -312,9 +333,9 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA, configs.ATTN_BWD_GLUON,
-           configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
+           configs.ATTN_BWD_KV_WS, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
            attn_tile("bwd_q", q.dtype, d, dv_), configs.ATTN_TILES.get(("bwd_kv_gluon", 2, d)),
-           configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
+           configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)), configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
     run = _LAUNCHES.get(geo)
     if run is None:
         run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))
@@ -327,16 +348,16 @@ def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv) -> None:
     if run.kv is not None:
         grid, key, scalars, kwargs = run.kv
         if run.gluon[0]:
-            _gluon_launcher("_attn_bwd_kv_gluon")(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta,
-                                                              dk, dv, *scalars), kwargs)
+            _gluon_launcher(run.gluon[0])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dk, dv,
+                                                      *scalars), kwargs)
         else:
             qt, dt = (_descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])) if run.tma else (q, dout)
             _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
     if run.q is not None:
         grid, key, scalars, kwargs = run.q
         if run.gluon[1]:
-            _gluon_launcher("_attn_bwd_q_gluon")(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta,
-                                                             dq, *scalars), kwargs)
+            _gluon_launcher(run.gluon[1])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dq,
+                                                      *scalars), kwargs)
         else:
             kt, vt = (_descriptor(k, run.tma[1]), _descriptor(v, run.tma[1])) if run.tma else (k, v)
             _Q(grid, key, (q, kt, vt, dout, lse, delta, dq, *scalars), kwargs)

@@ -227,8 +227,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh
         mbarrier.init(v_empty.index(i), count=2)
     p = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_bars, k_full, k_empty, v_full, v_empty,
          O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, b, h, kvh, m0, T, Sq, Sk, diag, qk_scale)
-    # workers: the second consumer (4 warps) and the producer (1). The registers asked for each are not
-    # reallocated by Triton 3.6 (no setmaxnreg): every warp holds the launch's maxnreg.
+    # workers: the second consumer (4 warps) and the producer (1), given the registers asked for each
+    # (setmaxnreg) out of the launch's maxnreg per thread; the first consumer keeps the rest.
     gl.warp_specialize([
         (_ws_consumer0, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
         (_ws_consumer1, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),

@@ -1,0 +1,222 @@
+"""The plain backward's dK/dV kernel for Hopper, warp-specialized: one warpgroup takes the scores,
+another the gradients.
+
+A program holds a key block (``BLOCK_N`` keys of one kv head) and walks the query tiles of the ``G``
+query heads that read it, as ``attention_bwd_gluon._attn_bwd_kv_gluon`` does; its work is split by
+role instead of by rows. The score warpgroup issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` of a tile,
+takes ``P^T`` while ``dP^T`` runs, then ``dS^T``, and hands both to the gradient warpgroup through
+shared memory. The gradient warpgroup only issues ``dV += P^T dO`` and ``dK += dS^T Q``, its
+operands all in shared memory, and holds the two ``[BLOCK_N, D]`` float32 accumulators: no warp
+holds the accumulators and the score tiles at once, so neither spills within the registers of an
+SM shared by three warpgroups. Each warpgroup's elementwise work and barrier waits run beside the
+other's products. One producer warp loads K and V once, then
+streams the Q and dO tiles through ``STAGES`` buffers; a buffer is released when both warpgroups
+have arrived on it, a ``P^T`` / ``dS^T`` buffer when the gradient products that read it are done.
+
+Tiles across the diagonal run first, in turn: the score warpgroup reads Q as it is for ``S^T``,
+then zeroes every NaN/Inf of the Q and dO tiles in place before ``dP^T`` and the hand-over, so
+hidden pairs give exact zeros (never ``0 * NaN``). Same math, order of sums and guard as
+``_attn_bwd_kv_gluon``: the same signature and launch, bfloat16 ``(B, H, S, D)`` operands that TMA
+can address.
+"""
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from .attention_bwd_gluon import (_finite_or_zero_smem, _mma_layout, _program_order, _store_rows, _thread_barrier,
+                                  _tile_of, _tile_stats, _tma_load)
+
+
+@gluon.jit
+def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+              STAGES: gl.constexpr, PS: gl.constexpr):
+    """K and V once, then tiles ``[0, T)``' Q and dO, each into the ring's next buffer once both
+    warpgroups have released it (``CAUSAL``, ``PS`` unused: the partitions share one signature)."""
+    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
+     h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
+     s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
+    mbarrier.expect(kv_bar, 2 * BLOCK_N * D * 2)
+    _tma_load(k_desc, [b, kvh, n0, 0], kv_bar, k_smem)
+    _tma_load(v_desc, [b, kvh, n0, 0], kv_bar, v_smem)
+    for t in range(T):
+        s = t % STAGES
+        mbarrier.wait(t_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
+        gi, m0 = _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M)
+        mbarrier.expect(t_full.index(s), 2 * BLOCK_M * D * 2)
+        _tma_load(q_desc, [b, kvh * G + gi, m0, 0], t_full.index(s), q_ring.index(s))
+        _tma_load(do_desc, [b, kvh * G + gi, m0, 0], t_full.index(s), do_ring.index(s))
+
+
+@gluon.jit
+def _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, ds_t, PS: gl.constexpr):
+    """Write tile ``t``'s ``P^T`` and ``dS^T`` (``[BLOCK_N, BLOCK_M]``) into hand-over buffer
+    ``t % PS`` once the gradient warpgroup has released it, and signal them written."""
+    u = t % PS
+    mbarrier.wait(h_empty.index(u), ((t // PS) & 1) ^ 1)
+    p_ring.index(u).store(p_t.to(p_ring.dtype))
+    ds_ring.index(u).store(ds_t.to(ds_ring.dtype))
+    fence_async_shared()
+    _thread_barrier()  # every warp's part is written before the one arrival
+    mbarrier.arrive(h_full.index(u), count=1)
+
+
+@gluon.jit
+def _scores(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+            STAGES: gl.constexpr, PS: gl.constexpr):
+    """The score warpgroup (the default partition, 4 warps): ``P^T`` and ``dS^T`` of every tile, the
+    diagonal ones first, in turn and guarded, then the full ones with ``dP^T`` beside ``P^T``."""
+    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
+     h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
+     s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
+    NW: gl.constexpr = 4
+    # S^T, dP^T, P^T, dS^T: [BLOCK_N keys, BLOCK_M queries]
+    s_layout: gl.constexpr = _mma_layout(BLOCK_M, NW)
+    q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_M]
+    k_rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_N]
+    kj = n0 + gl.arange(0, BLOCK_N, layout=k_rows)
+    zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
+    lse2, delta = _tile_stats(LSE, DELTA, 0, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls,
+                              s_eb, s_eh, s_es, q_cols, BLOCK_M)
+    mbarrier.wait(kv_bar, 0)
+    k_t = k_smem.reshape([BLOCK_N, D])
+    v_t = v_smem.reshape([BLOCK_N, D])
+    if CAUSAL:  # (only causal grids have diagonal tiles)
+        for t in range(Tm):
+            s = t % STAGES
+            q_t = q_ring.index(s).reshape([BLOCK_M, D])
+            do_t = do_ring.index(s).reshape([BLOCK_M, D])
+            mbarrier.wait(t_full.index(s), (t // STAGES) & 1)
+            qk_t = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False)
+            _finite_or_zero_smem(q_t, BLOCK_M, D, NW)
+            _finite_or_zero_smem(do_t, BLOCK_M, D, NW)
+            fence_async_shared()
+            _thread_barrier()
+            dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False)
+            mbarrier.arrive(t_empty.index(s), count=1)
+            qi = m_start + (t % nm) * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_cols)
+            seen = kj[:, None] <= qi[None, :] + diag
+            p_t = gl.where(seen, gl.exp2(qk_t * qk_scale - lse2[None, :]), 0.0)
+            ds_t = gl.where(seen, p_t * (dp_t - delta[None, :]), 0.0)
+            _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, ds_t, PS)
+            lse2, delta = _tile_stats(LSE, DELTA, t + 1, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh,
+                                      s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
+    if Tm < T:
+        # full tiles, one ahead: tile t's S^T and dP^T run (beside the gradient warpgroup's products)
+        # while tile t - 1's P^T and dS^T are taken and handed over
+        qk_t, dp_t = _issue_scores(k_t, v_t, q_ring, do_ring, t_full, Tm, zeros_s, BLOCK_M, D, STAGES)
+        qk_p, dp_p = warpgroup_mma_wait(0, deps=(qk_t, dp_t))
+        mbarrier.arrive(t_empty.index(Tm % STAGES), count=1)
+        for t in range(Tm + 1, T):
+            qk_t, dp_t = _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M, D, STAGES)
+            p_t = gl.exp2(qk_p * qk_scale - lse2[None, :])
+            _hand_over(p_ring, ds_ring, h_full, h_empty, t - 1, p_t, p_t * (dp_p - delta[None, :]), PS)
+            lse2, delta = _tile_stats(LSE, DELTA, t, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh,
+                                      s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
+            qk_p, dp_p = warpgroup_mma_wait(0, deps=(qk_t, dp_t))
+            mbarrier.arrive(t_empty.index(t % STAGES), count=1)
+        p_t = gl.exp2(qk_p * qk_scale - lse2[None, :])
+        _hand_over(p_ring, ds_ring, h_full, h_empty, T - 1, p_t, p_t * (dp_p - delta[None, :]), PS)
+
+
+@gluon.jit
+def _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M: gl.constexpr, D: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """Issue tile ``t``'s ``S^T = K Q^T`` and ``dP^T = V dO^T`` (``[BLOCK_N, BLOCK_M]``, asynchronous)
+    once its Q and dO have landed."""
+    s = t % STAGES
+    mbarrier.wait(t_full.index(s), (t // STAGES) & 1)
+    qk_t = warpgroup_mma(k_t, q_ring.index(s).reshape([BLOCK_M, D]).permute((1, 0)), zeros_s, use_acc=False,
+                         is_async=True)
+    dp_t = warpgroup_mma(v_t, do_ring.index(s).reshape([BLOCK_M, D]).permute((1, 0)), zeros_s, use_acc=False,
+                         is_async=True)
+    return qk_t, dp_t
+
+
+@gluon.jit
+def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+           STAGES: gl.constexpr, PS: gl.constexpr):
+    """The gradient warpgroup (a worker of 4 warps): ``dV += P^T dO`` and ``dK += dS^T Q`` of every
+    tile, its buffers released once both are done; then the store."""
+    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
+     h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
+     s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
+    o_layout: gl.constexpr = _mma_layout(D, 4)  # dK, dV: [BLOCK_N, D]
+    dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
+    dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
+    for t in range(T):
+        s = t % STAGES
+        u = t % PS
+        mbarrier.wait(t_full.index(s), (t // STAGES) & 1)
+        mbarrier.wait(h_full.index(u), (t // PS) & 1)
+        dv = warpgroup_mma(p_ring.index(u), do_ring.index(s).reshape([BLOCK_M, D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_ring.index(u), q_ring.index(s).reshape([BLOCK_M, D]), dk, is_async=True)
+        # released as soon as done: the score warpgroup, one tile ahead, waits for the buffers of
+        # tile t + 2 (kept busy meanwhile by its products, the tensor cores need no more of ours)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(t_empty.index(s), count=1)
+        mbarrier.arrive(h_empty.index(u), count=1)
+    _store_rows(GK, dk * scale, b, kvh, n0, Sk, s_kgb, s_kgh, s_kgs, o_layout, BLOCK_N, D)
+    _store_rows(GV, dv, b, kvh, n0, Sk, s_vgb, s_vgh, s_vgs, o_layout, BLOCK_N, D)
+
+
+@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
+def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
+                    s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
+                    HKV, G, Sq, Sk, diag, qk_scale, scale, GH,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                    STAGES: gl.constexpr, num_warps: gl.constexpr, PS: gl.constexpr = 2):
+    """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``);
+    ``num_warps = 4`` (the score warpgroup), plus the gradient warpgroup's 4 and the producer's 1;
+    ``PS`` hand-over buffers. ``q_desc`` and ``do_desc`` read ``BLOCK_M`` rows, ``k_desc`` and
+    ``v_desc`` ``BLOCK_N``."""
+    pid_n, pid_bh = _program_order(GH)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    n0 = pid_n * BLOCK_N
+    dtype: gl.constexpr = q_desc.dtype
+
+    # query blocks [m_start, m_full) cross the diagonal; from m_full on every query sees every key.
+    # Tiles (query head, query block): the Tm diagonal ones (nm per head), then the full ones (nf per
+    # head), each head-major (attention_bwd_gluon._tile_of)
+    m_start = 0
+    m_full = 0
+    if CAUSAL:
+        m_start = (gl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
+        m_full = gl.maximum(m_start, gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M)
+    nm = gl.maximum(gl.cdiv(gl.minimum(m_full, Sq) - m_start, BLOCK_M), 0)
+    nf = gl.maximum(gl.cdiv(Sq - m_full, BLOCK_M), 0)
+    Tm = G * nm
+    T = Tm + G * nf
+
+    q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    p_ring = gl.allocate_shared_memory(dtype, [PS, BLOCK_N, BLOCK_M], h_layout)
+    ds_ring = gl.allocate_shared_memory(dtype, [PS, BLOCK_N, BLOCK_M], h_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    t_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    t_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    h_full = gl.allocate_shared_memory(gl.int64, [PS, 1], mbarrier.MBarrierLayout())
+    h_empty = gl.allocate_shared_memory(gl.int64, [PS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(t_full.index(i), count=1)
+        mbarrier.init(t_empty.index(i), count=2)  # both warpgroups
+    for i in gl.static_range(PS):
+        mbarrier.init(h_full.index(i), count=1)
+        mbarrier.init(h_empty.index(i), count=1)
+    p = (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
+         h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
+         s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale)
+    # workers: the gradient warpgroup (4 warps) and the producer (1), given the registers asked for each
+    # (setmaxnreg) out of the launch's maxnreg per thread; the score warpgroup keeps the rest.
+    gl.warp_specialize([
+        (_scores, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, PS)),
+        (_grads, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, PS)),
+        (_producer, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, PS)),
+    ], [4, 1], [232, 24])

@@ -25,7 +25,9 @@ OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 os.makedirs(OUT, exist_ok=True)
 configs.LAUNCH_VERIFY = True
 KEY = ("bwd_kv_ws", 2, 128)
-TILES = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 3)]
+# tiles: (BLOCK_M, BLOCK_N, num_warps, STAGES), or $TILES as "64x64x4x3,64x64x4x2"
+TILES = ([tuple(int(x) for x in t.split("x")) for t in os.environ["TILES"].split(",")] if os.environ.get("TILES")
+         else [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 3)])
 SECTIONS = sys.argv[2:] or ["check", "kernel", "table"]
 log = open(f"{OUT}/log_{'_'.join(SECTIONS)}.txt", "w")
 

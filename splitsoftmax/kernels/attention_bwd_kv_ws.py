@@ -32,9 +32,10 @@ from .attention_bwd_gluon import (_finite_or_zero_smem, _mma_layout, _program_or
 
 @gluon.jit
 def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-              STAGES: gl.constexpr, PS: gl.constexpr):
-    """K and V once, then tiles ``[0, T)``' Q and dO, each into the ring's next buffer once both
-    warpgroups have released it (``CAUSAL``, ``PS`` unused: the partitions share one signature)."""
+              STAGES: gl.constexpr):
+    """K and V once, then tiles ``[0, T)``' Q and dO, each into the ring's next buffer once its score
+    warpgroup and the gradient warpgroup have released it (``CAUSAL`` unused: the partitions share
+    one signature)."""
     (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
      h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
      s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
@@ -51,11 +52,12 @@ def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, 
 
 
 @gluon.jit
-def _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, ds_t, PS: gl.constexpr):
+def _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, ds_t):
     """Write tile ``t``'s ``P^T`` and ``dS^T`` (``[BLOCK_N, BLOCK_M]``) into hand-over buffer
-    ``t % PS`` once the gradient warpgroup has released it, and signal them written."""
-    u = t % PS
-    mbarrier.wait(h_empty.index(u), ((t // PS) & 1) ^ 1)
+    ``t % 2`` (its score warpgroup's) once the gradient warpgroup has released it, and signal them
+    written."""
+    u = t % 2
+    mbarrier.wait(h_empty.index(u), ((t // 2) & 1) ^ 1)
     p_ring.index(u).store(p_t.to(p_ring.dtype))
     ds_ring.index(u).store(ds_t.to(ds_ring.dtype))
     fence_async_shared()
@@ -64,10 +66,12 @@ def _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, ds_t, PS: gl.constexpr)
 
 
 @gluon.jit
-def _scores(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-            STAGES: gl.constexpr, PS: gl.constexpr):
-    """The score warpgroup (the default partition, 4 warps): ``P^T`` and ``dS^T`` of every tile, the
-    diagonal ones first, in turn and guarded, then the full ones with ``dP^T`` beside ``P^T``."""
+def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+            CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+    """Score warpgroup ``C`` of two (4 warps): ``P^T`` and ``dS^T`` of tiles ``C, C + 2, ..``, the
+    diagonal ones first, guarded, then the full ones with ``dP^T`` running while ``P^T`` is taken.
+    Each hands over through buffer ``C``; the two run out of step, one's products beside the other's
+    exponentials."""
     (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
      h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
      s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
@@ -78,13 +82,13 @@ def _scores(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CA
     k_rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_N]
     kj = n0 + gl.arange(0, BLOCK_N, layout=k_rows)
     zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    lse2, delta = _tile_stats(LSE, DELTA, 0, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls,
+    lse2, delta = _tile_stats(LSE, DELTA, C, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls,
                               s_eb, s_eh, s_es, q_cols, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
     k_t = k_smem.reshape([BLOCK_N, D])
     v_t = v_smem.reshape([BLOCK_N, D])
     if CAUSAL:  # (only causal grids have diagonal tiles)
-        for t in range(Tm):
+        for t in range(C, Tm, 2):
             s = t % STAGES
             q_t = q_ring.index(s).reshape([BLOCK_M, D])
             do_t = do_ring.index(s).reshape([BLOCK_M, D])
@@ -99,26 +103,22 @@ def _scores(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CA
             qi = m_start + (t % nm) * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_cols)
             seen = kj[:, None] <= qi[None, :] + diag
             p_t = gl.where(seen, gl.exp2(qk_t * qk_scale - lse2[None, :]), 0.0)
-            ds_t = gl.where(seen, p_t * (dp_t - delta[None, :]), 0.0)
-            _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, ds_t, PS)
-            lse2, delta = _tile_stats(LSE, DELTA, t + 1, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh,
-                                      s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
-    if Tm < T:
-        # full tiles, one ahead: tile t's S^T and dP^T run (beside the gradient warpgroup's products)
-        # while tile t - 1's P^T and dS^T are taken and handed over
-        qk_t, dp_t = _issue_scores(k_t, v_t, q_ring, do_ring, t_full, Tm, zeros_s, BLOCK_M, D, STAGES)
-        qk_p, dp_p = warpgroup_mma_wait(0, deps=(qk_t, dp_t))
-        mbarrier.arrive(t_empty.index(Tm % STAGES), count=1)
-        for t in range(Tm + 1, T):
-            qk_t, dp_t = _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M, D, STAGES)
-            p_t = gl.exp2(qk_p * qk_scale - lse2[None, :])
-            _hand_over(p_ring, ds_ring, h_full, h_empty, t - 1, p_t, p_t * (dp_p - delta[None, :]), PS)
-            lse2, delta = _tile_stats(LSE, DELTA, t, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh,
-                                      s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
-            qk_p, dp_p = warpgroup_mma_wait(0, deps=(qk_t, dp_t))
-            mbarrier.arrive(t_empty.index(t % STAGES), count=1)
-        p_t = gl.exp2(qk_p * qk_scale - lse2[None, :])
-        _hand_over(p_ring, ds_ring, h_full, h_empty, T - 1, p_t, p_t * (dp_p - delta[None, :]), PS)
+            _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, gl.where(seen, p_t * (dp_t - delta[None, :]), 0.0))
+            lse2, delta = _tile_stats(LSE, DELTA, t + 2, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb,
+                                      s_lh, s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
+    t0 = Tm + (Tm + C) % 2  # this warpgroup's first full tile
+    if CAUSAL:
+        lse2, delta = _tile_stats(LSE, DELTA, t0, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh,
+                                  s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
+    for t in range(t0, T, 2):
+        qk_t, dp_t = _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M, D, STAGES)
+        qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))  # dP^T runs on while P^T is taken
+        p_t = gl.exp2(qk_t * qk_scale - lse2[None, :])
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
+        mbarrier.arrive(t_empty.index(t % STAGES), count=1)
+        _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, p_t * (dp_t - delta[None, :]))
+        lse2, delta = _tile_stats(LSE, DELTA, t + 2, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh,
+                                  s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
 
 
 @gluon.jit
@@ -136,8 +136,22 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M: gl.con
 
 
 @gluon.jit
+def _scores0(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+             STAGES: gl.constexpr):
+    """The first score warpgroup (the default partition: the kernel's own warps), even tiles."""
+    _scores(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
+
+
+@gluon.jit
+def _scores1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+             STAGES: gl.constexpr):
+    """The second score warpgroup (a worker of 4 warps), odd tiles."""
+    _scores(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
+
+
+@gluon.jit
 def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-           STAGES: gl.constexpr, PS: gl.constexpr):
+           STAGES: gl.constexpr):
     """The gradient warpgroup (a worker of 4 warps): ``dV += P^T dO`` and ``dK += dS^T Q`` of every
     tile, its buffers released once both are done; then the store."""
     (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
@@ -148,13 +162,12 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
     dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     for t in range(T):
         s = t % STAGES
-        u = t % PS
+        u = t % 2
         mbarrier.wait(t_full.index(s), (t // STAGES) & 1)
-        mbarrier.wait(h_full.index(u), (t // PS) & 1)
+        mbarrier.wait(h_full.index(u), (t // 2) & 1)
         dv = warpgroup_mma(p_ring.index(u), do_ring.index(s).reshape([BLOCK_M, D]), dv, is_async=True)
         dk = warpgroup_mma(ds_ring.index(u), q_ring.index(s).reshape([BLOCK_M, D]), dk, is_async=True)
-        # released as soon as done: the score warpgroup, one tile ahead, waits for the buffers of
-        # tile t + 2 (kept busy meanwhile by its products, the tensor cores need no more of ours)
+        # released as soon as done (the score warpgroups' products keep the tensor cores busy meanwhile)
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         mbarrier.arrive(t_empty.index(s), count=1)
         mbarrier.arrive(h_empty.index(u), count=1)
@@ -167,10 +180,10 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
                     s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
                     HKV, G, Sq, Sk, diag, qk_scale, scale, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                    STAGES: gl.constexpr, num_warps: gl.constexpr, PS: gl.constexpr = 2):
+                    STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``);
-    ``num_warps = 4`` (the score warpgroup), plus the gradient warpgroup's 4 and the producer's 1;
-    ``PS`` hand-over buffers. ``q_desc`` and ``do_desc`` read ``BLOCK_M`` rows, ``k_desc`` and
+    ``num_warps = 4`` (the first score warpgroup), plus the second's 4, the gradient warpgroup's 4
+    and the producer's 1. ``q_desc`` and ``do_desc`` read ``BLOCK_M`` rows, ``k_desc`` and
     ``v_desc`` ``BLOCK_N``."""
     pid_n, pid_bh = _program_order(GH)
     b = pid_bh // HKV
@@ -196,27 +209,29 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
-    p_ring = gl.allocate_shared_memory(dtype, [PS, BLOCK_N, BLOCK_M], h_layout)
-    ds_ring = gl.allocate_shared_memory(dtype, [PS, BLOCK_N, BLOCK_M], h_layout)
+    p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], h_layout)
+    ds_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], h_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     t_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     t_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    h_full = gl.allocate_shared_memory(gl.int64, [PS, 1], mbarrier.MBarrierLayout())
-    h_empty = gl.allocate_shared_memory(gl.int64, [PS, 1], mbarrier.MBarrierLayout())
+    h_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    h_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(t_full.index(i), count=1)
-        mbarrier.init(t_empty.index(i), count=2)  # both warpgroups
-    for i in gl.static_range(PS):
+        mbarrier.init(t_empty.index(i), count=2)  # its score warpgroup and the gradient one
+    for i in gl.static_range(2):
         mbarrier.init(h_full.index(i), count=1)
         mbarrier.init(h_empty.index(i), count=1)
     p = (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
          h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
          s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale)
-    # workers: the gradient warpgroup (4 warps) and the producer (1), given the registers asked for each
-    # (setmaxnreg) out of the launch's maxnreg per thread; the score warpgroup keeps the rest.
+    # workers: the second score warpgroup and the gradient one (4 warps each) and the producer (1),
+    # given the registers asked for each (setmaxnreg) out of the launch's maxnreg per thread; the
+    # first score warpgroup keeps the rest.
     gl.warp_specialize([
-        (_scores, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, PS)),
-        (_grads, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, PS)),
-        (_producer, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, PS)),
-    ], [4, 1], [232, 24])
+        (_scores0, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_scores1, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_grads, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_producer, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+    ], [4, 4, 1], [160, 160, 24])

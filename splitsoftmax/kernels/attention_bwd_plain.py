@@ -292,12 +292,12 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     gq = _gluon_tile("bwd_q_gluon", q, v) if tma else None
     if (dk.numel() or dv.numel()) and gkv:
         nkb = configs.cdiv(sk, gkv[1])
-        # the warp-specialized kernel: two warpgroups of num_warps (and a producer warp) per program,
+        # the warp-specialized kernel: three warpgroups of num_warps (and a producer warp) per program,
         # their registers within an SM's
         ws = kv_kernel == "_attn_bwd_kv_ws"
-        options = dict(maxnreg=configs.ATTN_FWD_GLUON_MAXNREG) if ws else {}
+        options = dict(maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG) if ws else {}
         scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
-                   head_group(nkb, b * hkv, q, causal, gkv[2] * (2 if ws else 1)))
+                   head_group(nkb, b * hkv, q, causal, gkv[2] * (3 if ws else 1)))
         kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes, **options)
     elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)

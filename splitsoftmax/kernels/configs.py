@@ -38,7 +38,7 @@ ATTN_TILES = {
     # 32x64 3 buffers 438 / 389 / 506, 64x128 w8 439 / 367 / 457 (launch/probes/attention_bwd_gluon.py)
     ("bwd_kv_gluon", 2, 128): (32, 64, 4, 2),
     # ... or the warp-specialized one (ATTN_BWD_KV_WS; its num_warps: each of its two warpgroups')
-    ("bwd_kv_ws", 2, 128): (32, 64, 4, 3),
+    ("bwd_kv_ws", 2, 128): (64, 64, 4, 3),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
     ("bwd_q", 2, 128): (128, 64, 8, 4),
@@ -95,6 +95,9 @@ ATTN_BWD_GLUON = True
 # ... and the dK/dV launch is the warp-specialized kernel (kernels/attention_bwd_kv_ws.py) where
 # ATTN_TILES lists a "bwd_kv_ws" tile: one warpgroup takes P^T and dS^T, another the dK and dV products
 ATTN_BWD_KV_WS = True
+# ... its register limit per thread: four warpgroups' worth (the producer warp takes a warpgroup's
+# place) within an SM's 64K registers
+ATTN_BWD_KV_WS_MAXNREG = 128
 # The plain forward (causal or full, bf16, one split written directly) in Gluon on sm_90
 # (kernels/attention_fwd_gluon.py): two consumer warpgroups each take a key block's softmax while
 # the tensor cores run the next block's scores and the last block's values, one producer warp
@@ -103,7 +106,7 @@ ATTN_BWD_KV_WS = True
 # H200: 0.77-0.94x at 128x128 (8 warps), 0.88-1.07x at 64x64 (BENCHMARKS.md, "Attention", F1-F3) ...
 ATTN_FWD_GLUON = True
 # ... under this register limit per thread: 12 warps' worth within an SM's 64K registers, which the
-# kernel moves between its warpgroups (setmaxnreg); the warp-specialized dK/dV kernel takes it too ...
+# kernel moves between its warpgroups (setmaxnreg) ...
 ATTN_FWD_GLUON_MAXNREG = 168
 # ... from this many queries on, (full, causal): shorter rows keep the Triton kernel (and its short
 # causal tile). H200, forward TFLOP/s, Triton kernel -> warp-specialized Gluon (BENCHMARKS.md,

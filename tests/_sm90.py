@@ -3,6 +3,7 @@ ptxas's report on them: for the tests that check registers, spills, shared memor
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 
@@ -46,3 +47,8 @@ def ptxas_report(ptx: str) -> str:
 def no_spills(ptx: str) -> bool:
     """Whether ptxas allocates ``ptx`` without spilling registers."""
     return "0 bytes spill stores, 0 bytes spill loads" in ptxas_report(ptx)
+
+
+def spill_stores(report: str) -> int:
+    """The bytes of spill stores in ptxas's ``report``."""
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", report))

@@ -23,7 +23,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDes
 from triton.runtime.jit import mangle_type  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
-from _sm90 import no_spills, ptxas_report  # noqa: E402
+from _sm90 import ptxas_report, spill_stores  # noqa: E402
 from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
 from splitsoftmax.kernels import configs, launch  # noqa: E402
 from splitsoftmax.mask import Mask  # noqa: E402
@@ -84,19 +84,14 @@ MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch
 
 @pytest.mark.parametrize("atomic,mask,tma,gluon,causal", [
     (False, Mask(), False, False, True), (False, Mask(), True, False, True), (False, Mask(), True, True, True),
-    (False, Mask(), True, True, False), (False, Mask(), True, "ws", True), (False, Mask(), True, "ws", False),
-    (False, MASK, False, False, True), (True, Mask(), False, False, True)],
-    ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-ws", "pair-ws-full", "pair-masks",
-         "five-product"])
+    (False, Mask(), True, True, False), (False, MASK, False, False, True), (True, Mask(), False, False, True)],
+    ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-masks", "five-product"])
 def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, monkeypatch):
-    """``gluon``: the Gluon pair with its first dK/dV kernel (True) or the warp-specialized one ("ws")."""
-    monkeypatch.setattr(configs, "ATTN_BWD_KV_WS", gluon == "ws")
-    launches = _launches(monkeypatch, atomic, mask, tma, bool(gluon), causal)
+    launches = _launches(monkeypatch, atomic, mask, tma, gluon, causal)
     if tma:
         assert all(any(isinstance(a, (TensorDescriptor, GluonDescriptor)) for a in args) for _, args, _ in launches)
     names = [fn.fn.__name__ for fn, _, _ in launches]
-    kv = "_attn_bwd_kv_ws" if gluon == "ws" else "_attn_bwd_kv_gluon"
-    pair = [kv, "_attn_bwd_q_gluon"] if gluon else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
+    pair = ["_attn_bwd_kv_ws", "_attn_bwd_q_gluon"] if gluon else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
     assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic else pair)
     for fn, args, kwargs in launches:
         sig, consts, attrs = _signature(fn, args, kwargs)
@@ -106,6 +101,10 @@ def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, monkeypatc
         assert kernel.metadata.shared <= SM90_SMEM, (fn.fn.__name__, kernel.metadata.shared)
         if fn.is_gluon():  # their tiles run without spills, and the products overlap as written
             report = ptxas_report(kernel.asm["ptx"])
-            assert no_spills(kernel.asm["ptx"]) and "wgmma.mma_async instructions are serialized" not in report, report
-        if fn.fn.__name__ == "_attn_bwd_kv_ws":  # its warpgroups' registers are reallocated within the launch's
+            assert "wgmma.mma_async instructions are serialized" not in report, report
+            # (but the dK/dV kernel's score warpgroups, within the registers that the gradient one leaves
+            # them, spill 16 bytes in the causal kernel: timed so)
+            assert spill_stores(report) <= (16 if fn.fn.__name__ == "_attn_bwd_kv_ws" and causal else 0), report
+        if fn.fn.__name__ == "_attn_bwd_kv_ws":  # its warpgroups' registers are moved within the launch's
             assert "setmaxnreg.inc" in kernel.asm["ptx"] and f".maxnreg {kwargs['maxnreg']}" in kernel.asm["ptx"]
+            assert kwargs["maxnreg"] * 4 * 128 <= 64 * 1024  # (three warpgroups and the producer's, padded)

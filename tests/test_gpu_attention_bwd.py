@@ -209,13 +209,12 @@ def test_plain_pair_tma_reads_are_bitwise_the_pointer_reads(case, monkeypatch):
         assert ok, (name, nums)
 
 
-@pytest.mark.parametrize("ws", [True, False], ids=["kv-ws", "kv-gluon"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[4] == 128], ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}c{int(c[5])}")
-def test_gluon_kernels(case, ws, monkeypatch):
-    """On sm_90 the plain pair is the Gluon kernels (the dK/dV one warp-specialized or not): their
-    gradients meet the rule, as close to float64 as the Triton kernels', and a NaN/Inf in a row of Q
-    or dO reaches exactly the gradient entries it reaches through the Triton kernels (hidden pairs
-    give exact zeros)."""
+def test_gluon_kernels(case, monkeypatch):
+    """On sm_90 the plain pair is the Gluon kernels (the dK/dV one warp-specialized): their gradients
+    meet the rule, as close to float64 as the Triton kernels', and a NaN/Inf in a row of Q or dO
+    reaches exactly the gradient entries it reaches through the Triton kernels (hidden pairs give
+    exact zeros)."""
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     from splitsoftmax.kernels.decode import sm90
     b, h, hkv, s, d, causal, bshd, dtype = case
@@ -223,10 +222,8 @@ def test_gluon_kernels(case, ws, monkeypatch):
     if not sm90(q):
         pytest.skip("the Gluon kernels run on sm_90")
     monkeypatch.setattr(configs, "ATTN_BWD_GLUON", True)
-    monkeypatch.setattr(configs, "ATTN_BWD_KV_WS", ws)
     assert ABP._use_tma(q, k, v, dout)
-    assert ABP._gluon_kv(q, v)[0] == ("_attn_bwd_kv_ws" if ws else "_attn_bwd_kv_gluon")
-    assert ABP._gluon_tile("bwd_q_gluon", q, v)
+    assert all(ABP._gluon_tile(kind, q, v) for kind in ("bwd_kv_ws", "bwd_q_gluon"))
     scale = 1 / math.sqrt(d)
     want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, NO_MASK)
     peers = sdpa_grads(q, k, v, dout, scale, causal)

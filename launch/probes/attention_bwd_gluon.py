@@ -2,13 +2,13 @@
 
     PYTHONPATH=. python3 launch/probes/attention_bwd_gluon.py OUTDIR [kv] [q] [table]
 
-bf16, D=128. ``kv`` and ``q`` (the dK/dV and the dQ kernel): first the checks, at odd lengths, GQA
-and (B, S, H, D) views, each tile's dQ/dK/dV against float64 (relative Frobenius error, at most 1.5x
-the Triton kernels') and a NaN/Inf row of dO / Q reaching the same gradient entries; then the
-kernel alone per tile (TFLOP/s of its products) beside the Triton kernel. ``table``:
-``ss.attention`` forward+backward TFLOP/s (3.5x the forward's products) with the Gluon kernels on
-and off beside SDPA cuDNN, each timed twice in alternation (BENCHMARKS.md, "Attention backward",
-G1, G2). No section named: all three.
+bf16, D=128. ``kv`` and ``q`` (the warp-specialized dK/dV kernel and the dQ kernel): first the
+checks, at odd lengths, GQA and (B, S, H, D) views, each tile's dQ/dK/dV against float64 (relative
+Frobenius error, at most 1.5x the Triton kernels') and a NaN/Inf row of dO / Q reaching the same
+gradient entries; then the kernel alone per tile (TFLOP/s of its products) beside the Triton
+kernel. ``table``: ``ss.attention`` forward+backward TFLOP/s (3.5x the forward's products) with the
+Gluon kernels on and off beside SDPA cuDNN, each timed twice in alternation (BENCHMARKS.md,
+"Attention backward", G1, G2). No section named: all three.
 """
 import os
 import sys
@@ -24,8 +24,8 @@ from splitsoftmax.kernels import configs
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 os.makedirs(OUT, exist_ok=True)
 configs.LAUNCH_VERIFY = True
-KEY = ("bwd_kv_gluon", 2, 128)
-TILES = [(32, 64, 4, 2), (64, 64, 4, 2), (32, 64, 4, 3), (64, 128, 8, 2)]
+KEY = ("bwd_kv_ws", 2, 128)  # (num_warps: each of the warp-specialized kernel's three warpgroups')
+TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (32, 64, 4, 3)]
 log = open(f"{OUT}/log.txt", "w")
 
 

@@ -1,15 +1,12 @@
-"""The plain backward's two kernels for Hopper, written in Gluon: their products overlap.
+"""The plain backward's dQ kernel for Hopper, written in Gluon, and the helpers of the Gluon kernels.
 
 Triton waits for each of the backward's score-shaped products (``S = Q K^T``, ``dP = dO V^T``) right
-after issuing it, so the tensor cores idle while the exponentials are taken. These kernels issue
-both, wait for the first only and take ``P`` while ``dP`` runs. The dK/dV kernel (one program per
-key block and kv head, over every query block of the ``G`` query heads that read the kv head, Q and
-dO tiles streamed by TMA through ``STAGES`` buffers) also takes ``dS^T`` while ``dV += P^T dO``
-runs and leaves ``dK += dS^T Q`` in flight into the next tile; the dQ kernel (one program per query
-block and head, K and V streamed) leaves ``dQ += dS K`` in flight. Tiles across the diagonal (or
-past ``Sk``) run in loops of their own, every product in turn. Same math, masks and non-finite
-guard as the Triton pair in ``attention_bwd_plain``; 2-byte inputs, TMA-addressable (B, H, S, D)
-operands.
+after issuing it, so the tensor cores idle while the exponentials are taken. The dQ kernel (one
+program per query block and head, K and V streamed by TMA through ``STAGES`` buffers) issues both,
+waits for the first only, takes ``P`` while ``dP`` runs and leaves ``dQ += dS K`` in flight; key
+blocks across the diagonal (or past ``Sk``) run in a loop of their own, every product in turn. Same
+math, masks and non-finite guard as the Triton dQ kernel in ``attention_bwd_plain``; 2-byte inputs,
+TMA-addressable (B, H, S, D) operands. The dK/dV kernel is ``attention_bwd_kv_ws``'s.
 """
 from __future__ import annotations
 
@@ -100,150 +97,6 @@ def _program_order(GH):
     gh = gl.minimum(GH, gl.num_programs(1) - group * GH)
     blk = r // gh
     return blk, group * GH + (r - blk * gh)
-
-
-@gluon.jit
-def _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M: gl.constexpr):
-    """``(query head within the group, first query row)`` of tile ``t``: the ``Tm`` diagonal tiles
-    (``nm`` per head) come first, then the full ones (``nf`` per head), each head-major."""
-    u = t - Tm
-    if t < Tm:
-        gi = t // nm
-        m0 = m_start + (t - gi * nm) * BLOCK_M
-    else:
-        gi = u // gl.maximum(nf, 1)
-        m0 = m_full + (u - gi * nf) * BLOCK_M
-    return gi, m0
-
-
-@gluon.jit
-def _load_tile(q_desc, do_desc, q_smem, do_smem, bars, t, T, Tm, nm, nf, m_start, m_full, b, h0,
-               BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    """Start the TMA loads of tile ``t``'s Q and dO (2-byte) into buffer ``t % STAGES`` (nothing past ``T``)."""
-    gi, m0 = _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M)
-    s = t % STAGES
-    mbarrier.expect(bars.index(s), 2 * BLOCK_M * D * 2, pred=t < T)
-    _tma_load(q_desc, [b, h0 + gi, m0, 0], bars.index(s), q_smem.index(s), pred=t < T)
-    _tma_load(do_desc, [b, h0 + gi, m0, 0], bars.index(s), do_smem.index(s), pred=t < T)
-
-
-@gluon.jit
-def _tile_stats(LSE, DELTA, t, T, Tm, nm, nf, m_start, m_full, b, h0, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
-                layout: gl.constexpr, BLOCK_M: gl.constexpr):
-    """:func:`_row_stats` of tile ``min(t, T - 1)``."""
-    gi, m0 = _tile_of(gl.minimum(t, T - 1), Tm, nm, nf, m_start, m_full, BLOCK_M)
-    h = h0 + gi
-    return _row_stats(LSE, DELTA, b * s_lb + h * s_lh, b * s_eb + h * s_eh, m0, Sq, s_ls, s_es, layout, BLOCK_M)
-
-
-@gluon.jit
-def _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, nf, m_start, m_full, b, h0, Sq,
-             s_lb, s_lh, s_ls, s_eb, s_eh, s_es, layout: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr):
-    """After tile ``t``'s products are issued: every product of tile ``t - 1`` is done (in every warp,
-    past the barrier), so its buffers take tile ``t + STAGES - 1``; returns tile ``t + 1``'s row
-    statistics, read while tile ``t``'s products run."""
-    _thread_barrier()
-    _load_tile(q_desc, do_desc, q_smem, do_smem, bars, t + STAGES - 1, T, Tm, nm, nf, m_start, m_full, b, h0,
-               BLOCK_M, D, STAGES)
-    return _tile_stats(LSE, DELTA, t + 1, T, Tm, nm, nf, m_start, m_full, b, h0, Sq, s_lb, s_lh, s_ls, s_eb, s_eh,
-                       s_es, layout, BLOCK_M)
-
-
-@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
-def _attn_bwd_kv_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
-                       s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
-                       HKV, G, Sq, Sk, diag, qk_scale, scale, GH,
-                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                       STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``)."""
-    pid_n, pid_bh = _program_order(GH)
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
-    n0 = pid_n * BLOCK_N
-    dtype: gl.constexpr = q_desc.dtype
-
-    # S^T, dP^T: [BLOCK_N keys, BLOCK_M queries]; dK, dV: [BLOCK_N, D]; P^T, dS^T feed them from registers
-    s_layout: gl.constexpr = _mma_layout(BLOCK_M, num_warps)
-    o_layout: gl.constexpr = _mma_layout(D, num_warps)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    q_cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_M]
-    k_rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_N]
-    k_smem, v_smem, q_smem, do_smem, kv_bar, bars = _buffers(k_desc, v_desc, q_desc, do_desc, STAGES)
-
-    # query blocks [m_start, m_full) cross the diagonal; from m_full on every query sees every key.
-    # Tiles (query head, query block): first the Tm diagonal ones (nm per head), then the full ones
-    # (nf per head), each head-major; separate loops, so that no branch joins in-flight accumulators.
-    m_start = 0
-    m_full = 0
-    if CAUSAL:
-        m_start = (gl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
-        m_full = gl.maximum(m_start, gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M)
-    nm = gl.maximum(gl.cdiv(gl.minimum(m_full, Sq) - m_start, BLOCK_M), 0)
-    nf = gl.maximum(gl.cdiv(Sq - m_full, BLOCK_M), 0)
-    Tm = G * nm
-    T = Tm + G * nf
-
-    mbarrier.expect(kv_bar, 2 * BLOCK_N * D * 2)
-    _tma_load(k_desc, [b, kvh, n0, 0], kv_bar, k_smem)
-    _tma_load(v_desc, [b, kvh, n0, 0], kv_bar, v_smem)
-    for i in gl.static_range(STAGES - 1):
-        _load_tile(q_desc, do_desc, q_smem, do_smem, bars, i, T, Tm, nm, nf, m_start, m_full, b, kvh * G,
-                   BLOCK_M, D, STAGES)
-
-    kj = n0 + gl.arange(0, BLOCK_N, layout=k_rows)
-    zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
-    dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
-    lse2, delta = _tile_stats(LSE, DELTA, 0, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls,
-                              s_eb, s_eh, s_es, q_cols, BLOCK_M)
-    mbarrier.wait(kv_bar, 0)
-    k_t = k_smem.reshape([BLOCK_N, D])
-    v_t = v_smem.reshape([BLOCK_N, D])
-    if CAUSAL:  # (only causal grids have diagonal tiles)
-        for t in range(Tm):
-            # a diagonal tile: every product in turn, Q and dO guarded in place where hidden pairs
-            # would otherwise give 0 * NaN (S^T takes Q as it is)
-            s = t % STAGES
-            qi = m_start + (t % nm) * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_cols)
-            q_t = q_smem.index(s).reshape([BLOCK_M, D])
-            do_t = do_smem.index(s).reshape([BLOCK_M, D])
-            mbarrier.wait(bars.index(s), (t // STAGES) & 1)
-            qk_t = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False)
-            _finite_or_zero_smem(q_t, BLOCK_M, D, num_warps)
-            _finite_or_zero_smem(do_t, BLOCK_M, D, num_warps)
-            fence_async_shared()
-            _thread_barrier()
-            dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False)
-            seen = kj[:, None] <= qi[None, :] + diag
-            p_t = gl.where(seen, gl.exp2(qk_t * qk_scale - lse2[None, :]), 0.0)
-            dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_t, dv)
-            ds_t = gl.where(seen, p_t * (dp_t - delta[None, :]), 0.0)
-            dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_t, dk)
-            lse2, delta = _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, nf,
-                                   m_start, m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, q_cols,
-                                   BLOCK_M, D, STAGES)
-    dk = warpgroup_mma_init(dk)
-    dv = warpgroup_mma_init(dv)
-    for t in range(Tm, T):
-        s = t % STAGES
-        q_t = q_smem.index(s).reshape([BLOCK_M, D])
-        do_t = do_smem.index(s).reshape([BLOCK_M, D])
-        mbarrier.wait(bars.index(s), (t // STAGES) & 1)
-        qk_t = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))  # dP^T runs on while P^T is taken
-        p_t = gl.exp2(qk_t * qk_scale - lse2[None, :])
-        dv = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_layout), do_t, dv, is_async=True)
-        dp_t = warpgroup_mma_wait(1, deps=(dp_t, ))  # dV runs on while dS^T is taken
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = warpgroup_mma(gl.convert_layout(ds_t.to(dtype), a_layout), q_t, dk, is_async=True)
-        lse2, delta = _advance(q_desc, do_desc, q_smem, do_smem, bars, LSE, DELTA, t, T, Tm, nm, nf, m_start,
-                               m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M, D, STAGES)
-    dk, dv = warpgroup_mma_wait(0, deps=(dk, dv))
-    _invalidate(kv_bar, bars, STAGES)
-    _store_rows(GK, dk * scale, b, kvh, n0, Sk, s_kgb, s_kgh, s_kgs, o_layout, BLOCK_N, D)
-    _store_rows(GV, dv, b, kvh, n0, Sk, s_vgb, s_vgh, s_vgs, o_layout, BLOCK_N, D)
 
 
 @gluon.jit

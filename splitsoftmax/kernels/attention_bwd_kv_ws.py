@@ -1,23 +1,25 @@
-"""The plain backward's dK/dV kernel for Hopper, warp-specialized: one warpgroup takes the scores,
-another the gradients.
+"""The plain backward's dK/dV kernel for Hopper, in Gluon and warp-specialized: two warpgroups take
+the scores of alternate query tiles, a third takes the gradients of all.
 
 A program holds a key block (``BLOCK_N`` keys of one kv head) and walks the query tiles of the ``G``
-query heads that read it, as ``attention_bwd_gluon._attn_bwd_kv_gluon`` does; its work is split by
-role instead of by rows. The score warpgroup issues ``S^T = K Q^T`` and ``dP^T = V dO^T`` of a tile,
-takes ``P^T`` while ``dP^T`` runs, then ``dS^T``, and hands both to the gradient warpgroup through
-shared memory. The gradient warpgroup only issues ``dV += P^T dO`` and ``dK += dS^T Q``, its
-operands all in shared memory, and holds the two ``[BLOCK_N, D]`` float32 accumulators: no warp
-holds the accumulators and the score tiles at once, so neither spills within the registers of an
-SM shared by three warpgroups. Each warpgroup's elementwise work and barrier waits run beside the
-other's products. One producer warp loads K and V once, then
-streams the Q and dO tiles through ``STAGES`` buffers; a buffer is released when both warpgroups
-have arrived on it, a ``P^T`` / ``dS^T`` buffer when the gradient products that read it are done.
+query heads that read it (the tiles across the diagonal first, then the full ones, each
+head-major). Triton waits for each score-shaped product right after issuing it and one warpgroup
+holding both the dK/dV accumulators and the score tiles spills or idles, so the work is split by
+role:
 
-Tiles across the diagonal run first, in turn: the score warpgroup reads Q as it is for ``S^T``,
-then zeroes every NaN/Inf of the Q and dO tiles in place before ``dP^T`` and the hand-over, so
-hidden pairs give exact zeros (never ``0 * NaN``). Same math, order of sums and guard as
-``_attn_bwd_kv_gluon``: the same signature and launch, bfloat16 ``(B, H, S, D)`` operands that TMA
-can address.
+- score warpgroup ``C`` (of two; tiles ``C, C + 2, ..``) issues ``S^T = K Q^T`` and ``dP^T = V dO^T``,
+  takes ``P^T`` while ``dP^T`` runs, then ``dS^T``, and hands both over through its shared buffer;
+- the gradient warpgroup issues ``dV += P^T dO`` and ``dK += dS^T Q`` of every tile in turn, all
+  operands in shared memory, and holds the two ``[BLOCK_N, D]`` float32 accumulators;
+- one producer warp loads K and V once, then streams the Q and dO tiles by TMA through ``STAGES``
+  buffers, each released when its score warpgroup and the gradient warpgroup have arrived on it.
+
+The two score warpgroups run out of step, so one's exponentials run beside the other's products and
+the gradient products. Tiles across the diagonal run in turn: ``S^T`` reads Q as it is, then the
+score warpgroup zeroes every NaN/Inf of the Q and dO tiles in place before ``dP^T`` and the
+hand-over, so hidden pairs give exact zeros (never ``0 * NaN``). Same math, masks, order of sums
+and guard as the Triton kernel of ``attention_bwd_plain``; bfloat16 ``(B, H, S, D)`` operands that
+TMA can address.
 """
 from __future__ import annotations
 
@@ -26,8 +28,31 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_gluon import (_finite_or_zero_smem, _mma_layout, _program_order, _store_rows, _thread_barrier,
-                                  _tile_of, _tile_stats, _tma_load)
+from .attention_bwd_gluon import (_finite_or_zero_smem, _mma_layout, _program_order, _row_stats, _store_rows,
+                                  _thread_barrier, _tma_load)
+
+
+@gluon.jit
+def _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M: gl.constexpr):
+    """``(query head within the group, first query row)`` of tile ``t``: the ``Tm`` diagonal tiles
+    (``nm`` per head) come first, then the full ones (``nf`` per head), each head-major."""
+    u = t - Tm
+    if t < Tm:
+        gi = t // nm
+        m0 = m_start + (t - gi * nm) * BLOCK_M
+    else:
+        gi = u // gl.maximum(nf, 1)
+        m0 = m_full + (u - gi * nf) * BLOCK_M
+    return gi, m0
+
+
+@gluon.jit
+def _tile_stats(LSE, DELTA, t, T, Tm, nm, nf, m_start, m_full, b, h0, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
+                layout: gl.constexpr, BLOCK_M: gl.constexpr):
+    """:func:`_row_stats` of tile ``t``, clamped to ``[0, T)`` (nothing is read when ``T == 0``)."""
+    gi, m0 = _tile_of(gl.maximum(gl.minimum(t, T - 1), 0), Tm, nm, nf, m_start, m_full, BLOCK_M)
+    h = h0 + gi
+    return _row_stats(LSE, DELTA, b * s_lb + h * s_lh, b * s_eb + h * s_eh, m0, Sq, s_ls, s_es, layout, BLOCK_M)
 
 
 @gluon.jit
@@ -193,7 +218,7 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
 
     # query blocks [m_start, m_full) cross the diagonal; from m_full on every query sees every key.
     # Tiles (query head, query block): the Tm diagonal ones (nm per head), then the full ones (nf per
-    # head), each head-major (attention_bwd_gluon._tile_of)
+    # head), each head-major (_tile_of)
     m_start = 0
     m_full = 0
     if CAUSAL:
@@ -208,6 +233,8 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    # Q, dO: [STAGES, BLOCK_M, D]; K, V: [BLOCK_N, D]; P^T, dS^T: [2, BLOCK_N, BLOCK_M], one buffer per
+    # score warpgroup
     h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], h_layout)
     ds_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], h_layout)

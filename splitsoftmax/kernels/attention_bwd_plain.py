@@ -228,7 +228,7 @@ def _use_tma(q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> bool:
 
 
 def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
-    """The tile of the Gluon kernel ``kind`` ("bwd_kv_gluon", "bwd_q_gluon") if it runs here, else None:
+    """The tile of the Gluon kernel ``kind`` ("bwd_kv_ws", "bwd_q_gluon") if it runs here, else None:
     ``configs.ATTN_BWD_GLUON``, a Hopper GPU (sm_90: its warpgroup products), not the interpreter,
     bfloat16 inputs (the dtype its GPU tests cover), a tile listed for the head dim (equal for keys
     and values); the caller has checked the operands (``_use_tma``)."""
@@ -237,17 +237,6 @@ def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
             or not sm90(q)):
         return None
     return configs.ATTN_TILES.get((kind, 2, d))
-
-
-def _gluon_kv(q: Tensor, v: Tensor) -> Optional[tuple[str, tuple]]:
-    """``(kernel, tile)`` of the Gluon dK/dV kernel that runs here, or None: the warp-specialized
-    one where ``configs.ATTN_BWD_KV_WS`` is on and a "bwd_kv_ws" tile is listed, else
-    ``_attn_bwd_kv_gluon`` where its tile is (:func:`_gluon_tile`)."""
-    ws = _gluon_tile("bwd_kv_ws", q, v) if configs.ATTN_BWD_KV_WS else None
-    if ws:
-        return "_attn_bwd_kv_ws", ws
-    tile = _gluon_tile("bwd_kv_gluon", q, v)
-    return ("_attn_bwd_kv_gluon", tile) if tile else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -288,17 +277,14 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     dtypes = (q.dtype, dout.dtype)  # (the descriptors' element types)
     kv = qp = None
     kv_rows = q_rows = 0
-    kv_kernel, gkv = (_gluon_kv(q, v) if tma else None) or (None, None)
-    gq = _gluon_tile("bwd_q_gluon", q, v) if tma else None
+    gkv, gq = (_gluon_tile(kind, q, v) if tma else None for kind in ("bwd_kv_ws", "bwd_q_gluon"))
     if (dk.numel() or dv.numel()) and gkv:
         nkb = configs.cdiv(sk, gkv[1])
-        # the warp-specialized kernel: three warpgroups of num_warps (and a producer warp) per program,
-        # their registers within an SM's
-        ws = kv_kernel == "_attn_bwd_kv_ws"
-        options = dict(maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG) if ws else {}
+        # three warpgroups of num_warps (and a producer warp) per program, their registers within an SM's
         scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
-                   head_group(nkb, b * hkv, q, causal, gkv[2] * (3 if ws else 1)))
-        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes, **options)
+                   head_group(nkb, b * hkv, q, causal, 3 * gkv[2]))
+        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes,
+                           maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG)
     elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
@@ -320,7 +306,8 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    head_group(nqb, b * h, q, causal, warps))
         qp = ((nqb, b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
-    gluon = (kv_kernel if kv is not None else None, "_attn_bwd_q_gluon" if qp is not None and gq else None)
+    gluon = ("_attn_bwd_kv_ws" if kv is not None and gkv else None,
+             "_attn_bwd_q_gluon" if qp is not None and gq else None)
     return _Launches(kv, qp, (kv_rows, q_rows) if tma else None, gluon)
 
 
@@ -333,9 +320,9 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA, configs.ATTN_BWD_GLUON,
-           configs.ATTN_BWD_KV_WS, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
-           attn_tile("bwd_q", q.dtype, d, dv_), configs.ATTN_TILES.get(("bwd_kv_gluon", 2, d)),
-           configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)), configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
+           configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
+           attn_tile("bwd_q", q.dtype, d, dv_), configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)),
+           configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
     run = _LAUNCHES.get(geo)
     if run is None:
         run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))

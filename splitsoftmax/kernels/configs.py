@@ -32,12 +32,12 @@ ATTN_TILES = {
     # D=128, causal): 4 bytes of spills at G=1, 36 at G=4 (with the (head, block) loops nested: 16 / 500)
     ("bwd_kv", 2, 128): (32, 64, 4, 3),
     ("bwd_kv", 2, 256): (16, 64, 8, 2),
-    # ... or, on sm_90 (ATTN_BWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES).
-    # H200, the kernel's TFLOP/s at 1 x 16/4 x 8k causal / 4 x 16/4 x 2k causal / 4 x 16 x 8k full:
-    # 32x64 w4 2 buffers 443 / 391 / 498, 64x64 w4 442 / 397 / 539 (spills 48-80 bytes on sm_90),
-    # 32x64 3 buffers 438 / 389 / 506, 64x128 w8 439 / 367 / 457 (launch/probes/attention_bwd_gluon.py)
-    ("bwd_kv_gluon", 2, 128): (32, 64, 4, 2),
-    # ... or the warp-specialized one (ATTN_BWD_KV_WS; its num_warps: each of its two warpgroups')
+    # ... or, on sm_90 (ATTN_BWD_GLUON), the warp-specialized Gluon kernel's (BLOCK_M, BLOCK_N,
+    # num_warps of each of its three warpgroups, STAGES). H200, its TFLOP/s at 1 x 16/4 x 8k causal views
+    # / 4 x 16/4 x 2k / 1 x 32/8 x 8k / 4 x 16 x 8k full: 64x64 3 buffers 511-513 / 446-448 / 504-507 /
+    # 519, 4 buffers 513 / 455 / 481 / 524, 2 buffers 463 / 411 / 446 / 506, 32x64 3 buffers 417 / 371 /
+    # 414 / 460; the one-warpgroup Gluon kernel before it (32x64, 2 buffers) 427 / 376 / 425 / 489
+    # (launch/probes/attention_bwd_gluon.py; BENCHMARKS.md, "Attention backward", W3, W4)
     ("bwd_kv_ws", 2, 128): (64, 64, 4, 3),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
@@ -85,18 +85,15 @@ ATTN_BWD_GUARD = True
 # the pointer path's bit for bit. H200, forward+backward TFLOP/s at B=1 H=16/4 S=8k causal, (B, S, H, D)
 # views: 298 with pointer loads, 302 / 307 with TMA in the dK/dV kernel / both (one call, 2026-12-01).
 ATTN_BWD_TMA = True
-# On sm_90 the plain pair's launches are the Gluon kernels (kernels/attention_bwd_gluon.py), which
-# overlap their products, where ATTN_TILES lists a "bwd_kv_gluon" / "bwd_q_gluon" tile for the head
-# dim. H200: the dK/dV kernel 1.06-1.08x the Triton one's speed causal, 1.08x full; the dQ kernel
-# 1.01-1.06x; ss.attention forward+backward TFLOP/s, both Gluon against both Triton, 384 / 375 at
-# 1 x 16/4 x 8k causal views, 423 / 405 at 4 x 16 x 8k full (BENCHMARKS.md, "Attention backward",
-# G1, G2).
+# On sm_90 the plain pair's launches are the Gluon kernels, which overlap their products, where
+# ATTN_TILES lists a "bwd_kv_ws" / "bwd_q_gluon" tile for the head dim: the warp-specialized dK/dV
+# kernel (kernels/attention_bwd_kv_ws.py; H200, 1.14-1.28x the Triton one's speed) and the dQ kernel
+# (kernels/attention_bwd_gluon.py; 1.01-1.06x). ss.attention forward+backward TFLOP/s at 1 x 16/4 x 8k
+# causal views: 427-431 against 385-390 with the one-warpgroup Gluon dK/dV kernel before it and 375
+# with both Triton kernels (BENCHMARKS.md, "Attention backward", G2, W4).
 ATTN_BWD_GLUON = True
-# ... and the dK/dV launch is the warp-specialized kernel (kernels/attention_bwd_kv_ws.py) where
-# ATTN_TILES lists a "bwd_kv_ws" tile: one warpgroup takes P^T and dS^T, another the dK and dV products
-ATTN_BWD_KV_WS = True
-# ... its register limit per thread: four warpgroups' worth (the producer warp takes a warpgroup's
-# place) within an SM's 64K registers
+# ... the dK/dV kernel's register limit per thread: four warpgroups' worth (its producer warp takes a
+# warpgroup's place) within an SM's 64K registers, which it moves between them (setmaxnreg)
 ATTN_BWD_KV_WS_MAXNREG = 128
 # The plain forward (causal or full, bf16, one split written directly) in Gluon on sm_90
 # (kernels/attention_fwd_gluon.py): two consumer warpgroups each take a key block's softmax while

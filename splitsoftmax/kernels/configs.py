@@ -37,7 +37,7 @@ ATTN_TILES = {
     # / 4 x 16/4 x 2k / 1 x 32/8 x 8k / 4 x 16 x 8k full: 64x64 3 buffers 511-513 / 446-448 / 504-507 /
     # 519, 4 buffers 513 / 455 / 481 / 524, 2 buffers 463 / 411 / 446 / 506, 32x64 3 buffers 417 / 371 /
     # 414 / 460; the one-warpgroup Gluon kernel before it (32x64, 2 buffers) 427 / 376 / 425 / 489
-    # (launch/probes/attention_bwd_gluon.py; BENCHMARKS.md, "Attention backward", W3, W4)
+    # (BENCHMARKS.md, "Attention backward", W4, W5; launch/probes/attention_bwd_gluon.py times them now)
     ("bwd_kv_ws", 2, 128): (64, 64, 4, 3),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)

@@ -10,6 +10,7 @@ Gradients are written once, in the output dtype, with their inputs' strides wher
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -239,14 +240,14 @@ def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
     return configs.ATTN_TILES.get((kind, 2, d))
 
 
+# the Gluon kernels of the pair, by name, and the modules that hold them
+_GLUON_MODULES = {"_attn_bwd_kv_ws": "attention_bwd_kv_ws", "_attn_bwd_q_gluon": "attention_bwd_gluon"}
+
+
 @functools.lru_cache(maxsize=None)
 def _gluon_launcher(name: str) -> Launcher:
     """The launcher of the Gluon kernel ``name`` (imported on first use: Gluon needs a CUDA build)."""
-    if name == "_attn_bwd_kv_ws":
-        from .attention_bwd_kv_ws import _attn_bwd_kv_ws
-        return Launcher(_attn_bwd_kv_ws)
-    from . import attention_bwd_gluon
-    return Launcher(getattr(attention_bwd_gluon, name))
+    return Launcher(getattr(importlib.import_module(f".{_GLUON_MODULES[name]}", __package__), name))
 
 
 def _gluon_operands(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, kwargs: dict) -> tuple:

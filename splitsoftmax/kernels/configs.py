@@ -95,6 +95,9 @@ ATTN_BWD_GLUON = True
 # ... the dK/dV kernel's register limit per thread: four warpgroups' worth (its producer warp takes a
 # warpgroup's place) within an SM's 64K registers, which it moves between them (setmaxnreg)
 ATTN_BWD_KV_WS_MAXNREG = 128
+# ... and, unless torch asks for deterministic algorithms, it also adds each tile's dQ (five products
+# per tile pair, no dQ launch) into a zeroed float32 buffer by TMA reductions
+ATTN_BWD_KV_WS_DQ = False
 # The plain forward (causal or full, bf16, one split written directly) in Gluon on sm_90
 # (kernels/attention_fwd_gluon.py): two consumer warpgroups each take a key block's softmax while
 # the tensor cores run the next block's scores and the last block's values, one producer warp

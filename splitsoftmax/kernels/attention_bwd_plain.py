@@ -247,7 +247,8 @@ def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
 
 
 # the Gluon kernels of the pair, by name, and the modules that hold them
-_GLUON_MODULES = {"_attn_bwd_kv_ws": "attention_bwd_kv_ws", "_attn_bwd_q_gluon": "attention_bwd_gluon"}
+_GLUON_MODULES = {"_attn_bwd_kv_ws": "attention_bwd_kv_ws", "_attn_bwd_kv_rs": "attention_bwd_kv_rs",
+                  "_attn_bwd_q_gluon": "attention_bwd_gluon"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,9 +299,17 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     dtypes = (q.dtype, dout.dtype)  # (the descriptors' element types)
     kv = qp = None
     kv_rows = q_rows = 0
-    gkv, gq = (_gluon_tile(kind, q, v) if tma else None for kind in ("bwd_kv_ws", "bwd_q_gluon"))
-    adds_dq = bool(gkv) and _adds_dq(dq)
-    if (dk.numel() or dv.numel()) and gkv:
+    kv_kind = "bwd_kv_rs" if configs.ATTN_BWD_KV_RS else "bwd_kv_ws"
+    gkv, gq = (_gluon_tile(kind, q, v) if tma else None for kind in (kv_kind, "bwd_q_gluon"))
+    adds_dq = bool(gkv) and not configs.ATTN_BWD_KV_RS and _adds_dq(dq)
+    if (dk.numel() or dv.numel()) and gkv and configs.ATTN_BWD_KV_RS:
+        nkb = configs.cdiv(sk, gkv[1])
+        # two consumer warpgroups of num_warps (and a producer warp) per program
+        scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+                   head_group(nkb, b * hkv, q, causal, 2 * gkv[2]))
+        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes,
+                           REGS=configs.ATTN_BWD_KV_RS_REGS, maxnreg=configs.ATTN_BWD_KV_RS_MAXNREG)
+    elif (dk.numel() or dv.numel()) and gkv:
         nkb = configs.cdiv(sk, gkv[1])
         # three warpgroups of num_warps (and a producer warp) per program, their registers within an SM's
         scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
@@ -328,7 +337,7 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    head_group(nqb, b * h, q, causal, warps))
         qp = ((nqb, b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
-    gluon = ("_attn_bwd_kv_ws" if kv is not None and gkv else None,
+    gluon = (("_attn_bwd_kv_rs" if configs.ATTN_BWD_KV_RS else "_attn_bwd_kv_ws") if kv is not None and gkv else None,
              "_attn_bwd_q_gluon" if qp is not None and gq else None)
     return _Launches(kv, qp, (kv_rows, q_rows) if tma else None, gluon, adds_dq)
 
@@ -342,9 +351,10 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     dk, dv = torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA, configs.ATTN_BWD_GLUON,
-           configs.ATTN_BWD_KV_WS_DQ, deterministic(), configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
-           attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
-           configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)), configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
+           configs.ATTN_BWD_KV_WS_DQ, deterministic(), configs.ATTN_BWD_KV_RS, configs.ATTN_BWD_KV_RS_REGS, configs.ATTN_TILES.get(("bwd_kv_rs", 2, d)),
+           configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
+           attn_tile("bwd_q", q.dtype, d, dv_), configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)),
+           configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
     run = _LAUNCHES.get(geo)
     if run is None:
         run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, torch.empty_like(q, dtype=od), dk, dv, scale,

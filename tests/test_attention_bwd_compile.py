@@ -58,8 +58,7 @@ def _signature(fn, args, kwargs):
     return sig, consts, {k: v for k, v in attrs.items() if v}
 
 
-def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False, causal: bool = True,
-              adds_dq: bool = False):
+def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False, causal: bool = True):
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
@@ -71,7 +70,6 @@ def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: b
     monkeypatch.setattr(ABP, "_LAUNCHES", launch.Memo())  # (it keys on the device, not on sm90)
     monkeypatch.setattr(configs, "ATTN_BWD_ATOMIC", atomic)
     monkeypatch.setattr(configs, "ATTN_BWD_TMA", tma)
-    monkeypatch.setattr(configs, "ATTN_BWD_KV_WS_DQ", adds_dq)
     q, dout = (torch.randn(1, 16, 512, 128).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, 4, 512, 128).to(torch.bfloat16) for _ in range(2))
     lse, delta = torch.randn(1, 16, 512), torch.randn(1, 16, 512)
@@ -84,20 +82,17 @@ MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch
             rows=torch.stack((torch.zeros(512), torch.full((512,), 512))).to(torch.int32))
 
 
-@pytest.mark.parametrize("atomic,mask,tma,gluon,causal,adds_dq", [
-    (False, Mask(), False, False, True, False), (False, Mask(), True, False, True, False),
-    (False, Mask(), True, True, True, False), (False, Mask(), True, True, False, False),
-    (False, Mask(), True, True, True, True), (False, Mask(), True, True, False, True),
-    (False, MASK, False, False, True, False), (True, Mask(), False, False, True, False)],
-    ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "gluon-dq", "gluon-dq-full", "pair-masks",
-         "five-product"])
-def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, adds_dq, monkeypatch):
-    launches = _launches(monkeypatch, atomic, mask, tma, gluon, causal, adds_dq)
+@pytest.mark.parametrize("atomic,mask,tma,gluon,causal", [
+    (False, Mask(), False, False, True), (False, Mask(), True, False, True), (False, Mask(), True, True, True),
+    (False, Mask(), True, True, False), (False, MASK, False, False, True), (True, Mask(), False, False, True)],
+    ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-masks", "five-product"])
+def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, monkeypatch):
+    launches = _launches(monkeypatch, atomic, mask, tma, gluon, causal)
     if tma:
         assert all(any(isinstance(a, (TensorDescriptor, GluonDescriptor)) for a in args) for _, args, _ in launches)
     names = [fn.fn.__name__ for fn, _, _ in launches]
     pair = ["_attn_bwd_kv_ws", "_attn_bwd_q_gluon"] if gluon else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
-    assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic else pair[:1] if adds_dq else pair)
+    assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic else pair)
     for fn, args, kwargs in launches:
         sig, consts, attrs = _signature(fn, args, kwargs)
         src = (GluonASTSource if fn.is_gluon() else ASTSource)(fn=fn, signature=sig, constexprs=consts, attrs=attrs)

@@ -209,13 +209,12 @@ def test_plain_pair_tma_reads_are_bitwise_the_pointer_reads(case, monkeypatch):
         assert ok, (name, nums)
 
 
-@pytest.mark.parametrize("adds_dq", [False, True], ids=["pair", "adds-dq"])
 @pytest.mark.parametrize("case", [c for c in CASES if c[4] == 128], ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}c{int(c[5])}")
-def test_gluon_kernels(case, adds_dq, monkeypatch):
-    """On sm_90 the plain pair is the Gluon kernels (the dK/dV one warp-specialized, with ``adds_dq``
-    adding dQ too, no dQ launch): their gradients meet the rule, as close to float64 as the Triton
-    kernels', and a NaN/Inf in a row of Q, K or dO reaches exactly the gradient entries it reaches
-    through the Triton kernels (hidden pairs give exact zeros)."""
+def test_gluon_kernels(case, monkeypatch):
+    """On sm_90 the plain pair is the Gluon kernels (the dK/dV one warp-specialized): their gradients
+    meet the rule, as close to float64 as the Triton kernels', and a NaN/Inf in a row of Q or dO
+    reaches exactly the gradient entries it reaches through the Triton kernels (hidden pairs give
+    exact zeros)."""
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     from splitsoftmax.kernels.decode import sm90
     b, h, hkv, s, d, causal, bshd, dtype = case
@@ -223,7 +222,6 @@ def test_gluon_kernels(case, adds_dq, monkeypatch):
     if not sm90(q):
         pytest.skip("the Gluon kernels run on sm_90")
     monkeypatch.setattr(configs, "ATTN_BWD_GLUON", True)
-    monkeypatch.setattr(configs, "ATTN_BWD_KV_WS_DQ", adds_dq)
     assert ABP._use_tma(q, k, v, dout)
     assert all(ABP._gluon_tile(kind, q, v) for kind in ("bwd_kv_ws", "bwd_q_gluon"))
     scale = 1 / math.sqrt(d)
@@ -248,32 +246,3 @@ def test_gluon_kernels(case, adds_dq, monkeypatch):
                                                           out_dtype=torch.float32)]
     for name, a, t in zip("qkv", nans[True], nans[False]):
         assert t.any() and torch.equal(a, t), name
-
-
-def test_gluon_dq_added_by_the_kv_kernel(monkeypatch):
-    """Where the warp-specialized kernel adds dQ, the backward makes that one launch (no dQ kernel)
-    and its dK/dV are the pair's bit for bit; under deterministic algorithms the pair runs again
-    and two runs agree bit for bit."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
-    from splitsoftmax.kernels.decode import sm90
-    q, k, v, dout = inputs(1, 16, 4, 3000, 128, BF16, True)
-    if not sm90(q):
-        pytest.skip("the Gluon kernels run on sm_90")
-    scale = 1 / math.sqrt(128)
-    _, lse, delta = oracle(q, k, v, dout, scale, True, 0, NO_MASK)
-    monkeypatch.setattr(configs, "ATTN_BWD_GLUON", True)
-    grads = {}
-    for adds in (True, False):
-        monkeypatch.setattr(configs, "ATTN_BWD_KV_WS_DQ", adds)
-        run = ABP._launches(q, k, v, dout, lse, delta, torch.empty_like(q), torch.empty_like(k),
-                            torch.empty_like(v), scale, True, 0)
-        assert run.adds_dq == adds and (run.q is None) == adds
-        grads[adds] = ABP.attn_bwd(q, k, v, dout, lse, delta, scale, True, out_dtype=torch.float32)
-    assert torch.equal(grads[True][1], grads[False][1]) and torch.equal(grads[True][2], grads[False][2])
-    torch.testing.assert_close(grads[True][0], grads[False][0], rtol=1e-5,
-                               atol=1e-5 * grads[False][0].abs().max().item())
-    monkeypatch.setattr(configs, "ATTN_BWD_KV_WS_DQ", True)
-    with deterministic(True):
-        runs = [ABP.attn_bwd(q, k, v, dout, lse, delta, scale, True, out_dtype=torch.float32) for _ in range(2)]
-    for x, y, z in zip(*runs, grads[False]):
-        assert torch.equal(x, y) and torch.equal(x, z)

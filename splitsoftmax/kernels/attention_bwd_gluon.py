@@ -204,10 +204,9 @@ def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ,
 
 
 def descriptor(t, rows: int):
-    """The Gluon ``(B, H, S, D)`` descriptor of 2-byte (or float32) ``t`` reading ``[1, 1, rows, D]``
-    tiles (zeros past S), its tiles laid out for the tensor cores; a dim of one element gets a valid
-    stride. The caller has checked that TMA can address ``t`` (``__post_init__``'s checks cost host
-    time)."""
+    """The Gluon ``(B, H, S, D)`` descriptor of 2-byte ``t`` reading ``[1, 1, rows, D]`` tiles (zeros
+    past S), its tiles laid out for the tensor cores; a dim of one element gets a valid stride. The
+    caller has checked that TMA can address ``t`` (``__post_init__``'s checks cost host time)."""
     strides = list(t.stride())
     for i in (2, 1, 0):
         if t.shape[i] == 1:
@@ -224,11 +223,7 @@ def descriptor(t, rows: int):
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorDescriptor) if f.default is not dataclasses.MISSING}
 
 
-# the Gluon element types of the descriptors' tensors
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-
-
 @functools.lru_cache(maxsize=None)
 def _smem_layout(block: tuple, dtype):
-    """The tensor cores' shared layout of a ``block`` tile of ``dtype`` (16-bit, or float32)."""
-    return gl.NVMMASharedLayout.get_default_for(list(block), _GL_DTYPES[dtype])
+    """The tensor cores' shared layout of a ``block`` tile of 16-bit ``dtype``."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)

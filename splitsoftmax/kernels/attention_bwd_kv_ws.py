@@ -14,12 +14,6 @@ role:
 - one producer warp loads K and V once, then streams the Q and dO tiles by TMA through ``STAGES``
   buffers, each released when its score warpgroup and the gradient warpgroup have arrived on it.
 
-With ``DQ`` (five products per tile pair) each score warpgroup also takes its tiles' ``dQ = dS K``
-from the ``dS^T`` it handed over and adds it, times the softmax scale, into a float32 dQ by a TMA
-reduction through its own staging buffer; the order of those sums varies from run to run. Tiles
-across the diagonal multiply a copy of K with its non-finite entries zeroed, written into the
-staging buffer while no reduction reads it.
-
 The two score warpgroups run out of step, so one's exponentials run beside the other's products and
 the gradient products. Tiles across the diagonal run in turn: ``S^T`` reads Q as it is, then the
 score warpgroup zeroes every NaN/Inf of the Q and dO tiles in place before ``dP^T`` and the
@@ -29,32 +23,13 @@ TMA can address.
 """
 from __future__ import annotations
 
-from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from .attention_bwd_gluon import (_finite_or_zero_smem, _mma_layout, _program_order, _row_stats, _store_rows,
                                   _thread_barrier, _tma_load)
-
-if hasattr(tma, "async_atomic_add"):
-    _tma_add = tma.async_atomic_add
-else:
-    @builtin
-    def _tma_add(tensor_desc, coord, src, _semantic=None):
-        """Add shared tile ``src`` into ``tensor_desc`` at ``coord`` by a TMA reduction (Triton 3.6 has
-        the operation but no Gluon function for it)."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
-
-
-@builtin
-def _alias_like(smem, like, _semantic=None):
-    """``smem``'s first bytes seen as a shared buffer of ``like``'s dtype, shape and layout (the method
-    that does this is named differently across Triton releases)."""
-    return _semantic.memdesc_reinterpret(smem, like.dtype, list(like.shape), like.layout)
 
 
 @gluon.jit
@@ -82,13 +57,13 @@ def _tile_stats(LSE, DELTA, t, T, Tm, nm, nf, m_start, m_full, b, h0, Sq, s_lb, 
 
 @gluon.jit
 def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-              STAGES: gl.constexpr, DQ: gl.constexpr):
+              STAGES: gl.constexpr):
     """K and V once, then tiles ``[0, T)``' Q and dO, each into the ring's next buffer once its score
-    warpgroup and the gradient warpgroup have released it (``CAUSAL``, ``DQ`` unused: the partitions
-    share one signature)."""
-    (q_desc, do_desc, k_desc, v_desc, dq_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, dq_stage, kv_bar,
-     t_full, t_empty, h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs,
-     s_vgb, s_vgh, s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
+    warpgroup and the gradient warpgroup have released it (``CAUSAL`` unused: the partitions share
+    one signature)."""
+    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
+     h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
+     s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
     mbarrier.expect(kv_bar, 2 * BLOCK_N * D * 2)
     _tma_load(k_desc, [b, kvh, n0, 0], kv_bar, k_smem)
     _tma_load(v_desc, [b, kvh, n0, 0], kv_bar, v_smem)
@@ -117,14 +92,14 @@ def _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, ds_t):
 
 @gluon.jit
 def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-            CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ: gl.constexpr):
+            CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """Score warpgroup ``C`` of two (4 warps): ``P^T`` and ``dS^T`` of tiles ``C, C + 2, ..``, the
     diagonal ones first, guarded, then the full ones with ``dP^T`` running while ``P^T`` is taken.
     Each hands over through buffer ``C``; the two run out of step, one's products beside the other's
-    exponentials. With ``DQ`` each then adds its tile's dQ (:func:`_add_dq`)."""
-    (q_desc, do_desc, k_desc, v_desc, dq_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, dq_stage, kv_bar,
-     t_full, t_empty, h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs,
-     s_vgb, s_vgh, s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
+    exponentials."""
+    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
+     h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
+     s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
     NW: gl.constexpr = 4
     # S^T, dP^T, P^T, dS^T: [BLOCK_N keys, BLOCK_M queries]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, NW)
@@ -154,8 +129,6 @@ def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D:
             seen = kj[:, None] <= qi[None, :] + diag
             p_t = gl.where(seen, gl.exp2(qk_t * qk_scale - lse2[None, :]), 0.0)
             _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, gl.where(seen, p_t * (dp_t - delta[None, :]), 0.0))
-            if DQ:
-                _add_dq(p, t, ds_ring.index(C), _guarded_k(k_t, dq_stage.index(C), BLOCK_N, D), BLOCK_M, D, DQ)
             lse2, delta = _tile_stats(LSE, DELTA, t + 2, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb,
                                       s_lh, s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
     t0 = Tm + (Tm + C) % 2  # this warpgroup's first full tile
@@ -169,52 +142,8 @@ def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D:
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
         mbarrier.arrive(t_empty.index(t % STAGES), count=1)
         _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, p_t * (dp_t - delta[None, :]))
-        if DQ:
-            _add_dq(p, t, ds_ring.index(C), k_t, BLOCK_M, D, DQ)
         lse2, delta = _tile_stats(LSE, DELTA, t + 2, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh,
                                   s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
-
-
-@gluon.jit
-def _guarded_k(k_t, stage, BLOCK_N: gl.constexpr, D: gl.constexpr):
-    """A copy of ``k_t [BLOCK_N, D]`` with its non-finite entries zeroed, in the first half of the
-    float32 staging buffer ``stage`` (once its last reduction has read it), for the ``dS K`` product
-    of tiles across the diagonal: hidden pairs give exact zeros, never ``0 * NaN``."""
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    ks = _alias_like(stage, k_t)
-    tma.store_wait(0)
-    _thread_barrier()  # (every warp past the wait: no reduction reads the buffer)
-    x = k_t.load(blocked)
-    ks.store(gl.where(gl.abs(x.to(gl.float32)) < float("inf"), x, gl.zeros_like(x)))
-    fence_async_shared()
-    _thread_barrier()
-    return ks
-
-
-@gluon.jit
-def _add_dq(p, t, ds_t, k_t, BLOCK_M: gl.constexpr, D: gl.constexpr, DQ: gl.constexpr):
-    """Add tile ``t``'s ``dQ [BLOCK_M, D] = scale * dS K`` (``dS`` the handed-over ``ds_t^T``) into
-    the float32 dQ by a TMA reduction through this warpgroup's staging buffer."""
-    (q_desc, do_desc, k_desc, v_desc, dq_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, dq_stage, kv_bar,
-     t_full, t_empty, h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs,
-     s_vgb, s_vgh, s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
-    stage = dq_stage.index(t % 2)
-    o_layout: gl.constexpr = _mma_layout(D, 4)  # dQ: [BLOCK_M, D]
-    if DQ != 3:
-        dq = warpgroup_mma(ds_t.permute((1, 0)), k_t, gl.zeros([BLOCK_M, D], gl.float32, o_layout), use_acc=False,
-                           is_async=True)
-        tma.store_wait(0)  # the last reduction has read the buffer (while the product runs)
-        dq = warpgroup_mma_wait(0, deps=(dq, ))
-        _thread_barrier()  # (the product of every warp has read a guarded K in the buffer)
-        stage.reshape([BLOCK_M, D]).store(dq * scale)
-        fence_async_shared()
-        _thread_barrier()  # every warp's part is written before the one reduction
-    else:
-        tma.store_wait(0)
-        _thread_barrier()
-    gi, m0 = _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M)
-    if DQ != 2:
-        _tma_add(dq_desc, [b, kvh * G + gi, m0, 0], stage)
 
 
 @gluon.jit
@@ -233,26 +162,26 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M: gl.con
 
 @gluon.jit
 def _scores0(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-             STAGES: gl.constexpr, DQ: gl.constexpr):
+             STAGES: gl.constexpr):
     """The first score warpgroup (the default partition: the kernel's own warps), even tiles."""
-    _scores(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, DQ)
+    _scores(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
 
 
 @gluon.jit
 def _scores1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-             STAGES: gl.constexpr, DQ: gl.constexpr):
+             STAGES: gl.constexpr):
     """The second score warpgroup (a worker of 4 warps), odd tiles."""
-    _scores(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, DQ)
+    _scores(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
 
 
 @gluon.jit
 def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-           STAGES: gl.constexpr, DQ: gl.constexpr):
+           STAGES: gl.constexpr):
     """The gradient warpgroup (a worker of 4 warps): ``dV += P^T dO`` and ``dK += dS^T Q`` of every
     tile, its buffers released once both are done; then the store."""
-    (q_desc, do_desc, k_desc, v_desc, dq_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, dq_stage, kv_bar,
-     t_full, t_empty, h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs,
-     s_vgb, s_vgh, s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
+    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
+     h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
+     s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
     o_layout: gl.constexpr = _mma_layout(D, 4)  # dK, dV: [BLOCK_N, D]
     dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
@@ -272,16 +201,15 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
-def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, DELTA, GK, GV,
+def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
                     s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
                     HKV, G, Sq, Sk, diag, qk_scale, scale, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                    STAGES: gl.constexpr, DQ: gl.constexpr, num_warps: gl.constexpr):
+                    STAGES: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``);
     ``num_warps = 4`` (the first score warpgroup), plus the second's 4, the gradient warpgroup's 4
     and the producer's 1. ``q_desc`` and ``do_desc`` read ``BLOCK_M`` rows, ``k_desc`` and
-    ``v_desc`` ``BLOCK_N``; ``dq_desc`` (with ``DQ``, else unused) adds ``BLOCK_M`` float32 rows into
-    the zeroed dQ ``(B, H, Sq, D)``."""
+    ``v_desc`` ``BLOCK_N``."""
     pid_n, pid_bh = _program_order(GH)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
@@ -310,10 +238,6 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, DELTA, GK, GV
     h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], h_layout)
     ds_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], h_layout)
-    if DQ:  # dQ tiles [2, 1, 1, BLOCK_M, D] float32, one buffer per score warpgroup
-        dq_stage = gl.allocate_shared_memory(dq_desc.dtype, [2] + dq_desc.block_type.shape, dq_desc.layout)
-    else:
-        dq_stage = p_ring
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     t_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     t_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -326,15 +250,15 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, dq_desc, LSE, DELTA, GK, GV
     for i in gl.static_range(2):
         mbarrier.init(h_full.index(i), count=1)
         mbarrier.init(h_empty.index(i), count=1)
-    p = (q_desc, do_desc, k_desc, v_desc, dq_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, dq_stage, kv_bar,
-         t_full, t_empty, h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs,
-         s_vgb, s_vgh, s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale)
+    p = (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
+         h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
+         s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale)
     # workers: the second score warpgroup and the gradient one (4 warps each) and the producer (1),
     # given the registers asked for each (setmaxnreg) out of the launch's maxnreg per thread; the
     # first score warpgroup keeps the rest.
     gl.warp_specialize([
-        (_scores0, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, DQ)),
-        (_scores1, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, DQ)),
-        (_grads, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, DQ)),
-        (_producer, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, DQ)),
+        (_scores0, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_scores1, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_grads, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_producer, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
     ], [4, 4, 1], [160, 160, 24])

@@ -2,10 +2,7 @@
 
 Two atomic-free kernels, seven products per tile pair: one program per key block and kv head sums
 dK, dV over every query block of the G query heads that read that kv head; then one program per
-query block and head walks its key blocks for dQ. Where the warp-specialized dK/dV kernel runs
-(Hopper, bfloat16) and torch does not ask for deterministic algorithms, that kernel also adds each
-tile's dQ into a zeroed float32 buffer by TMA reductions (``configs.ATTN_BWD_KV_WS_DQ``): five
-products per tile pair, one launch, dQ's sums in a varying order. On one H200 (Triton 3.6) this pair ran 8-12% faster than
+query block and head walks its key blocks for dQ. On one H200 (Triton 3.6) this pair ran 8-12% faster than
 ``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md, "Attention backward"),
 so ``attention_bwd.attn_bwd`` hands plain masks here; masks of the variants take the general pair.
 Gradients are written once, in the output dtype, with their inputs' strides where dense.
@@ -25,7 +22,7 @@ from . import configs
 from ..local import interpreting
 from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows, _program_order
-from .attention_bwd import _descriptor, _finite_or_zero, _tile, _tma_ok, deterministic
+from .attention_bwd import _descriptor, _finite_or_zero, _tile, _tma_ok
 from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm90
 from .launch import Launcher, Memo, auto_key, geometry
 
@@ -212,16 +209,13 @@ class _Launches(NamedTuple):
     per kernel ``(grid, key, scalars, kwargs)``, None where it has nothing to write; ``tma``: the
     Triton kernels read Q/dO (dK/dV) and K/V (dQ) tiles through descriptors, ``(rows of the dK/dV
     kernel's query tiles, rows of the dQ kernel's key tiles)``; ``gluon``: the Gluon kernel each of
-    the two launches (dK/dV, dQ) runs, by name, or None (their descriptors' rows: their kwargs' tile);
-    ``adds_dq``: the dK/dV launch adds dQ into a zeroed float32 buffer (and there is no dQ launch)."""
+    the two launches (dK/dV, dQ) runs, by name, or None (their descriptors' rows: their kwargs' tile)."""
     kv: Optional[tuple]
     q: Optional[tuple]
     tma: Optional[tuple]
     gluon: tuple = (None, None)
-    adds_dq: bool = False
 
 
-DIAG_MODE = [1]
 # launches by geometry: the host work of a repeated backward is a lookup
 _LAUNCHES = Memo()
 
@@ -247,8 +241,7 @@ def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
 
 
 # the Gluon kernels of the pair, by name, and the modules that hold them
-_GLUON_MODULES = {"_attn_bwd_kv_ws": "attention_bwd_kv_ws", "_attn_bwd_kv_rs": "attention_bwd_kv_rs",
-                  "_attn_bwd_q_gluon": "attention_bwd_gluon"}
+_GLUON_MODULES = {"_attn_bwd_kv_ws": "attention_bwd_kv_ws", "_attn_bwd_q_gluon": "attention_bwd_gluon"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,20 +255,6 @@ def _gluon_operands(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, kwargs: dict)
     from .attention_bwd_gluon import descriptor
     bm, bn = kwargs["BLOCK_M"], kwargs["BLOCK_N"]
     return descriptor(q, bm), descriptor(dout, bm), descriptor(k, bn), descriptor(v, bn)
-
-
-def _kv_ws_operands(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, dq: Tensor, kwargs: dict) -> tuple:
-    """The descriptors ``(q, dout, k, v, dq)`` of the warp-specialized dK/dV launch; ``dq``'s (the
-    float32 buffer it adds into) where its ``DQ`` is on, else ``q``'s stands in (unused)."""
-    from .attention_bwd_gluon import descriptor
-    ops = _gluon_operands(q, k, v, dout, kwargs)
-    return (*ops, descriptor(dq, kwargs["BLOCK_M"]) if kwargs["DQ"] else ops[0])
-
-
-def _adds_dq(dq: Tensor) -> bool:
-    """Whether the warp-specialized dK/dV kernel adds dQ too (``configs.ATTN_BWD_KV_WS_DQ``, dQ wanted,
-    torch not asking for deterministic algorithms)."""
-    return configs.ATTN_BWD_KV_WS_DQ and dq.numel() > 0 and not deterministic()
 
 
 def _gluon_launch(tile: tuple, grid: tuple, scalars: tuple, tensors: tuple, causal: bool, d: int, dtypes,
@@ -299,22 +278,13 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     dtypes = (q.dtype, dout.dtype)  # (the descriptors' element types)
     kv = qp = None
     kv_rows = q_rows = 0
-    kv_kind = "bwd_kv_rs" if configs.ATTN_BWD_KV_RS else "bwd_kv_ws"
-    gkv, gq = (_gluon_tile(kind, q, v) if tma else None for kind in (kv_kind, "bwd_q_gluon"))
-    adds_dq = bool(gkv) and not configs.ATTN_BWD_KV_RS and _adds_dq(dq)
-    if (dk.numel() or dv.numel()) and gkv and configs.ATTN_BWD_KV_RS:
-        nkb = configs.cdiv(sk, gkv[1])
-        # two consumer warpgroups of num_warps (and a producer warp) per program
-        scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
-                   head_group(nkb, b * hkv, q, causal, 2 * gkv[2]))
-        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes,
-                           REGS=configs.ATTN_BWD_KV_RS_REGS, maxnreg=configs.ATTN_BWD_KV_RS_MAXNREG)
-    elif (dk.numel() or dv.numel()) and gkv:
+    gkv, gq = (_gluon_tile(kind, q, v) if tma else None for kind in ("bwd_kv_ws", "bwd_q_gluon"))
+    if (dk.numel() or dv.numel()) and gkv:
         nkb = configs.cdiv(sk, gkv[1])
         # three warpgroups of num_warps (and a producer warp) per program, their registers within an SM's
         scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
                    head_group(nkb, b * hkv, q, causal, 3 * gkv[2]))
-        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes, DQ=int(adds_dq) * DIAG_MODE[0],
+        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes,
                            maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG)
     elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
@@ -324,12 +294,12 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    head_group(nkb, b * hkv, q, causal, warps))
         kv = ((nkb, b * hkv), (auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), dtypes),
               scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
-    if dq.numel() and not adds_dq and gq:
+    if dq.numel() and gq:
         nqb = configs.cdiv(sq, gq[0])
         scalars = (*stats, *dq.stride()[:3], h, h // hkv, sq, sk, diag, scale * LOG2E, scale,
                    head_group(nqb, b * h, q, causal, gq[2]))
         qp = _gluon_launch(gq, (nqb, b * h), scalars, (lse, delta, dq), causal, d, dtypes)
-    elif dq.numel() and not adds_dq:
+    elif dq.numel():
         bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
         q_rows = bn
         nqb = configs.cdiv(sq, bm)
@@ -337,9 +307,9 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    head_group(nqb, b * h, q, causal, warps))
         qp = ((nqb, b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
-    gluon = (("_attn_bwd_kv_rs" if configs.ATTN_BWD_KV_RS else "_attn_bwd_kv_ws") if kv is not None and gkv else None,
+    gluon = ("_attn_bwd_kv_ws" if kv is not None and gkv else None,
              "_attn_bwd_q_gluon" if qp is not None and gq else None)
-    return _Launches(kv, qp, (kv_rows, q_rows) if tma else None, gluon, adds_dq)
+    return _Launches(kv, qp, (kv_rows, q_rows) if tma else None, gluon)
 
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
@@ -348,21 +318,17 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     default), each with its input's strides where dense. ``lse``, ``delta = rowsum(dout * out) - dlse``
     ``(B, H, Sq)``: the rows' global statistics; rows with ``lse = -inf`` contribute nothing."""
     od = out_dtype or stat_dtype(q.dtype)
-    dk, dv = torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
+    dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA, configs.ATTN_BWD_GLUON,
-           configs.ATTN_BWD_KV_WS_DQ, deterministic(), configs.ATTN_BWD_KV_RS, configs.ATTN_BWD_KV_RS_REGS, configs.ATTN_TILES.get(("bwd_kv_rs", 2, d)),
            configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
            attn_tile("bwd_q", q.dtype, d, dv_), configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)),
            configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
     run = _LAUNCHES.get(geo)
     if run is None:
-        run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, torch.empty_like(q, dtype=od), dk, dv, scale,
-                                           causal, diag))
-    # the dK/dV kernel adds into float32 zeros, or the dQ kernel writes every entry
-    dq = torch.zeros_like(q, dtype=torch.float32) if run.adds_dq else torch.empty_like(q, dtype=od)
+        run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))
     _run(run, q, k, v, dout, lse, delta, dq, dk, dv)
-    return dq.to(od), dk, dv
+    return dq, dk, dv
 
 
 def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv) -> None:
@@ -370,7 +336,7 @@ def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv) -> None:
     if run.kv is not None:
         grid, key, scalars, kwargs = run.kv
         if run.gluon[0]:
-            _gluon_launcher(run.gluon[0])(grid, key, (*_kv_ws_operands(q, k, v, dout, dq, kwargs), lse, delta, dk, dv,
+            _gluon_launcher(run.gluon[0])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dk, dv,
                                                       *scalars), kwargs)
         else:
             qt, dt = (_descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])) if run.tma else (q, dout)

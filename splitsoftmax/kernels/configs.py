@@ -39,7 +39,6 @@ ATTN_TILES = {
     # 414 / 460; the one-warpgroup Gluon kernel before it (32x64, 2 buffers) 427 / 376 / 425 / 489
     # (BENCHMARKS.md, "Attention backward", W4, W5; launch/probes/attention_bwd_gluon.py times them now)
     ("bwd_kv_ws", 2, 128): (64, 64, 4, 3),
-    ("bwd_kv_rs", 2, 128): (64, 128, 4, 2),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
     ("bwd_q", 2, 128): (128, 64, 8, 4),
@@ -96,12 +95,6 @@ ATTN_BWD_GLUON = True
 # ... the dK/dV kernel's register limit per thread: four warpgroups' worth (its producer warp takes a
 # warpgroup's place) within an SM's 64K registers, which it moves between them (setmaxnreg)
 ATTN_BWD_KV_WS_MAXNREG = 128
-# ... and, unless torch asks for deterministic algorithms, it also adds each tile's dQ (five products
-# per tile pair, no dQ launch) into a zeroed float32 buffer by TMA reductions
-ATTN_BWD_KV_WS_DQ = False
-ATTN_BWD_KV_RS = False
-ATTN_BWD_KV_RS_REGS = 240
-ATTN_BWD_KV_RS_MAXNREG = 168
 # The plain forward (causal or full, bf16, one split written directly) in Gluon on sm_90
 # (kernels/attention_fwd_gluon.py): two consumer warpgroups each take a key block's softmax while
 # the tensor cores run the next block's scores and the last block's values, one producer warp

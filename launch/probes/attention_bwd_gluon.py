@@ -25,7 +25,8 @@ OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 os.makedirs(OUT, exist_ok=True)
 configs.LAUNCH_VERIFY = True
 KEY = ("bwd_kv_ws", 2, 128)  # (num_warps: each of the warp-specialized kernel's three warpgroups')
-TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (64, 64, 4, 2), (32, 64, 4, 3)]
+TILES = [tuple(int(x) for x in t.split("x")) for t in os.environ.get("TILES", "64x64x4x3,64x64x4x4,64x64x4x2,32x64x4x3")
+         .split(",")]
 log = open(f"{OUT}/log.txt", "w")
 
 

@@ -21,7 +21,8 @@ Two paths, the same math:
   blocks (seven products per tile pair, no atomics anywhere): bitwise reproducible. On one H200
   (Triton 3.6) it ran faster than the atomic path at every shape timed (configs.py has the numbers).
   Plain visibility (no variant mask) takes ``attention_bwd_plain``'s pair of the same form, which
-  ran faster still.
+  ran faster still, and so do the variants' masks where that pair's Gluon kernels run (Hopper,
+  bfloat16).
 
 When too few dK/dV programs would run for two per SM (batch 1, a few kv heads), each key block's
 work is split across programs by query heads (then by query range); their dK/dV partials are added
@@ -636,9 +637,9 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         return (torch.zeros_like(q, dtype=od), torch.zeros_like(k, dtype=od), torch.zeros_like(v, dtype=od))
     atomic = _atomic(q, k, v)
-    if mask.plain() and not atomic:  # the pair tuned for plain visibility (faster where both apply)
-        from . import attention_bwd_plain  # (it imports this module's helpers)
-        return attention_bwd_plain.attn_bwd(q, k, v, dout, lse, delta, scale, causal, diag, od)
+    from . import attention_bwd_plain  # (it imports this module's helpers)
+    if not atomic and attention_bwd_plain.takes(q, k, v, dout, mask):  # faster where both apply
+        return attention_bwd_plain.attn_bwd(q, k, v, dout, lse, delta, scale, causal, diag, od, mask)
     if atomic and not _tma_ok(dout):
         dout = dout.contiguous()
     tile = attn_tile("bwd" if atomic else "bwd_kv", q.dtype, q.shape[-1], v.shape[-1])

@@ -46,6 +46,79 @@ def _row_stats(LSE, DELTA, l_off, e_off, m0, Sq, s_ls, s_es, layout: gl.constexp
     return lse2, delta
 
 
+@gluon.jit
+def _tanh(x):
+    """``tanh(x)`` from one ``exp2`` (saturates to +-1; NaN stays NaN): ``attention_bwd._tanh``."""
+    return 1.0 - 2.0 / (gl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@gluon.jit
+def _probs(qk, lse2, cs, cap2, SOFTCAP: gl.constexpr):
+    """``(p, t)`` of scores ``qk`` (any tile; ``lse2`` broadcast to it): ``p = exp2(qk * cs - lse2)``,
+    or with ``SOFTCAP`` ``t = tanh(qk * cs)`` (``cs = scale / c``) and ``p = exp2(t * cap2 - lse2)``
+    (``cap2 = c * log2(e)``); ``t`` is ``p`` where unused."""
+    if SOFTCAP:
+        t = _tanh(qk * cs)
+        p = gl.exp2(t * cap2 - lse2)
+    else:
+        p = gl.exp2(qk * cs - lse2)
+        t = p
+    return p, t
+
+
+@gluon.jit
+def _score_grad(p, t, dp, delta, SOFTCAP: gl.constexpr):
+    """``dS`` (without the scale) of probabilities ``p`` and ``dP``: ``p (dP - delta)``, times
+    ``1 - t^2`` under a softcap."""
+    ds = p * (dp - delta)
+    if SOFTCAP:
+        ds = ds * (1.0 - t * t)
+    return ds
+
+
+@gluon.jit
+def _seen(kk, ii, rlo, rhi, dg, lw, kv_lo, kv_hi, CAUSAL: gl.constexpr, HAS_LO: gl.constexpr,
+          HAS_ROWS: gl.constexpr):
+    """Whether key ``kk`` is visible to row ``ii`` (broadcastable int tiles; ``rlo, rhi`` the rows'
+    document bounds, ``dg``/``lw`` the band edges with the row's offset folded in):
+    ``attention_bwd._seen``."""
+    ok = (kk >= kv_lo) & (kk < kv_hi)
+    if CAUSAL:
+        ok = ok & (kk <= ii + dg)
+    if HAS_LO:
+        ok = ok & (kk >= ii + lw)
+    if HAS_ROWS:
+        ok = ok & (kk >= rlo) & (kk < rhi)
+    return ok
+
+
+@gluon.jit
+def _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr):
+    """``(kv_lo, kv_hi, dg, lw)`` of batch element ``b``: its key range (clipped to ``[0, Sk]``) and
+    the band edges ``diag + off``, ``lo + off`` (``attention_bwd._batch_bounds``)."""
+    kv_lo = 0
+    kv_hi = Sk
+    if HAS_KV:
+        kv_lo = gl.maximum(gl.load(KVR + b * s_kvb), 0)
+        kv_hi = gl.minimum(gl.load(KVR + b * s_kvb + s_kvc), Sk)
+    off = 0
+    if HAS_OFF:
+        off = gl.load(QOFF + b * s_off)
+    return kv_lo, kv_hi, diag + off, lo + off
+
+
+@gluon.jit
+def _doc_rows(ROWS, s_r, qi, Sq, HAS_ROWS: gl.constexpr):
+    """``(rlo, rhi)``: the document bounds of rows ``qi`` (0 past ``Sq``), or ``qi`` twice unused."""
+    if HAS_ROWS:
+        rlo = gl.load(ROWS + qi, mask=qi < Sq, other=0)
+        rhi = gl.load(ROWS + s_r + qi, mask=qi < Sq, other=0)
+    else:
+        rlo = qi
+        rhi = qi
+    return rlo, rhi
+
+
 @gluon.constexpr_function
 def _mma_layout(n, num_warps):
     """The accumulator layout of ``[rows, n]`` warpgroup products, the rows split over the warps."""
@@ -113,25 +186,69 @@ def key_blocks(r0, Sq, Sk, diag, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUS
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, bars, t, T, b, kvh, BLOCK_N: gl.constexpr, D: gl.constexpr,
-             STAGES: gl.constexpr):
-    """Start the TMA loads of key block ``t``'s K and V (2-byte) into buffer ``t % STAGES`` (nothing past ``T``)."""
-    s = t % STAGES
-    mbarrier.expect(bars.index(s), 2 * BLOCK_N * D * 2, pred=t < T)
-    _tma_load(k_desc, [b, kvh, t * BLOCK_N, 0], bars.index(s), k_smem.index(s), pred=t < T)
-    _tma_load(v_desc, [b, kvh, t * BLOCK_N, 0], bars.index(s), v_smem.index(s), pred=t < T)
+def _key_block(u, walk):
+    """Key block of step ``u`` of a dQ program's ``walk``: the ``n_in`` interior blocks from ``ia``,
+    then the masked ones, ``first ..`` (``n_pre`` of them) and ``ib ..``."""
+    first, n_pre, ib, ia, n_in = walk
+    j = u - n_in
+    return gl.where(u < n_in, ia + u, gl.where(j < n_pre, first + j, ib + j - n_pre))
 
 
-@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
-def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ,
-                      s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_qgb, s_qgh, s_qgs,
-                      H, G, Sq, Sk, diag, qk_scale, scale, GH,
+@gluon.jit
+def _load_step(k_desc, v_desc, k_smem, v_smem, bars, u, T, walk, b, kvh, BLOCK_N: gl.constexpr,
+               D: gl.constexpr, STAGES: gl.constexpr):
+    """Start the TMA loads of step ``u``'s K and V into buffer ``u % STAGES`` (nothing past ``T``)."""
+    s = u % STAGES
+    n0 = _key_block(u, walk) * BLOCK_N
+    mbarrier.expect(bars.index(s), 2 * BLOCK_N * D * 2, pred=u < T)
+    _tma_load(k_desc, [b, kvh, n0, 0], bars.index(s), k_smem.index(s), pred=u < T)
+    _tma_load(v_desc, [b, kvh, n0, 0], bars.index(s), v_smem.index(s), pred=u < T)
+
+
+@gluon.jit
+def _q_walk(m0, qi, rlo, rhi, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            CAUSAL: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr):
+    """Key blocks of query rows ``qi = m0 + [0, BLOCK_M)``: ``(first, end, ia, ib)``, blocks
+    ``[first, end)`` hold a key one of the rows sees, ``[ia, ib)`` only keys every row sees
+    (``attention_bwd._attn_bwd_q_kernel``'s)."""
+    qmask = qi < Sq
+    last = gl.minimum(m0 + BLOCK_M, Sq) - 1
+    k_lo = kv_lo
+    k_hi = kv_hi
+    f_lo = kv_lo
+    f_hi = kv_hi
+    if CAUSAL:
+        k_hi = gl.minimum(k_hi, last + dg + 1)
+        f_hi = gl.minimum(f_hi, m0 + dg + 1)
+    if HAS_LO:
+        k_lo = gl.maximum(k_lo, m0 + lw)
+        f_lo = gl.maximum(f_lo, last + lw)
+    if HAS_ROWS:
+        k_lo = gl.maximum(k_lo, gl.min(gl.where(qmask, rlo, kv_hi), 0))
+        k_hi = gl.minimum(k_hi, gl.max(gl.where(qmask, rhi, 0), 0))
+        f_lo = gl.maximum(f_lo, gl.max(gl.where(qmask, rlo, 0), 0))
+        f_hi = gl.minimum(f_hi, gl.min(gl.where(qmask, rhi, kv_hi), 0))
+    k_hi = gl.maximum(k_hi, k_lo)
+    first = k_lo // BLOCK_N
+    end = gl.where(k_hi == k_lo, first, gl.cdiv(k_hi, BLOCK_N))
+    ia = gl.minimum(gl.maximum(gl.cdiv(f_lo, BLOCK_N), first), end)
+    ib = gl.minimum(gl.maximum(gl.maximum(f_hi, 0) // BLOCK_N, ia), end)
+    return first, end, ia, ib
+
+
+@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
+def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ, KVR, QOFF, ROWS,
+                      s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_qgb, s_qgh, s_qgs, s_kvb, s_kvc, s_off, s_r,
+                      H, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                      STAGES: gl.constexpr, num_warps: gl.constexpr):
+                      STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr,
+                      HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr, num_warps: gl.constexpr):
     """dQ of one query block and head over its key blocks: grid ``(query blocks, B * H)`` in the order
     of ``GH``, causal grids' longest blocks first. ``S`` and ``dP`` are issued together and ``P`` is
-    taken while ``dP`` runs; the full key blocks come first, then the masked ones (across the
-    diagonal or past ``Sk``), every product in turn, K guarded in place for the ``dS K`` product."""
+    taken while ``dP`` runs; the interior key blocks come first, then the masked ones (a key some row
+    of the block does not see, or past ``Sk``), every product in turn, K guarded in place for the
+    ``dS K`` product. The mask's tensors and strides are ``attention_bwd._attn_bwd_q_kernel``'s,
+    read where their flag is set; ``cap2 = softcap * log2(e)``."""
     pid_m, pid_bh = _program_order(GH)
     if CAUSAL:
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -149,23 +266,32 @@ def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ,
     k_cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_N]
     q_smem, do_smem, k_smem, v_smem, q_bar, bars = _buffers(q_desc, do_desc, k_desc, v_desc, STAGES)
 
-    # key blocks [0, nf) are seen whole by every row; [nf, T) cross the diagonal or end past Sk
-    nf, T = key_blocks(m0, Sq, Sk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    qi = m0 + gl.arange(0, BLOCK_M, layout=q_rows)
+    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
+    rlo, rhi = _doc_rows(ROWS, s_r, qi, Sq, HAS_ROWS)
+    # steps: the n_in interior key blocks [ia, ib), then the masked ones [first, ia) and [ib, end)
+    first, end, ia, ib = _q_walk(m0, qi, rlo, rhi, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, BLOCK_N, CAUSAL, HAS_LO,
+                                 HAS_ROWS)
+    n_in = ib - ia
+    walk = (first, ia - first, ib, ia, n_in)
+    T = n_in + ia - first + end - ib
+    cs = qk_scale
+    if SOFTCAP:
+        cs = scale / cap2 * 1.4426950408889634  # s / c
 
     mbarrier.expect(q_bar, 2 * BLOCK_M * D * 2)
     _tma_load(q_desc, [b, h, m0, 0], q_bar, q_smem)
     _tma_load(do_desc, [b, h, m0, 0], q_bar, do_smem)
     for i in gl.static_range(STAGES - 1):
-        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, i, T, b, kvh, BLOCK_N, D, STAGES)
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, i, T, walk, b, kvh, BLOCK_N, D, STAGES)
     lse2, delta = _row_stats(LSE, DELTA, b * s_lb + h * s_lh, b * s_eb + h * s_eh, m0, Sq, s_ls, s_es, q_rows,
                              BLOCK_M)
-    qi = m0 + gl.arange(0, BLOCK_M, layout=q_rows)
     zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     dq = warpgroup_mma_init(gl.zeros([BLOCK_M, D], gl.float32, o_layout))
     mbarrier.wait(q_bar, 0)
     q_t = q_smem.reshape([BLOCK_M, D])
     do_t = do_smem.reshape([BLOCK_M, D])
-    for t in range(nf):
+    for t in range(n_in):
         s = t % STAGES
         k_t = k_smem.index(s).reshape([BLOCK_N, D])
         v_t = v_smem.index(s).reshape([BLOCK_N, D])
@@ -173,32 +299,32 @@ def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ,
         qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_t, v_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(1, deps=(qk, ))  # dP runs on while P is taken
-        p = gl.exp2(qk * qk_scale - lse2[:, None])
+        p, c = _probs(qk, lse2[:, None], cs, cap2, SOFTCAP)
         dp = warpgroup_mma_wait(0, deps=(dp, ))
-        ds = p * (dp - delta[:, None])
+        ds = _score_grad(p, c, dp, delta[:, None], SOFTCAP)
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq, is_async=True)
-        # every product of block t - 1 is done, in every warp past the barrier: refill its buffers
+        # every product of step t - 1 is done, in every warp past the barrier: refill its buffers
         _thread_barrier()
-        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, t + STAGES - 1, T, b, kvh, BLOCK_N, D, STAGES)
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, t + STAGES - 1, T, walk, b, kvh, BLOCK_N, D, STAGES)
     dq = warpgroup_mma_wait(0, deps=(dq, ))
-    for t in range(nf, T):
+    for t in range(n_in, T):
         s = t % STAGES
         k_t = k_smem.index(s).reshape([BLOCK_N, D])
         v_t = v_smem.index(s).reshape([BLOCK_N, D])
-        kj = t * BLOCK_N + gl.arange(0, BLOCK_N, layout=k_cols)
+        kj = _key_block(t, walk) * BLOCK_N + gl.arange(0, BLOCK_N, layout=k_cols)
         mbarrier.wait(bars.index(s), (t // STAGES) & 1)
         qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
         dp = warpgroup_mma(do_t, v_t.permute((1, 0)), zeros_s, use_acc=False)
-        ok = (kj < Sk)[None, :]
-        if CAUSAL:
-            ok = ok & (kj[None, :] <= qi[:, None] + diag)
-        ds = gl.where(ok, gl.exp2(qk * qk_scale - lse2[:, None]) * (dp - delta[:, None]), 0.0)
+        ok = _seen(kj[None, :], qi[:, None], rlo[:, None], rhi[:, None], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
+                   HAS_ROWS)
+        p, c = _probs(qk, lse2[:, None], cs, cap2, SOFTCAP)
+        ds = gl.where(ok, _score_grad(p, c, dp, delta[:, None], SOFTCAP), 0.0)
         _finite_or_zero_smem(k_t, BLOCK_N, D, num_warps)  # hidden pairs: exact zeros, never 0 * NaN
         fence_async_shared()
         _thread_barrier()
         dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), a_layout), k_t, dq)
         _thread_barrier()
-        _load_kv(k_desc, v_desc, k_smem, v_smem, bars, t + STAGES - 1, T, b, kvh, BLOCK_N, D, STAGES)
+        _load_step(k_desc, v_desc, k_smem, v_smem, bars, t + STAGES - 1, T, walk, b, kvh, BLOCK_N, D, STAGES)
     _invalidate(q_bar, bars, STAGES)
     _store_rows(GQ, dq * scale, b, h, m0, Sq, s_qgb, s_qgh, s_qgs, o_layout, BLOCK_M, D)
 

@@ -1,11 +1,12 @@
-"""The plain backward's dK/dV kernel for Hopper, in Gluon and warp-specialized: two warpgroups take
-the scores of alternate query tiles, a third takes the gradients of all.
+"""The backward's dK/dV kernel for Hopper, in Gluon and warp-specialized: two warpgroups take the
+scores of alternate query tiles, a third takes the gradients of all.
 
 A program holds a key block (``BLOCK_N`` keys of one kv head) and walks the query tiles of the ``G``
-query heads that read it (the tiles across the diagonal first, then the full ones, each
-head-major). Triton waits for each score-shaped product right after issuing it and one warpgroup
-holding both the dK/dV accumulators and the score tiles spills or idles, so the work is split by
-role:
+query heads that read it: the masked ones (a row of the tile misses some key of the block: across
+the causal diagonal, a window's edge, a document's ends, the key range) first, then the interior
+ones that every pair sees, each head-major; tiles no pair sees are not visited. Triton waits for
+each score-shaped product right after issuing it and one warpgroup holding both the dK/dV
+accumulators and the score tiles spills or idles, so the work is split by role:
 
 - score warpgroup ``C`` (of two; tiles ``C, C + 2, ..``) issues ``S^T = K Q^T`` and ``dP^T = V dO^T``,
   takes ``P^T`` while ``dP^T`` runs, then ``dS^T``, and hands both over through its shared buffer;
@@ -15,11 +16,12 @@ role:
   buffers, each released when its score warpgroup and the gradient warpgroup have arrived on it.
 
 The two score warpgroups run out of step, so one's exponentials run beside the other's products and
-the gradient products. Tiles across the diagonal run in turn: ``S^T`` reads Q as it is, then the
-score warpgroup zeroes every NaN/Inf of the Q and dO tiles in place before ``dP^T`` and the
-hand-over, so hidden pairs give exact zeros (never ``0 * NaN``). Same math, masks, order of sums
-and guard as the Triton kernel of ``attention_bwd_plain``; bfloat16 ``(B, H, S, D)`` operands that
-TMA can address.
+the gradient products. Masked tiles run in turn: ``S^T`` reads Q as it is, then the score warpgroup
+zeroes every NaN/Inf of the Q and dO tiles in place before ``dP^T`` and the hand-over, so hidden
+pairs give exact zeros (never ``0 * NaN``). Visibility is ``attention_bwd``'s rule (``causal, diag``,
+a window edge ``lo``, ``q_offset``, ``kv_range``, document rows) and the scores may be softcapped;
+plain masks take the same math, order of sums and guard as the Triton kernel of
+``attention_bwd_plain``. bfloat16 ``(B, H, S, D)`` operands that TMA can address.
 """
 from __future__ import annotations
 
@@ -28,49 +30,86 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_gluon import (_finite_or_zero_smem, _mma_layout, _program_order, _row_stats, _store_rows,
-                                  _thread_barrier, _tma_load)
+from .attention_bwd_gluon import (_batch_bounds, _doc_rows, _finite_or_zero_smem, _mma_layout, _probs,
+                                  _program_order, _row_stats, _score_grad, _seen, _store_rows, _thread_barrier,
+                                  _tma_load)
 
 
 @gluon.jit
-def _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M: gl.constexpr):
-    """``(query head within the group, first query row)`` of tile ``t``: the ``Tm`` diagonal tiles
-    (``nm`` per head) come first, then the full ones (``nf`` per head), each head-major."""
+def _tile_of(t, tiles, BLOCK_M: gl.constexpr):
+    """``(query head within the group, first query row)`` of tile ``t`` of a program's walk
+    ``tiles``: the ``Tm`` masked ones (``nmk`` per head: ``n_pre`` blocks from ``first``, then the
+    rest after the interior ones), then the interior ones (``n_in`` per head after the first
+    ``n_pre``), each head-major."""
+    b, kvh, G, first, n_pre, n_in, nmk, Tm, T = tiles
     u = t - Tm
     if t < Tm:
-        gi = t // nm
-        m0 = m_start + (t - gi * nm) * BLOCK_M
+        gi = t // nmk
+        j = t - gi * nmk
+        blk = first + j + gl.where(j < n_pre, 0, n_in)
     else:
-        gi = u // gl.maximum(nf, 1)
-        m0 = m_full + (u - gi * nf) * BLOCK_M
-    return gi, m0
+        gi = u // gl.maximum(n_in, 1)
+        blk = first + n_pre + u - gi * n_in
+    return gi, blk * BLOCK_M
 
 
 @gluon.jit
-def _tile_stats(LSE, DELTA, t, T, Tm, nm, nf, m_start, m_full, b, h0, Sq, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
-                layout: gl.constexpr, BLOCK_M: gl.constexpr):
+def _tile_stats(stats, t, tiles, layout: gl.constexpr, BLOCK_M: gl.constexpr):
     """:func:`_row_stats` of tile ``t``, clamped to ``[0, T)`` (nothing is read when ``T == 0``)."""
-    gi, m0 = _tile_of(gl.maximum(gl.minimum(t, T - 1), 0), Tm, nm, nf, m_start, m_full, BLOCK_M)
-    h = h0 + gi
+    LSE, DELTA, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, Sq = stats
+    b, kvh, G, first, n_pre, n_in, nmk, Tm, T = tiles
+    gi, m0 = _tile_of(gl.maximum(gl.minimum(t, T - 1), 0), tiles, BLOCK_M)
+    h = kvh * G + gi
     return _row_stats(LSE, DELTA, b * s_lb + h * s_lh, b * s_eb + h * s_eh, m0, Sq, s_ls, s_es, layout, BLOCK_M)
 
 
 @gluon.jit
+def _kv_walk(RB, pid_n, n0, n1, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr,
+             HAS_LO: gl.constexpr, HAS_KV: gl.constexpr, HAS_ROWS: gl.constexpr):
+    """Query blocks of key block ``[n0, n1)``: ``(first, end, ia, ib)``, blocks ``[first, end)`` hold
+    a row that sees one of its keys, ``[ia, ib)`` only rows that see all of them
+    (``attention_bwd._kv_rows``; keys past ``Sk`` need no mask here: their rows are not stored)."""
+    r_lo = 0
+    r_hi = Sq
+    f_lo = 0
+    f_hi = Sq
+    if CAUSAL:
+        r_lo = gl.maximum(r_lo, n0 - dg)
+        f_lo = gl.maximum(f_lo, n1 - 1 - dg)
+    if HAS_LO:
+        r_hi = gl.minimum(r_hi, n1 - lw)
+        f_hi = gl.minimum(f_hi, n0 - lw + 1)
+    if HAS_ROWS:
+        r_lo = gl.maximum(r_lo, gl.load(RB + pid_n * 4))
+        r_hi = gl.minimum(r_hi, gl.load(RB + pid_n * 4 + 1))
+        f_lo = gl.maximum(f_lo, gl.load(RB + pid_n * 4 + 2))
+        f_hi = gl.minimum(f_hi, gl.load(RB + pid_n * 4 + 3))
+    if HAS_KV:
+        r_hi = gl.where((kv_hi <= n0) | (kv_lo >= n1) | (kv_lo >= kv_hi), 0, gl.maximum(r_hi, 0))
+        f_hi = gl.where((n0 < kv_lo) | (n1 > kv_hi), 0, f_hi)  # some keys out of range: every tile masked
+    first = gl.maximum(gl.minimum(r_lo, r_hi), 0) // BLOCK_M
+    end = gl.maximum(gl.cdiv(r_hi, BLOCK_M), first)
+    ia = gl.minimum(gl.maximum(gl.cdiv(f_lo, BLOCK_M), first), end)
+    ib = gl.where(f_hi >= Sq, end, gl.maximum(f_hi, 0) // BLOCK_M)  # rows past Sq have p = 0
+    ib = gl.minimum(gl.maximum(ib, ia), end)
+    return first, end, ia, ib
+
+
+@gluon.jit
 def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
     """K and V once, then tiles ``[0, T)``' Q and dO, each into the ring's next buffer once its score
-    warpgroup and the gradient warpgroup have released it (``CAUSAL`` unused: the partitions share
-    one signature)."""
-    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
-     h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
-     s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
+    warpgroup and the gradient warpgroup have released it (the constexprs but the tile's unused:
+    the partitions share one signature)."""
+    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_bar, t_full, t_empty, n0, tiles) = p
+    b, kvh, G, first, n_pre, n_in, nmk, Tm, T = tiles
     mbarrier.expect(kv_bar, 2 * BLOCK_N * D * 2)
     _tma_load(k_desc, [b, kvh, n0, 0], kv_bar, k_smem)
     _tma_load(v_desc, [b, kvh, n0, 0], kv_bar, v_smem)
     for t in range(T):
         s = t % STAGES
         mbarrier.wait(t_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
-        gi, m0 = _tile_of(t, Tm, nm, nf, m_start, m_full, BLOCK_M)
+        gi, m0 = _tile_of(t, tiles, BLOCK_M)
         mbarrier.expect(t_full.index(s), 2 * BLOCK_M * D * 2)
         _tma_load(q_desc, [b, kvh * G + gi, m0, 0], t_full.index(s), q_ring.index(s))
         _tma_load(do_desc, [b, kvh * G + gi, m0, 0], t_full.index(s), do_ring.index(s))
@@ -92,14 +131,17 @@ def _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, ds_t):
 
 @gluon.jit
 def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-            CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+            CAUSAL: gl.constexpr, STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr,
+            SOFTCAP: gl.constexpr):
     """Score warpgroup ``C`` of two (4 warps): ``P^T`` and ``dS^T`` of tiles ``C, C + 2, ..``, the
-    diagonal ones first, guarded, then the full ones with ``dP^T`` running while ``P^T`` is taken.
+    masked ones first, guarded, then the interior ones with ``dP^T`` running while ``P^T`` is taken.
     Each hands over through buffer ``C``; the two run out of step, one's products beside the other's
     exponentials."""
-    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
-     h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
-     s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
+    (k_smem, v_smem, q_ring, do_ring, p_ring, ds_ring, kv_bar, t_full, t_empty, h_full, h_empty, stats, tiles,
+     ROWS, s_r, n0, dg, lw, kv_lo, kv_hi, cs, cap2) = p
+    Sq = stats[8]
+    Tm = tiles[7]
+    T = tiles[8]
     NW: gl.constexpr = 4
     # S^T, dP^T, P^T, dS^T: [BLOCK_N keys, BLOCK_M queries]
     s_layout: gl.constexpr = _mma_layout(BLOCK_M, NW)
@@ -107,43 +149,41 @@ def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D:
     k_rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_N]
     kj = n0 + gl.arange(0, BLOCK_N, layout=k_rows)
     zeros_s = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, s_layout)
-    lse2, delta = _tile_stats(LSE, DELTA, C, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh, s_ls,
-                              s_eb, s_eh, s_es, q_cols, BLOCK_M)
+    lse2, delta = _tile_stats(stats, C, tiles, q_cols, BLOCK_M)
     mbarrier.wait(kv_bar, 0)
     k_t = k_smem.reshape([BLOCK_N, D])
     v_t = v_smem.reshape([BLOCK_N, D])
-    if CAUSAL:  # (only causal grids have diagonal tiles)
-        for t in range(C, Tm, 2):
-            s = t % STAGES
-            q_t = q_ring.index(s).reshape([BLOCK_M, D])
-            do_t = do_ring.index(s).reshape([BLOCK_M, D])
-            mbarrier.wait(t_full.index(s), (t // STAGES) & 1)
-            qk_t = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False)
-            _finite_or_zero_smem(q_t, BLOCK_M, D, NW)
-            _finite_or_zero_smem(do_t, BLOCK_M, D, NW)
-            fence_async_shared()
-            _thread_barrier()
-            dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False)
-            mbarrier.arrive(t_empty.index(s), count=1)
-            qi = m_start + (t % nm) * BLOCK_M + gl.arange(0, BLOCK_M, layout=q_cols)
-            seen = kj[:, None] <= qi[None, :] + diag
-            p_t = gl.where(seen, gl.exp2(qk_t * qk_scale - lse2[None, :]), 0.0)
-            _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, gl.where(seen, p_t * (dp_t - delta[None, :]), 0.0))
-            lse2, delta = _tile_stats(LSE, DELTA, t + 2, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb,
-                                      s_lh, s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
-    t0 = Tm + (Tm + C) % 2  # this warpgroup's first full tile
-    if CAUSAL:
-        lse2, delta = _tile_stats(LSE, DELTA, t0, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh,
-                                  s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
+    for t in range(C, Tm, 2):
+        s = t % STAGES
+        q_t = q_ring.index(s).reshape([BLOCK_M, D])
+        do_t = do_ring.index(s).reshape([BLOCK_M, D])
+        mbarrier.wait(t_full.index(s), (t // STAGES) & 1)
+        qk_t = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False)
+        _finite_or_zero_smem(q_t, BLOCK_M, D, NW)
+        _finite_or_zero_smem(do_t, BLOCK_M, D, NW)
+        fence_async_shared()
+        _thread_barrier()
+        dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False)
+        mbarrier.arrive(t_empty.index(s), count=1)
+        qi = _tile_of(t, tiles, BLOCK_M)[1] + gl.arange(0, BLOCK_M, layout=q_cols)
+        rlo, rhi = _doc_rows(ROWS, s_r, qi, Sq, HAS_ROWS)
+        seen = _seen(kj[:, None], qi[None, :], rlo[None, :], rhi[None, :], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
+                     HAS_ROWS)
+        p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
+        p_t = gl.where(seen, p_t, 0.0)
+        _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t,
+                   gl.where(seen, _score_grad(p_t, c_t, dp_t, delta[None, :], SOFTCAP), 0.0))
+        lse2, delta = _tile_stats(stats, t + 2, tiles, q_cols, BLOCK_M)
+    t0 = Tm + (Tm + C) % 2  # this warpgroup's first interior tile
+    lse2, delta = _tile_stats(stats, t0, tiles, q_cols, BLOCK_M)
     for t in range(t0, T, 2):
         qk_t, dp_t = _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M, D, STAGES)
         qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))  # dP^T runs on while P^T is taken
-        p_t = gl.exp2(qk_t * qk_scale - lse2[None, :])
+        p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
         mbarrier.arrive(t_empty.index(t % STAGES), count=1)
-        _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, p_t * (dp_t - delta[None, :]))
-        lse2, delta = _tile_stats(LSE, DELTA, t + 2, T, Tm, nm, nf, m_start, m_full, b, kvh * G, Sq, s_lb, s_lh,
-                                  s_ls, s_eb, s_eh, s_es, q_cols, BLOCK_M)
+        _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, _score_grad(p_t, c_t, dp_t, delta[None, :], SOFTCAP))
+        lse2, delta = _tile_stats(stats, t + 2, tiles, q_cols, BLOCK_M)
 
 
 @gluon.jit
@@ -162,26 +202,25 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M: gl.con
 
 @gluon.jit
 def _scores0(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-             STAGES: gl.constexpr):
+             STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
     """The first score warpgroup (the default partition: the kernel's own warps), even tiles."""
-    _scores(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
+    _scores(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
 
 
 @gluon.jit
 def _scores1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-             STAGES: gl.constexpr):
+             STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
     """The second score warpgroup (a worker of 4 warps), odd tiles."""
-    _scores(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
+    _scores(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
 
 
 @gluon.jit
 def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-           STAGES: gl.constexpr):
+           STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
     """The gradient warpgroup (a worker of 4 warps): ``dV += P^T dO`` and ``dK += dS^T Q`` of every
     tile, its buffers released once both are done; then the store."""
-    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
-     h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
-     s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale) = p
+    (q_ring, do_ring, p_ring, ds_ring, t_full, t_empty, h_full, h_empty, T, GK, GV, s_kgb, s_kgh, s_kgs, s_vgb,
+     s_vgh, s_vgs, b, kvh, n0, Sk, scale) = p
     o_layout: gl.constexpr = _mma_layout(D, 4)  # dK, dV: [BLOCK_N, D]
     dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
@@ -200,34 +239,39 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
     _store_rows(GV, dv, b, kvh, n0, Sk, s_vgb, s_vgh, s_vgs, o_layout, BLOCK_N, D)
 
 
-@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
-def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
+@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
+def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QOFF, ROWS, RB,
                     s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
-                    HKV, G, Sq, Sk, diag, qk_scale, scale, GH,
+                    s_kvb, s_kvc, s_off, s_r,
+                    HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                    STAGES: gl.constexpr, num_warps: gl.constexpr):
+                    STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr,
+                    HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``);
     ``num_warps = 4`` (the first score warpgroup), plus the second's 4, the gradient warpgroup's 4
     and the producer's 1. ``q_desc`` and ``do_desc`` read ``BLOCK_M`` rows, ``k_desc`` and
-    ``v_desc`` ``BLOCK_N``."""
+    ``v_desc`` ``BLOCK_N``. The mask's tensors and strides (``KVR, QOFF, ROWS``, ``RB`` its
+    :func:`attention_bwd.row_blocks`) are those of ``attention_bwd._attn_bwd_kv_kernel``, read where
+    their flag is set; ``cap2 = softcap * log2(e)``."""
     pid_n, pid_bh = _program_order(GH)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
     n0 = pid_n * BLOCK_N
     dtype: gl.constexpr = q_desc.dtype
 
-    # query blocks [m_start, m_full) cross the diagonal; from m_full on every query sees every key.
-    # Tiles (query head, query block): the Tm diagonal ones (nm per head), then the full ones (nf per
-    # head), each head-major (_tile_of)
-    m_start = 0
-    m_full = 0
-    if CAUSAL:
-        m_start = (gl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
-        m_full = gl.maximum(m_start, gl.cdiv(gl.maximum(n0 + BLOCK_N - 1 - diag, 0), BLOCK_M) * BLOCK_M)
-    nm = gl.maximum(gl.cdiv(gl.minimum(m_full, Sq) - m_start, BLOCK_M), 0)
-    nf = gl.maximum(gl.cdiv(Sq - m_full, BLOCK_M), 0)
-    Tm = G * nm
-    T = Tm + G * nf
+    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
+    first, end, ia, ib = _kv_walk(RB, pid_n, n0, n0 + BLOCK_N, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, CAUSAL, HAS_LO,
+                                  HAS_KV, HAS_ROWS)
+    # tiles (query head, query block): the Tm masked ones (blocks [first, ia) and [ib, end) of each
+    # head), then the interior ones ([ia, ib) of each head), each head-major (_tile_of)
+    n_pre = ia - first
+    nmk = n_pre + end - ib
+    n_in = ib - ia
+    Tm = G * nmk
+    T = Tm + G * n_in
+    cs = qk_scale
+    if SOFTCAP:
+        cs = scale / cap2 * 1.4426950408889634  # s / c
 
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -250,15 +294,21 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV,
     for i in gl.static_range(2):
         mbarrier.init(h_full.index(i), count=1)
         mbarrier.init(h_empty.index(i), count=1)
-    p = (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, p_ring, ds_ring, kv_bar, t_full, t_empty,
-         h_full, h_empty, LSE, DELTA, GK, GV, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh,
-         s_vgs, b, kvh, G, n0, m_start, m_full, nm, nf, Tm, T, Sq, Sk, diag, qk_scale, scale)
+    # each partition's operands: buffers, barriers, row statistics, the tile walk, visibility and scores,
+    # the gradients
+    stats = (LSE, DELTA, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, Sq)
+    tiles = (b, kvh, G, first, n_pre, n_in, nmk, Tm, T)
+    ps = (k_smem, v_smem, q_ring, do_ring, p_ring, ds_ring, kv_bar, t_full, t_empty, h_full, h_empty, stats, tiles,
+          ROWS, s_r, n0, dg, lw, kv_lo, kv_hi, cs, cap2)
+    pg = (q_ring, do_ring, p_ring, ds_ring, t_full, t_empty, h_full, h_empty, T, GK, GV, s_kgb, s_kgh, s_kgs, s_vgb,
+          s_vgh, s_vgs, b, kvh, n0, Sk, scale)
+    pp = (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_bar, t_full, t_empty, n0, tiles)
     # workers: the second score warpgroup and the gradient one (4 warps each) and the producer (1),
     # given the registers asked for each (setmaxnreg) out of the launch's maxnreg per thread; the
     # first score warpgroup keeps the rest.
     gl.warp_specialize([
-        (_scores0, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
-        (_scores1, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
-        (_grads, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
-        (_producer, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_scores0, (ps, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
+        (_scores1, (ps, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
+        (_grads, (pg, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
+        (_producer, (pp, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
     ], [4, 4, 1], [160, 160, 24])

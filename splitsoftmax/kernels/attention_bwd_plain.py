@@ -1,11 +1,13 @@
-"""The attention backward of plain visibility (full or causal, no variant mask): dK/dV, then dQ.
+"""The attention backward's pair of dK/dV, then dQ: plain visibility (full or causal) and, on Hopper,
+the variants' masks.
 
 Two atomic-free kernels, seven products per tile pair: one program per key block and kv head sums
 dK, dV over every query block of the G query heads that read that kv head; then one program per
 query block and head walks its key blocks for dQ. On one H200 (Triton 3.6) this pair ran 8-12% faster than
 ``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md, "Attention backward"),
-so ``attention_bwd.attn_bwd`` hands plain masks here; masks of the variants take the general pair.
-Gradients are written once, in the output dtype, with their inputs' strides where dense.
+so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90, bfloat16) also take
+the variants' masks (:func:`takes`); elsewhere those take the general pair. Gradients are written
+once, in the output dtype, with their inputs' strides where dense.
 """
 from __future__ import annotations
 
@@ -20,9 +22,10 @@ from torch import Tensor
 
 from . import configs
 from ..local import interpreting
+from ..mask import NO_MASK, Mask
 from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows, _program_order
-from .attention_bwd import _descriptor, _finite_or_zero, _tile, _tma_ok
+from .attention_bwd import _descriptor, _finite_or_zero, _mask_args, _tile, _tma_ok, row_blocks
 from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm90
 from .launch import Launcher, Memo, auto_key, geometry
 
@@ -209,7 +212,8 @@ class _Launches(NamedTuple):
     per kernel ``(grid, key, scalars, kwargs)``, None where it has nothing to write; ``tma``: the
     Triton kernels read Q/dO (dK/dV) and K/V (dQ) tiles through descriptors, ``(rows of the dK/dV
     kernel's query tiles, rows of the dQ kernel's key tiles)``; ``gluon``: the Gluon kernel each of
-    the two launches (dK/dV, dQ) runs, by name, or None (their descriptors' rows: their kwargs' tile)."""
+    the two launches (dK/dV, dQ) runs, by name, or None (their descriptors' rows: their kwargs' tile;
+    their tensors after the gradients: the mask's, :func:`_mask_tensors`)."""
     kv: Optional[tuple]
     q: Optional[tuple]
     tma: Optional[tuple]
@@ -226,6 +230,13 @@ def _use_tma(q: Tensor, k: Tensor, v: Tensor, dout: Tensor) -> bool:
     interpreter."""
     return (configs.ATTN_BWD_TMA and q.dtype in (torch.float16, torch.bfloat16) and dout.dtype == q.dtype
             and (interpreting() or hopper(q)) and all(_tma_ok(t) for t in (q, k, v, dout)))
+
+
+def takes(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: Mask) -> bool:
+    """Whether this pair computes the backward of ``mask``: plain visibility always; the variants'
+    masks where both Gluon kernels run (they have the variants' rule)."""
+    return mask.plain() or (_use_tma(q, k, v, dout) and all(_gluon_tile(kind, q, v)
+                                                            for kind in ("bwd_kv_ws", "bwd_q_gluon")))
 
 
 def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
@@ -266,8 +277,20 @@ def _gluon_launch(tile: tuple, grid: tuple, scalars: tuple, tensors: tuple, caus
             dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps, **options))
 
 
-def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int) -> _Launches:
-    """The launches of :func:`attn_bwd` for these operands and gradient buffers."""
+def _mask_tensors(mask: Mask, q: Tensor, k: Tensor, lse: Tensor) -> tuple:
+    """``(KVR, QOFF, ROWS, RB)`` of ``mask`` as the Gluon kernels read them (``lse`` standing in for
+    absent ones), ``RB`` the documents' row blocks of the dK/dV kernel's key blocks."""
+    kvr, off, rows, _, flags = _mask_args(mask, q, lse)
+    rb = lse
+    if flags["HAS_ROWS"]:
+        rb = row_blocks(rows, k.shape[2], configs.ATTN_TILES[("bwd_kv_ws", 2, q.shape[-1])][1])
+    return kvr, off, rows, rb
+
+
+def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int,
+              mask: Mask = NO_MASK) -> _Launches:
+    """The launches of :func:`attn_bwd` for these operands and gradient buffers (the variants' masks
+    only where :func:`takes` them: on the Gluon kernels)."""
     b, h, sq, d = q.shape
     hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     tma = _use_tma(q, k, v, dout)
@@ -279,13 +302,17 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     kv = qp = None
     kv_rows = q_rows = 0
     gkv, gq = (_gluon_tile(kind, q, v) if tma else None for kind in ("bwd_kv_ws", "bwd_q_gluon"))
+    # the Gluon kernels' mask: its tensors (after the gradients), strides, scalars and flags
+    mts = _mask_tensors(mask, q, k, lse)
+    mstrides, flags = _mask_args(mask, q, lse)[3:]
+    lo, cap2 = mask.lo if mask.lo is not None else 0, mask.softcap * LOG2E
     if (dk.numel() or dv.numel()) and gkv:
         nkb = configs.cdiv(sk, gkv[1])
         # three warpgroups of num_warps (and a producer warp) per program, their registers within an SM's
-        scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
-                   head_group(nkb, b * hkv, q, causal, 3 * gkv[2]))
-        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv), causal, d, dtypes,
-                           maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG)
+        scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], *mstrides, hkv, h // hkv, sq, sk, diag, lo,
+                   scale * LOG2E, scale, cap2, head_group(nkb, b * hkv, q, causal, 3 * gkv[2]))
+        kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv, *mts), causal, d, dtypes,
+                           maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG, **flags)
     elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
@@ -296,9 +323,9 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
               scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
     if dq.numel() and gq:
         nqb = configs.cdiv(sq, gq[0])
-        scalars = (*stats, *dq.stride()[:3], h, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+        scalars = (*stats, *dq.stride()[:3], *mstrides, h, h // hkv, sq, sk, diag, lo, scale * LOG2E, scale, cap2,
                    head_group(nqb, b * h, q, causal, gq[2]))
-        qp = _gluon_launch(gq, (nqb, b * h), scalars, (lse, delta, dq), causal, d, dtypes)
+        qp = _gluon_launch(gq, (nqb, b * h), scalars, (lse, delta, dq, *mts[:3]), causal, d, dtypes, **flags)
     elif dq.numel():
         bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
         q_rows = bn
@@ -313,31 +340,37 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
 
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
-             causal: bool, diag: int = 0, out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
+             causal: bool, diag: int = 0, out_dtype: Optional[torch.dtype] = None,
+             mask: Mask = NO_MASK) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients ``(dq (B,H,Sq,D), dk (B,Hkv,Sk,D), dv (B,Hkv,Sk,Dv))`` in ``out_dtype`` (float32 by
     default), each with its input's strides where dense. ``lse``, ``delta = rowsum(dout * out) - dlse``
-    ``(B, H, Sq)``: the rows' global statistics; rows with ``lse = -inf`` contribute nothing."""
+    ``(B, H, Sq)``: the rows' global statistics; rows with ``lse = -inf`` contribute nothing.
+    ``mask``: the variants' visibility (``attention_bwd.attn_bwd``'s rule), where :func:`takes` it."""
     od = out_dtype or stat_dtype(q.dtype)
     dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
-    geo = (geometry(q, k, v, dout, lse, delta), od, scale, causal, diag, configs.ATTN_BWD_TMA, configs.ATTN_BWD_GLUON,
-           configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, attn_tile("bwd_kv", q.dtype, d, dv_),
-           attn_tile("bwd_q", q.dtype, d, dv_), configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)),
-           configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
+    mts = () if mask.plain() else tuple(t for t in (mask.kv_range, mask.q_offset, mask.rows) if t is not None)
+    geo = (geometry(q, k, v, dout, lse, delta, *mts), od, scale, causal, diag, mask.lo, mask.softcap,
+           tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), configs.ATTN_BWD_TMA,
+           configs.ATTN_BWD_GLUON, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
+           attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
+           configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)), configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
     run = _LAUNCHES.get(geo)
     if run is None:
-        run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag))
-    _run(run, q, k, v, dout, lse, delta, dq, dk, dv)
+        run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask))
+    _run(run, q, k, v, dout, lse, delta, dq, dk, dv, _mask_tensors(mask, q, k, lse) if mts else None)
     return dq, dk, dv
 
 
-def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv) -> None:
-    """Make the launches ``run`` (of :func:`_launches`) on these tensors."""
+def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv, mts: Optional[tuple] = None) -> None:
+    """Make the launches ``run`` (of :func:`_launches`) on these tensors (``mts``: the mask's, of
+    :func:`_mask_tensors`; None: a plain mask's, ``lse`` standing in)."""
+    mts = mts or (lse,) * 4
     if run.kv is not None:
         grid, key, scalars, kwargs = run.kv
         if run.gluon[0]:
             _gluon_launcher(run.gluon[0])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dk, dv,
-                                                      *scalars), kwargs)
+                                                      *mts, *scalars), kwargs)
         else:
             qt, dt = (_descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])) if run.tma else (q, dout)
             _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
@@ -345,7 +378,7 @@ def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv) -> None:
         grid, key, scalars, kwargs = run.q
         if run.gluon[1]:
             _gluon_launcher(run.gluon[1])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dq,
-                                                      *scalars), kwargs)
+                                                      *mts[:3], *scalars), kwargs)
         else:
             kt, vt = (_descriptor(k, run.tma[1]), _descriptor(v, run.tma[1])) if run.tma else (k, v)
             _Q(grid, key, (q, kt, vt, dout, lse, delta, dq, *scalars), kwargs)

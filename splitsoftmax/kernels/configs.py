@@ -85,8 +85,9 @@ ATTN_BWD_GUARD = True
 # the pointer path's bit for bit. H200, forward+backward TFLOP/s at B=1 H=16/4 S=8k causal, (B, S, H, D)
 # views: 298 with pointer loads, 302 / 307 with TMA in the dK/dV kernel / both (one call, 2026-12-01).
 ATTN_BWD_TMA = True
-# On sm_90 the plain pair's launches are the Gluon kernels, which overlap their products, where
-# ATTN_TILES lists a "bwd_kv_ws" / "bwd_q_gluon" tile for the head dim: the warp-specialized dK/dV
+# On sm_90 the plain pair's launches, and the variants' masks in bfloat16, are the Gluon kernels, which
+# overlap their products, where ATTN_TILES lists a "bwd_kv_ws" / "bwd_q_gluon" tile for the head
+# dim: the warp-specialized dK/dV
 # kernel (kernels/attention_bwd_kv_ws.py; H200, 1.14-1.28x the Triton one's speed) and the dQ kernel
 # (kernels/attention_bwd_gluon.py; 1.01-1.06x). ss.attention forward+backward TFLOP/s at 1 x 16/4 x 8k
 # causal views: 427-431 against 385-390 with the one-warpgroup Gluon dK/dV kernel before it and 375

@@ -87,11 +87,11 @@ ATTN_BWD_GUARD = True
 ATTN_BWD_TMA = True
 # On sm_90 the plain pair's launches, and the variants' masks in bfloat16, are the Gluon kernels, which
 # overlap their products, where ATTN_TILES lists a "bwd_kv_ws" / "bwd_q_gluon" tile for the head
-# dim: the warp-specialized dK/dV
-# kernel (kernels/attention_bwd_kv_ws.py; H200, 1.14-1.28x the Triton one's speed) and the dQ kernel
-# (kernels/attention_bwd_gluon.py; 1.01-1.06x). ss.attention forward+backward TFLOP/s at 1 x 16/4 x 8k
-# causal views: 427-431 against 385-390 with the one-warpgroup Gluon dK/dV kernel before it and 375
-# with both Triton kernels (BENCHMARKS.md, "Attention backward", G2, W4).
+# dim: the warp-specialized dK/dV kernel (kernels/attention_bwd_kv_ws.py; H200, 1.14-1.28x the Triton
+# one's speed) and the dQ kernel (kernels/attention_bwd_gluon.py; 1.01-1.06x). ss.attention
+# forward+backward TFLOP/s at 1 x 16/4 x 8k causal views: 427-431 against 385-390 with the
+# one-warpgroup Gluon dK/dV kernel before it and 375 with both Triton kernels (BENCHMARKS.md,
+# "Attention backward", G2, W4).
 ATTN_BWD_GLUON = True
 # ... the dK/dV kernel's register limit per thread: four warpgroups' worth (its producer warp takes a
 # warpgroup's place) within an SM's 64K registers, which it moves between them (setmaxnreg)

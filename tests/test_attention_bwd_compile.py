@@ -84,8 +84,9 @@ MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch
 
 
 @pytest.mark.parametrize("atomic,mask,tma,gluon,causal,kv_spills", [
-    (False, Mask(), False, False, True, 0), (False, Mask(), True, False, True, 0), (False, Mask(), True, True, True, 72),
-    (False, Mask(), True, True, False, 28), (False, MASK, False, False, True, 0), (False, MASK, True, True, True, 292),
+    (False, Mask(), False, False, True, 0), (False, Mask(), True, False, True, 0),
+    (False, Mask(), True, True, True, 72), (False, Mask(), True, True, False, 28),
+    (False, MASK, False, False, True, 0), (False, MASK, True, True, True, 292),
     (False, Mask(softcap=20.0), True, True, False, 100), (True, Mask(), False, False, True, 0)],
     ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-masks", "gluon-masks", "gluon-softcap-full",
          "five-product"])

@@ -38,10 +38,12 @@ def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True,
     monkeypatch.setattr(A, "hopper", lambda t: True)
     monkeypatch.setattr(decode, "hopper", lambda t: True)
     monkeypatch.setattr(decode, "sm_count", lambda t: 132)
+    monkeypatch.setattr(A, "sm_count", lambda t: 132)
     monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())
     monkeypatch.setattr(A, "_run_gluon_fwd", lambda run, q, k, v, out, lse: captured.append(
         (A._gluon_fwd_launcher().fn, (descriptor(q, run.rows[0]), descriptor(k, run.rows[1]),
-                                      descriptor(v, run.rows[1]), out, lse, *run.scalars), run.kwargs)))
+                                      descriptor(v, run.rows[1]), out, lse, torch.zeros(2, dtype=torch.int32),
+                                      *run.scalars), run.kwargs)))
 
     def make(h):
         t = torch.randn(batch, sq, h, 128).to(torch.bfloat16)

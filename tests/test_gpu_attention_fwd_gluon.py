@@ -3,7 +3,8 @@
 FlashAttention's rule (error against float64 at most 2x torch's attention in bf16) for the output,
 the lse within the Triton kernel's error; odd lengths, GQA, (B, S, H, D) views, a diagonal
 offset in both directions (empty rows: ``(0, -inf)``); a NaN/Inf value in a diagonal block reaches
-the same rows as under the Triton kernel. Outputs are NaN-poisoned (conftest).
+the same rows as under the Triton kernel; launched persistent on any number of programs, the
+result is bit for bit that of one program per tile. Outputs are NaN-poisoned (conftest).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.gpu
 
 from splitsoftmax import reference as ref  # noqa: E402
 from splitsoftmax.kernels import attention as A  # noqa: E402
-from splitsoftmax.kernels import configs  # noqa: E402
+from splitsoftmax.kernels import configs, launch  # noqa: E402
 from splitsoftmax.kernels.decode import sm90  # noqa: E402
 from test_gpu_attention import sdpa  # noqa: E402
 
@@ -91,3 +92,40 @@ def test_hidden_poison_reaches_the_same_rows(bad, where, monkeypatch):
     assert not reached[True][:, :, :130].any() and not reached[True][1:].any()
     if where == "v" or bad != bad:  # (an infinite key may give a row -inf scores only: not reached)
         assert reached[True][0, :, 130:].all()
+
+
+@pytest.mark.parametrize("programs", [1, 3, 7, 132])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4], CASES[5], (2, 16, 4, 4096, 4096, True, True, 0)])
+def test_persistent_equals_one_program_per_tile(case, programs, monkeypatch):
+    """``programs`` persistent programs (each taking tiles from the launch's counter) give the
+    output and lse of a grid of one program per tile, bit for bit, and leave the counter zero."""
+    b, h, hkv, sq, sk, views, causal, diag = case
+    q, k, v = _inputs(b, h, hkv, sq, sk, views, seed=3)
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_PERSISTENT", False)
+    one = _fwd(q, k, v, causal, diag, True, monkeypatch)
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_PERSISTENT", True)
+    monkeypatch.setattr(A, "sm_count", lambda t: programs)
+    monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())
+    few = _fwd(q, k, v, causal, diag, True, monkeypatch)
+    assert not one[0].isnan().any()
+    assert torch.equal(A.tile_counter(q), torch.zeros(2, dtype=torch.int32, device="cuda"))  # left zero
+    for x, y in zip(few, one):
+        assert torch.equal(x, y), (x.double() - y.double()).abs().max()
+
+
+def test_launches_in_turn_and_on_two_streams(monkeypatch):
+    """Launches back to back on one stream, and at once on two (each stream has its own tile
+    counter), give the same output bit for bit."""
+    q, k, v = _inputs(2, 16, 4, 4096, 4096, True, seed=4)
+    monkeypatch.setattr(A, "sm_count", lambda t: 5)  # few programs: each takes many tiles
+    monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())
+    first = _fwd(q, k, v, True, 0, True, monkeypatch)[0]
+    again = [_fwd(q, k, v, True, 0, True, monkeypatch)[0] for _ in range(4)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        other = _fwd(q, k, v, True, 0, True, monkeypatch)[0]
+    mine = _fwd(q, k, v, True, 0, True, monkeypatch)[0]
+    torch.cuda.current_stream().wait_stream(side)
+    for out in again + [other, mine]:
+        assert torch.equal(out, first)

@@ -20,8 +20,8 @@ from splitsoftmax import reference as ref
 from splitsoftmax.kernels import attention as A
 from splitsoftmax.kernels import configs
 
-# each consumer's tile
-TILES = [(64, 128, 4, 2), (64, 64, 4, 4)]
+# each consumer's tile, and whether the launch is persistent (one program per SM)
+TILES = [(64, 128, 4, 2, True), (64, 128, 4, 2, False)]
 configs.LAUNCH_VERIFY = True
 configs.ATTN_FWD_GLUON_MIN_SQ = (0, 0)
 
@@ -40,7 +40,8 @@ def fwd(q, k, v, causal, diag=0, tile=None):
     """``attn_fwd`` with the Gluon kernel at ``tile`` (one of TILES), or the Triton kernel (``tile`` None)."""
     configs.ATTN_FWD_GLUON = tile is not None
     if tile is not None:
-        configs.ATTN_TILES[("fwd_gluon", 2, 128)] = tile
+        configs.ATTN_TILES[("fwd_gluon", 2, 128)] = tile[:4]
+        configs.ATTN_FWD_GLUON_PERSISTENT = tile[4]
     return A.attn_fwd(q, k, v, q.shape[-1] ** -0.5, causal, diag, out_dtype=torch.bfloat16)
 
 
@@ -58,7 +59,7 @@ def sec_check():
                 o, lse = fwd(q, k, v, causal, diag, tile)
                 if tile is not None:
                     plan = A.plan(q, k, v, causal, diag)
-                    assert A._gluon_fwd_tile(q, k, v, o, 1.0, causal, plan, False, False) == tile
+                    assert A._gluon_fwd_tile(q, k, v, o, 1.0, causal, plan, False, False) == tile[:4]
                 eo = (o.double() - o64).abs().max().item()
                 fin = l64 > float("-inf")
                 el = (lse.double() - l64)[fin].abs().max().item()

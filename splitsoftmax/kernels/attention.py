@@ -49,7 +49,7 @@ from ..mask import NO_MASK, Mask
 from ..state import stat_dtype
 from . import configs
 from .attn_mask import KernelMask, band_tiles, capped, kernel_mask, row_bounds
-from .decode import Plan, dot_precision, head_group, hopper, pad_dim, plan, sm90
+from .decode import Plan, dot_precision, head_group, hopper, pad_dim, plan, sm90, sm_count
 from .launch import Launcher, Memo, auto_key, fits_int32, geometry
 from ..local import interpreting
 from .merge import inv_or_zero, lse2_of, merge_into
@@ -582,9 +582,11 @@ def _gluon_fwd_launch(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, scale: flo
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, warps, stages = tile
-    grid = (configs.cdiv(sq, 2 * bm), b * h)
-    scalars = (*out.stride()[:3], *lse.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E,
-               head_group(grid[0], grid[1], q, causal, 2 * warps))
+    nb = configs.cdiv(sq, 2 * bm)
+    tiles = nb * b * h
+    grid = (min(tiles, sm_count(q)) if configs.ATTN_FWD_GLUON_PERSISTENT else tiles,)
+    scalars = (*out.stride()[:3], *lse.stride(), h, h // hkv, nb, b * h, sq, sk, diag, scale * LOG2E,
+               head_group(nb, b * h, q, causal, 2 * warps))
     # maxnreg: the second consumer's warpgroup and the producer's, within an SM's registers
     return _GluonFwdLaunch(grid, (auto_key((out, lse, *scalars)), q.dtype), (bm, bn), scalars,
                            dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps,
@@ -598,12 +600,25 @@ def _gluon_fwd_launcher() -> Launcher:
     return Launcher(_attn_fwd_gluon)
 
 
+_TILE_COUNTERS: dict = {}
+
+
+def tile_counter(t: Tensor) -> Tensor:
+    """The Gluon forward's tile counter for ``t``'s device and its current stream: two int32 zeros,
+    which every launch leaves zero (launches on one stream run in turn; each stream has its own)."""
+    key = (t.device, torch.cuda.current_stream(t.device).cuda_stream)
+    ctr = _TILE_COUNTERS.get(key)
+    if ctr is None:
+        ctr = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=t.device)
+    return ctr
+
+
 def _run_gluon_fwd(run: _GluonFwdLaunch, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor) -> None:
     """Launch ``run`` on these operands."""
     from .attention_bwd_gluon import descriptor
     bm, bn = run.rows
     _gluon_fwd_launcher()(run.grid, run.key, (descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), out, lse,
-                                              *run.scalars), run.kwargs)
+                                              tile_counter(q), *run.scalars), run.kwargs)
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
@@ -619,7 +634,7 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
         geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
                configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES,
                configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_MIN_SQ,
-               configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])))
+               configs.ATTN_FWD_GLUON_PERSISTENT, configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])))
         run = _FWD_LAUNCHES.get(geo)
         if run is None:
             tile = _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)

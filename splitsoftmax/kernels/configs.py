@@ -111,6 +111,9 @@ ATTN_FWD_GLUON_MAXNREG = 168
 # "Attention", F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;
 # causal 369 -> 265 at 1k, 415 -> 384 at 2k, 479 -> 491 at 4k, 571 -> 628 at 32k
 ATTN_FWD_GLUON_MIN_SQ = (1024, 4096)
+# ... and launched persistent: one program per SM, each taking tiles in rounds and streaming the next
+# tile's Q, K and V while it finishes the last (False: one program per tile)
+ATTN_FWD_GLUON_PERSISTENT = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

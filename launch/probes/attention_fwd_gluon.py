@@ -7,8 +7,10 @@ SECTIONS (comma-separated, default all): ``check`` (each Gluon tile's output and
 Triton kernel's and float64, at odd lengths, GQA and (B, S, H, D) views), ``time`` (TFLOP/s of
 the Triton kernel, each Gluon tile and SDPA cuDNN on the bench's MHA grid and the model's GQA
 layers; tiles that fail to run are recorded and skipped), ``few`` (``time`` at 1k full, 8k causal
-and full, 32k full and the model's two layers). Writes OUTDIR/probe.json.
+and full, 32k full and the model's two layers), ``short`` (causal at 1k, 2k, 4k and 32k and the
+model's three layers). Writes OUTDIR/probe.json.
 """
+import os
 import sys
 
 import torch
@@ -20,8 +22,9 @@ from splitsoftmax import reference as ref
 from splitsoftmax.kernels import attention as A
 from splitsoftmax.kernels import configs
 
-# each consumer's tile, and whether the launch is persistent (one program per SM)
-TILES = [(64, 128, 4, 2, True), (64, 128, 4, 2, False)]
+# each consumer's tile and whether the launch is persistent (1: one program per SM), as
+# BLOCK_MxBLOCK_NxWARPSxSTAGESxPERSISTENT in $TILES (comma-separated)
+TILES = [tuple(int(x) for x in t.split("x")) for t in os.environ.get("TILES", "64x128x4x2x1,64x128x4x2x0").split(",")]
 configs.LAUNCH_VERIFY = True
 configs.ATTN_FWD_GLUON_MIN_SQ = (0, 0)
 
@@ -41,7 +44,7 @@ def fwd(q, k, v, causal, diag=0, tile=None):
     configs.ATTN_FWD_GLUON = tile is not None
     if tile is not None:
         configs.ATTN_TILES[("fwd_gluon", 2, 128)] = tile[:4]
-        configs.ATTN_FWD_GLUON_PERSISTENT = tile[4]
+        configs.ATTN_FWD_GLUON_PERSISTENT = bool(tile[4])
     return A.attn_fwd(q, k, v, q.shape[-1] ** -0.5, causal, diag, out_dtype=torch.bfloat16)
 
 
@@ -96,4 +99,5 @@ def sec_time(shapes=GRID + MODEL):
 
 if __name__ == "__main__":
     run_sections({"check": sec_check, "time": sec_time,
-                  "few": lambda: sec_time([GRID[1], GRID[6], GRID[7], GRID[11], MODEL[0], MODEL[1]])}, sys.argv)
+                  "few": lambda: sec_time([GRID[1], GRID[6], GRID[7], GRID[11], MODEL[0], MODEL[1]]),
+                  "short": lambda: sec_time([GRID[0], GRID[2], GRID[4], GRID[10], *MODEL])}, sys.argv)

@@ -11,9 +11,9 @@ program's ``2 * BLOCK_M``) issues ``S_j`` first and ``O += P_{j-1} V_{j-1}`` rig
 own by TMA; each consumer releases a buffer (an mbarrier arrival) as soon as its product that read
 it is done, and nothing else ties the two consumers together, so that one's softmax runs beside the
 other's products. Key blocks that every row of a consumer sees whole run pipelined like this;
-those crossing the diagonal or ``Sk`` run after them, every product in turn, masked, their V read
-through the consumer's own guarded copy: a NaN/Inf value reaches only the rows that see it (as
-``attention._guarded_pv``).
+those crossing the diagonal or ``Sk`` run after them, every product in turn, masked; a V block
+there that holds a NaN/Inf is read through the consumer's own guarded copy: such a value reaches
+only the rows that see it (as ``attention._guarded_pv``).
 
 Same semantics as ``attention._attn_fwd_kernel`` on the plain (causal or full) mask, one key
 split: ``out (B, H, Sq, D)`` in its dtype, ``lse`` in the natural log, empty rows ``(0, -inf)``.
@@ -46,9 +46,9 @@ def _ws_producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexp
     each, Q's two halves, each once its consumer is done with the last tile's, then K and V of key
     blocks ``[0, T)``, each into its ring's next buffer once both consumers have released it (the
     rings run on across tiles). The program that takes the counter past the tiles last zeroes it."""
-    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-     tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk, diag,
-     qk_scale) = p
+    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
+     v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
+     diag, qk_scale) = p
     it = 0
     base = 0
     t = gl.atomic_add(CTR, 1)
@@ -133,9 +133,9 @@ def _ws_release(empty, j, STAGES: gl.constexpr):
 def _ws_consumer(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                  CAUSAL: gl.constexpr, STAGES: gl.constexpr):
     """Rows ``C * BLOCK_M + [0, BLOCK_M)`` of each tile the producer hands over, until one past the last."""
-    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-     tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk, diag,
-     qk_scale) = p
+    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
+     v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
+     diag, qk_scale) = p
     it = 0
     base = 0
     t = _take_tile(tile_ids, id_full, id_empty, it)
@@ -154,9 +154,9 @@ def _ws_rows(p, C: gl.constexpr, b, h, r0, T, base, q_phase, BLOCK_M: gl.constex
     """Rows ``r0 + [0, BLOCK_M)`` of head ``(b, h)``: their key blocks (those every row sees whole
     pipelined, then the masked ones), then the tile's remaining ones (of ``T``) released unread; the
     tile's key block ``j`` is the rings' ``base + j``."""
-    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-     tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk, diag,
-     qk_scale) = p
+    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
+     v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
+     diag, qk_scale) = p
     NW: gl.constexpr = 4
     dtype: gl.constexpr = q_smem.dtype
     # S, P: [BLOCK_M queries, BLOCK_N keys]; O: [BLOCK_M, D], P feeds it from registers
@@ -213,8 +213,9 @@ def _ws_rows(p, C: gl.constexpr, b, h, r0, T, base, q_phase, BLOCK_M: gl.constex
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
         v_t = _ws_take(v_ring, v_full, base + j, BLOCK_N, D, STAGES)
-        if CAUSAL:  # a NaN/Inf value counts only for the rows that see it (p > 0)
-            bad = _guarded_copy(v_t, g_t, BLOCK_N, D, NW, cols)
+        if CAUSAL and _has_nonfinite(v_t, BLOCK_N, D, NW):
+            # a NaN/Inf value counts only for the rows that see it (p > 0)
+            bad = _guarded_copy(v_t, g_t, f_smem.index(C), BLOCK_N, D, NW, cols)
             _ws_release(v_empty, base + j, STAGES)
             hit = gl.sum(gl.where(bad[None, :], p_j, 0.0), 1) > 0
             acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), g_t, acc)
@@ -239,16 +240,33 @@ def _ws_rows(p, C: gl.constexpr, b, h, r0, T, base, q_phase, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _guarded_copy(v_t, g_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr, cols: gl.constexpr):
-    """``g_t = v_t`` with every NaN/Inf replaced by 0 (``[BLOCK_N, D]`` shared tiles), ready for the
-    tensor cores in every warp; returns which keys held one (``[BLOCK_N]`` in layout ``cols``)."""
+def _has_nonfinite(v_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
+    """Whether the shared ``[BLOCK_N, D]`` tile ``v_t`` holds a NaN or an infinity (one answer for
+    every thread), read 32 rows at a time."""
+    CH: gl.constexpr = 32
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    x = v_t.load(blocked)
-    finite = gl.abs(x.to(gl.float32)) < float("inf")
-    g_t.store(gl.where(finite, x, gl.zeros_like(x)))
+    worst = gl.zeros([CH], gl.int32, gl.SliceLayout(1, blocked))
+    for c in gl.static_range(BLOCK_N // CH):
+        x = v_t.slice(c * CH, CH).load(blocked)  # [CH, D]
+        worst = gl.maximum(worst, gl.max(gl.where(gl.abs(x.to(gl.float32)) < float("inf"), 0, 1), 1))
+    return gl.max(worst, 0) > 0
+
+
+@gluon.jit
+def _guarded_copy(v_t, g_t, f_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr, cols: gl.constexpr):
+    """``g_t = v_t`` with every NaN/Inf replaced by 0 (``[BLOCK_N, D]`` shared tiles, 32 rows at a
+    time), ready for the tensor cores in every warp; returns which keys held one (``[BLOCK_N]`` in
+    layout ``cols``, through the shared ``f_t [BLOCK_N]``)."""
+    CH: gl.constexpr = 32
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    for c in gl.static_range(BLOCK_N // CH):
+        x = v_t.slice(c * CH, CH).load(blocked)  # [CH, D]
+        finite = gl.abs(x.to(gl.float32)) < float("inf")
+        g_t.slice(c * CH, CH).store(gl.where(finite, x, gl.zeros_like(x)))
+        f_t.slice(c * CH, CH).store(gl.max(gl.where(finite, 0, 1), 1))
     fence_async_shared()
     _thread_barrier()
-    return gl.convert_layout(gl.max(gl.where(finite, 0, 1), 1) > 0, cols)
+    return f_t.load(cols) > 0
 
 
 @gluon.jit
@@ -282,6 +300,7 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, s_ob, s_oh, s_os, s_lb,
     v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
     g_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], g_layout)
+    f_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -301,9 +320,9 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, s_ob, s_oh, s_os, s_lb,
         mbarrier.init(v_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    p = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, q_full, q_empty, k_full, k_empty, v_full, v_empty,
-         tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk, diag,
-         qk_scale)
+    p = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
+         v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq,
+         Sk, diag, qk_scale)
     # workers: the second consumer (4 warps) and the producer (1), given the registers asked for each
     # (setmaxnreg) out of the launch's maxnreg per thread; the first consumer keeps the rest.
     gl.warp_specialize([

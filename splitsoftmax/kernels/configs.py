@@ -111,8 +111,10 @@ ATTN_FWD_GLUON_MAXNREG = 168
 # "Attention", F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;
 # causal 369 -> 265 at 1k, 415 -> 384 at 2k, 479 -> 491 at 4k, 571 -> 628 at 32k
 ATTN_FWD_GLUON_MIN_SQ = (1024, 4096)
-# ... and launched persistent: one program per SM, each taking tiles in rounds and streaming the next
-# tile's Q, K and V while it finishes the last (False: one program per tile)
+# ... and launched persistent: one program per SM, each taking the next tile from a counter and
+# streaming its Q, K and V while it finishes the last (False: one program per tile). H200, TFLOP/s,
+# one program per tile -> persistent: causal 1k 221 -> 252, 32k 627 -> 647, 1 x 8k GQA 16/4 560 -> 583;
+# full 1k 466 -> 495 (BENCHMARKS.md, "Attention", F5)
 ATTN_FWD_GLUON_PERSISTENT = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head

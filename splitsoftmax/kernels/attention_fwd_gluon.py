@@ -196,7 +196,8 @@ def _ws_rows(p, C: gl.constexpr, b, h, r0, T, base, q_phase, BLOCK_M: gl.constex
     qi = r0 + gl.arange(0, BLOCK_M, layout=rows)
     g_t = g_smem.index(C)
     for j in range(nf, Tc):
-        # a masked block: every product in turn; V through this consumer's guarded copy (CAUSAL)
+        # a masked block: every product in turn; V through this consumer's guarded copy if it holds a
+        # NaN/Inf (CAUSAL)
         k_t = _ws_take(k_ring, k_full, base + j, BLOCK_N, D, STAGES)
         qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
         _ws_release(k_empty, base + j, STAGES)

@@ -18,7 +18,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
-from _sm90 import ptxas_report  # noqa: E402
+from _sm90 import ptxas_report, spill_stores  # noqa: E402
 from test_attention_bwd_compile import SM90_SMEM, _signature  # noqa: E402
 from splitsoftmax.kernels import attention as A  # noqa: E402
 from splitsoftmax.kernels import configs, decode, launch  # noqa: E402
@@ -64,7 +64,9 @@ def test_gluon_forward_compiles_for_sm90(causal, views, monkeypatch):
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     assert kernel.metadata.shared <= SM90_SMEM, kernel.metadata.shared
     report = ptxas_report(kernel.asm["ptx"])
-    # (within the registers its warpgroups are given it spills a few bytes: 4 full, 56 causal)
+    # within the registers its warpgroups are given, the causal kernel spills a few scalars: the
+    # persistent loop's and a masked block's (148 bytes with Triton 3.6, 68 with 3.9); none full
+    assert spill_stores(report) <= (160 if causal else 0), report
     assert "wgmma.mma_async instructions are serialized" not in report, report
 
 

@@ -15,8 +15,8 @@ TRITON_OLDEST := 3.6.0
 OLDEST        := .venv-triton-oldest
 OLDEST_SUBSET := not 1000 and not many_partials
 # kernels compiled for sm_90 without a GPU: on the oldest triton too, the one the GPU machines run
-SM90_TESTS    := tests/test_attention_smem.py tests/test_attention_bwd_compile.py tests/test_vocab_sm90.py \
-                 tests/test_sampling_sm90.py tests/test_sampling_compile.py
+SM90_TESTS    := tests/test_attention_smem.py tests/test_attention_fwd_compile.py tests/test_attention_bwd_compile.py \
+                 tests/test_vocab_sm90.py tests/test_sampling_sm90.py tests/test_sampling_compile.py
 
 # the oldest transformers the hf extra declares: its tests run there too, in a venv of their own
 HF_OLDEST := 4.53.3

@@ -25,10 +25,11 @@ from splitsoftmax.kernels import configs, decode, launch  # noqa: E402
 from splitsoftmax.kernels.attention_bwd_gluon import descriptor  # noqa: E402
 
 
-def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True, lengths=(0, 0), batch: int = 1):
+def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True, lengths=(0, 0), batch: int = 1,
+            runs: list = None):
     """The forward's one launch on bf16 ``(batch, 16, sq, 128)`` queries over 4 kv heads (``views``:
     ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors), as captured; ``gluon``, ``lengths``: the
-    Gluon forward's flag and least lengths."""
+    Gluon forward's flag and least lengths; ``runs`` receives the Gluon forward's launch."""
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
@@ -40,7 +41,8 @@ def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True,
     monkeypatch.setattr(decode, "sm_count", lambda t: 132)
     monkeypatch.setattr(A, "sm_count", lambda t: 132)
     monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())
-    monkeypatch.setattr(A, "_run_gluon_fwd", lambda run, q, k, v, out, lse: captured.append(
+    runs = [] if runs is None else runs
+    monkeypatch.setattr(A, "_run_gluon_fwd", lambda run, q, k, v, out, lse: runs.append(run) or captured.append(
         (A._gluon_fwd_launcher().fn, (descriptor(q, run.rows[0]), descriptor(k, run.rows[1]),
                                       descriptor(v, run.rows[1]), out, lse, torch.zeros(2, dtype=torch.int32),
                                       *run.scalars), run.kwargs)))
@@ -83,3 +85,18 @@ def test_gluon_forward_from_its_least_lengths(sq, causal, gluon, monkeypatch):
     it was timed faster than the Triton kernel; shorter rows keep the Triton kernel."""
     (fn, _, _), = _launch(monkeypatch, causal, sq, True, lengths=configs.ATTN_FWD_GLUON_MIN_SQ, batch=4)
     assert (fn.fn.__name__ == "_attn_fwd_gluon") == gluon
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("batch,tiles", [(1, 8 * 16), (4, 4 * 8 * 16)])
+def test_gluon_forward_grid(batch, tiles, persistent, monkeypatch):
+    """The Gluon forward's grid: one program per SM (132 here) at the most when persistent, one per
+    tile (blocks of 128 queries by B * H heads) otherwise; the tile count and heads go along."""
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_PERSISTENT", persistent)
+    runs = []
+    (_, args, _), = _launch(monkeypatch, True, 1000, True, batch=batch, runs=runs)
+    run, = runs
+    assert run.grid == ((min(tiles, 132) if persistent else tiles),)
+    names = A._gluon_fwd_launcher().fn.arg_names
+    nb, nbh = (args[names.index(n)] for n in ("NB", "NBH"))
+    assert (nb, nbh) == (8, batch * 16)

@@ -164,10 +164,16 @@ def _store_rows(G, tile, b, h, r0, n, s_b, s_h, s_s, layout: gl.constexpr, ROWS:
 def _program_order(GH):
     """``attention._program_order`` (the same launch order) in Gluon."""
     nb = gl.num_programs(0)
-    lin = gl.program_id(1) * nb + gl.program_id(0)
+    return launch_order(gl.program_id(1) * nb + gl.program_id(0), nb, gl.num_programs(1), GH)
+
+
+@gluon.jit
+def launch_order(lin, nb, nheads, GH):
+    """``(block, head)`` at position ``lin`` of the launch order over ``nb`` blocks by ``nheads``
+    heads: heads in groups of ``GH``, block-major and head-minor within a group."""
     group = lin // (GH * nb)
     r = lin - group * GH * nb
-    gh = gl.minimum(GH, gl.num_programs(1) - group * GH)
+    gh = gl.minimum(GH, nheads - group * GH)
     blk = r // gh
     return blk, group * GH + (r - blk * gh)
 

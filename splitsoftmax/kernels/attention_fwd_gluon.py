@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_gluon import _mma_layout, _store_rows, _thread_barrier, _tma_load, key_blocks
+from .attention_bwd_gluon import _mma_layout, _store_rows, _thread_barrier, _tma_load, key_blocks, launch_order
 
 
 @gluon.jit
@@ -101,14 +101,9 @@ def _take_tile(tile_ids, id_full, id_empty, it):
 
 @gluon.jit
 def _tile_of(t, NB, NBH, H, G, GH, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
-    """``(b, h, kvh, m0)`` of tile ``t`` of the launch order: ``_program_order``'s over ``NB`` query
-    blocks of ``2 * BLOCK_M`` rows by ``NBH`` heads (heads in groups of ``GH``, block-major, causal
-    longest first)."""
-    group = t // (GH * NB)
-    rem = t - group * GH * NB
-    gh = gl.minimum(GH, NBH - group * GH)
-    blk = rem // gh
-    bh = group * GH + (rem - blk * gh)
+    """``(b, h, kvh, m0)`` of tile ``t`` of the launch order (``launch_order``) over ``NB`` query
+    blocks of ``2 * BLOCK_M`` rows by ``NBH`` heads, causal longest first."""
+    blk, bh = launch_order(t, NB, NBH, GH)
     if CAUSAL:
         blk = NB - 1 - blk
     h = bh % H

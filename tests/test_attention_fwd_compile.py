@@ -23,13 +23,15 @@ from test_attention_bwd_compile import SM90_SMEM, _signature  # noqa: E402
 from splitsoftmax.kernels import attention as A  # noqa: E402
 from splitsoftmax.kernels import configs, decode, launch  # noqa: E402
 from splitsoftmax.kernels.attention_bwd_gluon import descriptor  # noqa: E402
+from splitsoftmax.mask import NO_MASK, Mask  # noqa: E402
 
 
 def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True, lengths=(0, 0), batch: int = 1,
-            runs: list = None):
+            runs: list = None, mask: Mask = NO_MASK):
     """The forward's one launch on bf16 ``(batch, 16, sq, 128)`` queries over 4 kv heads (``views``:
-    ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors), as captured; ``gluon``, ``lengths``: the
-    Gluon forward's flag and least lengths; ``runs`` receives the Gluon forward's launch."""
+    ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors) under ``mask``, as captured; ``gluon``,
+    ``lengths``: the Gluon forward's flag and least lengths; ``runs`` receives the Gluon forward's
+    launch."""
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
@@ -42,23 +44,22 @@ def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True,
     monkeypatch.setattr(A, "sm_count", lambda t: 132)
     monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())
     runs = [] if runs is None else runs
-    monkeypatch.setattr(A, "_run_gluon_fwd", lambda run, q, k, v, out, lse: runs.append(run) or captured.append(
+    monkeypatch.setattr(A, "_run_gluon_fwd", lambda run, q, k, v, out, lse, masks: runs.append(run) or captured.append(
         (A._gluon_fwd_launcher().fn, (descriptor(q, run.rows[0]), descriptor(k, run.rows[1]),
                                       descriptor(v, run.rows[1]), out, lse, torch.zeros(2, dtype=torch.int32),
-                                      *run.scalars), run.kwargs)))
+                                      *masks, *run.scalars), run.kwargs)))
 
     def make(h):
         t = torch.randn(batch, sq, h, 128).to(torch.bfloat16)
         return t.transpose(1, 2) if views else t.transpose(1, 2).contiguous()
     q, k, v = make(16), make(4), make(4)
-    A.attn_fwd(q, k, v, 0.088, causal, out_dtype=torch.bfloat16)
+    A.attn_fwd(q, k, v, 0.088, causal, out_dtype=torch.bfloat16, mask=mask)
     return captured
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-@pytest.mark.parametrize("views", [False, True], ids=["contiguous", "views"])
-def test_gluon_forward_compiles_for_sm90(causal, views, monkeypatch):
-    (fn, args, kwargs), = _launch(monkeypatch, causal, 1000, views)
+def _compile(launched):
+    """``(kernel, ptxas report)`` of the captured Gluon forward launch, compiled for sm_90."""
+    (fn, args, kwargs), = launched
     assert fn.fn.__name__ == "_attn_fwd_gluon"
     sig, consts, attrs = _signature(fn, args, kwargs)
     src = GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
@@ -66,10 +67,43 @@ def test_gluon_forward_compiles_for_sm90(causal, views, monkeypatch):
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
     assert kernel.metadata.shared <= SM90_SMEM, kernel.metadata.shared
     report = ptxas_report(kernel.asm["ptx"])
+    assert "wgmma.mma_async instructions are serialized" not in report, report
+    return kernel, report
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("views", [False, True], ids=["contiguous", "views"])
+def test_gluon_forward_compiles_for_sm90(causal, views, monkeypatch):
+    _, report = _compile(_launch(monkeypatch, causal, 1000, views))
     # within the registers its warpgroups are given, the causal kernel spills a few scalars: the
     # persistent loop's and a masked block's (148 bytes with Triton 3.6, 68 with 3.9); none full
     assert spill_stores(report) <= (160 if causal else 0), report
-    assert "wgmma.mma_async instructions are serialized" not in report, report
+
+
+VARIANTS = {
+    "window": Mask(lo=-300),
+    "documents": Mask(rows=torch.tensor([[0] * 400 + [400] * 600, [400] * 400 + [1000] * 600], dtype=torch.int32)),
+    "softcap": Mask(softcap=30.0),
+    "kv_range_offset": Mask(kv_range=torch.tensor([[3, 900]], dtype=torch.int32),
+                            q_offset=torch.tensor([5], dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_gluon_forward_variants_compile_for_sm90(variant, monkeypatch):
+    """The variants' masks take the Gluon forward too, and it compiles for sm_90 with each: within
+    shared memory, products overlapped; the row bounds a masked block reads spill some more scalars
+    than the plain causal kernel (up to 236 bytes with Triton 3.6, 288 with 3.9: documents)."""
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_VARIANTS", True)
+    kernel, report = _compile(_launch(monkeypatch, True, 1000, True, mask=VARIANTS[variant]))
+    assert spill_stores(report) <= 320, report
+
+
+def test_gluon_forward_variants_only_when_on(monkeypatch):
+    """With ``configs.ATTN_FWD_GLUON_VARIANTS`` off a variant's mask takes the Triton kernel."""
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_VARIANTS", False)
+    (fn, _, _), = _launch(monkeypatch, True, 1000, True, mask=VARIANTS["window"])
+    assert fn.fn.__name__ == "_attn_fwd_kernel"
 
 
 def test_gluon_forward_only_when_on(monkeypatch):

@@ -17,6 +17,7 @@ from splitsoftmax import reference as ref  # noqa: E402
 from splitsoftmax.kernels import attention as A  # noqa: E402
 from splitsoftmax.kernels import configs, launch  # noqa: E402
 from splitsoftmax.kernels.decode import sm90  # noqa: E402
+from splitsoftmax.mask import Mask  # noqa: E402
 from test_gpu_attention import sdpa  # noqa: E402
 
 if not (torch.cuda.is_available() and sm90(torch.empty(0, device="cuda"))):
@@ -109,6 +110,31 @@ def test_persistent_equals_one_program_per_tile(case, programs, monkeypatch):
     few = _fwd(q, k, v, causal, diag, True, monkeypatch)
     assert not one[0].isnan().any()
     assert torch.equal(A.tile_counter(q), torch.zeros(2, dtype=torch.int32, device="cuda"))  # left zero
+    for x, y in zip(few, one):
+        assert torch.equal(x, y), (x.double() - y.double()).abs().max()
+
+
+@pytest.mark.parametrize("programs", [1, 7, 132])
+def test_persistent_variants_equal_one_program_per_tile(programs, monkeypatch):
+    """Under a variant's mask (window, documents, kv_range, softcap) as well: ``programs`` persistent
+    programs give one program per tile's output and lse bit for bit."""
+    from test_gpu_attention_mask import docs, i32
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_VARIANTS", True)
+    q, k, v = _inputs(2, 8, 2, 1500, 1500, True, seed=5)
+    mask = Mask(lo=-400, softcap=20.0, kv_range=i32([0, 1500], [30, 1400]), rows=docs([0, 1, 700, 700, 1500]))
+    scale = q.shape[-1] ** -0.5
+
+    def fwd():
+        monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())
+        p = A.plan(q, k, v, True, 0, mask)
+        assert A._gluon_fwd_tile(q, k, v, A._empty_out(q, 128, q.dtype), scale, True, p, False, False)
+        return A.attn_fwd(q, k, v, scale, True, 0, out_dtype=torch.bfloat16, mask=mask)
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_PERSISTENT", False)
+    one = fwd()
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_PERSISTENT", True)
+    monkeypatch.setattr(A, "sm_count", lambda t: programs)
+    few = fwd()
+    assert not one[0].isnan().any() and (one[1] == float("-inf")).any()  # rows past kv_range see nothing
     for x, y in zip(few, one):
         assert torch.equal(x, y), (x.double() - y.double()).abs().max()
 

@@ -1,4 +1,7 @@
-"""GPU lane: the Triton forward under ``splitsoftmax.mask.Mask`` variants, FlashAttention's rule.
+"""GPU lane: the forward kernels under ``splitsoftmax.mask.Mask`` variants, FlashAttention's rule.
+
+Each test runs the Triton kernel and, in bf16 on sm_90, the Gluon one (kernels/attention_fwd_gluon.py,
+from any length).
 
 The kernel's error against a float64 oracle (built from ``mask.visible``) may be at most 2x that of
 torch's attention in the same dtype with the same mask (SDPA with a boolean mask; with softcap,
@@ -54,6 +57,26 @@ def peer(q, k, v, scale, causal, diag, mask):
     return out.double()
 
 
+@pytest.fixture(params=["triton", "gluon"])
+def gluon(request, monkeypatch):
+    """Whether the variants run on the Gluon forward (on sm_90, from any length) or the Triton one."""
+    on = request.param == "gluon"
+    if on and not decode.sm90(torch.empty(0, device=DEV)):
+        pytest.skip("the Gluon forward runs on sm_90")
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_VARIANTS", on)
+    if on:
+        monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", (0, 0))
+    return on
+
+
+def takes_gluon(q, k, v, scale, causal, diag, mask):
+    """Whether the forward of these operands runs the Gluon kernel."""
+    p = A.plan(q, k, v, causal, diag, mask)
+    out = A._empty_out(q, v.shape[-1], q.dtype)
+    return configs.ATTN_FWD_GLUON_VARIANTS and A._gluon_fwd_tile(q, k, v, out, scale, causal, p, False,
+                                                                  False) is not None
+
+
 def err(x, want, rows):
     x = x.double().transpose(1, 2)[rows]
     assert not torch.isnan(x).any()
@@ -89,11 +112,16 @@ CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name,shape,causal,diag,mask,gain", CASES, ids=[c[0] for c in CASES])
-def test_variant_flash_rule(name, shape, causal, diag, mask, gain, dtype):
+def test_variant_flash_rule(name, shape, causal, diag, mask, gain, dtype, gluon):
     b, h, hkv, sq, sk, d = shape
+    if gluon and (dtype != torch.bfloat16 or d != 128):
+        pytest.skip("the Gluon forward takes bf16 and head dim 128")
     q = (torch.randn(b, h, sq, d, device=DEV) * gain).to(dtype)
     k, v = (torch.randn(b, hkv, sk, d, device=DEV, dtype=dtype) for _ in range(2))
     scale = 1 / math.sqrt(d)
+    if gluon and A.plan(q, k, v, causal, diag, mask).nsplit != 1:
+        pytest.skip("too few query blocks: the keys are split (the Gluon forward takes one split)")
+    assert takes_gluon(q, k, v, scale, causal, diag, mask) == gluon
     out, lse = A.attn_fwd(q, k, v, scale, causal, diag, out_dtype=dtype, mask=mask)
     ro, rl = attention(q, k, v, scale, causal, diag, mask, torch.float64)
     seen = (rl > NEG_INF).transpose(1, 2)  # [B, Sq, H]
@@ -123,11 +151,12 @@ def test_bshd_views(b, s, tma, monkeypatch):
     assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
 
 
-def test_nan_in_hidden_keys_changes_nothing():
+def test_nan_in_hidden_keys_changes_nothing(gluon):
     """NaN/Inf in keys and values outside every row's interval (kv_range, documents, window)."""
     b, h, hkv, s, d = 2, 8, 2, 1000, 128
     q, k, v = (torch.randn(b, n, s, d, device=DEV, dtype=torch.bfloat16) for n in (h, hkv, hkv))
     m = Mask(lo=-200, kv_range=i32([0, 900], [100, 1000]), rows=docs([0, 500, 1000]))
+    assert takes_gluon(q, k, v, 0.1, True, 0, m) == gluon
     want = A.attn_fwd(q, k, v, 0.1, True, 0, out_dtype=q.dtype, mask=m)
     hidden = ~visible(m, True, 0, b, s, s, device=DEV).any(1)  # [B, Sk]
     k2, v2 = k.clone(), v.clone()
@@ -135,6 +164,23 @@ def test_nan_in_hidden_keys_changes_nothing():
     v2.transpose(1, 2)[hidden] = float("inf")
     got = A.attn_fwd(q, k2, v2, 0.1, True, 0, out_dtype=q.dtype, mask=m)
     assert hidden.any() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_nan_in_partly_hidden_blocks_reaches_only_its_rows(gluon):
+    """A NaN value at a key some rows of a masked block see and others do not (a document's first
+    key, inside a window's edge) reaches exactly the rows that see it, as under the oracle."""
+    b, h, hkv, s, d = 2, 8, 2, 1000, 128
+    q, k, v = (torch.randn(b, n, s, d, device=DEV, dtype=torch.bfloat16) for n in (h, hkv, hkv))
+    m = Mask(lo=-150, rows=docs([0, 333, 1000]))
+    assert takes_gluon(q, k, v, 0.1, True, 0, m) == gluon
+    for key in (333, 700):
+        v[0, 0, key, 7] = float("nan")
+    out, lse = A.attn_fwd(q, k, v, 0.1, True, 0, out_dtype=q.dtype, mask=m)
+    sees = visible(m, True, 0, 1, s, s, device=DEV)[0][:, [333, 700]].any(1)  # [Sq]
+    reached = (~torch.isfinite(out)).any(-1)  # [B, H, Sq]
+    assert torch.equal(reached[0, :4], sees.expand(4, s)) and sees.any() and not sees.all()
+    assert not reached[0, 4:].any() and not reached[1].any()  # the other kv head, the other element
+    assert not lse.isnan().any()
 
 
 @pytest.mark.parametrize("off", [2 ** 32, -2 ** 32, 2 ** 31 + 5], ids=["far-right", "far-left", "past-int32"])

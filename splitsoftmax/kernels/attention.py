@@ -577,20 +577,24 @@ def _gluon_fwd_tile(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, 
 
 
 def _gluon_fwd_launch(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, diag: int,
-                      tile: tuple) -> _GluonFwdLaunch:
-    """The Gluon forward's launch for these operands (its tile ``tile``: each consumer's)."""
+                      tile: tuple, km: KernelMask) -> _GluonFwdLaunch:
+    """The Gluon forward's launch for these operands (its tile ``tile``: each consumer's) under the
+    mask's kernel arguments ``km``."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, warps, stages = tile
     nb = configs.cdiv(sq, 2 * bm)
     tiles = nb * b * h
     grid = (min(tiles, sm_count(q)) if configs.ATTN_FWD_GLUON_PERSISTENT else tiles,)
-    scalars = (*out.stride()[:3], *lse.stride(), h, h // hkv, nb, b * h, sq, sk, diag, scale * LOG2E,
-               head_group(nb, b * h, q, causal, 2 * warps))
+    f = km.flags
+    mask_strides = (*(km.kvr.stride() if f["KV_RANGE"] else (0, 0)), km.qoff.stride(0) if f["Q_OFFSET"] else 0,
+                    km.rows.stride(0) if f["ROW_BOUNDS"] else 0)
+    scalars = (*out.stride()[:3], *lse.stride(), *mask_strides, h, h // hkv, nb, b * h, sq, sk, diag, km.lo_off,
+               scale * LOG2E, km.cap_in, km.cap_out, head_group(nb, b * h, q, causal, 2 * warps))
     # maxnreg: the second consumer's warpgroup and the producer's, within an SM's registers
-    return _GluonFwdLaunch(grid, (auto_key((out, lse, *scalars)), q.dtype), (bm, bn), scalars,
-                           dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps,
-                                maxnreg=configs.ATTN_FWD_GLUON_MAXNREG))
+    return _GluonFwdLaunch(grid, (auto_key((out, lse, km.kvr, km.qoff, km.rows, *scalars)), q.dtype), (bm, bn),
+                           scalars, dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, **f,
+                                         num_warps=warps, maxnreg=configs.ATTN_FWD_GLUON_MAXNREG))
 
 
 @functools.lru_cache(maxsize=None)
@@ -613,12 +617,13 @@ def tile_counter(t: Tensor) -> Tensor:
     return ctr
 
 
-def _run_gluon_fwd(run: _GluonFwdLaunch, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor) -> None:
-    """Launch ``run`` on these operands."""
+def _run_gluon_fwd(run: _GluonFwdLaunch, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   mask_tensors: tuple) -> None:
+    """Launch ``run`` on these operands; ``mask_tensors``: the mask's ``(kvr, qoff, rows)``."""
     from .attention_bwd_gluon import descriptor
     bm, bn = run.rows
     _gluon_fwd_launcher()(run.grid, run.key, (descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), out, lse,
-                                              tile_counter(q), *run.scalars), run.kwargs)
+                                              tile_counter(q), *mask_tensors, *run.scalars), run.kwargs)
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
@@ -637,17 +642,19 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
                configs.ATTN_FWD_GLUON_PERSISTENT, configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])))
         run = _FWD_LAUNCHES.get(geo)
         if run is None:
+            km = _kernel_mask(mask, q, scale, lse)
             tile = _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
-            run = _FWD_LAUNCHES.put(geo, _gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile) if tile else
-                                    _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim,
-                                                _kernel_mask(mask, q, scale, lse)))
-        if isinstance(run, _GluonFwdLaunch):
-            _run_gluon_fwd(run, q, k, v, out, lse)
-            return
+            run = _FWD_LAUNCHES.put(geo, _gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile, km) if tile
+                                    else _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km))
     else:
         km = _kernel_mask(mask, q, scale, lse)
         kvr, qoff, rows = km.kvr, km.qoff, km.rows
-        run = _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km)
+        tile = configs.ATTN_FWD_GLUON_VARIANTS and _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
+        run = (_gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile, km) if tile else
+               _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km))
+    if isinstance(run, _GluonFwdLaunch):
+        _run_gluon_fwd(run, q, k, v, out, lse, (kvr, qoff, rows))
+        return
     _FWD(run.grid, run.key, (*_operands((q, k, v, out), run.specs), lse, *run.scalars, kvr, qoff, rows, *run.tail),
          run.kwargs)
 

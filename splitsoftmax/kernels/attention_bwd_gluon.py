@@ -179,19 +179,6 @@ def launch_order(lin, nb, nheads, GH):
 
 
 @gluon.jit
-def key_blocks(r0, Sq, Sk, diag, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """``(nf, T)`` of query rows ``r0 + [0, ROWS)``: key blocks ``[0, nf)`` are seen whole by every
-    row (of those below ``Sq``); ``[nf, T)`` cross the diagonal or end past ``Sk``."""
-    hi = Sk
-    full = Sk
-    if CAUSAL:
-        hi = gl.minimum(Sk, gl.maximum(gl.minimum(r0 + ROWS, Sq) + diag, 0))
-        full = gl.minimum(hi, gl.maximum(r0 + diag + 1, 0))
-    nf = full // BLOCK_N
-    return nf, gl.maximum(gl.cdiv(hi, BLOCK_N), nf)
-
-
-@gluon.jit
 def _key_block(u, walk):
     """Key block of step ``u`` of a dQ program's ``walk``: the ``n_in`` interior blocks from ``ia``,
     then the masked ones, ``first ..`` (``n_pre`` of them) and ``ib ..``."""

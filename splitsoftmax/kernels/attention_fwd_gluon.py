@@ -10,14 +10,19 @@ program's ``2 * BLOCK_M``) issues ``S_j`` first and ``O += P_{j-1} V_{j-1}`` rig
 ``alpha_j`` follows that product. One producer warp streams Q, then K and V through rings of their
 own by TMA; each consumer releases a buffer (an mbarrier arrival) as soon as its product that read
 it is done, and nothing else ties the two consumers together, so that one's softmax runs beside the
-other's products. Key blocks that every row of a consumer sees whole run pipelined like this;
+other's products. Key blocks that every row of the program's tile sees whole run pipelined like this;
 those crossing the diagonal or ``Sk`` run after them, every product in turn, masked; a V block
 there that holds a NaN/Inf is read through the consumer's own guarded copy: such a value reaches
 only the rows that see it (as ``attention._guarded_pv``).
 
-Same semantics as ``attention._attn_fwd_kernel`` on the plain (causal or full) mask, one key
-split: ``out (B, H, Sq, D)`` in its dtype, ``lse`` in the natural log, empty rows ``(0, -inf)``.
-2-byte inputs with ``D = Dv``, TMA-addressable ``(B, H, S, D)`` operands.
+The variants' masks (splitsoftmax.mask: a window's lower edge, ``kv_range``, ``q_offset``, document
+rows; softcapped scores) take the same route: each tile of ``2 * BLOCK_M`` rows walks the key blocks
+some of its rows see, those every row of the tile sees whole first (pipelined, no mask), then the
+others (``attention_bwd_gluon._q_walk``); a consumer skips the blocks none of its own rows sees.
+
+Same semantics as ``attention._attn_fwd_kernel`` with one key split: ``out (B, H, Sq, D)`` in its
+dtype, ``lse`` in the natural log, empty rows ``(0, -inf)``. 2-byte inputs with ``D = Dv``,
+TMA-addressable ``(B, H, S, D)`` operands.
 """
 from __future__ import annotations
 
@@ -26,36 +31,103 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_gluon import _mma_layout, _store_rows, _thread_barrier, _tma_load, key_blocks, launch_order
+from .attention_bwd_gluon import (_batch_bounds, _doc_rows, _key_block, _mma_layout, _q_walk, _store_rows,
+                                  _thread_barrier, _tma_load, launch_order)
 
 
 @gluon.jit
-def _online(qk, m_i, l_i, qk_scale):
-    """One block of the online softmax, unmasked: ``(p, alpha, m, l)`` from scores ``qk
-    [BLOCK_M, BLOCK_N]`` (unscaled; ``qk_scale > 0`` holds log2(e))."""
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-    p = gl.exp2(qk * qk_scale - m_new[:, None])
+def _tanh(x, APPROX: gl.constexpr):
+    """``attn_mask.tanh`` in Gluon: ``tanh.approx.f32`` where ``APPROX``, else from one ``exp2``."""
+    if APPROX:
+        y = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        e = gl.exp2(gl.abs(x) * -2.8853900817779268)  # exp(-2|x|)
+        t = (1.0 - e) / (1.0 + e)
+        y = gl.where(x < 0, -t, t)
+    return y
+
+
+@gluon.jit
+def _scaled(qk, qk_scale, cap, SOFTCAP: gl.constexpr, APPROX: gl.constexpr):
+    """Scores in the log2 domain from raw products ``qk``: ``qk * qk_scale``, or softcapped
+    ``c * tanh(scale * qk / c) * log2(e)`` with ``cap = (scale / c, c * log2(e))``."""
+    if SOFTCAP:
+        s = _tanh(qk * cap[0], APPROX) * cap[1]
+    else:
+        s = qk * qk_scale
+    return s
+
+
+@gluon.jit
+def _online(qk, m_i, l_i, qk_scale, cap, SOFTCAP: gl.constexpr, APPROX: gl.constexpr):
+    """One block of the online softmax, unmasked: ``(p, alpha, m, l)`` from raw products ``qk
+    [BLOCK_M, BLOCK_N]`` (``qk_scale > 0`` holds log2(e); ``cap``: :func:`_scaled`)."""
+    if SOFTCAP:
+        s = _scaled(qk, qk_scale, cap, SOFTCAP, APPROX)
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+    else:
+        s = qk * qk_scale
+        m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
+    p = gl.exp2(s - m_new[:, None])
     alpha = gl.exp2(m_i - m_new)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
 
 @gluon.jit
-def _ws_producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                 STAGES: gl.constexpr):
+def _row_keys(qi, rlo, rhi, dg, lw, kv_lo, kv_hi, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              ROW_BOUNDS: gl.constexpr):
+    """``(lo_r, hi_r)``: row ``qi`` sees the keys ``lo_r <= j < hi_r`` (``attention_bwd_gluon._seen``'s
+    rule as one interval per row)."""
+    lo_r = gl.zeros_like(qi) + kv_lo
+    hi_r = gl.zeros_like(qi) + kv_hi
+    if CAUSAL:
+        hi_r = gl.minimum(hi_r, qi + dg + 1)
+    if WINDOW:
+        lo_r = gl.maximum(lo_r, qi + lw)
+    if ROW_BOUNDS:
+        lo_r = gl.maximum(lo_r, rlo)
+        hi_r = gl.minimum(hi_r, rhi)
+    return lo_r, hi_r
+
+
+@gluon.jit
+def _tile_walk(mk, b, m0, Sq, Sk, diag, ROWS: gl.constexpr, layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr,
+               ROW_BOUNDS: gl.constexpr):
+    """``(walk, T)`` of query rows ``m0 + [0, ROWS)`` (``layout``: a ``[ROWS]`` layout): the ``T`` key
+    blocks some of them sees, in the order ``_key_block`` takes them from ``walk``: those every row
+    sees whole first, then the others. ``mk``: the mask's arguments (``_attn_fwd_gluon``)."""
+    KVR, QOFF, ROWS_T, s_kvb, s_kvc, s_off, s_r, lo, _, _ = mk
+    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, KV_RANGE, Q_OFFSET)
+    qi = m0 + gl.arange(0, ROWS, layout=layout)
+    rlo, rhi = _doc_rows(ROWS_T, s_r, qi, Sq, ROW_BOUNDS)
+    first, end, ia, ib = _q_walk(m0, qi, rlo, rhi, Sq, dg, lw, kv_lo, kv_hi, ROWS, BLOCK_N, CAUSAL, WINDOW,
+                                 ROW_BOUNDS)
+    return (first, ia - first, ib, ia, ib - ia), end - first
+
+
+@gluon.jit
+def _ws_producer(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                 STAGES: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr,
+                 ROW_BOUNDS: gl.constexpr):
     """Takes the program's tiles from the launch's counter and hands each on (``_post_tile``); for
-    each, Q's two halves, each once its consumer is done with the last tile's, then K and V of key
-    blocks ``[0, T)``, each into its ring's next buffer once both consumers have released it (the
-    rings run on across tiles). The program that takes the counter past the tiles last zeroes it."""
+    each, Q's two halves, each once its consumer is done with the last tile's, then K and V of the
+    tile's key blocks in its walk's order (``_tile_walk``), each into its ring's next buffer once
+    both consumers have released it (the rings run on across tiles). The program that takes the
+    counter past the tiles last zeroes it."""
     (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
      v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
      diag, qk_scale) = p
+    rows: gl.constexpr = gl.BlockedLayout([2 * BLOCK_M // 32], [32], [1], [0])  # [2 * BLOCK_M] in one warp
     it = 0
     base = 0
     t = gl.atomic_add(CTR, 1)
     _post_tile(tile_ids, id_full, id_empty, t, it)
     while t < NB * NBH:
         b, h, kvh, m0 = _tile_of(t, NB, NBH, H, G, GH, BLOCK_M, CAUSAL)
-        _, T = key_blocks(m0, Sq, Sk, diag, 2 * BLOCK_M, BLOCK_N, CAUSAL)  # both consumers' blocks
+        walk, T = _tile_walk(mk, b, m0, Sq, Sk, diag, 2 * BLOCK_M, rows, BLOCK_N, CAUSAL, WINDOW, KV_RANGE,
+                             Q_OFFSET, ROW_BOUNDS)  # both consumers' blocks
         for c in gl.static_range(2):
             mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)  # a fresh barrier counts as released
             mbarrier.expect(q_full.index(c), BLOCK_M * D * 2)
@@ -63,12 +135,13 @@ def _ws_producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexp
         for j in range(base, base + T):
             s = j % STAGES
             phase = ((j // STAGES) & 1) ^ 1
+            n0 = _key_block(j - base, walk) * BLOCK_N
             mbarrier.wait(k_empty.index(s), phase)
             mbarrier.expect(k_full.index(s), BLOCK_N * D * 2)
-            _tma_load(k_desc, [b, kvh, (j - base) * BLOCK_N, 0], k_full.index(s), k_ring.index(s))
+            _tma_load(k_desc, [b, kvh, n0, 0], k_full.index(s), k_ring.index(s))
             mbarrier.wait(v_empty.index(s), phase)
             mbarrier.expect(v_full.index(s), BLOCK_N * D * 2)
-            _tma_load(v_desc, [b, kvh, (j - base) * BLOCK_N, 0], v_full.index(s), v_ring.index(s))
+            _tma_load(v_desc, [b, kvh, n0, 0], v_full.index(s), v_ring.index(s))
         it += 1
         base += T
         t = gl.atomic_add(CTR, 1)
@@ -125,34 +198,44 @@ def _ws_release(empty, j, STAGES: gl.constexpr):
 
 
 @gluon.jit
-def _ws_consumer(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 CAUSAL: gl.constexpr, STAGES: gl.constexpr):
+def _ws_consumer(p, mk, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+                 CAUSAL: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr,
+                 Q_OFFSET: gl.constexpr, ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr,
+                 SOFTCAP_APPROX: gl.constexpr):
     """Rows ``C * BLOCK_M + [0, BLOCK_M)`` of each tile the producer hands over, until one past the last."""
     (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
      v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
      diag, qk_scale) = p
+    rows: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # [2 * BLOCK_M] in the warpgroup
     it = 0
     base = 0
     t = _take_tile(tile_ids, id_full, id_empty, it)
     while t < NB * NBH:
         b, h, kvh, m0 = _tile_of(t, NB, NBH, H, G, GH, BLOCK_M, CAUSAL)
-        _, T = key_blocks(m0, Sq, Sk, diag, 2 * BLOCK_M, BLOCK_N, CAUSAL)  # both consumers' blocks
-        _ws_rows(p, C, b, h, m0 + C * BLOCK_M, T, base, it & 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
+        walk, T = _tile_walk(mk, b, m0, Sq, Sk, diag, 2 * BLOCK_M, rows, BLOCK_N, CAUSAL, WINDOW, KV_RANGE,
+                             Q_OFFSET, ROW_BOUNDS)  # both consumers' blocks
+        _ws_rows(p, mk, C, b, h, m0 + C * BLOCK_M, walk, T, base, it & 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES,
+                 WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP, SOFTCAP_APPROX)
         it += 1
         base += T
         t = _take_tile(tile_ids, id_full, id_empty, it)
 
 
 @gluon.jit
-def _ws_rows(p, C: gl.constexpr, b, h, r0, T, base, q_phase, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             D: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr):
-    """Rows ``r0 + [0, BLOCK_M)`` of head ``(b, h)``: their key blocks (those every row sees whole
-    pipelined, then the masked ones), then the tile's remaining ones (of ``T``) released unread; the
-    tile's key block ``j`` is the rings' ``base + j``."""
+def _ws_rows(p, mk, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+             WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr, ROW_BOUNDS: gl.constexpr,
+             SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr):
+    """Rows ``r0 + [0, BLOCK_M)`` of head ``(b, h)`` over the tile's ``T`` key blocks (``walk``,
+    ``_tile_walk``; block ``u`` of the walk is the rings' ``base + u``): those the whole tile sees
+    pipelined, then the others masked, those none of these rows sees released unread."""
     (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
      v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
      diag, qk_scale) = p
+    KVR, QOFF, ROWS_T, s_kvb, s_kvc, s_off, s_r, lo, cap_in, cap_out = mk
+    cap = (cap_in, cap_out)
     NW: gl.constexpr = 4
+    GUARD: gl.constexpr = CAUSAL or WINDOW or KV_RANGE or ROW_BOUNDS  # masked blocks may hide keys inside Sk
     dtype: gl.constexpr = q_smem.dtype
     # S, P: [BLOCK_M queries, BLOCK_N keys]; O: [BLOCK_M, D], P feeds it from registers
     s_layout: gl.constexpr = _mma_layout(BLOCK_N, NW)
@@ -161,7 +244,14 @@ def _ws_rows(p, C: gl.constexpr, b, h, r0, T, base, q_phase, BLOCK_M: gl.constex
     rows: gl.constexpr = gl.SliceLayout(1, s_layout)  # [BLOCK_M]
     cols: gl.constexpr = gl.SliceLayout(0, s_layout)  # [BLOCK_N]
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)  # [BLOCK_M]
-    nf, Tc = key_blocks(r0, Sq, Sk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    n_in = walk[4]
+    # these rows' own bounds: the blocks [c_first, c_end) hold every key one of them sees
+    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, KV_RANGE, Q_OFFSET)
+    qi = r0 + gl.arange(0, BLOCK_M, layout=rows)
+    rlo, rhi = _doc_rows(ROWS_T, s_r, qi, Sq, ROW_BOUNDS)
+    c_first, c_end, _, _ = _q_walk(r0, qi, rlo, rhi, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,
+                                   ROW_BOUNDS)
+    lo_r, hi_r = _row_keys(qi, rlo, rhi, dg, lw, kv_lo, kv_hi, CAUSAL, WINDOW, ROW_BOUNDS)
 
     zeros_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     acc = gl.zeros([BLOCK_M, D], gl.float32, o_layout)
@@ -169,62 +259,61 @@ def _ws_rows(p, C: gl.constexpr, b, h, r0, T, base, q_phase, BLOCK_M: gl.constex
     l_i = gl.zeros([BLOCK_M], gl.float32, rows)
     mbarrier.wait(q_full.index(C), q_phase)
     q_t = q_smem.index(C).reshape([BLOCK_M, D])
-    if nf > 0:
+    if n_in > 0:
         k_t = _ws_take(k_ring, k_full, base, BLOCK_N, D, STAGES)
         qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
         _ws_release(k_empty, base, STAGES)
-        p_j, alpha, m_i, l_i = _online(qk, m_i, l_i, qk_scale)
-        for j in range(base + 1, base + nf):
+        p_j, alpha, m_i, l_i = _online(qk, m_i, l_i, qk_scale, cap, SOFTCAP, SOFTCAP_APPROX)
+        for j in range(base + 1, base + n_in):
             k_t = _ws_take(k_ring, k_full, j, BLOCK_N, D, STAGES)
             qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
             v_t = _ws_take(v_ring, v_full, j - 1, BLOCK_N, D, STAGES)
             acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc, is_async=True)
             qk = warpgroup_mma_wait(1, deps=(qk, ))
             _ws_release(k_empty, j, STAGES)
-            p_j, alpha, m_i, l_i = _online(qk, m_i, l_i, qk_scale)
+            p_j, alpha, m_i, l_i = _online(qk, m_i, l_i, qk_scale, cap, SOFTCAP, SOFTCAP_APPROX)
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             _ws_release(v_empty, j - 1, STAGES)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        v_t = _ws_take(v_ring, v_full, base + nf - 1, BLOCK_N, D, STAGES)
+        v_t = _ws_take(v_ring, v_full, base + n_in - 1, BLOCK_N, D, STAGES)
         acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)
-        _ws_release(v_empty, base + nf - 1, STAGES)
-    qi = r0 + gl.arange(0, BLOCK_M, layout=rows)
+        _ws_release(v_empty, base + n_in - 1, STAGES)
     g_t = g_smem.index(C)
-    for j in range(nf, Tc):
-        # a masked block: every product in turn; V through this consumer's guarded copy if it holds a
-        # NaN/Inf (CAUSAL)
-        k_t = _ws_take(k_ring, k_full, base + j, BLOCK_N, D, STAGES)
-        qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
-        _ws_release(k_empty, base + j, STAGES)
-        kj = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
-        ok = (kj < Sk)[None, :]
-        if CAUSAL:
-            ok = ok & (kj[None, :] <= qi[:, None] + diag)
-        s = gl.where(ok, qk * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, 1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p_j = gl.exp2(s - m_use[:, None])
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p_j, 1)
-        m_i = m_new
-        acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        v_t = _ws_take(v_ring, v_full, base + j, BLOCK_N, D, STAGES)
-        if CAUSAL and _has_nonfinite(v_t, BLOCK_N, D, NW):
-            # a NaN/Inf value counts only for the rows that see it (p > 0)
-            bad = _guarded_copy(v_t, g_t, f_smem.index(C), BLOCK_N, D, NW, cols)
-            _ws_release(v_empty, base + j, STAGES)
-            hit = gl.sum(gl.where(bad[None, :], p_j, 0.0), 1) > 0
-            acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), g_t, acc)
-            acc = gl.where(gl.convert_layout(hit, o_rows)[:, None], float("nan"), acc)
-        else:
-            acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)
-            _ws_release(v_empty, base + j, STAGES)
+    for u in range(n_in, T):
+        kb = _key_block(u, walk)
+        if (kb >= c_first) & (kb < c_end):
+            # a masked block: every product in turn; V through this consumer's guarded copy if it holds
+            # a NaN/Inf (GUARD)
+            k_t = _ws_take(k_ring, k_full, base + u, BLOCK_N, D, STAGES)
+            qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
+            _ws_release(k_empty, base + u, STAGES)
+            kj = kb * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
+            ok = (kj[None, :] >= lo_r[:, None]) & (kj[None, :] < hi_r[:, None])
+            s = gl.where(ok, _scaled(qk, qk_scale, cap, SOFTCAP, SOFTCAP_APPROX), float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(s, 1))
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            p_j = gl.exp2(s - m_use[:, None])
+            alpha = gl.exp2(m_i - m_use)
+            l_i = l_i * alpha + gl.sum(p_j, 1)
+            m_i = m_new
+            acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+            v_t = _ws_take(v_ring, v_full, base + u, BLOCK_N, D, STAGES)
+            if GUARD and _has_nonfinite(v_t, BLOCK_N, D, NW):
+                # a NaN/Inf value counts only for the rows that see it (p > 0)
+                bad = _guarded_copy(v_t, g_t, f_smem.index(C), BLOCK_N, D, NW, cols)
+                _ws_release(v_empty, base + u, STAGES)
+                hit = gl.sum(gl.where(bad[None, :], p_j, 0.0), 1) > 0
+                acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), g_t, acc)
+                acc = gl.where(gl.convert_layout(hit, o_rows)[:, None], float("nan"), acc)
+            else:
+                acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)
+                _ws_release(v_empty, base + u, STAGES)
+        else:  # the other consumer's block: released in turn, unread
+            _ws_take(k_ring, k_full, base + u, BLOCK_N, D, STAGES)
+            _ws_release(k_empty, base + u, STAGES)
+            _ws_take(v_ring, v_full, base + u, BLOCK_N, D, STAGES)
+            _ws_release(v_empty, base + u, STAGES)
     mbarrier.arrive(q_empty.index(C), count=1)  # every product that reads Q is done
-    for j in range(base + Tc, base + T):  # the other consumer's blocks: released in turn, unread
-        mbarrier.wait(k_full.index(j % STAGES), (j // STAGES) & 1)
-        _ws_release(k_empty, j, STAGES)
-        mbarrier.wait(v_full.index(j % STAGES), (j // STAGES) & 1)
-        _ws_release(v_empty, j, STAGES)
 
     some = l_i != 0
     lse2 = gl.where(some, m_i + gl.log2(gl.where(some, l_i, 1.0)), float("-inf"))
@@ -266,30 +355,40 @@ def _guarded_copy(v_t, g_t, f_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.
 
 
 @gluon.jit
-def _ws_consumer0(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                  STAGES: gl.constexpr):
+def _ws_consumer0(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                  STAGES: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr,
+                  ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr):
     """The first consumer (the default partition: the kernel's own warps)."""
-    _ws_consumer(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
+    _ws_consumer(p, mk, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
+                 SOFTCAP_APPROX)
 
 
 @gluon.jit
-def _ws_consumer1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                  STAGES: gl.constexpr):
+def _ws_consumer1(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
+                  STAGES: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr,
+                  ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr):
     """The second consumer (a worker partition of 4 warps)."""
-    _ws_consumer(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)
+    _ws_consumer(p, mk, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
+                 SOFTCAP_APPROX)
 
 
-@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "NB", "NBH", "GH", "s_lb", "s_lh"])
-def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
-                    H, G, NB, NBH, Sq, Sk, diag, qk_scale, GH,
+@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "NB", "NBH", "GH", "s_lb", "s_lh", "s_r", "lo"])
+def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, KVR, QOFF, ROWS, s_ob, s_oh, s_os, s_lb, s_lh, s_ls,
+                    s_kvb, s_kvc, s_off, s_r, H, G, NB, NBH, Sq, Sk, diag, lo, qk_scale, cap_in, cap_out, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-                    STAGES: gl.constexpr, num_warps: gl.constexpr):
+                    STAGES: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr,
+                    ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr,
+                    num_warps: gl.constexpr):
     """Grid ``(P,)``: the programs take the ``NB * NBH`` tiles (``NB`` blocks of ``2 * BLOCK_M``
     queries by ``NBH = B * H`` heads, in ``_tile_of``'s order) one at a time from the counter
     ``CTR`` (two int32, zero at launch and left zero), each program running on while its next tile's
     Q, K and V stream in; ``P`` up to the number of tiles. ``num_warps = 4`` (the first consumer),
     plus the second consumer's 4 and the producer's 1. ``q_desc`` reads ``BLOCK_M`` rows, ``k_desc``
-    and ``v_desc`` ``BLOCK_N``; ``O`` has unit last stride; ``qk_scale`` is the scale times log2(e)."""
+    and ``v_desc`` ``BLOCK_N``; ``O`` has unit last stride; ``qk_scale`` is the scale times log2(e).
+    The mask's fields (``attn_mask.kernel_mask``; read where their flag is set): the window's lower
+    edge ``lo`` (``WINDOW``), ``KVR (B, 2)`` (``KV_RANGE``, strides ``s_kvb, s_kvc``), ``QOFF (B,)``
+    (``Q_OFFSET``, ``s_off``), the document bounds ``ROWS (2, Sq)`` (``ROW_BOUNDS``, ``s_r``), and
+    ``SOFTCAP``'s ``cap_in = scale / c``, ``cap_out = c * log2(e)``."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -319,10 +418,13 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, s_ob, s_oh, s_os, s_lb,
     p = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
          v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq,
          Sk, diag, qk_scale)
+    mk = (KVR, QOFF, ROWS, s_kvb, s_kvc, s_off, s_r, lo, cap_in, cap_out)
     # workers: the second consumer (4 warps) and the producer (1), given the registers asked for each
     # (setmaxnreg) out of the launch's maxnreg per thread; the first consumer keeps the rest.
     gl.warp_specialize([
-        (_ws_consumer0, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
-        (_ws_consumer1, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
-        (_ws_producer, (p, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES)),
+        (_ws_consumer0, (p, mk, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
+                         SOFTCAP_APPROX)),
+        (_ws_consumer1, (p, mk, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
+                         SOFTCAP_APPROX)),
+        (_ws_producer, (p, mk, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS)),
     ], [4, 1], [240, 24])

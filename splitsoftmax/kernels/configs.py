@@ -116,6 +116,9 @@ ATTN_FWD_GLUON_MIN_SQ = (1024, 4096)
 # one program per tile -> persistent: causal 1k 221 -> 252, 32k 627 -> 647, 1 x 8k GQA 16/4 560 -> 583;
 # full 1k 466 -> 495 (BENCHMARKS.md, "Attention", F5)
 ATTN_FWD_GLUON_PERSISTENT = True
+# ... and with the variants' masks (a window, kv_range, q_offset, documents, softcap) as well as the
+# plain one: each tile walks the key blocks its rows see, those every row sees whole first, unmasked
+ATTN_FWD_GLUON_VARIANTS = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

@@ -7,8 +7,9 @@
   variants on the Gluon forward (``configs.ATTN_FWD_GLUON_VARIANTS``) and on the Triton one; each
   result checked against float64 on 64 rows (at most 2x torch's bf16 error);
 - ``fb``: the same forward+backward;
-- ``plain``: the plain forward on this Gluon kernel against the one before the variants
-  (``splitsoftmax/kernels/_prev_fwd_gluon.py``, a copy of it, when present): bit for bit, TFLOP/s.
+- ``plain``: the plain forward on this Gluon kernel against an earlier one
+  (``splitsoftmax/kernels/_prev_fwd_gluon.py``, a copy of it, when present): bit for bit, TFLOP/s;
+- ``short``: the plain causal forward at 1k-4k (B * S = 32k tokens) on both kernels.
 """
 import os
 import sys
@@ -90,8 +91,25 @@ def plain():
         rec("plain", f"{name} new", bench(new), flops=flops, **extra)
 
 
+def short():
+    """The plain causal forward at B * S = 32k tokens (H=16) on the Triton kernel and the Gluon one."""
+    for s in (1024, 2048, 4096):
+        q, k, v = (torch.randn(32768 // s, 16, s, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        flops = 4.0 * q.shape[0] * 16 * D * s * (s + 1) / 2
+        outs = {}
+        for name, least in (("triton", (1 << 30, 1 << 30)), ("gluon", (0, 0))):
+            configs.ATTN_FWD_GLUON_MIN_SQ = least
+            fn = lambda: A.attn_fwd(q, k, v, D ** -0.5, True, 0, out_dtype=q.dtype)  # noqa: E731
+            outs[name] = fn()
+            rec("short", f"{s} causal B={q.shape[0]} {name}", bench(fn), flops=flops)
+        diff = (outs["triton"][0].double() - outs["gluon"][0].double()).abs().max().item()
+        print(f"short {s}: largest |gluon - triton| {diff:.2e}", flush=True)
+    configs.ATTN_FWD_GLUON_MIN_SQ = (1024, 4096)
+
+
 if __name__ == "__main__":
-    run_sections({"fwd": lambda: _variants(False), "fb": lambda: _variants(True), "plain": plain}, sys.argv)
+    run_sections({"fwd": lambda: _variants(False), "fb": lambda: _variants(True), "plain": plain, "short": short},
+                 sys.argv)
     print("\nsummary (TFLOP/s)")
     for r in __import__("helpers").ROWS:
         if "tflops" in r:

@@ -31,20 +31,19 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
-from .attention_bwd_gluon import (_batch_bounds, _doc_rows, _key_block, _mma_layout, _q_walk, _store_rows,
+from .attention_bwd_gluon import (_batch_bounds, _doc_rows, _key_block, _mma_layout, _q_walk, _store_rows, _tanh,
                                   _thread_barrier, _tma_load, launch_order)
 
 
 @gluon.jit
-def _tanh(x, APPROX: gl.constexpr):
-    """``attn_mask.tanh`` in Gluon: ``tanh.approx.f32`` where ``APPROX``, else from one ``exp2``."""
+def _tanh_of(x, APPROX: gl.constexpr):
+    """``tanh(x)``: the GPU's ``tanh.approx.f32`` where ``APPROX`` (as ``attn_mask.tanh``), else the
+    backward's form from one ``exp2``."""
     if APPROX:
         y = gl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
                                       pack=1)
     else:
-        e = gl.exp2(gl.abs(x) * -2.8853900817779268)  # exp(-2|x|)
-        t = (1.0 - e) / (1.0 + e)
-        y = gl.where(x < 0, -t, t)
+        y = _tanh(x)
     return y
 
 
@@ -53,7 +52,7 @@ def _scaled(qk, qk_scale, cap, SOFTCAP: gl.constexpr, APPROX: gl.constexpr):
     """Scores in the log2 domain from raw products ``qk``: ``qk * qk_scale``, or softcapped
     ``c * tanh(scale * qk / c) * log2(e)`` with ``cap = (scale / c, c * log2(e))``."""
     if SOFTCAP:
-        s = _tanh(qk * cap[0], APPROX) * cap[1]
+        s = _tanh_of(qk * cap[0], APPROX) * cap[1]
     else:
         s = qk * qk_scale
     return s
@@ -92,14 +91,22 @@ def _row_keys(qi, rlo, rhi, dg, lw, kv_lo, kv_hi, CAUSAL: gl.constexpr, WINDOW: 
 
 
 @gluon.jit
-def _tile_walk(mk, b, m0, Sq, Sk, diag, ROWS: gl.constexpr, layout: gl.constexpr, BLOCK_N: gl.constexpr,
-               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr,
-               ROW_BOUNDS: gl.constexpr):
+def _element_bounds(mk, b, Sk, diag, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr):
+    """``(kv_lo, kv_hi, dg, lw)`` of batch element ``b`` (``attention_bwd_gluon._batch_bounds``) from
+    the mask's arguments ``mk``."""
+    KVR, QOFF, _, s_kvb, s_kvc, s_off, _, lo, _, _ = mk
+    return _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, KV_RANGE, Q_OFFSET)
+
+
+@gluon.jit
+def _tile_walk(mk, bounds, m0, Sq, ROWS: gl.constexpr, layout: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, WINDOW: gl.constexpr, ROW_BOUNDS: gl.constexpr):
     """``(walk, T)`` of query rows ``m0 + [0, ROWS)`` (``layout``: a ``[ROWS]`` layout): the ``T`` key
     blocks some of them sees, in the order ``_key_block`` takes them from ``walk``: those every row
-    sees whole first, then the others. ``mk``: the mask's arguments (``_attn_fwd_gluon``)."""
-    KVR, QOFF, ROWS_T, s_kvb, s_kvc, s_off, s_r, lo, _, _ = mk
-    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, KV_RANGE, Q_OFFSET)
+    sees whole first, then the others. ``mk``: the mask's arguments (``_attn_fwd_gluon``), ``bounds``
+    the batch element's (:func:`_element_bounds`)."""
+    _, _, ROWS_T, _, _, _, s_r, _, _, _ = mk
+    kv_lo, kv_hi, dg, lw = bounds
     qi = m0 + gl.arange(0, ROWS, layout=layout)
     rlo, rhi = _doc_rows(ROWS_T, s_r, qi, Sq, ROW_BOUNDS)
     first, end, ia, ib = _q_walk(m0, qi, rlo, rhi, Sq, dg, lw, kv_lo, kv_hi, ROWS, BLOCK_N, CAUSAL, WINDOW,
@@ -126,8 +133,9 @@ def _ws_producer(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.cons
     _post_tile(tile_ids, id_full, id_empty, t, it)
     while t < NB * NBH:
         b, h, kvh, m0 = _tile_of(t, NB, NBH, H, G, GH, BLOCK_M, CAUSAL)
-        walk, T = _tile_walk(mk, b, m0, Sq, Sk, diag, 2 * BLOCK_M, rows, BLOCK_N, CAUSAL, WINDOW, KV_RANGE,
-                             Q_OFFSET, ROW_BOUNDS)  # both consumers' blocks
+        bounds = _element_bounds(mk, b, Sk, diag, KV_RANGE, Q_OFFSET)
+        walk, T = _tile_walk(mk, bounds, m0, Sq, 2 * BLOCK_M, rows, BLOCK_N, CAUSAL, WINDOW,
+                             ROW_BOUNDS)  # both consumers' blocks
         for c in gl.static_range(2):
             mbarrier.wait(q_empty.index(c), (it & 1) ^ 1)  # a fresh barrier counts as released
             mbarrier.expect(q_full.index(c), BLOCK_M * D * 2)
@@ -212,27 +220,29 @@ def _ws_consumer(p, mk, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
     t = _take_tile(tile_ids, id_full, id_empty, it)
     while t < NB * NBH:
         b, h, kvh, m0 = _tile_of(t, NB, NBH, H, G, GH, BLOCK_M, CAUSAL)
-        walk, T = _tile_walk(mk, b, m0, Sq, Sk, diag, 2 * BLOCK_M, rows, BLOCK_N, CAUSAL, WINDOW, KV_RANGE,
-                             Q_OFFSET, ROW_BOUNDS)  # both consumers' blocks
-        _ws_rows(p, mk, C, b, h, m0 + C * BLOCK_M, walk, T, base, it & 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES,
-                 WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP, SOFTCAP_APPROX)
+        bounds = _element_bounds(mk, b, Sk, diag, KV_RANGE, Q_OFFSET)
+        walk, T = _tile_walk(mk, bounds, m0, Sq, 2 * BLOCK_M, rows, BLOCK_N, CAUSAL, WINDOW,
+                             ROW_BOUNDS)  # both consumers' blocks
+        _ws_rows(p, mk, bounds, C, b, h, m0 + C * BLOCK_M, walk, T, base, it & 1, BLOCK_M, BLOCK_N, D, CAUSAL,
+                 STAGES, WINDOW, KV_RANGE, ROW_BOUNDS, SOFTCAP, SOFTCAP_APPROX)
         it += 1
         base += T
         t = _take_tile(tile_ids, id_full, id_empty, it)
 
 
 @gluon.jit
-def _ws_rows(p, mk, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, BLOCK_M: gl.constexpr,
+def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-             WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr, ROW_BOUNDS: gl.constexpr,
-             SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr):
+             WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr,
+             SOFTCAP_APPROX: gl.constexpr):
     """Rows ``r0 + [0, BLOCK_M)`` of head ``(b, h)`` over the tile's ``T`` key blocks (``walk``,
     ``_tile_walk``; block ``u`` of the walk is the rings' ``base + u``): those the whole tile sees
-    pipelined, then the others masked, those none of these rows sees released unread."""
+    pipelined, then the others masked, those none of these rows sees released unread; ``bounds``:
+    the batch element's (:func:`_element_bounds`)."""
     (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
      v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
      diag, qk_scale) = p
-    KVR, QOFF, ROWS_T, s_kvb, s_kvc, s_off, s_r, lo, cap_in, cap_out = mk
+    _, _, ROWS_T, _, _, _, s_r, _, cap_in, cap_out = mk
     cap = (cap_in, cap_out)
     NW: gl.constexpr = 4
     GUARD: gl.constexpr = CAUSAL or WINDOW or KV_RANGE or ROW_BOUNDS  # masked blocks may hide keys inside Sk
@@ -246,7 +256,7 @@ def _ws_rows(p, mk, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, BLOCK_M: 
     o_rows: gl.constexpr = gl.SliceLayout(1, o_layout)  # [BLOCK_M]
     n_in = walk[4]
     # these rows' own bounds: the blocks [c_first, c_end) hold every key one of them sees
-    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, KV_RANGE, Q_OFFSET)
+    kv_lo, kv_hi, dg, lw = bounds
     qi = r0 + gl.arange(0, BLOCK_M, layout=rows)
     rlo, rhi = _doc_rows(ROWS_T, s_r, qi, Sq, ROW_BOUNDS)
     c_first, c_end, _, _ = _q_walk(r0, qi, rlo, rhi, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, BLOCK_N, CAUSAL, WINDOW,

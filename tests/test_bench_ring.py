@@ -10,7 +10,8 @@ pytestmark = pytest.mark.distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SS_METHODS = {"ss-ring", "ss-allgather", "ss-ring-nocomm"}
-CP_METHODS = {"torch-cp-allgather", "torch-cp-alltoall"}
+CP_METHODS = {f"torch-cp-{b}-{rot}" for b in ("flash", "cudnn") for rot in ("allgather", "alltoall")}
+ONE_GPU_PEERS = {"1gpu-sdpa-flash", "1gpu-sdpa-cudnn"}
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +40,16 @@ def test_gate_passed_on_every_schedule(bench):
 def test_every_shape_and_method_recorded(bench):
     data, _, _ = bench
     rows = data["results"]
-    shapes = {(r["S"], r["causal"], r["mode"]) for r in rows}
-    assert shapes == {(64, c, m) for c in (True, False) for m in ("fwd", "fwd+bwd")}
-    for s, causal, mode in shapes:
-        here = {r["method"]: r for r in rows if (r["S"], r["causal"], r["mode"]) == (s, causal, mode)}
+    shapes = {(r["S"], r["Hkv"], r["causal"], r["mode"]) for r in rows}
+    assert shapes == {(64, h, c, m) for h in (4, 2) for c in (True, False) for m in ("fwd", "fwd+bwd")}
+    assert data["meta"]["H"] == 4 and data["meta"]["Hkv"] == [4, 2]
+    for s, hkv, causal, mode in shapes:
+        here = {r["method"]: r for r in rows if (r["S"], r["Hkv"], r["causal"], r["mode"]) == (s, hkv, causal, mode)}
         for m in SS_METHODS | {"1gpu-ss"}:
             r = here[m]
             assert r["ms"] > 0 and r["reps"] >= 2 and r["tflops_per_gpu"] > 0, r
             assert r["P"] == (1 if m == "1gpu-ss" else 2)
-        peers = CP_METHODS | ({f"{m}-nolb" for m in CP_METHODS} if not causal else set()) | {"1gpu-sdpa-flash"}
+        peers = CP_METHODS | ({f"{m}-nolb" for m in CP_METHODS} if not causal else set()) | ONE_GPU_PEERS
         for m in peers:
             assert "ms" not in here[m] and "CUDA" in here[m]["skipped"], here[m]
         assert set(here) == SS_METHODS | {"1gpu-ss"} | peers
@@ -64,12 +66,13 @@ def test_tflops_formula(bench):
 
 def test_derived_and_decode(bench):
     data, _, _ = bench
-    by = {(r["S"], r["causal"], r["mode"], r["method"]): r["ms"] for r in data["results"] if "ms" in r}
-    assert len(data["derived"]) == 4
+    by = {(r["S"], r["Hkv"], r["causal"], r["mode"], r["method"]): r["ms"] for r in data["results"] if "ms" in r}
+    assert len(data["derived"]) == 8
     for d in data["derived"]:
-        ring = by[(d["S"], d["causal"], d["mode"], "ss-ring")]
-        assert d["efficiency_vs_1gpu-ss"] == pytest.approx(by[(d["S"], d["causal"], d["mode"], "1gpu-ss")] / (2 * ring))
-        assert d["ring_over_nocomm"] == pytest.approx(ring / by[(d["S"], d["causal"], d["mode"], "ss-ring-nocomm")])
+        key = (d["S"], d["Hkv"], d["causal"], d["mode"])
+        ring = by[(*key, "ss-ring")]
+        assert d["efficiency_vs_1gpu-ss"] == pytest.approx(by[(*key, "1gpu-ss")] / (2 * ring))
+        assert d["ring_over_nocomm"] == pytest.approx(ring / by[(*key, "ss-ring-nocomm")])
         assert "ring_over_torch_cp_best" not in d  # no torch CP on CPU
     dec = data["decode"]
     assert dec["keys"] == 4096 and dec["max_abs_diff_vs_1gpu"] < 1e-5
@@ -89,19 +92,24 @@ def test_table_and_plots(bench):
 def test_derived_ratios_with_torch_cp_rows():
     """The GPU-only ratios, on made-up rows shaped like a GPU run's (no GPU needed)."""
     from splitsoftmax.bench.ring import derived, render, without_nproc
-    base = {"S": 32768, "causal": True, "mode": "fwd", "P": 2}
+    base = {"S": 32768, "Hkv": 8, "causal": True, "mode": "fwd", "P": 2}
     rows = [base | {"method": "ss-ring", "ms": 6.0, "peak_gib": 1.0},
             base | {"method": "ss-ring-nocomm", "ms": 5.0, "peak_gib": 1.0},
-            base | {"method": "torch-cp-allgather", "ms": 10.0, "peak_gib": 2.0},
-            base | {"method": "torch-cp-alltoall", "ms": 8.0, "peak_gib": 4.0},
-            base | {"method": "torch-cp-alltoall-nolb", "error": "RuntimeError: refused"},
+            base | {"method": "torch-cp-flash-allgather", "ms": 10.0, "peak_gib": 2.0},
+            base | {"method": "torch-cp-flash-alltoall", "ms": 9.0, "peak_gib": 3.0},
+            base | {"method": "torch-cp-cudnn-allgather", "ms": 8.0, "peak_gib": 4.0},
+            base | {"method": "torch-cp-cudnn-alltoall-nolb", "error": "RuntimeError: refused"},
             base | {"method": "1gpu-ss", "ms": 11.0, "P": 1},
-            base | {"method": "1gpu-sdpa-flash", "ms": 9.0, "P": 1}]
-    (d,) = derived(rows, 2)
-    assert d["ring_over_torch_cp_best"] == pytest.approx(6.0 / 8.0)
+            base | {"method": "1gpu-sdpa-flash", "ms": 9.0, "P": 1},
+            base | {"method": "1gpu-sdpa-cudnn", "ms": 7.5, "P": 1}]
+    both = derived(rows + [rows[0] | {"Hkv": 32}], 2)
+    assert [x["Hkv"] for x in both] == [8, 32]  # shapes of other head counts kept apart
+    d = both[0]
+    assert d["ring_over_torch_cp_best"] == pytest.approx(6.0 / 8.0)  # the fastest backend and rotate method
     assert d["ring_peak_over_torch_cp_least"] == pytest.approx(0.5)
     assert d["efficiency_vs_1gpu-ss"] == pytest.approx(11.0 / 12.0)
     assert d["efficiency_vs_1gpu-sdpa-flash"] == pytest.approx(9.0 / 12.0)
+    assert d["efficiency_vs_1gpu-sdpa-cudnn"] == pytest.approx(7.5 / 12.0)
     assert d["ring_over_nocomm"] == pytest.approx(1.2)
     text = render({"results": [r | {"tflops_per_gpu": 1.0} if "ms" in r else r for r in rows], "derived": [d]})
     assert "RuntimeError: refused" in text and "ring_over_torch_cp_best 0.750" in text

@@ -2,16 +2,18 @@
 
 Launch: ``torchrun --nproc_per_node=P -m splitsoftmax bench ring --out DIR`` (or ``--nproc P``,
 which starts the ranks itself; mpirun works too, splitsoftmax methods only). On GPUs (NCCL):
-B=1, H=32, D=128, bf16; per S, causal and not, forward and forward+backward, it times
+B=1, H=32 query heads over Hkv = 32 and 8 key/value heads (``--kv-heads``), D=128, bf16; per S and
+Hkv, causal and not, forward and forward+backward, it times
 
 - ``ss-ring``, ``ss-allgather``: ``sharded_attention`` on zigzag shards;
 - ``ss-ring-nocomm``: the same public call with a communicator that drops the K/V and dK/dV
   messages (compute only; the gap to ``ss-ring`` is the communication the overlap did not hide);
-- ``torch-cp-allgather``, ``torch-cp-alltoall``: torch's ``context_parallel`` over a 1-d
-  DeviceMesh (SDPA flash inside), one per rotate method. Non-causal under torch's default
-  head-tail balancer is refused by torch (recorded); ``-nolb`` runs it with balancing off;
-- ``1gpu-ss``, ``1gpu-sdpa-flash``: one GPU (rank 0's) on the full sequence; scaling efficiency
-  is ``T_1gpu / (P * T_P)``;
+- ``torch-cp-<backend>-allgather``, ``torch-cp-<backend>-alltoall``: torch's ``context_parallel``
+  over a 1-d DeviceMesh with SDPA's ``flash`` or ``cudnn`` backend inside (``enable_gqa`` where
+  Hkv < H), one per rotate method; the fastest of them is the peer. Non-causal under torch's
+  default head-tail balancer is refused by torch (recorded); ``-nolb`` runs it with balancing off;
+- ``1gpu-ss``, ``1gpu-sdpa-flash``, ``1gpu-sdpa-cudnn``: one GPU (rank 0's) on the full sequence;
+  scaling efficiency is ``T_1gpu / (P * T_P)``;
 
 then split-KV decode across ranks (``schedule="tree"``, GQA 32/8, one query) against one GPU.
 A correctness gate (sharded vs single-device output and gradients, float64 oracle) runs first.
@@ -180,16 +182,30 @@ def ss_methods(w: World, local: list, causal: bool, backward: bool, opts) -> lis
             ("ss-ring-nocomm", lambda: sharded_call("ring", NoBulkTransfers(ss.distributed.as_comm(w.group))))]
 
 
-def torch_cp(w: World, full: Callable, causal: bool, backward: bool, rotate: str, balance: bool):
-    """torch's context_parallel on this rank's shards; the full inputs are freed once sharded."""
+SDPA_BACKENDS = ("flash", "cudnn")
+
+
+@contextlib.contextmanager
+def sdpa_under(backend: str, causal: bool):
+    """SDPA restricted to ``backend`` (one of ``SDPA_BACKENDS``), as ``attn(q, k, v)``; GQA (fewer
+    key/value heads) through ``enable_gqa``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    kind = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    with sdpa_kernel(kind):
+        yield lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def torch_cp(w: World, full: Callable, causal: bool, backward: bool, rotate: str, balance: bool, backend: str):
+    """torch's context_parallel on this rank's shards, SDPA's ``backend`` inside; the full inputs are
+    freed once sharded."""
     @contextlib.contextmanager
     def make():
         if not w.nccl:
-            raise Skip("torch context parallel needs CUDA SDPA (flash) kernels and an NCCL group")
+            raise Skip(f"torch context parallel needs CUDA SDPA ({backend}) kernels and an NCCL group")
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
         from torch.distributed.tensor.experimental._attention import _cp_options, set_rotate_method
-        from torch.nn.attention import SDPBackend, sdpa_kernel
         set_rotate_method(rotate)
         if w.mesh is None:
             w.mesh = init_device_mesh("cuda", (w.size,))
@@ -201,27 +217,23 @@ def torch_cp(w: World, full: Callable, causal: bool, backward: bool, rotate: str
                 local = [t.clone() for t in (q, k, v)]
                 for t in (q, k, v):
                     t.untyped_storage().resize_(0)  # resize_ keeps the full storage; free it
-                attn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                    q, k, v, is_causal=causal)
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                with sdpa_under(backend, causal) as attn:
                     yield step(attn, local, backward)
         finally:
             _cp_options.enable_load_balance = old
     return make
 
 
-def one_gpu(w: World, full: Callable, causal: bool, backward: bool, flash: bool):
-    """Single-device attention on the full sequence (run on rank 0)."""
+def one_gpu(w: World, full: Callable, causal: bool, backward: bool, backend: Optional[str]):
+    """Single-device attention on the full sequence (run on rank 0): splitsoftmax's, or SDPA under
+    ``backend``."""
     @contextlib.contextmanager
     def make():
-        if flash and not w.cuda:
-            raise Skip("the SDPA flash backend needs CUDA")
+        if backend and not w.cuda:
+            raise Skip(f"the SDPA {backend} backend needs CUDA")
         inputs = full()
-        if flash:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-            attn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-                q, k, v, is_causal=causal)
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        if backend:
+            with sdpa_under(backend, causal) as attn:
                 yield step(attn, inputs, backward)
         else:
             yield step(lambda q, k, v: ss.attention(q, k, v, causal=causal), inputs, backward)
@@ -233,47 +245,52 @@ def tflops(s: int, causal: bool, backward: bool, opts, parts: int, ms: float) ->
     return flops / parts / (ms * 1e-3) / 1e12
 
 
-def full_inputs(w: World, s: int, opts, seed: int) -> Callable:
-    """A function making the full ``q, k, v (B, H, S, D)``, identical on every rank."""
+def full_inputs(w: World, s: int, hkv: int, opts, seed: int) -> Callable:
+    """A function making the full ``q (B, H, S, D)``, ``k, v (B, Hkv, S, D)``, identical on every rank."""
     def make():
         gen = torch.Generator(device=w.device).manual_seed(seed)
-        return [torch.randn(opts.batch, opts.heads, s, opts.dim, generator=gen, device=w.device, dtype=opts.dtype)
-                for _ in range(3)]
+        return [torch.randn(opts.batch, n, s, opts.dim, generator=gen, device=w.device, dtype=opts.dtype)
+                for n in (opts.heads, hkv, hkv)]
     return make
 
 
-def bench_shape(w: World, s: int, causal: bool, backward: bool, opts) -> list:
-    """Every method at one (S, causal, mode); rows with derived TFLOP/s."""
-    full = full_inputs(w, s, opts, seed=s)
+def bench_shape(w: World, s: int, hkv: int, causal: bool, backward: bool, opts) -> list:
+    """Every method at one (S, Hkv, causal, mode); rows with derived TFLOP/s."""
+    full = full_inputs(w, s, hkv, opts, seed=s)
     local = [ss.shard(t, 2, group=w.group, layout="zigzag") for t in full()]
     methods = ss_methods(w, local, causal, backward, opts)
-    for rot in ("allgather", "alltoall"):
-        methods.append((f"torch-cp-{rot}", torch_cp(w, full, causal, backward, rot, True)))
-        if not causal:
-            methods.append((f"torch-cp-{rot}-nolb", torch_cp(w, full, causal, backward, rot, False)))
+    for backend in SDPA_BACKENDS:
+        for rot in ("allgather", "alltoall"):
+            name = f"torch-cp-{backend}-{rot}"
+            methods.append((name, torch_cp(w, full, causal, backward, rot, True, backend)))
+            if not causal:
+                methods.append((f"{name}-nolb", torch_cp(w, full, causal, backward, rot, False, backend)))
     rows = []
     for name, make in methods:
         w.say(f"  {name}")
         rows.append(run_method(w, name, make, opts) | {"P": w.size})
     del local
-    for name, flash in (("1gpu-ss", False), ("1gpu-sdpa-flash", True)):
+    for backend in (None, *SDPA_BACKENDS):
+        name = f"1gpu-sdpa-{backend}" if backend else "1gpu-ss"
         w.say(f"  {name}")
-        rows.append(run_method(w, name, one_gpu(w, full, causal, backward, flash), opts, collective=False) | {"P": 1})
+        rows.append(run_method(w, name, one_gpu(w, full, causal, backward, backend), opts, collective=False)
+                    | {"P": 1})
     w.barrier()
     for r in rows:
-        r.update({"S": s, "causal": causal, "mode": "fwd+bwd" if backward else "fwd"})
+        r.update({"S": s, "Hkv": hkv, "causal": causal, "mode": "fwd+bwd" if backward else "fwd"})
         if "ms" in r:
             r["tflops_per_gpu"] = tflops(s, causal, backward, opts, r["P"], r["ms"])
     return rows
 
 
 def derived(rows: list, world: int) -> list:
-    """Per shape: ring vs torch CP's best, scaling efficiency, the ring's communication overhead."""
+    """Per shape: ring vs torch CP's best (over backends and rotate methods), scaling efficiency,
+    the ring's communication overhead."""
     out = []
-    for key in sorted({(r["S"], r["causal"], r["mode"]) for r in rows}):
-        here = [r for r in rows if (r["S"], r["causal"], r["mode"]) == key and "ms" in r]
+    for key in sorted({(r["S"], r["Hkv"], r["causal"], r["mode"]) for r in rows}):
+        here = [r for r in rows if (r["S"], r["Hkv"], r["causal"], r["mode"]) == key and "ms" in r]
         ms = {r["method"]: r["ms"] for r in here}
-        d = {"S": key[0], "causal": key[1], "mode": key[2]}
+        d = {"S": key[0], "Hkv": key[1], "causal": key[2], "mode": key[3]}
         cp = [r for r in here if r["method"].startswith("torch-cp")]
         if "ss-ring" in ms:
             ring = ms["ss-ring"]
@@ -282,7 +299,7 @@ def derived(rows: list, world: int) -> list:
                 peak = next(r.get("peak_gib") for r in here if r["method"] == "ss-ring")
                 if peak is not None and all("peak_gib" in r for r in cp):
                     d["ring_peak_over_torch_cp_least"] = peak / min(r["peak_gib"] for r in cp)
-            for base in ("1gpu-ss", "1gpu-sdpa-flash"):
+            for base in ("1gpu-ss", *(f"1gpu-sdpa-{b}" for b in SDPA_BACKENDS)):
                 if base in ms:
                     d[f"efficiency_vs_{base}"] = ms[base] / (world * ring)
             if "ss-ring-nocomm" in ms:
@@ -366,7 +383,8 @@ def meta(w: World, opts, argv: Sequence[str]) -> dict:
             "world": w.size, "backend": "mpi" if w.kind == "mpi" else torch.distributed.get_backend(),
             "device": torch.cuda.get_device_name(w.device) if w.cuda else "cpu", "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda, "splitsoftmax": ss.__version__,
-            "dtype": str(opts.dtype).replace("torch.", ""), "B": opts.batch, "H": opts.heads, "D": opts.dim,
+            "dtype": str(opts.dtype).replace("torch.", ""), "B": opts.batch, "H": opts.heads, "Hkv": opts.kv_heads,
+            "D": opts.dim,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -380,10 +398,12 @@ def run(w: World, opts, argv: Sequence[str]) -> int:
         print("\n".join(r.render() for r in checks), flush=True)
     if all(r.ok for r in checks):
         for s in opts.seqs:
-            for causal in opts.causal:
-                for backward in opts.modes:
-                    w.say(f"S={s} {'causal' if causal else 'non-causal'} {'fwd+bwd' if backward else 'fwd'}")
-                    result["results"] += bench_shape(w, s, causal, backward, opts)
+            for hkv in opts.kv_heads:
+                for causal in opts.causal:
+                    for backward in opts.modes:
+                        w.say(f"S={s} Hkv={hkv} {'causal' if causal else 'non-causal'} "
+                              f"{'fwd+bwd' if backward else 'fwd'}")
+                        result["results"] += bench_shape(w, s, hkv, causal, backward, opts)
         result["derived"] = derived(result["results"], w.size)
         if opts.decode_keys:
             result["decode"] = decode(w, opts)
@@ -401,17 +421,18 @@ def run(w: World, opts, argv: Sequence[str]) -> int:
 
 def render(result: dict) -> str:
     """The short table: one line per method and shape, then the derived ratios and the decode."""
-    lines = [f"{'S':>7} {'causal':>6} {'mode':>7} {'method':<22} {'ms':>9} {'TFLOP/s/GPU':>11} {'peak GiB':>8}  note"]
+    lines = [f"{'S':>7} {'Hkv':>4} {'causal':>6} {'mode':>7} {'method':<28} {'ms':>9} {'TFLOP/s/GPU':>11} "
+             f"{'peak GiB':>8}  note"]
     for r in result["results"]:
         note = r.get("skipped") or r.get("error") or ""
         ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
         tf = f"{r['tflops_per_gpu']:11.1f}" if "ms" in r else f"{'-':>11}"
         peak = f"{r['peak_gib']:8.2f}" if "peak_gib" in r else f"{'-':>8}"
-        lines.append(f"{r['S']:>7} {str(r['causal']):>6} {r['mode']:>7} {r['method']:<22} {ms} {tf} {peak}  "
-                     f"{note[:60]}")
+        lines.append(f"{r['S']:>7} {r['Hkv']:>4} {str(r['causal']):>6} {r['mode']:>7} {r['method']:<28} {ms} {tf} "
+                     f"{peak}  {note[:60]}")
     for d in result.get("derived", []):
         vals = ", ".join(f"{k} {v:.3f}" for k, v in d.items() if isinstance(v, float))
-        lines.append(f"S={d['S']} {'causal' if d['causal'] else 'non-causal'} {d['mode']}: {vals}")
+        lines.append(f"S={d['S']} Hkv={d['Hkv']} {'causal' if d['causal'] else 'non-causal'} {d['mode']}: {vals}")
     dec = result.get("decode")
     if dec:
         parts = [f"{r['method']} " + (f"{r['ms']:.3f} ms" if "ms" in r else str(r.get("skipped") or r.get("error")))
@@ -441,9 +462,9 @@ def plots(out_dir: str) -> list:
             for i, mode in enumerate(("fwd", "fwd+bwd")):
                 for j, causal in enumerate((True, False)):
                     ax, pts = axes[i][j], [r for r in data["results"] if (r["mode"], r["causal"]) == (mode, causal)]
-                    for m in sorted({r["method"] for r in pts if key in r}):
-                        xy = sorted((r["S"], r[key]) for r in pts if r["method"] == m and key in r)
-                        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=m)
+                    for m, hkv in sorted({(r["method"], r["Hkv"]) for r in pts if key in r}):
+                        xy = sorted((r["S"], r[key]) for r in pts if (r["method"], r["Hkv"]) == (m, hkv) and key in r)
+                        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{m} Hkv={hkv}")
                     ax.set(xscale="log", yscale="log" if key == "ms" else "linear", xlabel="S", ylabel=label,
                            title=f"{mode}, {'causal' if causal else 'non-causal'}, P={world}")
                     ax.legend(fontsize=7)
@@ -456,7 +477,8 @@ def plots(out_dir: str) -> list:
     for world, data in runs.items():
         for d in data.get("derived", []):
             if "efficiency_vs_1gpu-ss" in d:
-                series.setdefault(f"S={d['S']} {'causal' if d['causal'] else 'full'} {d['mode']}", []).append(
+                series.setdefault(f"S={d['S']} Hkv={d['Hkv']} {'causal' if d['causal'] else 'full'} {d['mode']}",
+                                  []).append(
                     (world, d["efficiency_vs_1gpu-ss"]))
     for label, xy in sorted(series.items()):
         xy.sort()
@@ -473,14 +495,18 @@ def plots(out_dir: str) -> list:
 
 def defaults(opts, cuda: bool):
     """GPU shapes (PERF.md) or toy CPU shapes for whatever the user left unset."""
-    gpu = dict(seqs="32768,131072", heads=32, dim=128, dtype="bfloat16", decode_keys=1 << 20, check_seq=2048,
+    gpu = dict(seqs="32768,131072", heads=32, kv_heads="32,8", dim=128, dtype="bfloat16", decode_keys=1 << 20, check_seq=2048,
                warmup=2, reps=10, min_reps=3, budget=1.5)
-    cpu = dict(seqs="64,128", heads=4, dim=32, dtype="float32", decode_keys=4096, check_seq=40,
+    cpu = dict(seqs="64,128", heads=4, kv_heads="4,2", dim=32, dtype="float32", decode_keys=4096, check_seq=40,
                warmup=1, reps=3, min_reps=2, budget=0.05)
     for key, value in (gpu if cuda else cpu).items():
         if getattr(opts, key) is None:
             setattr(opts, key, value)
     opts.seqs = [int(x) for x in str(opts.seqs).split(",") if x]
+    opts.kv_heads = [int(x) for x in str(opts.kv_heads).split(",") if x]
+    bad = [h for h in opts.kv_heads if h < 1 or opts.heads % h]
+    if bad:
+        raise ValueError(f"--kv-heads must divide --heads ({opts.heads}), got {bad}")
     opts.causal = [True, False] if opts.causal is None else [opts.causal]
     opts.modes = [False] if opts.fwd_only else [False, True]
     opts.dtype = getattr(torch, opts.dtype)
@@ -497,6 +523,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fwd-only", action="store_true", help="skip forward+backward")
     p.add_argument("--decode-keys", type=int, default=None, help="keys of the split-KV decode (GPU: 1M; 0: skip)")
     p.add_argument("--heads", type=int, default=None)
+    p.add_argument("--kv-heads", default=None, help="comma-separated key/value head counts (GPU: 32,8; GQA below H)")
     p.add_argument("--dim", type=int, default=None)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))

@@ -495,8 +495,8 @@ def plots(out_dir: str) -> list:
 
 def defaults(opts, cuda: bool):
     """GPU shapes (PERF.md) or toy CPU shapes for whatever the user left unset."""
-    gpu = dict(seqs="32768,131072", heads=32, kv_heads="32,8", dim=128, dtype="bfloat16", decode_keys=1 << 20, check_seq=2048,
-               warmup=2, reps=10, min_reps=3, budget=1.5)
+    gpu = dict(seqs="32768,131072", heads=32, kv_heads="32,8", dim=128, dtype="bfloat16", decode_keys=1 << 20,
+               check_seq=2048, warmup=2, reps=10, min_reps=3, budget=1.5)
     cpu = dict(seqs="64,128", heads=4, kv_heads="4,2", dim=32, dtype="float32", decode_keys=4096, check_seq=40,
                warmup=1, reps=3, min_reps=2, budget=0.05)
     for key, value in (gpu if cuda else cpu).items():

@@ -12,6 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SS_METHODS = {"ss-ring", "ss-allgather", "ss-ring-nocomm"}
 CP_METHODS = {f"torch-cp-{b}-{rot}" for b in ("flash", "cudnn") for rot in ("allgather", "alltoall")}
 ONE_GPU_PEERS = {"1gpu-sdpa-flash", "1gpu-sdpa-cudnn"}
+VARIANTS = ("documents", "window")
+# visible (query, key) pairs at S=64 of the CPU defaults: 4 documents of 16, a window of 16 keys
+PAIRS = {"documents": 4 * 16 * 17 // 2, "window": sum(min(i + 1, 16) for i in range(64))}
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +40,27 @@ def test_gate_passed_on_every_schedule(bench):
         assert g["ok"] and g["err"] <= g["tol"], g
 
 
+def _shape(r):
+    return r["S"], r["Hkv"], r["variant"], r["causal"], r["mode"]
+
+
 def test_every_shape_and_method_recorded(bench):
     data, _, _ = bench
     rows = data["results"]
-    shapes = {(r["S"], r["Hkv"], r["causal"], r["mode"]) for r in rows}
-    assert shapes == {(64, h, c, m) for h in (4, 2) for c in (True, False) for m in ("fwd", "fwd+bwd")}
-    assert data["meta"]["H"] == 4 and data["meta"]["Hkv"] == [4, 2]
-    for s, hkv, causal, mode in shapes:
-        here = {r["method"]: r for r in rows if (r["S"], r["Hkv"], r["causal"], r["mode"]) == (s, hkv, causal, mode)}
+    modes = ("fwd", "fwd+bwd")
+    assert {_shape(r) for r in rows} == ({(64, h, "plain", c, m) for h in (4, 2) for c in (True, False) for m in modes}
+                                         | {(64, h, v, True, m) for h in (4, 2) for v in VARIANTS for m in modes})
+    assert data["meta"]["H"] == 4 and data["meta"]["Hkv"] == [4, 2] and data["meta"]["variants"] == list(VARIANTS)
+    for s, hkv, variant, causal, mode in {_shape(r) for r in rows}:
+        here = {r["method"]: r for r in rows if _shape(r) == (s, hkv, variant, causal, mode)}
         for m in SS_METHODS | {"1gpu-ss"}:
             r = here[m]
             assert r["ms"] > 0 and r["reps"] >= 2 and r["tflops_per_gpu"] > 0, r
             assert r["P"] == (1 if m == "1gpu-ss" else 2)
-        peers = CP_METHODS | ({f"{m}-nolb" for m in CP_METHODS} if not causal else set()) | ONE_GPU_PEERS
+        if variant == "plain":
+            peers = CP_METHODS | ({f"{m}-nolb" for m in CP_METHODS} if not causal else set()) | ONE_GPU_PEERS
+        else:
+            peers = {"torch-cp-flex", "1gpu-flex"}
         for m in peers:
             assert "ms" not in here[m] and "CUDA" in here[m]["skipped"], here[m]
         assert set(here) == SS_METHODS | {"1gpu-ss"} | peers
@@ -60,16 +71,17 @@ def test_tflops_formula(bench):
     h, d = data["meta"]["H"], data["meta"]["D"]
     for r in data["results"]:
         if "ms" in r:
-            flops = 4 * h * 64 * 64 * d * (0.5 if r["causal"] else 1) * (3.5 if r["mode"] == "fwd+bwd" else 1)
+            pairs = PAIRS.get(r["variant"], 64 * 64 * (0.5 if r["causal"] else 1))
+            flops = 4 * h * pairs * d * (3.5 if r["mode"] == "fwd+bwd" else 1)
             assert r["tflops_per_gpu"] == pytest.approx(flops / r["P"] / (r["ms"] * 1e-3) / 1e12, rel=1e-9)
 
 
 def test_derived_and_decode(bench):
     data, _, _ = bench
-    by = {(r["S"], r["Hkv"], r["causal"], r["mode"], r["method"]): r["ms"] for r in data["results"] if "ms" in r}
-    assert len(data["derived"]) == 8
+    by = {(*_shape(r), r["method"]): r["ms"] for r in data["results"] if "ms" in r}
+    assert len(data["derived"]) == 16  # 2 Hkv x (plain causal and not, 2 variants) x 2 modes
     for d in data["derived"]:
-        key = (d["S"], d["Hkv"], d["causal"], d["mode"])
+        key = _shape(d)
         ring = by[(*key, "ss-ring")]
         assert d["efficiency_vs_1gpu-ss"] == pytest.approx(by[(*key, "1gpu-ss")] / (2 * ring))
         assert d["ring_over_nocomm"] == pytest.approx(ring / by[(*key, "ss-ring-nocomm")])
@@ -92,7 +104,7 @@ def test_table_and_plots(bench):
 def test_derived_ratios_with_torch_cp_rows():
     """The GPU-only ratios, on made-up rows shaped like a GPU run's (no GPU needed)."""
     from splitsoftmax.bench.ring import derived, render, without_nproc
-    base = {"S": 32768, "Hkv": 8, "causal": True, "mode": "fwd", "P": 2}
+    base = {"S": 32768, "Hkv": 8, "variant": "plain", "causal": True, "mode": "fwd", "P": 2}
     rows = [base | {"method": "ss-ring", "ms": 6.0, "peak_gib": 1.0},
             base | {"method": "ss-ring-nocomm", "ms": 5.0, "peak_gib": 1.0},
             base | {"method": "torch-cp-flash-allgather", "ms": 10.0, "peak_gib": 2.0},
@@ -114,3 +126,22 @@ def test_derived_ratios_with_torch_cp_rows():
     text = render({"results": [r | {"tflops_per_gpu": 1.0} if "ms" in r else r for r in rows], "derived": [d]})
     assert "RuntimeError: refused" in text and "ring_over_torch_cp_best 0.750" in text
     assert without_nproc(["--nproc", "4", "--seqs", "64", "--nproc=2", "--out", "x"]) == ["--seqs", "64", "--out", "x"]
+
+
+@pytest.mark.parametrize("name,s,docs,window", [("documents", 64, 4, 16), ("documents", 70, 4, 16),
+                                                ("documents", 3, 4, 16), ("window", 64, 4, 16),
+                                                ("window", 50, 4, 1)])
+def test_variant_peer_mask_is_the_rule(name, s, docs, window):
+    """A variant's FlexAttention mask_mod and visible-pair count agree with the contract's rule for
+    splitsoftmax's keywords (``reference.variant_visible``), remainders and empty documents included."""
+    import argparse
+
+    import torch
+
+    from splitsoftmax import reference as ref
+    from splitsoftmax.bench.ring import Variant
+    v = Variant(name, s, argparse.Namespace(docs=docs, window=window))
+    i, j = torch.arange(s).view(s, 1), torch.arange(s).view(1, s)
+    want = ref.variant_visible(1, s, s, causal=True, **v.kw)[0]
+    assert torch.equal(v.mask_mod(0, 0, i, j), want)
+    assert v.pairs == int(want.sum())

@@ -15,14 +15,20 @@ Hkv, causal and not, forward and forward+backward, it times
 - ``1gpu-ss``, ``1gpu-sdpa-flash``, ``1gpu-sdpa-cudnn``: one GPU (rank 0's) on the full sequence;
   scaling efficiency is ``T_1gpu / (P * T_P)``;
 
-then split-KV decode across ranks (``schedule="tree"``, GQA 32/8, one query) against one GPU.
+Then the variants across the ranks (``--variants``; causal, every S and Hkv): ``documents``
+(``--docs`` equal packed documents, per-document zigzag shards) and ``window`` (``--window`` keys),
+``ss-ring`` and ``ss-allgather`` against ``torch-cp-flex`` (torch's context parallel over compiled
+FlexAttention with its context-parallel block mask, load balancing off as that mask requires) and
+``1gpu-ss`` / ``1gpu-flex`` on the full sequence; their TFLOP/s count the visible pairs.
+Then split-KV decode across ranks (``schedule="tree"``, GQA 32/8, one query) against one GPU.
 A correctness gate (sharded vs single-device output and gradients, float64 oracle) runs first.
 
 Times: CUDA events (``perf_counter`` on CPU), warm-up, then a rep count agreed by all ranks
 (``triton.testing.do_bench`` picks its own count on each rank, which would pair collectives of
 different reps); the median per rank, the slowest rank reported. Peak memory per rank is
 ``torch.cuda.max_memory_allocated`` (reset before each method, inputs are this rank's shards).
-TFLOP/s per GPU: forward ``4*B*H*S*S*D`` (halved when causal) ``/ P``, forward+backward 3.5x.
+TFLOP/s per GPU: forward ``4*B*H*D`` per visible (query, key) pair (``S*S``, about half of it
+causal) ``/ P``, forward+backward 3.5x.
 Rank 0 writes ``ring_p<P>.json`` and PNG plots to ``--out`` and prints a table. Without GPUs it
 runs the same harness at toy sizes on Gloo with the torch peers skipped, with the reason.
 """
@@ -170,11 +176,12 @@ class NoBulkTransfers(ss.distributed.Communicator):
         self.inner.wait(handles, step)
 
 
-def ss_methods(w: World, local: list, causal: bool, backward: bool, opts) -> list:
-    """(name, context manager factory) of splitsoftmax's sharded methods on zigzag shards."""
+def ss_methods(w: World, local: list, causal: bool, backward: bool, opts, kw: Optional[dict] = None) -> list:
+    """(name, context manager factory) of splitsoftmax's sharded methods on zigzag shards; ``kw``: a
+    variant's keywords."""
     def sharded_call(schedule, group):
         f = lambda q, k, v: ss.sharded_attention(q, k, v, causal=causal, group=group,  # noqa: E731
-                                                 schedule=schedule, layout="zigzag")
+                                                 schedule=schedule, layout="zigzag", **(kw or {}))
         return contextlib.nullcontext(step(f, local, backward))
 
     return [("ss-ring", lambda: sharded_call("ring", w.group)),
@@ -224,9 +231,10 @@ def torch_cp(w: World, full: Callable, causal: bool, backward: bool, rotate: str
     return make
 
 
-def one_gpu(w: World, full: Callable, causal: bool, backward: bool, backend: Optional[str]):
-    """Single-device attention on the full sequence (run on rank 0): splitsoftmax's, or SDPA under
-    ``backend``."""
+def one_gpu(w: World, full: Callable, causal: bool, backward: bool, backend: Optional[str],
+            kw: Optional[dict] = None):
+    """Single-device attention on the full sequence (run on rank 0): splitsoftmax's (with a
+    variant's keywords ``kw``), or SDPA under ``backend``."""
     @contextlib.contextmanager
     def make():
         if backend and not w.cuda:
@@ -236,12 +244,82 @@ def one_gpu(w: World, full: Callable, causal: bool, backward: bool, backend: Opt
             with sdpa_under(backend, causal) as attn:
                 yield step(attn, inputs, backward)
         else:
-            yield step(lambda q, k, v: ss.attention(q, k, v, causal=causal), inputs, backward)
+            yield step(lambda q, k, v: ss.attention(q, k, v, causal=causal, **(kw or {})), inputs, backward)
     return make
 
 
-def tflops(s: int, causal: bool, backward: bool, opts, parts: int, ms: float) -> float:
-    flops = 4 * opts.batch * opts.heads * s * s * opts.dim * (0.5 if causal else 1.0) * (3.5 if backward else 1.0)
+class Variant:
+    """A causal variant of the bench: its keywords for splitsoftmax, its rule as a FlexAttention
+    ``mask_mod``, and its visible (query, key) pairs."""
+
+    def __init__(self, name: str, s: int, opts):
+        self.name = name
+        if name == "documents":  # the last document takes the remainder of S
+            n, doc = opts.docs, max(1, s // opts.docs)
+            self.kw = {"cu_seqlens": [min(d * doc, s) for d in range(n)] + [s]}
+            self.mask_mod = lambda b, h, i, j: (i >= j) & ((i // doc).clamp(max=n - 1) == (j // doc).clamp(max=n - 1))
+            lens = [e - a for a, e in zip(self.kw["cu_seqlens"], self.kw["cu_seqlens"][1:])]
+            self.pairs = sum(m * (m + 1) // 2 for m in lens)
+        else:  # "window" (defaults() checks the names)
+            win = opts.window
+            self.kw = {"window_size": (win - 1, 0)}
+            self.mask_mod = lambda b, h, i, j: (i >= j) & (i - j < win)
+            self.pairs = sum(min(i + 1, win) for i in range(s))
+
+    def shard(self, w: World, t: torch.Tensor) -> torch.Tensor:
+        """This rank's zigzag shard of ``t`` (per document for ``documents``)."""
+        return ss.shard(t, 2, group=w.group, layout="zigzag", cu_seqlens=self.kw.get("cu_seqlens"))
+
+
+def flex_call(block_mask):
+    """Compiled FlexAttention under ``block_mask`` as ``attn(q, k, v)`` (GQA through ``enable_gqa``)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    flex = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def torch_cp_flex(w: World, full: Callable, backward: bool, s: int, variant: Variant):
+    """torch's context_parallel over FlexAttention with ``variant``'s mask on this rank's shards."""
+    @contextlib.contextmanager
+    def make():
+        if not w.nccl:
+            raise Skip("torch context parallel over FlexAttention needs CUDA and an NCCL group")
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.distributed.tensor.experimental._attention import _cp_options, create_cp_block_mask
+        if w.mesh is None:
+            w.mesh = init_device_mesh("cuda", (w.size,))
+        old = _cp_options.enable_load_balance
+        _cp_options.enable_load_balance = False  # the context-parallel block mask maps unbalanced shards
+        q, k, v = full()
+        try:
+            block = create_cp_block_mask(variant.mask_mod, q.shape[0], q.shape[1], s, s, w.mesh)
+            with context_parallel(w.mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
+                local = [t.clone() for t in (q, k, v)]
+                for t in (q, k, v):
+                    t.untyped_storage().resize_(0)
+                yield step(flex_call(block), local, backward)
+        finally:
+            _cp_options.enable_load_balance = old
+    return make
+
+
+def one_gpu_flex(w: World, full: Callable, backward: bool, s: int, variant: Variant):
+    """Compiled FlexAttention with ``variant``'s mask on the full sequence (run on rank 0)."""
+    @contextlib.contextmanager
+    def make():
+        if not w.cuda:
+            raise Skip("FlexAttention is timed on CUDA only")
+        from torch.nn.attention.flex_attention import create_block_mask
+        inputs = full()
+        block = create_block_mask(variant.mask_mod, None, None, s, s, device=w.device)
+        yield step(flex_call(block), inputs, backward)
+    return make
+
+
+def tflops(pairs: int, backward: bool, opts, parts: int, ms: float) -> float:
+    """TFLOP/s per GPU of ``pairs`` visible (query, key) pairs per head over ``parts`` GPUs."""
+    flops = 4 * opts.batch * opts.heads * pairs * opts.dim * (3.5 if backward else 1.0)
     return flops / parts / (ms * 1e-3) / 1e12
 
 
@@ -254,12 +332,17 @@ def full_inputs(w: World, s: int, hkv: int, opts, seed: int) -> Callable:
     return make
 
 
-def bench_shape(w: World, s: int, hkv: int, causal: bool, backward: bool, opts) -> list:
-    """Every method at one (S, Hkv, causal, mode); rows with derived TFLOP/s."""
+def bench_shape(w: World, s: int, hkv: int, causal: bool, backward: bool, opts,
+                variant: Optional[Variant] = None) -> list:
+    """Every method at one (S, Hkv, causal, mode), plain or (causal) under ``variant``; rows with
+    derived TFLOP/s."""
     full = full_inputs(w, s, hkv, opts, seed=s)
-    local = [ss.shard(t, 2, group=w.group, layout="zigzag") for t in full()]
-    methods = ss_methods(w, local, causal, backward, opts)
-    for backend in SDPA_BACKENDS:
+    kw = variant.kw if variant else None
+    local = [variant.shard(w, t) if variant else ss.shard(t, 2, group=w.group, layout="zigzag") for t in full()]
+    methods = ss_methods(w, local, causal, backward, opts, kw)
+    if variant:
+        methods.append(("torch-cp-flex", torch_cp_flex(w, full, backward, s, variant)))
+    for backend in () if variant else SDPA_BACKENDS:
         for rot in ("allgather", "alltoall"):
             name = f"torch-cp-{backend}-{rot}"
             methods.append((name, torch_cp(w, full, causal, backward, rot, True, backend)))
@@ -270,16 +353,21 @@ def bench_shape(w: World, s: int, hkv: int, causal: bool, backward: bool, opts) 
         w.say(f"  {name}")
         rows.append(run_method(w, name, make, opts) | {"P": w.size})
     del local
-    for backend in (None, *SDPA_BACKENDS):
-        name = f"1gpu-sdpa-{backend}" if backend else "1gpu-ss"
+    ones = [("1gpu-ss", one_gpu(w, full, causal, backward, None, kw))]
+    if variant:
+        ones.append(("1gpu-flex", one_gpu_flex(w, full, backward, s, variant)))
+    else:
+        ones += [(f"1gpu-sdpa-{b}", one_gpu(w, full, causal, backward, b)) for b in SDPA_BACKENDS]
+    for name, make in ones:
         w.say(f"  {name}")
-        rows.append(run_method(w, name, one_gpu(w, full, causal, backward, backend), opts, collective=False)
-                    | {"P": 1})
+        rows.append(run_method(w, name, make, opts, collective=False) | {"P": 1})
     w.barrier()
+    pairs = variant.pairs if variant else s * s * (0.5 if causal else 1.0)
     for r in rows:
-        r.update({"S": s, "Hkv": hkv, "causal": causal, "mode": "fwd+bwd" if backward else "fwd"})
+        r.update({"S": s, "Hkv": hkv, "variant": variant.name if variant else "plain", "causal": causal,
+                  "mode": "fwd+bwd" if backward else "fwd"})
         if "ms" in r:
-            r["tflops_per_gpu"] = tflops(s, causal, backward, opts, r["P"], r["ms"])
+            r["tflops_per_gpu"] = tflops(pairs, backward, opts, r["P"], r["ms"])
     return rows
 
 
@@ -287,10 +375,12 @@ def derived(rows: list, world: int) -> list:
     """Per shape: ring vs torch CP's best (over backends and rotate methods), scaling efficiency,
     the ring's communication overhead."""
     out = []
-    for key in sorted({(r["S"], r["Hkv"], r["causal"], r["mode"]) for r in rows}):
-        here = [r for r in rows if (r["S"], r["Hkv"], r["causal"], r["mode"]) == key and "ms" in r]
+    def shape(r):
+        return r["S"], r["Hkv"], r["variant"], r["causal"], r["mode"]
+    for key in sorted({shape(r) for r in rows}):
+        here = [r for r in rows if shape(r) == key and "ms" in r]
         ms = {r["method"]: r["ms"] for r in here}
-        d = {"S": key[0], "Hkv": key[1], "causal": key[2], "mode": key[3]}
+        d = dict(zip(("S", "Hkv", "variant", "causal", "mode"), key))
         cp = [r for r in here if r["method"].startswith("torch-cp")]
         if "ss-ring" in ms:
             ring = ms["ss-ring"]
@@ -299,7 +389,7 @@ def derived(rows: list, world: int) -> list:
                 peak = next(r.get("peak_gib") for r in here if r["method"] == "ss-ring")
                 if peak is not None and all("peak_gib" in r for r in cp):
                     d["ring_peak_over_torch_cp_least"] = peak / min(r["peak_gib"] for r in cp)
-            for base in ("1gpu-ss", *(f"1gpu-sdpa-{b}" for b in SDPA_BACKENDS)):
+            for base in ("1gpu-ss", "1gpu-flex", *(f"1gpu-sdpa-{b}" for b in SDPA_BACKENDS)):
                 if base in ms:
                     d[f"efficiency_vs_{base}"] = ms[base] / (world * ring)
             if "ss-ring-nocomm" in ms:
@@ -384,7 +474,7 @@ def meta(w: World, opts, argv: Sequence[str]) -> dict:
             "device": torch.cuda.get_device_name(w.device) if w.cuda else "cpu", "torch": torch.__version__,
             "triton": triton.__version__, "cuda": torch.version.cuda, "splitsoftmax": ss.__version__,
             "dtype": str(opts.dtype).replace("torch.", ""), "B": opts.batch, "H": opts.heads, "Hkv": opts.kv_heads,
-            "D": opts.dim,
+            "variants": opts.variants, "docs": opts.docs, "window": opts.window, "D": opts.dim,
             "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -404,6 +494,10 @@ def run(w: World, opts, argv: Sequence[str]) -> int:
                         w.say(f"S={s} Hkv={hkv} {'causal' if causal else 'non-causal'} "
                               f"{'fwd+bwd' if backward else 'fwd'}")
                         result["results"] += bench_shape(w, s, hkv, causal, backward, opts)
+                for name in opts.variants:
+                    for backward in opts.modes:
+                        w.say(f"S={s} Hkv={hkv} causal, {name} {'fwd+bwd' if backward else 'fwd'}")
+                        result["results"] += bench_shape(w, s, hkv, True, backward, opts, Variant(name, s, opts))
         result["derived"] = derived(result["results"], w.size)
         if opts.decode_keys:
             result["decode"] = decode(w, opts)
@@ -421,18 +515,19 @@ def run(w: World, opts, argv: Sequence[str]) -> int:
 
 def render(result: dict) -> str:
     """The short table: one line per method and shape, then the derived ratios and the decode."""
-    lines = [f"{'S':>7} {'Hkv':>4} {'causal':>6} {'mode':>7} {'method':<28} {'ms':>9} {'TFLOP/s/GPU':>11} "
-             f"{'peak GiB':>8}  note"]
+    lines = [f"{'S':>7} {'Hkv':>4} {'variant':>9} {'causal':>6} {'mode':>7} {'method':<28} {'ms':>9} "
+             f"{'TFLOP/s/GPU':>11} {'peak GiB':>8}  note"]
     for r in result["results"]:
         note = r.get("skipped") or r.get("error") or ""
         ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
         tf = f"{r['tflops_per_gpu']:11.1f}" if "ms" in r else f"{'-':>11}"
         peak = f"{r['peak_gib']:8.2f}" if "peak_gib" in r else f"{'-':>8}"
-        lines.append(f"{r['S']:>7} {r['Hkv']:>4} {str(r['causal']):>6} {r['mode']:>7} {r['method']:<28} {ms} {tf} "
-                     f"{peak}  {note[:60]}")
+        lines.append(f"{r['S']:>7} {r['Hkv']:>4} {r['variant']:>9} {str(r['causal']):>6} {r['mode']:>7} "
+                     f"{r['method']:<28} {ms} {tf} {peak}  {note[:60]}")
     for d in result.get("derived", []):
         vals = ", ".join(f"{k} {v:.3f}" for k, v in d.items() if isinstance(v, float))
-        lines.append(f"S={d['S']} Hkv={d['Hkv']} {'causal' if d['causal'] else 'non-causal'} {d['mode']}: {vals}")
+        lines.append(f"S={d['S']} Hkv={d['Hkv']} {d['variant']} {'causal' if d['causal'] else 'non-causal'} "
+                     f"{d['mode']}: {vals}")
     dec = result.get("decode")
     if dec:
         parts = [f"{r['method']} " + (f"{r['ms']:.3f} ms" if "ms" in r else str(r.get("skipped") or r.get("error")))
@@ -461,7 +556,8 @@ def plots(out_dir: str) -> list:
             fig, axes = plt.subplots(2, 2, figsize=(12, 8), squeeze=False)
             for i, mode in enumerate(("fwd", "fwd+bwd")):
                 for j, causal in enumerate((True, False)):
-                    ax, pts = axes[i][j], [r for r in data["results"] if (r["mode"], r["causal"]) == (mode, causal)]
+                    ax, pts = axes[i][j], [r for r in data["results"]
+                                           if (r["mode"], r["causal"], r["variant"]) == (mode, causal, "plain")]
                     for m, hkv in sorted({(r["method"], r["Hkv"]) for r in pts if key in r}):
                         xy = sorted((r["S"], r[key]) for r in pts if (r["method"], r["Hkv"]) == (m, hkv) and key in r)
                         ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=f"{m} Hkv={hkv}")
@@ -477,8 +573,9 @@ def plots(out_dir: str) -> list:
     for world, data in runs.items():
         for d in data.get("derived", []):
             if "efficiency_vs_1gpu-ss" in d:
-                series.setdefault(f"S={d['S']} Hkv={d['Hkv']} {'causal' if d['causal'] else 'full'} {d['mode']}",
-                                  []).append(
+                label = (f"S={d['S']} Hkv={d['Hkv']} {d['variant']} {'causal' if d['causal'] else 'full'} "
+                         f"{d['mode']}")
+                series.setdefault(label, []).append(
                     (world, d["efficiency_vs_1gpu-ss"]))
     for label, xy in sorted(series.items()):
         xy.sort()
@@ -495,10 +592,11 @@ def plots(out_dir: str) -> list:
 
 def defaults(opts, cuda: bool):
     """GPU shapes (PERF.md) or toy CPU shapes for whatever the user left unset."""
-    gpu = dict(seqs="32768,131072", heads=32, kv_heads="32,8", dim=128, dtype="bfloat16", decode_keys=1 << 20,
-               check_seq=2048, warmup=2, reps=10, min_reps=3, budget=1.5)
-    cpu = dict(seqs="64,128", heads=4, kv_heads="4,2", dim=32, dtype="float32", decode_keys=4096, check_seq=40,
-               warmup=1, reps=3, min_reps=2, budget=0.05)
+    gpu = dict(seqs="32768,131072", heads=32, kv_heads="32,8", variants="documents,window", docs=16, window=4096,
+               dim=128, dtype="bfloat16", decode_keys=1 << 20, check_seq=2048, warmup=2, reps=10, min_reps=3,
+               budget=1.5)
+    cpu = dict(seqs="64,128", heads=4, kv_heads="4,2", variants="documents,window", docs=4, window=16, dim=32,
+               dtype="float32", decode_keys=4096, check_seq=40, warmup=1, reps=3, min_reps=2, budget=0.05)
     for key, value in (gpu if cuda else cpu).items():
         if getattr(opts, key) is None:
             setattr(opts, key, value)
@@ -507,6 +605,11 @@ def defaults(opts, cuda: bool):
     bad = [h for h in opts.kv_heads if h < 1 or opts.heads % h]
     if bad:
         raise ValueError(f"--kv-heads must divide --heads ({opts.heads}), got {bad}")
+    opts.variants = [x for x in str(opts.variants).split(",") if x]
+    unknown = sorted(set(opts.variants) - {"documents", "window"})
+    if unknown or opts.docs < 1 or opts.window < 1:
+        raise ValueError(f"--variants takes documents and window, --docs and --window >= 1; got {unknown}, "
+                         f"{opts.docs}, {opts.window}")
     opts.causal = [True, False] if opts.causal is None else [opts.causal]
     opts.modes = [False] if opts.fwd_only else [False, True]
     opts.dtype = getattr(torch, opts.dtype)
@@ -524,6 +627,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-keys", type=int, default=None, help="keys of the split-KV decode (GPU: 1M; 0: skip)")
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--kv-heads", default=None, help="comma-separated key/value head counts (GPU: 32,8; GQA below H)")
+    p.add_argument("--variants", default=None, help="comma-separated causal variants across the ranks: documents, "
+                   "window (default both; empty: none)")
+    p.add_argument("--docs", type=int, default=None, help="equal packed documents of the documents variant (GPU: 16)")
+    p.add_argument("--window", type=int, default=None, help="keys of the window variant (GPU: 4096)")
     p.add_argument("--dim", type=int, default=None)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"))

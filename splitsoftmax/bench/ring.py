@@ -17,8 +17,8 @@ Hkv, causal and not, forward and forward+backward, it times
 
 Then the variants across the ranks (``--variants``; causal, every S and Hkv): ``documents``
 (``--docs`` equal packed documents, per-document zigzag shards) and ``window`` (``--window`` keys),
-``ss-ring`` and ``ss-allgather`` against ``torch-cp-flex`` (torch's context parallel over compiled
-FlexAttention with its context-parallel block mask, load balancing off as that mask requires) and
+``ss-ring`` and ``ss-allgather`` against ``torch-cp-flex`` (torch's context parallelism over compiled
+FlexAttention: its attention module wrapper and sharded block mask, no load balancing) and
 ``1gpu-ss`` / ``1gpu-flex`` on the full sequence; their TFLOP/s count the visible pairs.
 Then split-KV decode across ranks (``schedule="tree"``, GQA 32/8, one query) against one GPU.
 A correctness gate (sharded vs single-device output and gradients, float64 oracle) runs first.
@@ -271,37 +271,45 @@ class Variant:
         return ss.shard(t, 2, group=w.group, layout="zigzag", cu_seqlens=self.kw.get("cu_seqlens"))
 
 
-def flex_call(block_mask):
-    """Compiled FlexAttention under ``block_mask`` as ``attn(q, k, v)`` (GQA through ``enable_gqa``)."""
-    from torch.nn.attention.flex_attention import flex_attention
-    flex = torch.compile(flex_attention, dynamic=False)
-    return lambda q, k, v: flex(q, k, v, block_mask=block_mask, enable_gqa=k.shape[1] != q.shape[1])
-
-
 def torch_cp_flex(w: World, full: Callable, backward: bool, s: int, variant: Variant):
-    """torch's context_parallel over FlexAttention with ``variant``'s mask on this rank's shards."""
+    """torch's context parallelism over FlexAttention with ``variant``'s mask on this rank's shards:
+    the attention module parallelized with ``_ContextParallel`` (it all-gathers K and V), the
+    inputs and the block mask sharded by ``_context_parallel_shard`` (no load balancing)."""
     @contextlib.contextmanager
     def make():
         if not w.nccl:
             raise Skip("torch context parallel over FlexAttention needs CUDA and an NCCL group")
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import _cp_options, create_cp_block_mask
+        from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+        from torch.distributed.tensor.parallel import parallelize_module
+        from torch.nn.attention.flex_attention import create_block_mask
         if w.mesh is None:
             w.mesh = init_device_mesh("cuda", (w.size,))
-        old = _cp_options.enable_load_balance
-        _cp_options.enable_load_balance = False  # the context-parallel block mask maps unbalanced shards
-        q, k, v = full()
+        # _context_parallel_shard switches torch's module-wide CP settings: restored for the SDPA peers
+        mode, balance = cp._dispatch_mode, cp._cp_options.enable_load_balance
         try:
-            block = create_cp_block_mask(variant.mask_mod, q.shape[0], q.shape[1], s, s, w.mesh)
-            with context_parallel(w.mesh, buffers=[q, k, v], buffer_seq_dims=[2, 2, 2], no_restore_buffers={q, k, v}):
-                local = [t.clone() for t in (q, k, v)]
-                for t in (q, k, v):
-                    t.untyped_storage().resize_(0)
-                yield step(flex_call(block), local, backward)
+            block = create_block_mask(variant.mask_mod, None, None, s, s, device=w.device)
+            attn = parallelize_module(_Flex(), w.mesh, cp._ContextParallel(
+                seq_dim=2, attention_type=cp._ContextParallel.AttentionType.FLEX))
+            *local, local_block = cp._context_parallel_shard(w.mesh, [*full(), block], [2, 2, 2, 2])
+            yield step(lambda q, k, v: attn(q, k, v, None, local_block), local, backward)
         finally:
-            _cp_options.enable_load_balance = old
+            cp._dispatch_mode, cp._cp_options.enable_load_balance = mode, balance
     return make
+
+
+class _Flex(torch.nn.Module):
+    """Compiled FlexAttention as a module (what torch's context parallelism wraps), its arguments in
+    the order its input hook reads them; GQA through ``enable_gqa``."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.nn.attention.flex_attention import flex_attention
+        self.flex = torch.compile(flex_attention, dynamic=False)
+
+    def forward(self, query, key, value, score_mod, block_mask):
+        return self.flex(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                         enable_gqa=key.shape[1] != query.shape[1])
 
 
 def one_gpu_flex(w: World, full: Callable, backward: bool, s: int, variant: Variant):
@@ -313,7 +321,8 @@ def one_gpu_flex(w: World, full: Callable, backward: bool, s: int, variant: Vari
         from torch.nn.attention.flex_attention import create_block_mask
         inputs = full()
         block = create_block_mask(variant.mask_mod, None, None, s, s, device=w.device)
-        yield step(flex_call(block), inputs, backward)
+        flex = _Flex()
+        yield step(lambda q, k, v: flex(q, k, v, None, block), inputs, backward)
     return make
 
 

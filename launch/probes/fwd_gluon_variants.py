@@ -7,10 +7,17 @@
   variants on the Gluon forward (``configs.ATTN_FWD_GLUON_VARIANTS``) and on the Triton one; each
   result checked against float64 on 64 rows (at most 2x torch's bf16 error);
 - ``fb``: the same forward+backward;
-- ``plain``: the plain forward on this Gluon kernel against an earlier one
-  (``splitsoftmax/kernels/_prev_fwd_gluon.py``, a copy of it, when present): bit for bit, TFLOP/s;
-- ``short``: the plain causal forward at 1k-4k (B * S = 32k tokens) on both kernels.
+- ``plain``: the plain forward on this Gluon kernel against earlier ones: bit for bit or the largest
+  difference, TFLOP/s;
+- ``short``: the plain causal forward at 1k-4k (B * S = 32k tokens) on the Triton kernel and the
+  Gluon one.
+
+Earlier Gluon kernels, where a section names them: ``splitsoftmax/kernels/_probe_<tag>_fwd_gluon.py``
+(copies of an earlier ``attention_fwd_gluon.py`` with this one's arguments, ignored by git; carry
+them to the GPU machine), each launched as ``gluon-<tag>`` exactly as this tree launches its own.
 """
+import contextlib
+import importlib
 import os
 import sys
 
@@ -20,8 +27,40 @@ from helpers import bench, rec, run_sections
 from splitsoftmax.bench import attention_variants as V
 from splitsoftmax.kernels import attention as A
 from splitsoftmax.kernels import configs
+from splitsoftmax.kernels.launch import Launcher
 
 D = 128
+KERNELS = os.path.dirname(A.__file__)
+
+
+def _gluon_kernels():
+    """``gluon`` (this tree's Gluon kernel) and ``gluon-<tag>`` for each earlier copy beside it."""
+    tags = sorted(f[len("_probe_"):-len("_fwd_gluon.py")] for f in os.listdir(KERNELS)
+                  if f.startswith("_probe_") and f.endswith("_fwd_gluon.py"))
+    return ("gluon", *(f"gluon-{t}" for t in tags))
+
+
+_LAUNCHERS = {}
+
+
+@contextlib.contextmanager
+def kernel(name):
+    """Within it the forward runs on kernel ``name``: ``triton`` (every forward on the Triton kernel),
+    ``gluon`` (this tree's choice) or ``gluon-<tag>`` (an earlier Gluon kernel where this tree's
+    would run)."""
+    saved = (A._gluon_fwd_launcher, configs.ATTN_FWD_GLUON_MIN_SQ, configs.ATTN_FWD_GLUON_VARIANTS)
+    if name == "triton":
+        configs.ATTN_FWD_GLUON_MIN_SQ = (1 << 30, 1 << 30)
+        configs.ATTN_FWD_GLUON_VARIANTS = False
+    elif name != "gluon":
+        if name not in _LAUNCHERS:
+            module = importlib.import_module(f"splitsoftmax.kernels._probe_{name[len('gluon-'):]}_fwd_gluon")
+            _LAUNCHERS[name] = Launcher(module._attn_fwd_gluon)
+        A._gluon_fwd_launcher = lambda: _LAUNCHERS[name]
+    try:
+        yield
+    finally:
+        A._gluon_fwd_launcher, configs.ATTN_FWD_GLUON_MIN_SQ, configs.ATTN_FWD_GLUON_VARIANTS = saved
 
 
 def _variants(fb: bool):
@@ -33,41 +72,17 @@ def _variants(fb: bool):
     for name in ("causal", "documents", "window", "softcap"):
         flops = 4.0 * V.H * D * V.visible_pairs(name) * (3.5 if fb else 1.0)
         fn, _ = V.ss_fn(name, sinks)
-        for on in (True, False):
-            configs.ATTN_FWD_GLUON_VARIANTS = on
-            kernel = "gluon" if on else "triton"
-            with torch.no_grad():
-                err, bar = V._err(fn(q, k, v), q, k, v, name, rows, sinks)
-            if fb:
-                ms = bench(lambda: fn(*leaves).backward(dout))
-            else:
+        for which in ("triton", *_gluon_kernels()):
+            with kernel(which):
                 with torch.no_grad():
-                    ms = bench(lambda: fn(q, k, v))
-            rec("fb" if fb else "fwd", f"{name} {kernel}", ms, flops=flops, err=err, torch_err=bar,
+                    err, bar = V._err(fn(q, k, v), q, k, v, name, rows, sinks)
+                if fb:
+                    ms = bench(lambda: fn(*leaves).backward(dout))
+                else:
+                    with torch.no_grad():
+                        ms = bench(lambda: fn(q, k, v))
+            rec("fb" if fb else "fwd", f"{name} {which}", ms, flops=flops, err=err, torch_err=bar,
                 ok=bool(err <= 2 * bar + 1e-6))
-    configs.ATTN_FWD_GLUON_VARIANTS = True
-
-
-def _prev_run(q, k, v, causal):
-    """The plain forward on the previous Gluon kernel (its launch as ``attention`` made it)."""
-    from splitsoftmax.kernels import _prev_fwd_gluon as P
-    from splitsoftmax.kernels.attention_bwd_gluon import descriptor
-    b, h, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    bm, bn, warps, stages = configs.ATTN_TILES[("fwd_gluon", 2, d)]
-    out = A._empty_out(q, d, q.dtype)
-    lse = torch.empty((b, h, sq), dtype=torch.float32, device=q.device)
-    nb = configs.cdiv(sq, 2 * bm)
-    grid = (min(nb * b * h, A.sm_count(q)),)
-    ctr = torch.zeros(2, dtype=torch.int32, device=q.device)
-    gh = A.head_group(nb, b * h, q, causal, 2 * warps)
-
-    def run():
-        P._attn_fwd_gluon[grid](descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), out, lse, ctr,
-                                *out.stride()[:3], *lse.stride(), h, h // hkv, nb, b * h, sq, sk, 0,
-                                d ** -0.5 * 1.4426950408889634, gh, BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal,
-                                STAGES=stages, num_warps=warps, maxnreg=configs.ATTN_FWD_GLUON_MAXNREG)
-    return run, out, lse
 
 
 def plain():
@@ -80,31 +95,36 @@ def plain():
             return x.transpose(1, 2) if views else x.transpose(1, 2).contiguous()
         q, k, v = make(h), make(hkv), make(hkv)
         flops = 4.0 * b * h * D * (s * (s + 1) / 2 if causal else s * s)
-        new = lambda: A.attn_fwd(q, k, v, D ** -0.5, causal, 0, out_dtype=q.dtype)  # noqa: E731
-        o1, l1 = new()
-        extra = {}
-        if os.path.exists(os.path.join(os.path.dirname(A.__file__), "_prev_fwd_gluon.py")):
-            run, o0, l0 = _prev_run(q, k, v, causal)
-            run()
-            extra["bitwise"] = bool(torch.equal(o0, o1) and torch.equal(l0, l1))
-            rec("plain", f"{name} previous", bench(run), flops=flops)
-        rec("plain", f"{name} new", bench(new), flops=flops, **extra)
+        fn = lambda: A.attn_fwd(q, k, v, D ** -0.5, causal, 0, out_dtype=q.dtype)  # noqa: E731
+        outs = {}
+        for which in _gluon_kernels():
+            with kernel(which):
+                outs[which] = fn()
+                extra = {}
+                if which != "gluon":
+                    (o0, l0), (o1, l1) = outs[which], outs["gluon"]
+                    extra = {"bitwise": bool(torch.equal(o0, o1) and torch.equal(l0, l1)),
+                             "out_diff": (o0.float() - o1.float()).abs().max().item(),
+                             "lse_diff": (l0 - l1).abs().max().item()}
+                rec("plain", f"{name} {which}", bench(fn), flops=flops, **extra)
 
 
 def short():
-    """The plain causal forward at B * S = 32k tokens (H=16) on the Triton kernel and the Gluon one."""
+    """The plain causal forward at B * S = 32k tokens (H=16) on each kernel."""
     for s in (1024, 2048, 4096):
         q, k, v = (torch.randn(32768 // s, 16, s, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         flops = 4.0 * q.shape[0] * 16 * D * s * (s + 1) / 2
         outs = {}
-        for name, least in (("triton", (1 << 30, 1 << 30)), ("gluon", (0, 0))):
-            configs.ATTN_FWD_GLUON_MIN_SQ = least
-            fn = lambda: A.attn_fwd(q, k, v, D ** -0.5, True, 0, out_dtype=q.dtype)  # noqa: E731
-            outs[name] = fn()
-            rec("short", f"{s} causal B={q.shape[0]} {name}", bench(fn), flops=flops)
-        diff = (outs["triton"][0].double() - outs["gluon"][0].double()).abs().max().item()
-        print(f"short {s}: largest |gluon - triton| {diff:.2e}", flush=True)
-    configs.ATTN_FWD_GLUON_MIN_SQ = (1024, 4096)
+        for which in ("triton", *_gluon_kernels()):
+            with kernel(which):
+                if which != "triton":
+                    configs.ATTN_FWD_GLUON_MIN_SQ = (0, 0)
+                fn = lambda: A.attn_fwd(q, k, v, D ** -0.5, True, 0, out_dtype=q.dtype)  # noqa: E731
+                outs[which] = fn()
+                rec("short", f"{s} causal B={q.shape[0]} {which}", bench(fn), flops=flops)
+        for which in _gluon_kernels():
+            diff = (outs["triton"][0].double() - outs[which][0].double()).abs().max().item()
+            print(f"short {s}: largest |{which} - triton| {diff:.2e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -293,9 +293,14 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
         kb = _key_block(u, walk)
         if (kb >= c_first) & (kb < c_end):
             # a masked block: every product in turn; V through this consumer's guarded copy if it holds
-            # a NaN/Inf (GUARD)
+            # a NaN/Inf (GUARD), which is looked for while the score product runs
             k_t = _ws_take(k_ring, k_full, base + u, BLOCK_N, D, STAGES)
-            qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
+            qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+            v_t = _ws_take(v_ring, v_full, base + u, BLOCK_N, D, STAGES)
+            bad_v = False
+            if GUARD:
+                bad_v = _has_nonfinite(v_t, BLOCK_N, D, NW)
+            qk = warpgroup_mma_wait(0, deps=(qk, ))
             _ws_release(k_empty, base + u, STAGES)
             kj = kb * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
             ok = (kj[None, :] >= lo_r[:, None]) & (kj[None, :] < hi_r[:, None])
@@ -307,8 +312,7 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
             l_i = l_i * alpha + gl.sum(p_j, 1)
             m_i = m_new
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            v_t = _ws_take(v_ring, v_full, base + u, BLOCK_N, D, STAGES)
-            if GUARD and _has_nonfinite(v_t, BLOCK_N, D, NW):
+            if bad_v:
                 # a NaN/Inf value counts only for the rows that see it (p > 0)
                 bad = _guarded_copy(v_t, g_t, f_smem.index(C), BLOCK_N, D, NW, cols)
                 _ws_release(v_empty, base + u, STAGES)
@@ -336,15 +340,17 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
 
 @gluon.jit
 def _has_nonfinite(v_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
-    """Whether the shared ``[BLOCK_N, D]`` tile ``v_t`` holds a NaN or an infinity (one answer for
-    every thread), read 32 rows at a time."""
+    """Whether the shared ``[BLOCK_N, D]`` tile ``v_t`` (2-byte floats) holds a NaN or an infinity (one
+    answer for every thread), read 32 rows at a time: such a value's exponent bits are all set, the
+    largest any value's exponent field holds."""
     CH: gl.constexpr = 32
+    EXP: gl.constexpr = 0x7F80 if v_t.dtype == gl.bfloat16 else 0x7C00  # the exponent field's bits
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    worst = gl.zeros([CH], gl.int32, gl.SliceLayout(1, blocked))
+    top = gl.zeros([CH, D], gl.int16, blocked)
     for c in gl.static_range(BLOCK_N // CH):
         x = v_t.slice(c * CH, CH).load(blocked)  # [CH, D]
-        worst = gl.maximum(worst, gl.max(gl.where(gl.abs(x.to(gl.float32)) < float("inf"), 0, 1), 1))
-    return gl.max(worst, 0) > 0
+        top = gl.maximum(top, x.to(gl.int16, bitcast=True) & EXP)
+    return gl.max(gl.max(top, 1), 0) == EXP
 
 
 @gluon.jit

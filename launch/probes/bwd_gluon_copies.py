@@ -8,23 +8,20 @@ copies of an earlier ``attention_bwd_gluon.py``, ignored by git; carry them to t
 gradients of each compared with this tree's.
 """
 import contextlib
-import os
 import sys
 
 import torch
 
-from helpers import bench, rec, run_sections
+from helpers import bench, copy_tags, rec, run_sections
 from splitsoftmax.bench import attention_variants as V
 from splitsoftmax.kernels import attention_bwd_plain as P
 
 D = 128
-KERNELS = os.path.dirname(P.__file__)
 
 
 def _kernels():
-    tags = sorted(f[len("_probe_"):-len("_bwd_gluon.py")] for f in os.listdir(KERNELS)
-                  if f.startswith("_probe_") and f.endswith("_bwd_gluon.py"))
-    return ("dq", *(f"dq-{t}" for t in tags))
+    """``dq`` (this tree's dQ kernel) and ``dq-<tag>`` for each earlier copy beside it."""
+    return ("dq", *(f"dq-{t}" for t in copy_tags("bwd_gluon")))
 
 
 @contextlib.contextmanager

@@ -18,26 +18,22 @@ them to the GPU machine), each launched as ``gluon-<tag>`` exactly as this tree 
 """
 import contextlib
 import importlib
-import os
 import sys
 
 import torch
 
-from helpers import bench, rec, run_sections
+from helpers import bench, copy_tags, rec, run_sections
 from splitsoftmax.bench import attention_variants as V
 from splitsoftmax.kernels import attention as A
 from splitsoftmax.kernels import configs
 from splitsoftmax.kernels.launch import Launcher
 
 D = 128
-KERNELS = os.path.dirname(A.__file__)
 
 
 def _gluon_kernels():
     """``gluon`` (this tree's Gluon kernel) and ``gluon-<tag>`` for each earlier copy beside it."""
-    tags = sorted(f[len("_probe_"):-len("_fwd_gluon.py")] for f in os.listdir(KERNELS)
-                  if f.startswith("_probe_") and f.endswith("_fwd_gluon.py"))
-    return ("gluon", *(f"gluon-{t}" for t in tags))
+    return ("gluon", *(f"gluon-{t}" for t in copy_tags("fwd_gluon")))
 
 
 _LAUNCHERS = {}

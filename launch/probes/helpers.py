@@ -85,3 +85,11 @@ def run_sections(sections, argv):
     finally:
         with open(os.path.join(out, "probe.json"), "w") as f:
             json.dump(ROWS, f, indent=1)
+
+
+def copy_tags(module: str) -> list:
+    """The tags of the earlier copies of kernel module ``module`` (``splitsoftmax/kernels/_probe_<tag>_
+    <module>.py``, ignored by git) beside it, sorted."""
+    import splitsoftmax.kernels
+    here, end = os.path.dirname(splitsoftmax.kernels.__file__), f"_{module}.py"
+    return sorted(f[len("_probe_"):-len(end)] for f in os.listdir(here) if f.startswith("_probe_") and f.endswith(end))

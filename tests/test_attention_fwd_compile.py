@@ -134,3 +134,17 @@ def test_gluon_forward_grid(batch, tiles, persistent, monkeypatch):
     names = A._gluon_fwd_launcher().fn.arg_names
     nb, nbh = (args[names.index(n)] for n in ("NB", "NBH"))
     assert (nb, nbh) == (8, batch * 16)
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.bfloat16, "EXP_BITS_BF16"), (torch.float16, "EXP_BITS_FP16")])
+def test_exponent_bits_mark_exactly_the_nonfinite(dtype, name):
+    """The forward's NaN/Inf check of a masked block takes the largest ``bits & EXP`` of its values:
+    over every 2-byte pattern, ``bits & EXP == EXP`` exactly for the NaNs and infinities, and no
+    finite value's field reaches it (so the largest field equals it iff one of them is there)."""
+    from splitsoftmax.kernels import attention_fwd_gluon as G
+    exp = getattr(G, name).value
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    field = bits & exp
+    nonfinite = ~torch.isfinite(bits.view(dtype))
+    assert torch.equal(field == exp, nonfinite)
+    assert int(field[~nonfinite].max()) < exp and int(field.min()) >= 0

@@ -35,6 +35,11 @@ from .attention_bwd_gluon import (_batch_bounds, _doc_rows, _key_block, _mma_lay
                                   _thread_barrier, _tma_load, launch_order)
 
 
+# the exponent field of a 2-byte float, by dtype: all its bits set marks a NaN or an infinity
+EXP_BITS_BF16 = gl.constexpr(0x7F80)
+EXP_BITS_FP16 = gl.constexpr(0x7C00)
+
+
 @gluon.jit
 def _tanh_of(x, APPROX: gl.constexpr):
     """``tanh(x)``: the GPU's ``tanh.approx.f32`` where ``APPROX`` (as ``attn_mask.tanh``), else the
@@ -344,7 +349,7 @@ def _has_nonfinite(v_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr
     answer for every thread), read 32 rows at a time: such a value's exponent bits are all set, the
     largest any value's exponent field holds."""
     CH: gl.constexpr = 32
-    EXP: gl.constexpr = 0x7F80 if v_t.dtype == gl.bfloat16 else 0x7C00  # the exponent field's bits
+    EXP: gl.constexpr = EXP_BITS_BF16 if v_t.dtype == gl.bfloat16 else EXP_BITS_FP16
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
     top = gl.zeros([CH, D], gl.int16, blocked)
     for c in gl.static_range(BLOCK_N // CH):

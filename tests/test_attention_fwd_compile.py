@@ -75,9 +75,9 @@ def _compile(launched):
 @pytest.mark.parametrize("views", [False, True], ids=["contiguous", "views"])
 def test_gluon_forward_compiles_for_sm90(causal, views, monkeypatch):
     _, report = _compile(_launch(monkeypatch, causal, 1000, views))
-    # within the registers its warpgroups are given, the causal kernel spills a few scalars: the
-    # persistent loop's and a masked block's (148 bytes with Triton 3.6, 68 with 3.9); none full
-    assert spill_stores(report) <= (160 if causal else 0), report
+    # within the registers its warpgroups are given, the causal kernel spills a scalar or so (4 bytes
+    # with Triton 3.6, none with 3.9); none full
+    assert spill_stores(report) <= (16 if causal else 0), report
 
 
 VARIANTS = {
@@ -93,10 +93,10 @@ VARIANTS = {
 def test_gluon_forward_variants_compile_for_sm90(variant, monkeypatch):
     """The variants' masks take the Gluon forward too, and it compiles for sm_90 with each: within
     shared memory, products overlapped; the row bounds a masked block reads spill some more scalars
-    than the plain causal kernel (up to 236 bytes with Triton 3.6, 288 with 3.9: documents)."""
+    than the plain causal kernel (up to 132 bytes with Triton 3.6, 88 with 3.9: documents)."""
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON_VARIANTS", True)
     _, report = _compile(_launch(monkeypatch, True, 1000, True, mask=VARIANTS[variant]))
-    assert spill_stores(report) <= 320, report
+    assert spill_stores(report) <= 160, report
 
 
 def test_gluon_forward_variants_only_when_on(monkeypatch):

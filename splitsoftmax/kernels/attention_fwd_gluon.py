@@ -7,13 +7,14 @@ tensor cores take products in order), so the softmax of a block waits for both a
 cores idle while it runs. Here each of two consumer warpgroups (``BLOCK_M`` rows each of the
 program's ``2 * BLOCK_M``) issues ``S_j`` first and ``O += P_{j-1} V_{j-1}`` right after, waits for
 ``S_j`` alone and takes its softmax while ``P_{j-1} V_{j-1}`` runs; the rescale of ``O`` by
-``alpha_j`` follows that product. One producer warp streams Q, then K and V through rings of their
-own by TMA; each consumer releases a buffer (an mbarrier arrival) as soon as its product that read
-it is done, and nothing else ties the two consumers together, so that one's softmax runs beside the
-other's products. Key blocks that every row of the program's tile sees whole run pipelined like this;
-those crossing the diagonal or ``Sk`` run after them, every product in turn, masked; a V block
-there that holds a NaN/Inf is read through the consumer's own guarded copy: such a value reaches
-only the rows that see it (as ``attention._guarded_pv``).
+``alpha_j`` follows that product. One producer warpgroup streams Q, then K and V through rings of
+their own by TMA; each consumer releases a buffer (an mbarrier arrival) as soon as its product that
+read it is done, and nothing else ties the two consumers together, so that one's softmax runs beside
+the other's products. Key blocks that every row of the program's tile sees whole run pipelined like
+this; those crossing the diagonal or ``Sk`` run after them, every product in turn, masked. The
+producer looks at each masked block's V before handing it on: a NaN/Inf there is replaced by 0 and
+its key flagged, and the rows that see a flagged key are made NaN, so such a value reaches only the
+rows that see it (as ``attention._guarded_pv``).
 
 The variants' masks (splitsoftmax.mask: a window's lower edge, ``kv_range``, ``q_offset``, document
 rows; softcapped scores) take the same route: each tile of ``2 * BLOCK_M`` rows walks the key blocks
@@ -126,14 +127,17 @@ def _ws_producer(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.cons
     """Takes the program's tiles from the launch's counter and hands each on (``_post_tile``); for
     each, Q's two halves, each once its consumer is done with the last tile's, then K and V of the
     tile's key blocks in its walk's order (``_tile_walk``), each into its ring's next buffer once
-    both consumers have released it (the rings run on across tiles). The program that takes the
-    counter past the tiles last zeroes it."""
-    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
-     v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
-     diag, qk_scale) = p
-    rows: gl.constexpr = gl.BlockedLayout([2 * BLOCK_M // 32], [32], [1], [0])  # [2 * BLOCK_M] in one warp
+    both consumers have released it (the rings run on across tiles); a masked block's V is handed on
+    once ``_guard_v`` has looked at it. The program that takes the counter past the tiles last zeroes
+    it."""
+    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, a_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
+     v_empty, v_land, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH,
+     GH, Sq, Sk, diag, qk_scale) = p
+    rows: gl.constexpr = gl.BlockedLayout([2 * BLOCK_M // 128], [32], [4], [0])  # [2 * BLOCK_M], 4 warps
+    GUARD: gl.constexpr = CAUSAL or WINDOW or KV_RANGE or ROW_BOUNDS  # masked blocks may hide keys inside Sk
     it = 0
     base = 0
+    n_guarded = 0
     t = gl.atomic_add(CTR, 1)
     _post_tile(tile_ids, id_full, id_empty, t, it)
     while t < NB * NBH:
@@ -153,8 +157,20 @@ def _ws_producer(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.cons
             mbarrier.expect(k_full.index(s), BLOCK_N * D * 2)
             _tma_load(k_desc, [b, kvh, n0, 0], k_full.index(s), k_ring.index(s))
             mbarrier.wait(v_empty.index(s), phase)
-            mbarrier.expect(v_full.index(s), BLOCK_N * D * 2)
-            _tma_load(v_desc, [b, kvh, n0, 0], v_full.index(s), v_ring.index(s))
+            if GUARD:
+                if j - base >= walk[4]:  # a masked block: its V looked at here, not by the consumers
+                    mbarrier.expect(v_land.index(0), BLOCK_N * D * 2)
+                    _tma_load(v_desc, [b, kvh, n0, 0], v_land.index(0), v_ring.index(s))
+                    mbarrier.wait(v_land.index(0), n_guarded & 1)
+                    n_guarded += 1
+                    _guard_v(v_ring.index(s).reshape([BLOCK_N, D]), a_smem.index(s), f_smem.index(s), BLOCK_N, D)
+                    mbarrier.arrive(v_full.index(s), count=1)
+                else:
+                    mbarrier.expect(v_full.index(s), BLOCK_N * D * 2)
+                    _tma_load(v_desc, [b, kvh, n0, 0], v_full.index(s), v_ring.index(s))
+            else:
+                mbarrier.expect(v_full.index(s), BLOCK_N * D * 2)
+                _tma_load(v_desc, [b, kvh, n0, 0], v_full.index(s), v_ring.index(s))
         it += 1
         base += T
         t = gl.atomic_add(CTR, 1)
@@ -170,8 +186,9 @@ def _post_tile(tile_ids, id_full, id_empty, t, it):
     ``tile_ids``, once both have read what it held."""
     s = it % 2
     mbarrier.wait(id_empty.index(s), ((it // 2) & 1) ^ 1)
-    one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     tile_ids.index(s).store(gl.full([1], t, gl.int32, one))
+    _thread_barrier()  # written before the one arrival
     mbarrier.arrive(id_full.index(s), count=1)
 
 
@@ -216,9 +233,9 @@ def _ws_consumer(p, mk, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
                  Q_OFFSET: gl.constexpr, ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr,
                  SOFTCAP_APPROX: gl.constexpr):
     """Rows ``C * BLOCK_M + [0, BLOCK_M)`` of each tile the producer hands over, until one past the last."""
-    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
-     v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
-     diag, qk_scale) = p
+    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, a_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
+     v_empty, v_land, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH,
+     GH, Sq, Sk, diag, qk_scale) = p
     rows: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # [2 * BLOCK_M] in the warpgroup
     it = 0
     base = 0
@@ -244,9 +261,9 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
     ``_tile_walk``; block ``u`` of the walk is the rings' ``base + u``): those the whole tile sees
     pipelined, then the others masked, those none of these rows sees released unread; ``bounds``:
     the batch element's (:func:`_element_bounds`)."""
-    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
-     v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq, Sk,
-     diag, qk_scale) = p
+    (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, a_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
+     v_empty, v_land, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH,
+     GH, Sq, Sk, diag, qk_scale) = p
     _, _, ROWS_T, _, _, _, s_r, _, cap_in, cap_out = mk
     cap = (cap_in, cap_out)
     NW: gl.constexpr = 4
@@ -293,19 +310,13 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
         v_t = _ws_take(v_ring, v_full, base + n_in - 1, BLOCK_N, D, STAGES)
         acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)
         _ws_release(v_empty, base + n_in - 1, STAGES)
-    g_t = g_smem.index(C)
     for u in range(n_in, T):
         kb = _key_block(u, walk)
         if (kb >= c_first) & (kb < c_end):
-            # a masked block: every product in turn; V through this consumer's guarded copy if it holds
-            # a NaN/Inf (GUARD), which is looked for while the score product runs
+            # a masked block: every product in turn; its V as the producer left it (GUARD: a NaN/Inf
+            # replaced by 0 and flagged, ``_guard_v``), the rows that see a flagged key made NaN
             k_t = _ws_take(k_ring, k_full, base + u, BLOCK_N, D, STAGES)
-            qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-            v_t = _ws_take(v_ring, v_full, base + u, BLOCK_N, D, STAGES)
-            bad_v = False
-            if GUARD:
-                bad_v = _has_nonfinite(v_t, BLOCK_N, D, NW)
-            qk = warpgroup_mma_wait(0, deps=(qk, ))
+            qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
             _ws_release(k_empty, base + u, STAGES)
             kj = kb * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
             ok = (kj[None, :] >= lo_r[:, None]) & (kj[None, :] < hi_r[:, None])
@@ -317,16 +328,16 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
             l_i = l_i * alpha + gl.sum(p_j, 1)
             m_i = m_new
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-            if bad_v:
-                # a NaN/Inf value counts only for the rows that see it (p > 0)
-                bad = _guarded_copy(v_t, g_t, f_smem.index(C), BLOCK_N, D, NW, cols)
-                _ws_release(v_empty, base + u, STAGES)
-                hit = gl.sum(gl.where(bad[None, :], p_j, 0.0), 1) > 0
-                acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), g_t, acc)
-                acc = gl.where(gl.convert_layout(hit, o_rows)[:, None], float("nan"), acc)
-            else:
-                acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)
-                _ws_release(v_empty, base + u, STAGES)
+            v_t = _ws_take(v_ring, v_full, base + u, BLOCK_N, D, STAGES)
+            acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)
+            if GUARD:
+                slot = (base + u) % STAGES
+                if _flag(a_smem.index(slot)) != 0:
+                    # a NaN/Inf value counts only for the rows that see it (p > 0)
+                    bad = f_smem.index(slot).load(cols) != 0
+                    hit = gl.sum(gl.where(bad[None, :], p_j, 0.0), 1) > 0
+                    acc = gl.where(gl.convert_layout(hit, o_rows)[:, None], float("nan"), acc)
+            _ws_release(v_empty, base + u, STAGES)
         else:  # the other consumer's block: released in turn, unread
             _ws_take(k_ring, k_full, base + u, BLOCK_N, D, STAGES)
             _ws_release(k_empty, base + u, STAGES)
@@ -344,35 +355,38 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
 
 
 @gluon.jit
-def _has_nonfinite(v_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr):
-    """Whether the shared ``[BLOCK_N, D]`` tile ``v_t`` (2-byte floats) holds a NaN or an infinity (one
-    answer for every thread), read 32 rows at a time: such a value's exponent bits are all set, the
-    largest any value's exponent field holds."""
-    CH: gl.constexpr = 32
+def _guard_v(v_t, a_t, f_t, BLOCK_N: gl.constexpr, D: gl.constexpr):
+    """The producer's look at a masked block's V, landed in the shared ``[BLOCK_N, D]`` tile
+    ``v_t`` (2-byte floats), before any consumer reads it: ``a_t [1]`` says whether it holds a NaN or
+    an infinity (all bits of such a value's exponent field are set, the largest any value's field
+    holds); if so each is replaced by 0 in place, ready for the tensor cores, and ``f_t [BLOCK_N]``
+    marks the keys that held one. A few rows at a time, within the producer's registers."""
     EXP: gl.constexpr = EXP_BITS_BF16 if v_t.dtype == gl.bfloat16 else EXP_BITS_FP16
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
+    NW: gl.constexpr = 4
+    TPR: gl.constexpr = 32 if D >= 256 else D // 8  # threads per row, 8 values each
+    CH: gl.constexpr = 8  # rows per read: the period of the tile's swizzle
+    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPR, TPR], [NW, 1], [1, 0])
     top = gl.zeros([CH, D], gl.int16, blocked)
     for c in gl.static_range(BLOCK_N // CH):
         x = v_t.slice(c * CH, CH).load(blocked)  # [CH, D]
         top = gl.maximum(top, x.to(gl.int16, bitcast=True) & EXP)
-    return gl.max(gl.max(top, 1), 0) == EXP
+    bad = gl.max(gl.max(top, 1), 0) == EXP
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [NW], [0])
+    a_t.store(gl.zeros([1], gl.int32, one) + bad.to(gl.int32))
+    if bad:
+        for c in gl.static_range(BLOCK_N // CH):
+            x = v_t.slice(c * CH, CH).load(blocked)  # [CH, D]
+            finite = gl.abs(x.to(gl.float32)) < float("inf")
+            v_t.slice(c * CH, CH).store(gl.where(finite, x, gl.zeros_like(x)))
+            f_t.slice(c * CH, CH).store(gl.max(gl.where(finite, 0, 1), 1))
+        fence_async_shared()  # the zeros, before the tensor cores read the tile
+    _thread_barrier()  # every warp's part is written before the producer's one arrival
 
 
 @gluon.jit
-def _guarded_copy(v_t, g_t, f_t, BLOCK_N: gl.constexpr, D: gl.constexpr, NW: gl.constexpr, cols: gl.constexpr):
-    """``g_t = v_t`` with every NaN/Inf replaced by 0 (``[BLOCK_N, D]`` shared tiles, 32 rows at a
-    time), ready for the tensor cores in every warp; returns which keys held one (``[BLOCK_N]`` in
-    layout ``cols``, through the shared ``f_t [BLOCK_N]``)."""
-    CH: gl.constexpr = 32
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [NW, 1], [1, 0])
-    for c in gl.static_range(BLOCK_N // CH):
-        x = v_t.slice(c * CH, CH).load(blocked)  # [CH, D]
-        finite = gl.abs(x.to(gl.float32)) < float("inf")
-        g_t.slice(c * CH, CH).store(gl.where(finite, x, gl.zeros_like(x)))
-        f_t.slice(c * CH, CH).store(gl.max(gl.where(finite, 0, 1), 1))
-    fence_async_shared()
-    _thread_barrier()
-    return f_t.load(cols) > 0
+def _flag(a_t):
+    """The producer's ``[1]`` flag ``a_t`` as one value for every thread of a warpgroup."""
+    return gl.max(a_t.load(gl.BlockedLayout([1], [32], [4], [0])), 0)
 
 
 @gluon.jit
@@ -404,7 +418,7 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, KVR, QOFF, ROWS, s_ob, 
     queries by ``NBH = B * H`` heads, in ``_tile_of``'s order) one at a time from the counter
     ``CTR`` (two int32, zero at launch and left zero), each program running on while its next tile's
     Q, K and V stream in; ``P`` up to the number of tiles. ``num_warps = 4`` (the first consumer),
-    plus the second consumer's 4 and the producer's 1. ``q_desc`` reads ``BLOCK_M`` rows, ``k_desc``
+    plus the second consumer's 4 and the producer's 4. ``q_desc`` reads ``BLOCK_M`` rows, ``k_desc``
     and ``v_desc`` ``BLOCK_N``; ``O`` has unit last stride; ``qk_scale`` is the scale times log2(e).
     The mask's fields (``attn_mask.kernel_mask``; read where their flag is set): the window's lower
     edge ``lo`` (``WINDOW``), ``KVR (B, 2)`` (``KV_RANGE``, strides ``s_kvb, s_kvc``), ``QOFF (B,)``
@@ -414,9 +428,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, KVR, QOFF, ROWS, s_ob, 
     q_smem = gl.allocate_shared_memory(dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_ring = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_ring = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    g_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], dtype)
-    g_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, D], g_layout)
-    f_smem = gl.allocate_shared_memory(gl.int32, [2, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    a_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    f_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BLOCK_N], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -426,6 +439,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, KVR, QOFF, ROWS, s_ob, 
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_land = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(v_land.index(0), count=1)
     for c in gl.static_range(2):
         mbarrier.init(q_full.index(c), count=1)
         mbarrier.init(q_empty.index(c), count=1)
@@ -436,16 +451,17 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, KVR, QOFF, ROWS, s_ob, 
         mbarrier.init(v_full.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
-    p = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, g_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
-         v_empty, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH, GH, Sq,
-         Sk, diag, qk_scale)
+    p = (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, a_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
+         v_empty, v_land, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH,
+         GH, Sq, Sk, diag, qk_scale)
     mk = (KVR, QOFF, ROWS, s_kvb, s_kvc, s_off, s_r, lo, cap_in, cap_out)
-    # workers: the second consumer (4 warps) and the producer (1), given the registers asked for each
-    # (setmaxnreg) out of the launch's maxnreg per thread; the first consumer keeps the rest.
+    # workers: the second consumer (4 warps) and the producer (4, for its reads of masked blocks' V),
+    # given the registers asked for each (setmaxnreg) out of the launch's maxnreg per thread; the first
+    # consumer keeps the rest.
     gl.warp_specialize([
         (_ws_consumer0, (p, mk, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
                          SOFTCAP_APPROX)),
         (_ws_consumer1, (p, mk, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
                          SOFTCAP_APPROX)),
         (_ws_producer, (p, mk, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS)),
-    ], [4, 1], [240, 24])
+    ], [4, 4], [240, 24])

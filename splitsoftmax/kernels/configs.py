@@ -14,8 +14,10 @@ ATTN_TILES = {
     ("fwd", 2, 128): (128, 128, 8, 3),   # H200 sweep: 504/474 TFLOP/s at S=8k full/causal
     # ... or, on sm_90 (ATTN_FWD_GLUON), the Gluon kernel's: each consumer's (BLOCK_M, BLOCK_N, 4, STAGES
     # buffers each of K and V). H200, TFLOP/s at 8k full / 32k full / 8k causal: 64x128 s2 611 / 640 /
-    # 548, 64x64 s4 537 / 557 / 515 (launch/probes/attention_fwd_gluon.py)
-    ("fwd_gluon", 2, 128): (64, 128, 4, 2),
+    # 548, 64x64 s4 537 / 557 / 515 (launch/probes/attention_fwd_gluon.py); 3 buffers since the
+    # consumers' guarded copies left shared memory: 2k causal 458 against 442, 16 documents of 2k 439
+    # against 425 (BENCHMARKS.md, "The forward in Gluon", F11)
+    ("fwd_gluon", 2, 128): (64, 128, 4, 3),
     ("fwd", 2, 256): (64, 64, 8, 2),
     ("fwd", 4, 64): (16, 32, 4, 2),
     ("fwd", 4, 256): (16, 16, 4, 2),     # float32 runs exact (no tf32) FMA products: small tiles

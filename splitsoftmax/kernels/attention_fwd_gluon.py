@@ -157,17 +157,16 @@ def _ws_producer(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.cons
             mbarrier.expect(k_full.index(s), BLOCK_N * D * 2)
             _tma_load(k_desc, [b, kvh, n0, 0], k_full.index(s), k_ring.index(s))
             mbarrier.wait(v_empty.index(s), phase)
+            masked = False
             if GUARD:
-                if j - base >= walk[4]:  # a masked block: its V looked at here, not by the consumers
-                    mbarrier.expect(v_land.index(0), BLOCK_N * D * 2)
-                    _tma_load(v_desc, [b, kvh, n0, 0], v_land.index(0), v_ring.index(s))
-                    mbarrier.wait(v_land.index(0), n_guarded & 1)
-                    n_guarded += 1
-                    _guard_v(v_ring.index(s).reshape([BLOCK_N, D]), a_smem.index(s), f_smem.index(s), BLOCK_N, D)
-                    mbarrier.arrive(v_full.index(s), count=1)
-                else:
-                    mbarrier.expect(v_full.index(s), BLOCK_N * D * 2)
-                    _tma_load(v_desc, [b, kvh, n0, 0], v_full.index(s), v_ring.index(s))
+                masked = j - base >= walk[4]
+            if masked:  # a masked block: its V looked at here, not by the consumers
+                mbarrier.expect(v_land.index(0), BLOCK_N * D * 2)
+                _tma_load(v_desc, [b, kvh, n0, 0], v_land.index(0), v_ring.index(s))
+                mbarrier.wait(v_land.index(0), n_guarded & 1)
+                n_guarded += 1
+                _guard_v(v_ring.index(s).reshape([BLOCK_N, D]), a_smem.index(s), f_smem.index(s), BLOCK_N, D)
+                mbarrier.arrive(v_full.index(s), count=1)
             else:
                 mbarrier.expect(v_full.index(s), BLOCK_N * D * 2)
                 _tma_load(v_desc, [b, kvh, n0, 0], v_full.index(s), v_ring.index(s))

@@ -1,11 +1,14 @@
-"""Probe of the Gluon dQ kernel against earlier copies of it, on one H200.
+"""Probe of the Gluon backward kernels against other copies of them, on one H200.
 
-``PYTHONPATH=. python3 launch/probes/bwd_gluon_copies.py OUTDIR [fb]``: forward+backward TFLOP/s of
-``ss.attention`` (bf16, D=128) at short causal rows, the model's GQA layer and the variant rows of
-``bench attention`` (``splitsoftmax.bench.attention_variants``), the dQ kernel from this tree
-(``dq``) and from each ``splitsoftmax/kernels/_probe_<tag>_bwd_gluon.py`` beside it (``dq-<tag>``:
-copies of an earlier ``attention_bwd_gluon.py``, ignored by git; carry them to the GPU machine), the
-gradients of each compared with this tree's.
+``PYTHONPATH=. python3 launch/probes/bwd_gluon_copies.py OUTDIR [fb,prof]``: ``fb``, forward+backward TFLOP/s of
+``ss.attention`` (bf16, D=128) at short causal rows (B * S = 32k tokens, H=16), the model's GQA
+layer and the variant rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``), with
+this tree's kernels (``tree``), with a setting of theirs changed (``_SETTINGS``) and with each copy
+beside them: ``dq-<tag>`` runs the dQ kernel of
+``splitsoftmax/kernels/_probe_<tag>_bwd_gluon.py``, ``kv-<tag>`` the dK/dV kernel of
+``_probe_<tag>_bwd_kv_ws.py`` (copies of ``attention_bwd_gluon.py`` / ``attention_bwd_kv_ws.py``,
+ignored by git; carry them to the GPU machine); the gradients of each compared with this tree's;
+``prof``, the device time per kernel of one forward+backward with each.
 """
 import contextlib
 import sys
@@ -15,44 +18,114 @@ import torch
 from helpers import bench, copy_tags, rec, run_sections
 from splitsoftmax.bench import attention_variants as V
 from splitsoftmax.kernels import attention_bwd_plain as P
+from splitsoftmax.kernels import configs
 
 D = 128
 
 
+_COPIES = {"dq": ("_attn_bwd_q_gluon", "bwd_gluon"), "kv": ("_attn_bwd_kv_ws", "bwd_kv_ws")}
+# this tree's kernels with a setting of theirs changed: name -> (configs attribute, value)
+_SETTINGS = {"kv-one-per-block": ("ATTN_BWD_KV_WS_PERSISTENT", False)}
+
+
 def _kernels():
-    """``dq`` (this tree's dQ kernel) and ``dq-<tag>`` for each earlier copy beside it."""
-    return ("dq", *(f"dq-{t}" for t in copy_tags("bwd_gluon")))
+    """``tree`` (this tree's kernels), the settings of ``_SETTINGS``, then ``dq-<tag>`` / ``kv-<tag>``
+    for each copy beside them."""
+    return ("tree", *_SETTINGS, *(f"{k}-{t}" for k, (_, module) in _COPIES.items() for t in copy_tags(module)))
 
 
 @contextlib.contextmanager
 def kernel(name):
-    """Within it the dQ kernel is ``name``'s."""
-    saved = P._GLUON_MODULES["_attn_bwd_q_gluon"]
-    if name != "dq":
-        P._GLUON_MODULES["_attn_bwd_q_gluon"] = f"_probe_{name[len('dq-'):]}_bwd_gluon"
+    """Within it the kernel that copy ``name`` replaces is the copy's (or the setting is changed)."""
+    saved = dict(P._GLUON_MODULES)
+    setting = _SETTINGS.get(name)
+    was = getattr(configs, setting[0]) if setting else None
+    if setting:
+        setattr(configs, *setting)
+    elif name != "tree":
+        which, tag = name.split("-", 1)
+        fn, module = _COPIES[which]
+        P._GLUON_MODULES[fn] = f"_probe_{tag}_{module}"
     P._gluon_launcher.cache_clear()
     try:
         yield
     finally:
-        P._GLUON_MODULES["_attn_bwd_q_gluon"] = saved
+        P._GLUON_MODULES.update(saved)
+        if setting:
+            setattr(configs, setting[0], was)
         P._gluon_launcher.cache_clear()
 
 
+def _step(fn, leaves, dout):
+    """One forward+backward of ``fn`` with fresh gradients (none accumulated): the gradients."""
+    for t in leaves:
+        t.grad = None
+    fn(*leaves).backward(dout)
+    return [t.grad for t in leaves]
+
+
 def _time(group, name, fn, leaves, dout, flops):
+    """Each kernel's gradients against the tree's (two calls each: the tree's also against
+    themselves), then its time, the kernels in turn twice over."""
     grads = {}
     for which in _kernels():
         with kernel(which):
-            for t in leaves:
-                t.grad = None
-            fn(*leaves).backward(dout)
-            grads[which] = [t.grad.clone() for t in leaves]
-            same = all(torch.equal(a, b) for a, b in zip(grads[which], grads["dq"]))
-            rec(group, f"{name} {which}", bench(lambda: fn(*leaves).backward(dout)), flops=flops, same_grads=same)
+            grads[which] = [g.clone() for g in _step(fn, leaves, dout)]
+            again = _step(fn, leaves, dout)
+            print(f"{group} {name} {which}: the same gradients twice: "
+                  f"{all(torch.equal(a, b) for a, b in zip(again, grads[which]))}", flush=True)
+    for _ in range(2):
+        for which in _kernels():
+            with kernel(which):
+                same = [torch.equal(a, b) for a, b in zip(grads[which], grads["tree"])]
+                rec(group, f"{name} {which}", bench(lambda: _step(fn, leaves, dout)), flops=flops,
+                    same_grads=all(same), same_qkv=same)
+
+
+def _profile(group, name, step, flops):
+    """Record the device time per kernel of ``step`` (torch profiler, 10 steps after 3)."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as p:
+        for _ in range(10):
+            step()
+        torch.cuda.synchronize()
+    rows = sorted(((e.key, e.device_time_total / 10) for e in p.key_averages() if e.device_time_total > 0),
+                  key=lambda r: -r[1])
+    print(f"{group} {name}: {sum(t for _, t in rows):.0f} us: " + "; ".join(f"{k[:40]} {t:.0f}" for k, t in rows[:6]),
+          flush=True)
+    rec(group, name, sum(t for _, t in rows) / 1e3, flops=flops, kernels=rows[:8])
+
+
+def prof():
+    """Device time per kernel of one forward+backward, each kernel choice and SDPA cuDNN, at 1k and
+    2k causal (B * S = 32k tokens, H=16) and the documents row (cuDNN: not run)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import splitsoftmax as ss
+    cases = [(f"{s // 1024}k causal", 32768 // s, s, {}) for s in (1024, 2048)]
+    cases.append(("documents", 1, V.S, {"cu_seqlens": list(range(0, V.S + 1, V.S // V.DOCS))}))
+    for label, b, s, kw in cases:
+        leaves = [torch.randn(b, 16, s, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
+        dout = torch.randn_like(leaves[0])
+        flops = 3.5 * 4.0 * 16 * D * (V.visible_pairs("documents") if kw else b * s * (s + 1) / 2)
+        for which in _kernels():
+            with kernel(which):
+                _profile("prof", f"{label} {which}", lambda: _step(lambda *x: ss.attention(*x, causal=True, **kw),
+                                                                    leaves, dout), flops)
+        if not kw:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                _profile("prof", f"{label} cudnn", lambda: _step(lambda *x: F.scaled_dot_product_attention(
+                    *x, is_causal=True), leaves, dout), flops)
 
 
 def fb():
     import splitsoftmax as ss
-    for label, b, h, hkv, s in (("2k causal B=16", 16, 16, 16, 2048), ("1 x 8k causal GQA 16/4 views", 1, 16, 4, 8192)):
+    shapes = [(f"{s // 1024}k causal B={32768 // s}", 32768 // s, 16, 16, s) for s in (1024, 2048, 4096)]
+    for label, b, h, hkv, s in shapes + [("1 x 8k causal GQA 16/4 views", 1, 16, 4, 8192)]:
         q = torch.randn(b, s, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
         k, v = (torch.randn(b, s, hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
                 for _ in range(2))
@@ -66,7 +139,7 @@ def fb():
 
 
 if __name__ == "__main__":
-    run_sections({"fb": fb}, sys.argv)
+    run_sections({"fb": fb, "prof": prof}, sys.argv)
     print("\nsummary (TFLOP/s)")
     for r in __import__("helpers").ROWS:
         if "tflops" in r:

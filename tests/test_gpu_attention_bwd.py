@@ -172,6 +172,29 @@ def test_deterministic_is_bitwise_and_atomic_agrees(monkeypatch):
         torch.testing.assert_close(f, g, rtol=1e-4, atol=1e-4 * g.abs().max().item())
 
 
+def test_deterministic_algorithms_repeat_bit_for_bit():
+    """Under ``torch.use_deterministic_algorithms(True)`` the backward takes the Triton pair, not the
+    Gluon kernels (the warp-specialized dK/dV kernel's dK/dV were seen to differ between two calls on
+    the same inputs, 2k causal rows, 16 heads): three forward+backward calls of ``ss.attention`` on
+    the same (B, S, H, D) inputs give the same gradients bit for bit."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    b, s, h, d = 16, 2048, 16, 128
+    leaves = [torch.randn(b, s, h, d, device=DEV, dtype=BF16, requires_grad=True) for _ in range(3)]
+    q, k, v = (t.transpose(1, 2) for t in leaves)
+    dout = torch.randn(b, h, s, d, device=DEV, dtype=BF16)
+    runs = []
+    with deterministic(True):
+        assert ABP._gluon_tile("bwd_kv_ws", q, v) is None and ABP._gluon_tile("bwd_q_gluon", q, v) is None
+        for _ in range(3):
+            for t in leaves:
+                t.grad = None
+            ss.attention(q, k, v, causal=True).backward(dout)
+            runs.append([t.grad.clone() for t in leaves])
+    for run in runs[1:]:
+        for name, a, b0 in zip("qkv", run, runs[0]):
+            assert torch.equal(a, b0), (name, (a.float() - b0.float()).abs().max().item())
+
+
 def test_public_autograd_bshd_views():
     """Hugging Face's layout through ``ss.attention``: the leaves' gradients arrive contiguous in
     (B, S, H, D), within the rule against SDPA flash."""

@@ -12,23 +12,9 @@ import sys
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.profiler import ProfilerActivity, profile
 
 import splitsoftmax as ss
-
-STEPS = 10
-
-
-def kernel_times(step) -> list:
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / STEPS) for e in prof.key_averages() if e.device_time_total > 0]
-    return sorted(rows, key=lambda r: -r[1])
+from helpers import kernel_times
 
 
 def main(out_dir: str) -> None:

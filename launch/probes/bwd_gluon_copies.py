@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from helpers import bench, copy_tags, rec, run_sections
+from helpers import bench, copy_tags, kernel_times, rec, run_sections
 from splitsoftmax.bench import attention_variants as V
 from splitsoftmax.kernels import attention_bwd_plain as P
 from splitsoftmax.kernels import configs
@@ -83,17 +83,8 @@ def _time(group, name, fn, leaves, dout, flops):
 
 
 def _profile(group, name, step, flops):
-    """Record the device time per kernel of ``step`` (torch profiler, 10 steps after 3)."""
-    from torch.profiler import ProfilerActivity, profile
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as p:
-        for _ in range(10):
-            step()
-        torch.cuda.synchronize()
-    rows = sorted(((e.key, e.device_time_total / 10) for e in p.key_averages() if e.device_time_total > 0),
-                  key=lambda r: -r[1])
+    """Record the device time per kernel of ``step`` (``helpers.kernel_times``)."""
+    rows = kernel_times(step)
     print(f"{group} {name}: {sum(t for _, t in rows):.0f} us: " + "; ".join(f"{k[:40]} {t:.0f}" for k, t in rows[:6]),
           flush=True)
     rec(group, name, sum(t for _, t in rows) / 1e3, flops=flops, kernels=rows[:8])

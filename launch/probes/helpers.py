@@ -60,6 +60,21 @@ def rec_profile(group, name, fn, n=300, rows=30):
     ROWS.append({"group": group, "name": name, "text": text.getvalue()})
 
 
+def kernel_times(step, steps=10) -> list:
+    """``[(kernel, us)]`` of one call of ``step``, longest first: the torch profiler's device time per
+    kernel averaged over ``steps`` calls after 3."""
+    from torch.profiler import ProfilerActivity, profile
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = [(e.key, e.device_time_total / steps) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
 def causal_case(S):
     """The bench's prefill inputs at sequence length ``S`` (B*S = 32k tokens, H=16, D=128, bf16) and
     the causal forward's FLOPs."""

@@ -25,7 +25,7 @@ D = 128
 
 _COPIES = {"dq": ("_attn_bwd_q_gluon", "bwd_gluon"), "kv": ("_attn_bwd_kv_ws", "bwd_kv_ws")}
 # this tree's kernels with a setting of theirs changed: name -> (configs attribute, value)
-_SETTINGS = {"kv-one-per-block": ("ATTN_BWD_KV_WS_PERSISTENT", False)}
+_SETTINGS = {"triton-pair": ("ATTN_BWD_GLUON", False)}
 
 
 def _kernels():

@@ -116,16 +116,17 @@ def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, kv_spills,
             assert kwargs["maxnreg"] * 4 * 128 <= 64 * 1024  # (three warpgroups and the producer's, padded)
 
 
-def test_deterministic_algorithms_take_the_triton_pair(monkeypatch):
-    """Under ``torch.use_deterministic_algorithms(True)`` a Hopper launch that would take the Gluon
-    kernels takes the Triton pair (the warp-specialized dK/dV kernel's gradients were seen to differ
-    between two calls on the same inputs); with the flag off again, the Gluon pair."""
+def test_deterministic_algorithms_keep_the_gluon_pair(monkeypatch):
+    """Under ``torch.use_deterministic_algorithms(True)`` a Hopper launch that would take the
+    five-product kernel (``ATTN_BWD_ATOMIC``) takes the Gluon pair, atomic-free and so bitwise
+    reproducible (the GPU lane repeats it), as it does with the flag off and the five-product kernel
+    not chosen."""
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        launches = _launches(monkeypatch, False, Mask(), True, True)
+        launches = _launches(monkeypatch, True, Mask(), True, True)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
+    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_attn_bwd_kv_ws", "_attn_bwd_q_gluon"]
     assert [fn.fn.__name__ for fn, _, _ in _launches(monkeypatch, False, Mask(), True, True)] == [
         "_attn_bwd_kv_ws", "_attn_bwd_q_gluon"]

@@ -15,6 +15,13 @@ accumulators and the score tiles spills or idles, so the work is split by role:
 - one producer warp loads K and V once, then streams the Q and dO tiles by TMA through ``STAGES``
   buffers, each released when its score warpgroup and the gradient warpgroup have arrived on it.
 
+Tile ``t`` lands in buffer ``t % STAGES`` and signals barrier ``t % (2 * STAGES)``, two barriers per
+buffer: a wait names a barrier's phase by its parity alone, so a waiter must see every phase of the
+barriers it waits on (one two phases behind passes at once). A score warpgroup takes every other
+tile; with one barrier per buffer and an odd ``STAGES`` it would see every other phase only, and
+its products could read a buffer still holding (or taking) the tile before (seen as dK/dV that
+differed between calls). With ``2 * STAGES`` barriers each holds the tiles of one warpgroup.
+
 The two score warpgroups run out of step, so one's exponentials run beside the other's products and
 the gradient products. Masked tiles run in turn: ``S^T`` reads Q as it is, then the score warpgroup
 zeroes every NaN/Inf of the Q and dO tiles in place before ``dP^T`` and the hand-over, so hidden
@@ -51,6 +58,13 @@ def _tile_of(t, tiles, BLOCK_M: gl.constexpr):
         gi = u // gl.maximum(n_in, 1)
         blk = first + n_pre + u - gi * n_in
     return gi, blk * BLOCK_M
+
+
+@gluon.jit
+def _wait_tile(t_full, t, STAGES: gl.constexpr):
+    """Wait until tile ``t``'s Q and dO have landed in buffer ``t % STAGES`` (its barrier:
+    ``t % (2 * STAGES)``, which the waiting warpgroups see every phase of)."""
+    mbarrier.wait(t_full.index(t % (2 * STAGES)), (t // (2 * STAGES)) & 1)
 
 
 @gluon.jit
@@ -110,9 +124,10 @@ def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, 
         s = t % STAGES
         mbarrier.wait(t_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
         gi, m0 = _tile_of(t, tiles, BLOCK_M)
-        mbarrier.expect(t_full.index(s), 2 * BLOCK_M * D * 2)
-        _tma_load(q_desc, [b, kvh * G + gi, m0, 0], t_full.index(s), q_ring.index(s))
-        _tma_load(do_desc, [b, kvh * G + gi, m0, 0], t_full.index(s), do_ring.index(s))
+        full = t_full.index(t % (2 * STAGES))
+        mbarrier.expect(full, 2 * BLOCK_M * D * 2)
+        _tma_load(q_desc, [b, kvh * G + gi, m0, 0], full, q_ring.index(s))
+        _tma_load(do_desc, [b, kvh * G + gi, m0, 0], full, do_ring.index(s))
 
 
 @gluon.jit
@@ -157,7 +172,7 @@ def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D:
         s = t % STAGES
         q_t = q_ring.index(s).reshape([BLOCK_M, D])
         do_t = do_ring.index(s).reshape([BLOCK_M, D])
-        mbarrier.wait(t_full.index(s), (t // STAGES) & 1)
+        _wait_tile(t_full, t, STAGES)
         qk_t = warpgroup_mma(k_t, q_t.permute((1, 0)), zeros_s, use_acc=False)
         _finite_or_zero_smem(q_t, BLOCK_M, D, NW)
         _finite_or_zero_smem(do_t, BLOCK_M, D, NW)
@@ -192,7 +207,7 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M: gl.con
     """Issue tile ``t``'s ``S^T = K Q^T`` and ``dP^T = V dO^T`` (``[BLOCK_N, BLOCK_M]``, asynchronous)
     once its Q and dO have landed."""
     s = t % STAGES
-    mbarrier.wait(t_full.index(s), (t // STAGES) & 1)
+    _wait_tile(t_full, t, STAGES)
     qk_t = warpgroup_mma(k_t, q_ring.index(s).reshape([BLOCK_M, D]).permute((1, 0)), zeros_s, use_acc=False,
                          is_async=True)
     dp_t = warpgroup_mma(v_t, do_ring.index(s).reshape([BLOCK_M, D]).permute((1, 0)), zeros_s, use_acc=False,
@@ -227,7 +242,7 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
     for t in range(T):
         s = t % STAGES
         u = t % 2
-        mbarrier.wait(t_full.index(s), (t // STAGES) & 1)
+        _wait_tile(t_full, t, STAGES)
         mbarrier.wait(h_full.index(u), (t // 2) & 1)
         dv = warpgroup_mma(p_ring.index(u), do_ring.index(s).reshape([BLOCK_M, D]), dv, is_async=True)
         dk = warpgroup_mma(ds_ring.index(u), q_ring.index(s).reshape([BLOCK_M, D]), dk, is_async=True)
@@ -283,13 +298,14 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     p_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], h_layout)
     ds_ring = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M], h_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    t_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    t_full = gl.allocate_shared_memory(gl.int64, [2 * STAGES, 1], mbarrier.MBarrierLayout())
     t_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     h_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     h_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(t_full.index(i), count=1)
+        mbarrier.init(t_full.index(STAGES + i), count=1)
         mbarrier.init(t_empty.index(i), count=2)  # its score warpgroup and the gradient one
     for i in gl.static_range(2):
         mbarrier.init(h_full.index(i), count=1)

@@ -25,7 +25,7 @@ from ..local import interpreting
 from ..mask import NO_MASK, Mask
 from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows, _program_order
-from .attention_bwd import _descriptor, _finite_or_zero, _mask_args, _tile, _tma_ok, deterministic, row_blocks
+from .attention_bwd import _descriptor, _finite_or_zero, _mask_args, _tile, _tma_ok, row_blocks
 from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm90
 from .launch import Launcher, Memo, auto_key, geometry
 
@@ -241,14 +241,12 @@ def takes(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: Mask) -> bool:
 
 def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
     """The tile of the Gluon kernel ``kind`` ("bwd_kv_ws", "bwd_q_gluon") if it runs here, else None:
-    ``configs.ATTN_BWD_GLUON``, not under ``torch.use_deterministic_algorithms(True)`` (the
-    warp-specialized dK/dV kernel's dK/dV were seen to differ between two calls on the same inputs;
-    the Triton pair's are bitwise reproducible), a Hopper GPU (sm_90: its warpgroup products), not the
-    interpreter, bfloat16 inputs (the dtype its GPU tests cover), a tile listed for the head dim (equal
-    for keys and values); the caller has checked the operands (``_use_tma``)."""
+    ``configs.ATTN_BWD_GLUON``, a Hopper GPU (sm_90: its warpgroup products), not the interpreter,
+    bfloat16 inputs (the dtype its GPU tests cover), a tile listed for the head dim (equal for keys
+    and values); the caller has checked the operands (``_use_tma``)."""
     d = q.shape[-1]
-    if (not configs.ATTN_BWD_GLUON or deterministic() or interpreting() or q.dtype != torch.bfloat16
-            or v.shape[-1] != d or not sm90(q)):
+    if (not configs.ATTN_BWD_GLUON or interpreting() or q.dtype != torch.bfloat16 or v.shape[-1] != d
+            or not sm90(q)):
         return None
     return configs.ATTN_TILES.get((kind, 2, d))
 
@@ -354,7 +352,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     mts = () if mask.plain() else tuple(t for t in (mask.kv_range, mask.q_offset, mask.rows) if t is not None)
     geo = (geometry(q, k, v, dout, lse, delta, *mts), od, scale, causal, diag, mask.lo, mask.softcap,
            tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), configs.ATTN_BWD_TMA,
-           configs.ATTN_BWD_GLUON, deterministic(), configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
+           configs.ATTN_BWD_GLUON, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
            attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
            configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)), configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
     run = _LAUNCHES.get(geo)

@@ -97,8 +97,8 @@ def _repeat(group, name, ops):
                     tiles.update(ti)
     q = ops[0]
     flops = 3.0 * 4.0 * q.shape[0] * q.shape[1] * D * sq * (sq + 1) / 2  # (dK/dV and dQ: five products)
-    rec(group, name, bench(lambda: _grads(ops)), flops=flops, calls=CALLS, differ_q_k_v=differ, largest=largest, nan=nan,
-        blocks=dict(sorted(blocks.items())[:40]), tiles=dict(sorted(tiles.items())))
+    rec(group, name, bench(lambda: _grads(ops)), flops=flops, calls=CALLS, differ_q_k_v=differ, largest=largest,
+        nan=nan, blocks=dict(sorted(blocks.items())[:40]), tiles=dict(sorted(tiles.items())))
     return first
 
 

@@ -25,8 +25,6 @@ from splitsoftmax.kernels import configs
 D = 128
 CALLS = 200
 KV_TILE = ("bwd_kv_ws", 2, D)
-
-
 STAGES = ("kv-stages2", "kv-stages4")
 FB = ("tree", "kv-stages4", *(f"kv-{t}" for t in copy_tags("bwd_kv_ws")))
 
@@ -65,15 +63,15 @@ def _grads(ops):
     return dq, dk, dv
 
 
-def _where(a, b, bn, sq, nb):
+def _where(a, b, bm, bn, sq, nb):
     """Key blocks (of ``bn`` rows) where ``a`` and ``b`` (B, H, S, D) differ: ``{block: elements}`` and
-    ``{query tiles of the block (causal): elements}``."""
+    ``{query tiles (of ``bm`` rows) of the block, causal, per query head: elements}``."""
     diff = (a != b).sum(dim=-1)  # (B, H, S)
     per_block = diff.reshape(*diff.shape[:2], nb, bn).sum(-1).sum((0, 1))
     blocks = {int(i): int(n) for i, n in enumerate(per_block.tolist()) if n}
     tiles = Counter()
     for i, n in blocks.items():
-        tiles[(sq - i * bn + 63) // 64] += n
+        tiles[(sq - i * bn + bm - 1) // bm] += n
     return blocks, dict(tiles)
 
 
@@ -82,7 +80,7 @@ def _repeat(group, name, ops):
     first = _grads(ops)
     torch.cuda.synchronize()
     nan = [int(x.isnan().sum()) for x in first]
-    bn = configs.ATTN_TILES[KV_TILE][1]
+    bm, bn = configs.ATTN_TILES[KV_TILE][:2]
     sq, nb = ops[0].shape[2], ops[1].shape[2] // bn
     differ, largest, blocks, tiles = [0, 0, 0], [0.0, 0.0, 0.0], Counter(), Counter()
     for _ in range(CALLS - 1):
@@ -92,11 +90,11 @@ def _repeat(group, name, ops):
                 differ[i] += 1
                 largest[i] = max(largest[i], float((a - b).abs().nan_to_num(0.0).max()))
                 if i:
-                    bl, ti = _where(a, b, bn, sq, nb)
+                    bl, ti = _where(a, b, bm, bn, sq, nb)
                     blocks.update(bl)
                     tiles.update(ti)
     q = ops[0]
-    flops = 3.0 * 4.0 * q.shape[0] * q.shape[1] * D * sq * (sq + 1) / 2  # (dK/dV and dQ: five products)
+    flops = 2.5 * 4.0 * q.shape[0] * q.shape[1] * D * sq * (sq + 1) / 2  # (a backward: 2.5x the forward's)
     rec(group, name, bench(lambda: _grads(ops)), flops=flops, calls=CALLS, differ_q_k_v=differ, largest=largest,
         nan=nan, blocks=dict(sorted(blocks.items())[:40]), tiles=dict(sorted(tiles.items())))
     return first

@@ -10,10 +10,13 @@ NPROC   ?= 4
 # the venv's triton (the newest pip allows beside torch), and on the oldest, installed without its
 # dependencies into a folder of its own that goes first on PYTHONPATH (.venv and its pip check
 # stay as they are). On the oldest it leaves out the slowest half of the lane's time: the softmax
-# paths' 1000-column rows and the many-partials merges (every test function still runs).
+# paths' 1000-column rows, the many-partials merges, and the slower cases of functions whose other
+# cases run there (every test function still runs).
 TRITON_OLDEST := 3.6.0
 OLDEST        := .venv-triton-oldest
-OLDEST_SUBSET := not 1000 and not many_partials
+OLDEST_SUBSET := not 1000 and not many_partials and not (poison_in_the_last and not nan-q) \
+                 and not (atomic_matches and case2) and not (launch_order_changes and 4-5) \
+                 and not (test_attention_variants and 3)
 # kernels compiled for sm_90 without a GPU: on the oldest triton too, the one the GPU machines run
 SM90_TESTS    := tests/test_attention_smem.py tests/test_attention_fwd_compile.py tests/test_attention_bwd_compile.py \
                  tests/test_vocab_sm90.py tests/test_sampling_sm90.py tests/test_sampling_compile.py

@@ -62,6 +62,8 @@ def _ref_fwd(x: torch.Tensor, log: bool) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("n", [1, 17, 97, 129, 1000])
 @pytest.mark.parametrize("dtype,log", CASES)
 def test_softmax_fwd_paths(path, n, dtype, log):
+    if n == 1000 and path.startswith("coop"):
+        pytest.skip("coop rows of many chunks: test_many_partials (the interpreter re-reads a row per chunk)")
     x = torch.randn(2, n, dtype=torch.float32).mul(4).to(dtype)
     _expect_path(x, path)
     y, lse = softmax_k.softmax_fwd(x, log)

@@ -8,9 +8,11 @@ dK/dV tile with ``N`` Q/dO buffers): how many of ``CALLS`` calls give other dQ /
 (bit for bit), NaNs left (rows no program wrote), the largest difference and where the differing
 elements lie: their key blocks (of ``BLOCK_N`` rows) and each block's number of query tiles; the
 first call's largest difference from the Triton pair's (the scale of a change of summation order).
-``fb``: forward+backward TFLOP/s of ``ss.attention`` with each choice of ``FB`` at the shapes users run.
+``fb``: forward+backward TFLOP/s of ``ss.attention`` with each choice of ``FB`` (or of the environment's
+``FB``, comma-separated) at the shapes users run, and each choice's gradients against the first's.
 """
 import contextlib
+import os
 import sys
 from collections import Counter
 
@@ -26,22 +28,30 @@ D = 128
 CALLS = 200
 KV_TILE = ("bwd_kv_ws", 2, D)
 STAGES = ("kv-stages2", "kv-stages4")
-FB = ("tree", "kv-stages4", *(f"kv-{t}" for t in copy_tags("bwd_kv_ws")))
+Q_TILE = ("bwd_q_gluon", 2, D)
+# the fb section's choices, or those listed (comma-separated) in the environment's FB
+FB = tuple(os.environ["FB"].split(",")) if os.environ.get("FB") else (
+    "tree", "kv-stages4", *(f"kv-{t}" for t in copy_tags("bwd_kv_ws")))
 
 
 @contextlib.contextmanager
 def choice(name):
-    """``kernel(name)``, or with ``kv-stages<N>`` this tree's kernels with ``N`` Q/dO buffers."""
-    if not name.startswith("kv-stages"):
+    """``kernel(name)``, or this tree's kernels with ``kv-stages<N>``: ``N`` Q/dO buffers in the dK/dV
+    kernel; ``dq-<BM>x<BN>x<warps>x<stages>``: that tile for the dQ kernel."""
+    if name.startswith("kv-stages"):
+        which, tile = KV_TILE, (*configs.ATTN_TILES[KV_TILE][:3], int(name[len("kv-stages"):]))
+    elif name.startswith("dq-"):
+        which, tile = Q_TILE, tuple(int(x) for x in name[3:].split("x"))
+    else:
         with kernel(name):
             yield
         return
-    saved = configs.ATTN_TILES[KV_TILE]
-    configs.ATTN_TILES[KV_TILE] = (*saved[:3], int(name[len("kv-stages"):]))
+    saved = configs.ATTN_TILES[which]
+    configs.ATTN_TILES[which] = tile
     try:
         yield
     finally:
-        configs.ATTN_TILES[KV_TILE] = saved
+        configs.ATTN_TILES[which] = saved
 
 
 def _case(b, h, hkv, s, views):
@@ -130,6 +140,14 @@ def fb():
             for t in leaves:
                 t.grad = None
             ss.attention(*leaves, causal=True).backward(dout)
+        grads = {}
+        for name in FB:  # each choice's gradients against the first's (largest difference of dQ, dK, dV)
+            with choice(name):
+                step()
+            grads[name] = [t.grad.float() for t in leaves]
+            print(f"fb {label} {name}: gradients against {FB[0]}'s: "
+                  f"{[float((a - b).abs().max()) for a, b in zip(grads[name], grads[FB[0]])]}", flush=True)
+        del grads
         for _ in range(2):
             for name in FB:
                 with choice(name):

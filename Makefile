@@ -9,14 +9,12 @@ NPROC   ?= 4
 # The interpreter lane runs at both ends of the triton range pyproject.toml declares: in full on
 # the venv's triton (the newest pip allows beside torch), and on the oldest, installed without its
 # dependencies into a folder of its own that goes first on PYTHONPATH (.venv and its pip check
-# stay as they are). On the oldest it leaves out the slowest half of the lane's time: the softmax
-# paths' 1000-column rows, the many-partials merges, and the slower cases of functions whose other
-# cases run there (every test function still runs).
+# stay as they are). On the oldest it leaves out the softmax paths' 1000-column rows and the
+# many-partials merges, and runs every other case of each test function (tests/conftest.py's
+# --alternate-cases): every test function still runs there.
 TRITON_OLDEST := 3.6.0
 OLDEST        := .venv-triton-oldest
-OLDEST_SUBSET := not 1000 and not many_partials and not (poison_in_the_last and not nan-q) \
-                 and not (atomic_matches and case2) and not (launch_order_changes and 4-5) \
-                 and not (test_attention_variants and 3)
+OLDEST_SUBSET := not 1000 and not many_partials
 # kernels compiled for sm_90 without a GPU: on the oldest triton too, the one the GPU machines run
 SM90_TESTS    := tests/test_attention_smem.py tests/test_attention_fwd_compile.py tests/test_attention_bwd_compile.py \
                  tests/test_vocab_sm90.py tests/test_sampling_sm90.py tests/test_sampling_compile.py
@@ -64,7 +62,7 @@ test-interpreter: venv
 
 test-interpreter-oldest: venv $(OLDEST)/.done
 	PYTHONPATH=$(CURDIR)/$(OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) TRITON_INTERPRET=1 \
-	    $(PYTEST) -q -m interpreter -k "$(OLDEST_SUBSET)" -p no:cacheprovider
+	    $(PYTEST) -q -m interpreter -k "$(OLDEST_SUBSET)" --alternate-cases -p no:cacheprovider
 	PYTHONPATH=$(CURDIR)/$(OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) $(PYTEST) -q -p no:cacheprovider \
 	    $(SM90_TESTS)
 

@@ -38,6 +38,16 @@ def seed():
     torch.manual_seed(0)
 
 
+def pytest_addoption(parser):
+    parser.addoption("--alternate-cases", action="store_true",
+                     help="every test function, but of a parametrized one only its first, third, ... case")
+
+
+def pytest_configure(config):
+    if config.getoption("--alternate-cases"):
+        config.pluginmanager.register(_AlternateCases(), "alternate-cases")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests without a lane marker belong to the cpu lane; gpu tests skip without CUDA."""
     lanes = {"cpu", "interpreter", "distributed", "mpi", "gpu"}
@@ -47,3 +57,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cpu)
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+
+
+class _AlternateCases:
+    """``--alternate-cases``: of the tests left after ``-m`` and ``-k``, every other case of each test
+    function is deselected (its first kept, so every function still runs)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        seen: dict = {}
+        kept, dropped = [], []
+        for item in items:
+            fn = item.nodeid.split("[")[0]
+            seen[fn] = seen.get(fn, -1) + 1
+            (dropped if seen[fn] % 2 else kept).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = kept

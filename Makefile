@@ -10,8 +10,9 @@ NPROC   ?= 4
 # the venv's triton (the newest pip allows beside torch), and on the oldest, installed without its
 # dependencies into a folder of its own that goes first on PYTHONPATH (.venv and its pip check
 # stay as they are). On the oldest it leaves out the softmax paths' 1000-column rows and the
-# many-partials merges, and runs every other case of each test function (tests/conftest.py's
-# --alternate-cases): every test function still runs there.
+# many-partials merges, and of each test function only the cases that bring a parameter value
+# not run yet (tests/conftest.py's --each-value): every function and every value of every
+# parameter still run there, not every combination.
 TRITON_OLDEST := 3.6.0
 OLDEST        := .venv-triton-oldest
 OLDEST_SUBSET := not 1000 and not many_partials
@@ -62,7 +63,7 @@ test-interpreter: venv
 
 test-interpreter-oldest: venv $(OLDEST)/.done
 	PYTHONPATH=$(CURDIR)/$(OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) TRITON_INTERPRET=1 \
-	    $(PYTEST) -q -m interpreter -k "$(OLDEST_SUBSET)" --alternate-cases -p no:cacheprovider
+	    $(PYTEST) -q -m interpreter -k "$(OLDEST_SUBSET)" --each-value -p no:cacheprovider
 	PYTHONPATH=$(CURDIR)/$(OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) $(PYTEST) -q -p no:cacheprovider \
 	    $(SM90_TESTS)
 

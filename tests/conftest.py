@@ -39,13 +39,14 @@ def seed():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--alternate-cases", action="store_true",
-                     help="every test function, but of a parametrized one only its first, third, ... case")
+    parser.addoption("--each-value", action="store_true",
+                     help="of a parametrized test function only the cases that bring a parameter value it has "
+                          "not run yet (every value of every parameter, not every combination)")
 
 
 def pytest_configure(config):
-    if config.getoption("--alternate-cases"):
-        config.pluginmanager.register(_AlternateCases(), "alternate-cases")
+    if config.getoption("--each-value"):
+        config.pluginmanager.register(_EachValue(), "each-value")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -59,18 +60,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-class _AlternateCases:
-    """``--alternate-cases``: of the tests left after ``-m`` and ``-k``, every other case of each test
-    function is deselected (its first kept, so every function still runs)."""
+class _EachValue:
+    """``--each-value``: of the tests left after ``-m`` and ``-k``, each test function keeps the cases
+    that bring a parameter value it has not run yet, in collection order: every value of every
+    parameter (every path, dtype, rank count) still runs, and every function."""
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config, items):
-        seen: dict = {}
+        seen: dict = {}  # test function -> the (parameter, value) pairs of its kept cases
         kept, dropped = [], []
         for item in items:
-            fn = item.nodeid.split("[")[0]
-            seen[fn] = seen.get(fn, -1) + 1
-            (dropped if seen[fn] % 2 else kept).append(item)
+            values = seen.setdefault(item.nodeid.split("[")[0], set())
+            params = item.callspec.params.items() if hasattr(item, "callspec") else ()
+            new = {(k, repr(v)) for k, v in params} - values
+            values |= new
+            (kept if new or not params else dropped).append(item)
         if dropped:
             config.hook.pytest_deselected(items=dropped)
             items[:] = kept

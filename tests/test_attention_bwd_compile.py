@@ -59,7 +59,8 @@ def _signature(fn, args, kwargs):
     return sig, consts, {k: v for k, v in attrs.items() if v}
 
 
-def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False, causal: bool = True):
+def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False, causal: bool = True,
+              ds: bool = True):
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
@@ -71,6 +72,7 @@ def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: b
     monkeypatch.setattr(ABP, "_LAUNCHES", launch.Memo())  # (it keys on the device, not on sm90)
     monkeypatch.setattr(configs, "ATTN_BWD_ATOMIC", atomic)
     monkeypatch.setattr(configs, "ATTN_BWD_TMA", tma)
+    monkeypatch.setattr(configs, "ATTN_BWD_DS", ds)
     q, dout = (torch.randn(1, 16, 512, 128).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, 4, 512, 128).to(torch.bfloat16) for _ in range(2))
     lse, delta = torch.randn(1, 16, 512), torch.randn(1, 16, 512)
@@ -83,19 +85,25 @@ MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch
             rows=torch.stack((torch.zeros(512), torch.full((512,), 512))).to(torch.int32))
 
 
-@pytest.mark.parametrize("atomic,mask,tma,gluon,causal,kv_spills", [
-    (False, Mask(), False, False, True, 0), (False, Mask(), True, False, True, 0),
-    (False, Mask(), True, True, True, 72), (False, Mask(), True, True, False, 28),
-    (False, MASK, False, False, True, 0), (False, MASK, True, True, True, 292),
-    (False, Mask(softcap=20.0), True, True, False, 100), (True, Mask(), False, False, True, 0)],
-    ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-masks", "gluon-masks", "gluon-softcap-full",
-         "five-product"])
-def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, kv_spills, monkeypatch):
-    launches = _launches(monkeypatch, atomic, mask, tma, gluon, causal)
+@pytest.mark.parametrize("atomic,mask,tma,gluon,causal,ds,kv_spills", [
+    (False, Mask(), False, False, True, True, 0), (False, Mask(), True, False, True, True, 0),
+    (False, Mask(), True, True, True, True, 72), (False, Mask(), True, True, False, True, 28),
+    (False, Mask(), True, True, True, False, 72),
+    (False, MASK, False, False, True, True, 0), (False, MASK, True, True, True, True, 292),
+    (False, Mask(softcap=20.0), True, True, False, True, 100), (True, Mask(), False, False, True, True, 0)],
+    ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-gluon-recompute", "pair-masks", "gluon-masks",
+         "gluon-softcap-full", "five-product"])
+def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, ds, kv_spills, monkeypatch):
+    """Every backward launch compiles for sm_90 within its shared memory; the Gluon kernels without
+    serialized products, within their spill bounds, their registers moved between warpgroups. The
+    Gluon pair's dQ kernel reads the ``dS`` the dK/dV kernel wrote where the mask is plain
+    (``configs.ATTN_BWD_DS``), else recomputes it."""
+    launches = _launches(monkeypatch, atomic, mask, tma, gluon, causal, ds)
     if tma:
         assert all(any(isinstance(a, (TensorDescriptor, GluonDescriptor)) for a in args) for _, args, _ in launches)
     names = [fn.fn.__name__ for fn, _, _ in launches]
-    pair = ["_attn_bwd_kv_ws", "_attn_bwd_q_gluon"] if gluon else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
+    dq = "_attn_bwd_q_ds_kernel" if ds and mask.plain() else "_attn_bwd_q_gluon"
+    pair = ["_attn_bwd_kv_ws", dq] if gluon else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
     assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic else pair)
     for fn, args, kwargs in launches:
         sig, consts, attrs = _signature(fn, args, kwargs)
@@ -127,6 +135,45 @@ def test_deterministic_algorithms_keep_the_gluon_pair(monkeypatch):
         launches = _launches(monkeypatch, True, Mask(), True, True)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_attn_bwd_kv_ws", "_attn_bwd_q_gluon"]
+    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_attn_bwd_kv_ws", "_attn_bwd_q_ds_kernel"]
     assert [fn.fn.__name__ for fn, _, _ in _launches(monkeypatch, False, Mask(), True, True)] == [
-        "_attn_bwd_kv_ws", "_attn_bwd_q_gluon"]
+        "_attn_bwd_kv_ws", "_attn_bwd_q_ds_kernel"]
+
+
+@pytest.mark.parametrize("cap_units,pieces", [
+    (16, None), (8, None), (7, [(0, 1, 0, 4), (1, 2, 0, 4)]), (4, [(0, 1, 0, 4), (1, 2, 0, 4)]),
+    (2, [(0, 1, 0, 2), (0, 1, 2, 4), (1, 2, 0, 2), (1, 2, 2, 4)]), (3, [(0, 1, 0, 3), (0, 1, 3, 4), (1, 2, 0, 3),
+                                                                       (1, 2, 3, 4)]), (0, "recompute")])
+def test_backward_pieces_keep_the_ds_buffer_within_its_bound(cap_units, pieces, monkeypatch):
+    """Where the dS buffer of the whole backward passes ``ATTN_BWD_DS_MAX_BYTES`` the pair runs in
+    pieces (whole batch elements while they fit, else kv heads of one) that cover every (batch, kv
+    head) once, each piece's buffer within the bound; where one (batch, kv head) does not fit, the dQ
+    kernel recomputes dS. B=2, 8/4 heads, 300 rows: one (batch, kv head) is 2 x 320 x 320 x 2 bytes."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    unit = 2 * 320 * 320 * 2
+    monkeypatch.setattr(configs, "ATTN_BWD_DS_MAX_BYTES", cap_units * unit)
+    monkeypatch.setattr(configs, "ATTN_BWD_DS_MIN_WAVES", 1)
+    monkeypatch.setattr(ABP, "sm_count", lambda t: 5)  # (each piece's 5 key blocks per kv head fill a wave)
+    monkeypatch.setattr(ABP, "hopper", lambda t: True)
+    monkeypatch.setattr(ABP, "sm90", lambda t: True)
+    monkeypatch.setattr(configs, "ATTN_BWD_TMA", True)
+    monkeypatch.setattr(ABP, "_LAUNCHES", launch.Memo())
+    q, dout = (torch.randn(2, 8, 300, 128).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 4, 300, 128).to(torch.bfloat16) for _ in range(2))
+    lse, delta = torch.randn(2, 8, 300), torch.randn(2, 8, 300)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    plan = ABP._plan(q, k, v, dout, lse, delta, *grads, 0.1, True, 0, Mask())
+    got = [p for p, _ in plan]
+    assert got == (pieces if isinstance(pieces, list) else [None])
+    for piece, run in plan:
+        assert (run.ds is None) == (pieces == "recompute")
+        if run.ds:
+            assert run.ds[0] * run.ds[1] * 2 <= configs.ATTN_BWD_DS_MAX_BYTES
+        if piece:
+            views = ABP._piece((q, k, v, dout, lse, delta, *grads), piece)
+            b0, b1, h0, h1 = piece
+            assert views[0].data_ptr() == q[b0, 2 * h0].data_ptr() and views[0].shape[:2] == (b1 - b0, 2 * (h1 - h0))
+            assert views[7].data_ptr() == grads[1][b0, h0].data_ptr() and views[7].shape[:2] == (b1 - b0, h1 - h0)
+    if isinstance(pieces, list):  # every (batch, kv head) once
+        covered = sorted((i, j) for b0, b1, h0, h1 in pieces for i in range(b0, b1) for j in range(h0, h1))
+        assert covered == [(i, j) for i in range(2) for j in range(4)]

@@ -226,6 +226,56 @@ def test_gluon_kernels_repeat_bit_for_bit(stages, monkeypatch):
             assert torch.equal(a, f), (name, call, (a - f).abs().max().item())
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] == 128], ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}c{int(c[5])}")
+def test_dq_from_the_written_ds(case, monkeypatch):
+    """Where the dK/dV kernel writes each tile's dS for the dQ kernel (``configs.ATTN_BWD_DS``), dK and
+    dV are those of the pair that recomputes dS bit for bit, and dQ meets the rule, each gradient
+    buffer NaN before the call."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.kernels.decode import sm90
+    b, h, hkv, s, d, causal, bshd, dtype = case
+    q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
+    if not sm90(q) or dtype != BF16:
+        pytest.skip("the Gluon dK/dV kernel writes dS on sm_90, in bfloat16")
+    scale = 1 / math.sqrt(d)
+    want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, NO_MASK)
+    peers = sdpa_grads(q, k, v, dout, scale, causal)
+    grads = {}
+    for ds in (False, True):
+        monkeypatch.setattr(configs, "ATTN_BWD_DS", ds)
+        grads[ds] = [torch.full_like(x, float("nan"), dtype=torch.float32) for x in (q, k, v)]
+        run = ABP._launches(q, k, v, dout, lse, delta, *grads[ds], scale, causal, 0)
+        assert (run.ds is not None) == ds
+        ABP._run(run, q, k, v, dout, lse, delta, *grads[ds])
+    for name, a, f in zip("kv", grads[True][1:], grads[False][1:]):
+        assert torch.equal(a, f), name
+    ok, nums = rule(grads[True][0].to(dtype), peers[0], want[0])
+    assert ok, nums
+
+
+def test_ds_pieces_equal_the_whole(monkeypatch):
+    """With the dS buffer's bound below the whole backward's, the pair runs in pieces (kv heads of
+    one batch element here) whose gradients equal the one-piece run's bit for bit."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.kernels.decode import sm90
+    q, k, v, dout = inputs(2, 8, 4, 1000, 128, BF16, True)
+    if not sm90(q):
+        pytest.skip("the Gluon dK/dV kernel writes dS on sm_90")
+    scale = 1 / math.sqrt(128)
+    _, lse, delta = oracle(q, k, v, dout, scale, True, 0, NO_MASK)
+    monkeypatch.setattr(configs, "ATTN_BWD_DS_MIN_WAVES", 0)
+    unit = 2 * 1024 * 1024 * 2  # one (batch element, kv head): 2 query heads of 1024 x 1024 (tiles)
+    grads = {}
+    for cap in (8 * unit, 3 * unit):
+        monkeypatch.setattr(configs, "ATTN_BWD_DS_MAX_BYTES", cap)
+        plan = ABP._plan(q, k, v, dout, lse, delta, *(torch.empty_like(t) for t in (q, k, v)), scale, True, 0,
+                         NO_MASK)
+        assert len(plan) == (1 if cap == 8 * unit else 4) and all(run.ds for _, run in plan)
+        grads[cap] = ABP.attn_bwd(q, k, v, dout, lse, delta, scale, True, out_dtype=torch.float32)
+    for name, a, f in zip("qkv", grads[3 * unit], grads[8 * unit]):
+        assert not a.isnan().any() and torch.equal(a, f), name
+
+
 def test_public_autograd_bshd_views():
     """Hugging Face's layout through ``ss.attention``: the leaves' gradients arrive contiguous in
     (B, S, H, D), within the rule against SDPA flash."""

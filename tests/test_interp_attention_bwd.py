@@ -330,3 +330,45 @@ def test_plain_pair_tma_reads_match_pointer_reads(causal, bshd, monkeypatch):
         assert torch.equal(a, t), name
         ok, msg = rule(a, p, w)
         assert ok, (name, msg)
+
+
+@pytest.mark.parametrize("causal,sq,sk", [(True, 45, 45), (False, 37, 50), (True, 30, 47)])
+def test_dq_from_written_ds(causal, sq, sk):
+    """The dQ kernel that reads the ``dS^T`` tiles the Hopper dK/dV kernel writes: ``scale * dS K``
+    over the pairs each row sees, from a buffer whose tiles no seen pair lies in hold NaN (never
+    written there); a NaN key (its scores NaN, so its seen pairs' dS NaN as that kernel writes them)
+    reaches exactly the rows that see it, the causal rows before it untouched. Odd lengths, GQA 4/2,
+    the diagonal offset of ``Sk - Sq`` for ``Sq != Sk``."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    b, h, hkv, d, bm, bn, bmq = 2, 4, 2, 32, 16, 16, 32
+    g, diag, nan_key = h // hkv, sk - sq if causal else 0, sk - 3
+    torch.manual_seed(3)
+    k = torch.randn(b, hkv, sk, d).to(BF16)
+    k[1, 0, nan_key, 5] = float("nan")
+    seen = torch.ones(sk, sq, dtype=torch.bool)
+    if causal:
+        seen = torch.arange(sk)[:, None] <= torch.arange(sq)[None, :] + diag
+    ds = torch.where(seen, torch.randn(b, h, sk, sq, dtype=torch.float64), 0.0).to(BF16)  # dS^T
+    ds[1, :g, nan_key] = torch.where(seen[nan_key], float("nan"), 0.0).to(BF16)
+    nkb, nqb = -(-sk // bn), -(-sq // bm)
+    buf = torch.full((b * h * nkb * bn, nqb * bm), float("nan"), dtype=BF16)
+    tiles = buf.view(b, h, nkb, bn, nqb, bm)
+    for j in range(nkb):  # the tiles the dK/dV kernel visits: those holding a seen pair
+        for i in range(nqb):
+            if seen[j * bn:(j + 1) * bn, i * bm:(i + 1) * bm].any():
+                block = ds[:, :, j * bn:(j + 1) * bn, i * bm:(i + 1) * bm]
+                tiles[:, :, j, :block.shape[2], i, :block.shape[3]] = block
+    scale = 0.3
+    dq = torch.full((b, h, sq, d), float("nan"))
+    ABP._QDS((-(-sq // bmq), b * h), None, (TensorDescriptor(buf, list(buf.shape), list(buf.stride()), [bn, bmq]),
+                                            AB._descriptor(k, bn), dq, *dq.stride(), h, g, sq, sk, diag, scale, 1),
+             dict(D=d, BLOCK_M=bmq, BLOCK_N=bn, CAUSAL=causal, PREC="ieee"))
+    kz = k.double().nan_to_num(0.0).repeat_interleave(g, 1)
+    want = scale * (ds.double().nan_to_num(0.0).transpose(-1, -2) @ kz)
+    hit = torch.zeros(b, h, sq, dtype=torch.bool)
+    hit[1, :g] = seen[nan_key]
+    want[hit] = float("nan")
+    assert torch.equal(dq.isnan().any(-1), hit)
+    torch.testing.assert_close(dq.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)

@@ -1,16 +1,17 @@
 """Probe of the Gluon backward kernels against other copies of them, on one H200.
 
 ``PYTHONPATH=. python3 launch/probes/bwd_gluon_copies.py OUTDIR [fb,prof]``: ``fb``, forward+backward TFLOP/s of
-``ss.attention`` (bf16, D=128) at short causal rows (B * S = 32k tokens, H=16), the model's GQA
-layer and the variant rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``), with
+``ss.attention`` (bf16, D=128) at short causal rows (B * S = 32k tokens, H=16), GQA layers at
+batch 1 and 4 and the variant rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``), with
 this tree's kernels (``tree``), with a setting of theirs changed (``_SETTINGS``) and with each copy
 beside them: ``dq-<tag>`` runs the dQ kernel of
 ``splitsoftmax/kernels/_probe_<tag>_bwd_gluon.py``, ``kv-<tag>`` the dK/dV kernel of
 ``_probe_<tag>_bwd_kv_ws.py`` (copies of ``attention_bwd_gluon.py`` / ``attention_bwd_kv_ws.py``,
-ignored by git; carry them to the GPU machine); the gradients of each compared with this tree's;
-``prof``, the device time per kernel of one forward+backward with each.
+ignored by git; carry them to the GPU machine), or those of the environment's ``CHOICES``
+(comma-separated); the gradients of each compared with this tree's; ``prof``, the device time per kernel of one forward+backward with each.
 """
 import contextlib
+import os
 import sys
 
 import torch
@@ -25,13 +26,16 @@ D = 128
 
 _COPIES = {"dq": ("_attn_bwd_q_gluon", "bwd_gluon"), "kv": ("_attn_bwd_kv_ws", "bwd_kv_ws")}
 # this tree's kernels with a setting of theirs changed: name -> (configs attribute, value)
-_SETTINGS = {"triton-pair": ("ATTN_BWD_GLUON", False)}
+_SETTINGS = {"triton-pair": ("ATTN_BWD_GLUON", False), "ds-recomputed": ("ATTN_BWD_DS", False)}
+# the choices run, or those listed (comma-separated) in the environment's CHOICES
+CHOICES = tuple(os.environ["CHOICES"].split(",")) if os.environ.get("CHOICES") else None
 
 
 def _kernels():
     """``tree`` (this tree's kernels), the settings of ``_SETTINGS``, then ``dq-<tag>`` / ``kv-<tag>``
     for each copy beside them."""
-    return ("tree", *_SETTINGS, *(f"{k}-{t}" for k, (_, module) in _COPIES.items() for t in copy_tags(module)))
+    every = ("tree", *_SETTINGS, *(f"{k}-{t}" for k, (_, module) in _COPIES.items() for t in copy_tags(module)))
+    return tuple(c for c in every if c in CHOICES) if CHOICES else every
 
 
 @contextlib.contextmanager
@@ -116,7 +120,9 @@ def prof():
 def fb():
     import splitsoftmax as ss
     shapes = [(f"{s // 1024}k causal B={32768 // s}", 32768 // s, 16, 16, s) for s in (1024, 2048, 4096)]
-    for label, b, h, hkv, s in shapes + [("1 x 8k causal GQA 16/4 views", 1, 16, 4, 8192)]:
+    shapes += [("1 x 8k causal GQA 16/4 views", 1, 16, 4, 8192), ("4 x 2k causal GQA 16/4 views", 4, 16, 4, 2048),
+               ("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768), ("1 x 8k causal GQA 32/8 views", 1, 32, 8, 8192)]
+    for label, b, h, hkv, s in shapes:
         q = torch.randn(b, s, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
         k, v = (torch.randn(b, s, hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
                 for _ in range(2))

@@ -21,8 +21,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 # Names that changed across the Triton versions this package takes: the TMA load of a tile into
-# shared memory (`async_load` in newer releases) and the barrier of a program's threads (`barrier`)
+# shared memory and its store (`async_load`, `async_store` in newer releases) and the barrier of a
+# program's threads (`barrier`)
 _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+_tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
 _thread_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
 
 
@@ -335,6 +337,16 @@ def descriptor(t, rows: int):
     desc.__dict__.update(_DEFAULTS)
     desc.base, desc.shape, desc.strides, desc.block_shape = t, list(t.shape), strides, list(block)
     desc.layout = _smem_layout(block, t.dtype)
+    return desc
+
+
+def tile_descriptor(t, block: tuple):
+    """The Gluon descriptor of 2-D 2-byte ``t`` (unit last stride, 16-byte aligned) reading and
+    writing ``block`` tiles, laid out for the tensor cores."""
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(_DEFAULTS)
+    desc.base, desc.shape, desc.strides, desc.block_shape = t, list(t.shape), list(t.stride()), list(block)
+    desc.layout = _smem_layout(tuple(block), t.dtype)
     return desc
 
 

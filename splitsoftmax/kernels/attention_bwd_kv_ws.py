@@ -34,12 +34,12 @@ from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from .attention_bwd_gluon import (_batch_bounds, _doc_rows, _finite_or_zero_smem, _mma_layout, _probs,
                                   _program_order, _row_stats, _score_grad, _seen, _store_rows, _thread_barrier,
-                                  _tma_load)
+                                  _tma_load, _tma_store)
 
 
 @gluon.jit
@@ -231,14 +231,19 @@ def _scores1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, C
 
 @gluon.jit
 def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-           STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
+           STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr,
+           DS_OUT: gl.constexpr):
     """The gradient warpgroup (a worker of 4 warps): ``dV += P^T dO`` and ``dK += dS^T Q`` of every
-    tile, its buffers released once both are done; then the store."""
+    tile, its buffers released once both are done; then the store. ``DS_OUT``: each tile's ``dS^T``
+    also goes by TMA from its hand-over buffer to ``ds_desc`` (rows ``((b, h) * NKB + key block) *
+    BLOCK_N``, columns the tile's query rows; ``ds_row0``: query head ``kvh * G``'s row of this key
+    block), for the dQ kernel to read."""
     (q_ring, do_ring, p_ring, ds_ring, t_full, t_empty, h_full, h_empty, T, GK, GV, s_kgb, s_kgh, s_kgs, s_vgb,
-     s_vgh, s_vgs, b, kvh, n0, Sk, scale) = p
+     s_vgh, s_vgs, b, kvh, n0, Sk, scale, tiles, ds_desc, NKB, ds_row0) = p
     o_layout: gl.constexpr = _mma_layout(D, 4)  # dK, dV: [BLOCK_N, D]
     dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
+    G = tiles[2]
     for t in range(T):
         s = t % STAGES
         u = t % 2
@@ -246,8 +251,13 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
         mbarrier.wait(h_full.index(u), (t // 2) & 1)
         dv = warpgroup_mma(p_ring.index(u), do_ring.index(s).reshape([BLOCK_M, D]), dv, is_async=True)
         dk = warpgroup_mma(ds_ring.index(u), q_ring.index(s).reshape([BLOCK_M, D]), dk, is_async=True)
+        if DS_OUT:
+            gi, m0 = _tile_of(t, tiles, BLOCK_M)
+            _tma_store(ds_desc, [ds_row0 + gi * NKB * BLOCK_N, m0], ds_ring.index(u))
         # released as soon as done (the score warpgroups' products keep the tensor cores busy meanwhile)
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        if DS_OUT:
+            tma.store_wait(0)  # (the copy has read the buffer)
         mbarrier.arrive(t_empty.index(s), count=1)
         mbarrier.arrive(h_empty.index(u), count=1)
     _store_rows(GK, dk * scale, b, kvh, n0, Sk, s_kgb, s_kgh, s_kgs, o_layout, BLOCK_N, D)
@@ -255,19 +265,21 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
-def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QOFF, ROWS, RB,
+def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QOFF, ROWS, RB, ds_desc,
                     s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
                     s_kvb, s_kvc, s_off, s_r,
                     HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                     STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr,
-                    HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr, num_warps: gl.constexpr):
+                    HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr, DS_OUT: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``);
     ``num_warps = 4`` (the first score warpgroup), plus the second's 4, the gradient warpgroup's 4
     and the producer's 1. ``q_desc`` and ``do_desc`` read ``BLOCK_M`` rows, ``k_desc`` and
     ``v_desc`` ``BLOCK_N``. The mask's tensors and strides (``KVR, QOFF, ROWS``, ``RB`` its
     :func:`attention_bwd.row_blocks`) are those of ``attention_bwd._attn_bwd_kv_kernel``, read where
-    their flag is set; ``cap2 = softcap * log2(e)``."""
+    their flag is set; ``cap2 = softcap * log2(e)``. ``DS_OUT``: every tile's ``dS^T`` (bfloat16,
+    ``[BLOCK_N, BLOCK_M]``) is also written through ``ds_desc``, a 2-D ``(B * H * key blocks * BLOCK_N,
+    query columns)`` descriptor (:func:`_grads`); otherwise ``ds_desc`` is not read."""
     pid_n, pid_bh = _program_order(GH)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
@@ -317,7 +329,8 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     ps = (k_smem, v_smem, q_ring, do_ring, p_ring, ds_ring, kv_bar, t_full, t_empty, h_full, h_empty, stats, tiles,
           ROWS, s_r, n0, dg, lw, kv_lo, kv_hi, cs, cap2)
     pg = (q_ring, do_ring, p_ring, ds_ring, t_full, t_empty, h_full, h_empty, T, GK, GV, s_kgb, s_kgh, s_kgs, s_vgb,
-          s_vgh, s_vgs, b, kvh, n0, Sk, scale)
+          s_vgh, s_vgs, b, kvh, n0, Sk, scale, tiles, ds_desc, gl.num_programs(0),
+          (b * HKV + kvh) * G * gl.num_programs(0) * BLOCK_N + n0)
     pp = (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_bar, t_full, t_empty, n0, tiles)
     # workers: the second score warpgroup and the gradient one (4 warps each) and the producer (1),
     # given the registers asked for each (setmaxnreg) out of the launch's maxnreg per thread; the
@@ -325,6 +338,6 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     gl.warp_specialize([
         (_scores0, (ps, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
         (_scores1, (ps, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
-        (_grads, (pg, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
+        (_grads, (pg, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP, DS_OUT)),
         (_producer, (pp, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
     ], [4, 4, 1], [160, 160, 24])

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
 from ..local import interpreting
@@ -26,7 +27,7 @@ from ..mask import NO_MASK, Mask
 from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows, _program_order
 from .attention_bwd import _descriptor, _finite_or_zero, _mask_args, _tile, _tma_ok, row_blocks
-from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm90
+from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm90, sm_count
 from .launch import Launcher, Memo, auto_key, geometry
 
 
@@ -204,7 +205,53 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
              mask=qmask[:, None] & dmask[None, :])
 
 
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "GH"])
+def _attn_bwd_q_ds_kernel(DS, K, GQ, s_qgb, s_qgh, s_qgs, s_qgd, H, G, Sq, Sk, diag, scale, GH,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                          PREC: tl.constexpr):
+    """``dQ = scale * dS K`` from the ``dS^T`` tiles the dK/dV kernel wrote (``DS``: the 2-D
+    ``(B * H * key blocks * BLOCK_N, query columns)`` descriptor, ``[BLOCK_N, BLOCK_M]`` tiles; ``K``:
+    the ``(B, Hkv, S, D)`` one, ``[1, 1, BLOCK_N, D]`` tiles, zeros past Sk). Grid ``(query blocks,
+    B * H)`` in the order of ``GH``. Key blocks across the diagonal or past ``Sk`` take only the
+    pairs the rows see (the tiles no pair of them sees were not written) and K with its NaN/Inf
+    zeroed, as the dQ kernel that recomputes ``dS``."""
+    pid_m, pid_bh = _program_order(GH)
+    if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    b = pid_bh // H
+    h = pid_bh % H
+    kvh = h // G
+    m0 = pid_m * BLOCK_M
+    qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    hi = Sk
+    full = Sk
+    if CAUSAL:
+        hi = tl.minimum(Sk, tl.maximum(tl.minimum(m0 + BLOCK_M, Sq) + diag, 0))
+        full = tl.minimum(hi, tl.maximum(m0 + diag + 1, 0))
+    mid = (full // BLOCK_N) * BLOCK_N
+    row0 = pid_bh * tl.cdiv(Sk, BLOCK_N) * BLOCK_N  # head (b, h)'s first row of DS
+    dq = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(0, mid, BLOCK_N):
+        ds_t = DS.load([row0 + n0, m0])  # [BLOCK_N, BLOCK_M]
+        k = K.load([b, kvh, n0, 0]).reshape(BLOCK_N, D)  # [BLOCK_N, D]
+        dq = _dot(tl.trans(ds_t), k, dq, PREC)
+    for n0 in range(mid, hi, BLOCK_N):
+        kj = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        ok = kj[:, None] < Sk
+        if CAUSAL:
+            ok = ok & (kj[:, None] <= qi[None, :] + diag)
+        ds_t = DS.load([row0 + n0, m0])
+        ds_t = tl.where(ok, ds_t, 0.0).to(ds_t.dtype)
+        k = _finite_or_zero(K.load([b, kvh, n0, 0]).reshape(BLOCK_N, D))
+        dq = _dot(tl.trans(ds_t), k, dq, PREC)
+    rows = qi.to(tl.int64)
+    cols = tl.arange(0, D)
+    tl.store(GQ + b.to(tl.int64) * s_qgb + h.to(tl.int64) * s_qgh + rows[:, None] * s_qgs + cols[None, :] * s_qgd,
+             dq * scale, mask=(qi < Sq)[:, None])
+
+
 _KV, _Q = Launcher(_attn_bwd_kv_kernel), Launcher(_attn_bwd_q_kernel)
+_QDS = Launcher(_attn_bwd_q_ds_kernel)
 
 
 class _Launches(NamedTuple):
@@ -213,11 +260,14 @@ class _Launches(NamedTuple):
     Triton kernels read Q/dO (dK/dV) and K/V (dQ) tiles through descriptors, ``(rows of the dK/dV
     kernel's query tiles, rows of the dQ kernel's key tiles)``; ``gluon``: the Gluon kernel each of
     the two launches (dK/dV, dQ) runs, by name, or None (their descriptors' rows: their kwargs' tile;
-    their tensors after the gradients: the mask's, :func:`_mask_tensors`)."""
+    their tensors after the gradients: the mask's, :func:`_mask_tensors`); ``ds``: ``(rows, columns,
+    rows of its tiles, columns of the dK/dV kernel's tiles, of the dQ kernel's)`` of the ``dS^T``
+    buffer the dK/dV kernel writes and the dQ kernel reads (:func:`_ds_shape`), or None."""
     kv: Optional[tuple]
     q: Optional[tuple]
     tma: Optional[tuple]
     gluon: tuple = (None, None)
+    ds: Optional[tuple] = None
 
 
 # launches by geometry: the host work of a repeated backward is a lookup
@@ -287,6 +337,20 @@ def _mask_tensors(mask: Mask, q: Tensor, k: Tensor, lse: Tensor) -> tuple:
     return kvr, off, rows, rb
 
 
+def _ds_shape(q: Tensor, k: Tensor, gkv: Optional[tuple], mask: Mask, grads: tuple) -> Optional[tuple]:
+    """``(rows, columns)`` of the bfloat16 ``dS^T`` buffer through which the Gluon dK/dV kernel (tile
+    ``gkv``) hands every tile's ``dS`` to the dQ kernel, which then takes one product per tile pair
+    instead of three: ``configs.ATTN_BWD_DS``, plain visibility, all three gradients wanted and the
+    buffer (``B * H`` heads of ``Sk`` by ``Sq``, rounded up to tiles) within
+    ``configs.ATTN_BWD_DS_MAX_BYTES``; else None."""
+    if not (configs.ATTN_BWD_DS and gkv and mask.plain() and all(g.numel() for g in grads)):
+        return None
+    b, h, sq = q.shape[:3]
+    rows = b * h * configs.cdiv(k.shape[2], gkv[1]) * gkv[1]
+    cols = configs.cdiv(sq, gkv[0]) * gkv[0]
+    return (rows, cols) if rows * cols * q.element_size() <= configs.ATTN_BWD_DS_MAX_BYTES else None
+
+
 def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int,
               mask: Mask = NO_MASK) -> _Launches:
     """The launches of :func:`attn_bwd` for these operands and gradient buffers (the variants' masks
@@ -306,13 +370,14 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     mts = _mask_tensors(mask, q, k, lse)
     mstrides, flags = _mask_args(mask, q, lse)[3:]
     lo, cap2 = mask.lo if mask.lo is not None else 0, mask.softcap * LOG2E
+    ds = _ds_shape(q, k, gkv, mask, (dq, dk, dv))
     if (dk.numel() or dv.numel()) and gkv:
         nkb = configs.cdiv(sk, gkv[1])
         # three warpgroups of num_warps (and a producer warp) per program, their registers within an SM's
         scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], *mstrides, hkv, h // hkv, sq, sk, diag, lo,
                    scale * LOG2E, scale, cap2, head_group(nkb, b * hkv, q, causal, 3 * gkv[2]))
         kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv, *mts), causal, d, dtypes,
-                           maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG, **flags)
+                           maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG, DS_OUT=ds is not None, **flags)
     elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
@@ -321,7 +386,15 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    head_group(nkb, b * hkv, q, causal, warps))
         kv = ((nkb, b * hkv), (auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), dtypes),
               scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
-    if dq.numel() and gq:
+    if ds:
+        bm, warps, stages = configs.ATTN_TILES[("bwd_q_ds", 2, d)]
+        nqb = configs.cdiv(sq, bm)
+        scalars = (*dq.stride(), h, h // hkv, sq, sk, diag, scale, head_group(nqb, b * h, q, causal, warps))
+        qp = ((nqb, b * h), (auto_key((dq, *scalars)), dtypes), scalars,
+              dict(D=d, BLOCK_M=bm, BLOCK_N=gkv[1], CAUSAL=causal, PREC=common["PREC"], num_warps=warps,
+                   num_stages=stages))
+        ds = (*ds, gkv[1], gkv[0], bm)
+    elif dq.numel() and gq:
         nqb = configs.cdiv(sq, gq[0])
         scalars = (*stats, *dq.stride()[:3], *mstrides, h, h // hkv, sq, sk, diag, lo, scale * LOG2E, scale, cap2,
                    head_group(nqb, b * h, q, causal, gq[2]))
@@ -335,8 +408,8 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
         qp = ((nqb, b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
     gluon = ("_attn_bwd_kv_ws" if kv is not None and gkv else None,
-             "_attn_bwd_q_gluon" if qp is not None and gq else None)
-    return _Launches(kv, qp, (kv_rows, q_rows) if tma else None, gluon)
+             "_attn_bwd_q_gluon" if qp is not None and gq and not ds else None)
+    return _Launches(kv, qp, (kv_rows, q_rows) if tma else None, gluon, ds)
 
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
@@ -352,31 +425,79 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     mts = () if mask.plain() else tuple(t for t in (mask.kv_range, mask.q_offset, mask.rows) if t is not None)
     geo = (geometry(q, k, v, dout, lse, delta, *mts), od, scale, causal, diag, mask.lo, mask.softcap,
            tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), configs.ATTN_BWD_TMA,
-           configs.ATTN_BWD_GLUON, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
+           configs.ATTN_BWD_GLUON, configs.ATTN_BWD_DS, configs.ATTN_BWD_DS_MAX_BYTES, configs.ATTN_BWD_DS_MIN_WAVES,
+           configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
            attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
            configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)), configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
-    run = _LAUNCHES.get(geo)
-    if run is None:
-        run = _LAUNCHES.put(geo, _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask))
-    _run(run, q, k, v, dout, lse, delta, dq, dk, dv, _mask_tensors(mask, q, k, lse) if mts else None)
+    plan = _LAUNCHES.get(geo)
+    if plan is None:
+        plan = _LAUNCHES.put(geo, _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask))
+    ops = (q, k, v, dout, lse, delta, dq, dk, dv)
+    for piece, run in plan:
+        _run(run, *(_piece(ops, piece) if piece else ops), _mask_tensors(mask, q, k, lse) if mts else None)
     return dq, dk, dv
+
+
+def _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int, mask: Mask) -> tuple:
+    """``((piece, launches), ..)`` of :func:`attn_bwd`: the launches (:func:`_launches`) on the whole
+    operands (``piece`` None), or on each piece of :func:`_ds_pieces`."""
+    ops = (q, k, v, dout, lse, delta, dq, dk, dv)
+    pieces = _ds_pieces(q, k, v, dout, mask, (dq, dk, dv)) or (None,)
+    return tuple((p, _launches(*(_piece(ops, p) if p else ops), scale, causal, diag, mask)) for p in pieces)
+
+
+def _ds_pieces(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: Mask, grads: tuple) -> tuple:
+    """``(b0, b1, kvh0, kvh1)`` pieces (batch elements, kv heads) taken one after another where the
+    whole ``dS^T`` buffer (:func:`_ds_shape`) passes ``configs.ATTN_BWD_DS_MAX_BYTES`` and each
+    piece's is within it: whole batch elements while they fit, else kv heads of one; each piece's
+    dK/dV grid at least ``configs.ATTN_BWD_DS_MIN_WAVES`` waves. Empty: one launch pair on the whole."""
+    gkv = (_gluon_tile("bwd_kv_ws", q, v) if configs.ATTN_BWD_DS and mask.plain() and all(g.numel() for g in grads)
+           and _use_tma(q, k, v, dout) else None)
+    if not gkv:
+        return ()
+    b, h, sq = q.shape[:3]
+    hkv, nkb = k.shape[1], configs.cdiv(k.shape[2], gkv[1])
+    unit = h // hkv * nkb * gkv[1] * configs.cdiv(sq, gkv[0]) * gkv[0] * q.element_size()  # one (b, kv head)
+    per = configs.ATTN_BWD_DS_MAX_BYTES // unit
+    if per >= b * hkv or nkb * min(per, hkv) < configs.ATTN_BWD_DS_MIN_WAVES * sm_count(q):
+        return ()
+    if per >= hkv:
+        n = per // hkv
+        return tuple((i, min(i + n, b), 0, hkv) for i in range(0, b, n))
+    return tuple((i, i + 1, j, min(j + per, hkv)) for i in range(b) for j in range(0, hkv, per))
+
+
+def _piece(ops: tuple, piece: tuple) -> tuple:
+    """``(q, k, v, dout, lse, delta, dq, dk, dv)`` of batch elements ``[b0, b1)`` and kv heads
+    ``[kvh0, kvh1)`` (with their query heads): views."""
+    b0, b1, h0, h1 = piece
+    g = ops[0].shape[1] // ops[1].shape[1]
+    kv = (slice(b0, b1), slice(h0, h1))
+    qh = (slice(b0, b1), slice(h0 * g, h1 * g))
+    return tuple(t[kv] if i in (1, 2, 7, 8) else t[qh] for i, t in enumerate(ops))
 
 
 def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv, mts: Optional[tuple] = None) -> None:
     """Make the launches ``run`` (of :func:`_launches`) on these tensors (``mts``: the mask's, of
     :func:`_mask_tensors`; None: a plain mask's, ``lse`` standing in)."""
     mts = mts or (lse,) * 4
+    ds = torch.empty(run.ds[:2], dtype=q.dtype, device=q.device) if run.ds else None
     if run.kv is not None:
         grid, key, scalars, kwargs = run.kv
         if run.gluon[0]:
-            _gluon_launcher(run.gluon[0])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dk, dv,
-                                                      *mts, *scalars), kwargs)
+            from .attention_bwd_gluon import tile_descriptor
+            ops = _gluon_operands(q, k, v, dout, kwargs)
+            ds_desc = tile_descriptor(ds, run.ds[2:4]) if run.ds else ops[2]  # (unread without DS_OUT)
+            _gluon_launcher(run.gluon[0])(grid, key, (*ops, lse, delta, dk, dv, *mts, ds_desc, *scalars), kwargs)
         else:
             qt, dt = (_descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])) if run.tma else (q, dout)
             _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
     if run.q is not None:
         grid, key, scalars, kwargs = run.q
-        if run.gluon[1]:
+        if run.ds:
+            _QDS(grid, key, (TensorDescriptor(ds, list(ds.shape), list(ds.stride()), [run.ds[2], run.ds[4]]),
+                             _descriptor(k, run.ds[2]), dq, *scalars), kwargs)
+        elif run.gluon[1]:
             _gluon_launcher(run.gluon[1])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dq,
                                                       *mts[:3], *scalars), kwargs)
         else:

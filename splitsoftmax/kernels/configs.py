@@ -48,6 +48,9 @@ ATTN_TILES = {
     # its TFLOP/s at 1 x 16/4 x 8k causal / 4 x 16/4 x 2k causal / 4 x 16 x 8k full: 128x64 w8 3 buffers
     # 647 / 514 / 638, 2 buffers 528 / 422 / 576, 64x64 w4 567 / 501 / 596; the Triton kernel 636 / 487 / 630
     ("bwd_q_gluon", 2, 128): (128, 64, 8, 3),
+    # ... or, where the dK/dV kernel writes dS (ATTN_BWD_DS), the kernel reading it: (BLOCK_M, num_warps,
+    # num_stages); its key blocks are the dK/dV kernel's
+    ("bwd_q_ds", 2, 128): (128, 8, 3),
     ("bwd_q", 2, 256): (64, 32, 8, 2),
     ("bwd_q", 4, 64): (32, 32, 4, 2),
     ("bwd_q", 4, 256): (16, 16, 4, 2),
@@ -98,6 +101,14 @@ ATTN_BWD_GLUON = True
 # ... the dK/dV kernel's register limit per thread: four warpgroups' worth (its producer warp takes a
 # warpgroup's place) within an SM's 64K registers, which it moves between them (setmaxnreg)
 ATTN_BWD_KV_WS_MAXNREG = 128
+# The Gluon dK/dV kernel writes each tile's dS^T (bfloat16, from the buffer it hands to its gradient
+# warpgroup) and the dQ kernel reads it: one product per tile pair in place of three (S, dP, dQ),
+# for a buffer of B * H * Sk * Sq * 2 bytes held during the backward, up to this many bytes: past it the
+# backward runs in pieces of batch elements or kv heads whose buffers fit, each piece's dK/dV grid
+# at least this many waves; where none fits, the dQ kernel recomputes dS.
+ATTN_BWD_DS = True
+ATTN_BWD_DS_MAX_BYTES = 2 << 30
+ATTN_BWD_DS_MIN_WAVES = 3
 # The plain forward (causal or full, bf16, one split written directly) in Gluon on sm_90
 # (kernels/attention_fwd_gluon.py): two consumer warpgroups each take a key block's softmax while
 # the tensor cores run the next block's scores and the last block's values, one producer warp

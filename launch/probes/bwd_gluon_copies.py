@@ -2,13 +2,14 @@
 
 ``PYTHONPATH=. python3 launch/probes/bwd_gluon_copies.py OUTDIR [fb,prof]``: ``fb``, forward+backward TFLOP/s of
 ``ss.attention`` (bf16, D=128) at short causal rows (B * S = 32k tokens, H=16), GQA layers at
-batch 1 and 4 and the variant rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``), with
-this tree's kernels (``tree``), with a setting of theirs changed (``_SETTINGS``) and with each copy
+batch 1 and 4 and the variant rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``),
+with this tree's kernels (``tree``), with a setting of theirs changed (``_SETTINGS``) and with each copy
 beside them: ``dq-<tag>`` runs the dQ kernel of
 ``splitsoftmax/kernels/_probe_<tag>_bwd_gluon.py``, ``kv-<tag>`` the dK/dV kernel of
 ``_probe_<tag>_bwd_kv_ws.py`` (copies of ``attention_bwd_gluon.py`` / ``attention_bwd_kv_ws.py``,
 ignored by git; carry them to the GPU machine), or those of the environment's ``CHOICES``
-(comma-separated); the gradients of each compared with this tree's; ``prof``, the device time per kernel of one forward+backward with each.
+(comma-separated); the gradients of each compared with this tree's; ``prof``, the device time per
+kernel of one forward+backward with each.
 """
 import contextlib
 import os

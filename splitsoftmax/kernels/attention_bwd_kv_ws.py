@@ -11,7 +11,8 @@ accumulators and the score tiles spills or idles, so the work is split by role:
 - score warpgroup ``C`` (of two; tiles ``C, C + 2, ..``) issues ``S^T = K Q^T`` and ``dP^T = V dO^T``,
   takes ``P^T`` while ``dP^T`` runs, then ``dS^T``, and hands both over through its shared buffer;
 - the gradient warpgroup issues ``dV += P^T dO`` and ``dK += dS^T Q`` of every tile in turn, all
-  operands in shared memory, and holds the two ``[BLOCK_N, D]`` float32 accumulators;
+  operands in shared memory, and holds the two ``[BLOCK_N, D]`` float32 accumulators (with
+  ``DS_OUT`` it also copies each ``dS^T`` to global memory by TMA, for the dQ kernel);
 - one producer warp loads K and V once, then streams the Q and dO tiles by TMA through ``STAGES``
   buffers, each released when its score warpgroup and the gradient warpgroup have arrived on it.
 
@@ -243,7 +244,6 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
     o_layout: gl.constexpr = _mma_layout(D, 4)  # dK, dV: [BLOCK_N, D]
     dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
-    G = tiles[2]
     for t in range(T):
         s = t % STAGES
         u = t % 2
@@ -271,7 +271,8 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
                     HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                     STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr,
-                    HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr, DS_OUT: gl.constexpr, num_warps: gl.constexpr):
+                    HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr, DS_OUT: gl.constexpr,
+                    num_warps: gl.constexpr):
     """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``);
     ``num_warps = 4`` (the first score warpgroup), plus the second's 4, the gradient warpgroup's 4
     and the producer's 1. ``q_desc`` and ``do_desc`` read ``BLOCK_M`` rows, ``k_desc`` and

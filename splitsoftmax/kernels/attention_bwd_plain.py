@@ -3,8 +3,10 @@ the variants' masks.
 
 Two atomic-free kernels, seven products per tile pair: one program per key block and kv head sums
 dK, dV over every query block of the G query heads that read that kv head; then one program per
-query block and head walks its key blocks for dQ. On one H200 (Triton 3.6) this pair ran 8-12% faster than
-``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md, "Attention backward"),
+query block and head walks its key blocks for dQ. On Hopper, with full or causal masks, the dK/dV
+kernel also writes each tile's dS and the dQ kernel reads it (``_attn_bwd_q_ds_kernel``): five
+products per tile pair, for a buffer the backward holds (:func:`_ds_pieces`). On one H200 (Triton
+3.6) this pair ran 8-12% faster than ``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md, "Attention backward"),
 so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90, bfloat16) also take
 the variants' masks (:func:`takes`); elsewhere those take the general pair. Gradients are written
 once, in the output dtype, with their inputs' strides where dense.
@@ -425,8 +427,8 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     mts = () if mask.plain() else tuple(t for t in (mask.kv_range, mask.q_offset, mask.rows) if t is not None)
     geo = (geometry(q, k, v, dout, lse, delta, *mts), od, scale, causal, diag, mask.lo, mask.softcap,
            tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), configs.ATTN_BWD_TMA,
-           configs.ATTN_BWD_GLUON, configs.ATTN_BWD_DS, configs.ATTN_BWD_DS_MAX_BYTES, configs.ATTN_BWD_DS_MIN_WAVES,
-           configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
+           configs.ATTN_BWD_GLUON, configs.ATTN_BWD_DS, configs.ATTN_BWD_DS_MAX_BYTES,
+           configs.ATTN_BWD_DS_MIN_WAVES, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
            attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
            configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)), configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
     plan = _LAUNCHES.get(geo)
@@ -477,6 +479,15 @@ def _piece(ops: tuple, piece: tuple) -> tuple:
     return tuple(t[kv] if i in (1, 2, 7, 8) else t[qh] for i, t in enumerate(ops))
 
 
+def _ds_descriptor(ds: Tensor, block: tuple) -> TensorDescriptor:
+    """The Triton descriptor of the 2-D ``dS^T`` buffer reading ``block`` tiles (``__post_init__``'s
+    checks skipped: the buffer is dense and aligned, and they cost host time on every call)."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.padding = ds, list(ds.shape), list(ds.stride()), "zero"
+    desc.block_shape = list(block)
+    return desc
+
+
 def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv, mts: Optional[tuple] = None) -> None:
     """Make the launches ``run`` (of :func:`_launches`) on these tensors (``mts``: the mask's, of
     :func:`_mask_tensors`; None: a plain mask's, ``lse`` standing in)."""
@@ -495,8 +506,8 @@ def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv, mts: Optional[tu
     if run.q is not None:
         grid, key, scalars, kwargs = run.q
         if run.ds:
-            _QDS(grid, key, (TensorDescriptor(ds, list(ds.shape), list(ds.stride()), [run.ds[2], run.ds[4]]),
-                             _descriptor(k, run.ds[2]), dq, *scalars), kwargs)
+            _QDS(grid, key, (_ds_descriptor(ds, (run.ds[2], run.ds[4])), _descriptor(k, run.ds[2]), dq, *scalars),
+                 kwargs)
         elif run.gluon[1]:
             _gluon_launcher(run.gluon[1])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dq,
                                                       *mts[:3], *scalars), kwargs)

@@ -148,6 +148,18 @@ def _bwd_q_tile(dq, q, do, lse2, delta, k_src, v_src, b, kvh, n0, kj, qi, Sk, di
     return _dot(ds.to(k.dtype), k, dq, PREC)  # [BLOCK_M, BLOCK_D]
 
 
+@triton.jit
+def _q_keys(m0, Sq, Sk, diag, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """``(mid, hi)`` of query block ``m0``: key blocks from 0 to ``mid`` are seen by every row of
+    the block, those from ``mid`` to ``hi`` by some (across the diagonal or past ``Sk``)."""
+    hi = Sk
+    full = Sk
+    if CAUSAL:
+        hi = tl.minimum(Sk, tl.maximum(tl.minimum(m0 + BLOCK_M, Sq) + diag, 0))
+        full = tl.minimum(hi, tl.maximum(m0 + diag + 1, 0))
+    return (full // BLOCK_N) * BLOCK_N, hi
+
+
 @triton.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
                        s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
@@ -180,12 +192,7 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
     lse2 = tl.load(LSE + b * s_lb + h * s_lh + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty row: p = 0
     delta = tl.load(DELTA + b * s_eb + h * s_eh + qi * s_es, mask=qmask, other=0.0)
-    hi = Sk
-    full = Sk
-    if CAUSAL:
-        hi = tl.minimum(Sk, tl.maximum(tl.minimum(m0 + BLOCK_M, Sq) + diag, 0))
-        full = tl.minimum(hi, tl.maximum(m0 + diag + 1, 0))
-    mid = (full // BLOCK_N) * BLOCK_N
+    mid, hi = _q_keys(m0, Sq, Sk, diag, BLOCK_M, BLOCK_N, CAUSAL)
     offs_n = tl.arange(0, BLOCK_N)
     if TMA:
         k_src, v_src = K, V
@@ -225,12 +232,7 @@ def _attn_bwd_q_ds_kernel(DS, K, GQ, s_qgb, s_qgh, s_qgs, s_qgd, H, G, Sq, Sk, d
     kvh = h // G
     m0 = pid_m * BLOCK_M
     qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    hi = Sk
-    full = Sk
-    if CAUSAL:
-        hi = tl.minimum(Sk, tl.maximum(tl.minimum(m0 + BLOCK_M, Sq) + diag, 0))
-        full = tl.minimum(hi, tl.maximum(m0 + diag + 1, 0))
-    mid = (full // BLOCK_N) * BLOCK_N
+    mid, hi = _q_keys(m0, Sq, Sk, diag, BLOCK_M, BLOCK_N, CAUSAL)
     row0 = pid_bh * tl.cdiv(Sk, BLOCK_N) * BLOCK_N  # head (b, h)'s first row of DS
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     for n0 in range(0, mid, BLOCK_N):

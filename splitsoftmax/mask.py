@@ -22,6 +22,7 @@ from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class Mask(NamedTuple):
@@ -49,6 +50,21 @@ class Mask(NamedTuple):
 
 
 NO_MASK = Mask()
+
+# a Mask.rows tensor -> (its _version when noted, the longest row interval): noted where the host made it
+_SPANS = WeakIdKeyDictionary()
+
+
+def note_span(rows: Tensor, span: int) -> None:
+    """Note that no row interval of ``rows`` (``Mask.rows``) is longer than ``span`` keys (the longest
+    document), a bound the host knows without reading the tensor back."""
+    _SPANS[rows] = (rows._version, span)
+
+
+def row_span(rows: Tensor) -> Optional[int]:
+    """The bound :func:`note_span` noted for ``rows`` while it is unmodified, else None."""
+    hit = _SPANS.get(rows)
+    return hit[1] if hit is not None and hit[0] == rows._version else None
 
 
 def visible(mask: Mask, causal: bool, diag: int, b: int, sq: int, sk: int, device=None) -> Tensor:

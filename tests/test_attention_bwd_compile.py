@@ -90,19 +90,20 @@ MASK = Mask(lo=-100, softcap=30.0, kv_range=torch.tensor([[0, 500]], dtype=torch
     (False, Mask(), True, True, True, True, 72), (False, Mask(), True, True, False, True, 28),
     (False, Mask(), True, True, True, False, 72),
     (False, MASK, False, False, True, True, 0), (False, MASK, True, True, True, True, 292),
-    (False, Mask(softcap=20.0), True, True, False, True, 100), (True, Mask(), False, False, True, True, 0)],
+    (False, MASK, True, True, True, False, 292), (False, Mask(softcap=20.0), True, True, False, True, 100),
+    (True, Mask(), False, False, True, True, 0)],
     ids=["pair", "pair-tma", "pair-gluon", "pair-gluon-full", "pair-gluon-recompute", "pair-masks", "gluon-masks",
-         "gluon-softcap-full", "five-product"])
+         "gluon-masks-recompute", "gluon-softcap-full", "five-product"])
 def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, ds, kv_spills, monkeypatch):
     """Every backward launch compiles for sm_90 within its shared memory; the Gluon kernels without
     serialized products, within their spill bounds, their registers moved between warpgroups. The
-    Gluon pair's dQ kernel reads the ``dS`` the dK/dV kernel wrote where the mask is plain
-    (``configs.ATTN_BWD_DS``), else recomputes it."""
+    Gluon pair's dQ kernel reads the ``dS`` the dK/dV kernel wrote (``configs.ATTN_BWD_DS``), with
+    every mask, else recomputes it."""
     launches = _launches(monkeypatch, atomic, mask, tma, gluon, causal, ds)
     if tma:
         assert all(any(isinstance(a, (TensorDescriptor, GluonDescriptor)) for a in args) for _, args, _ in launches)
     names = [fn.fn.__name__ for fn, _, _ in launches]
-    dq = "_attn_bwd_q_ds_kernel" if ds and mask.plain() else "_attn_bwd_q_gluon"
+    dq = "_attn_bwd_q_ds_kernel" if ds else "_attn_bwd_q_gluon"
     pair = ["_attn_bwd_kv_ws", dq] if gluon else ["_attn_bwd_kv_kernel", "_attn_bwd_q_kernel"]
     assert names == (["_attn_bwd_pre_kernel", "_attn_bwd_kv_kernel"] if atomic else pair)
     for fn, args, kwargs in launches:
@@ -177,3 +178,36 @@ def test_backward_pieces_keep_the_ds_buffer_within_its_bound(cap_units, pieces, 
     if isinstance(pieces, list):  # every (batch, kv head) once
         covered = sorted((i, j) for b0, b1, h0, h1 in pieces for i in range(b0, b1) for j in range(h0, h1))
         assert covered == [(i, j) for i in range(2) for j in range(4)]
+
+
+@pytest.mark.parametrize("causal,cu,window,sq,sk,fewer", [
+    (True, None, None, 1000, 1000, False), (False, None, None, 700, 900, False),
+    (True, None, (300, 0), 2000, 2000, True), (True, None, (64, 0), 1000, 1300, True),
+    (True, [0, 100, 100, 900, 1000, 2000], None, 2000, 2000, False),
+    (False, [0, 1, 65, 600, 1100, 1500, 2000], None, 2000, 2000, True),
+    (True, [0, 500, 1300, 2000], (200, 0), 2000, 2000, True),
+    (True, list(range(0, 4097, 256)), None, 4096, 4096, True)])
+def test_ds_buffer_columns_hold_every_visited_tile(causal, cu, window, sq, sk, fewer):
+    """The ``dS^T`` buffer's columns (``_ds_cols``) hold every tile the dK/dV kernel visits, a key
+    block's from its first visited query block rounded down to the dQ kernel's tile, for masks made
+    as ``ss.attention`` makes them (the documents' rows noted with their longest document); fewer
+    than ``Sq`` under a window or short documents."""
+    from splitsoftmax import variants
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.mask import visible
+    spec = variants.parse(batch=1, heads=1, sq=sq, sk=sk, device="cpu", causal=causal, cu_seqlens=cu,
+                          window_size=window, q_offset=sk - sq)
+    mask, band, diag = variants.local_mask(spec, 0, sq, 0, sk, "cpu")
+    gkv, bmq = configs.ATTN_TILES[("bwd_kv_ws", 2, 128)], configs.ATTN_TILES[("bwd_q_ds", 2, 128)][0]
+    bm, bn = gkv[:2]
+    cols = ABP._ds_cols(sq, gkv, 128, mask, band, diag)
+    seen = visible(mask, band, diag, 1, sq, sk)[0].T  # [Sk, Sq]
+    need = 0
+    for n0 in range(0, sk, bn):
+        rows = seen[n0:n0 + bn].any(0).nonzero()
+        if rows.numel():
+            first, end = rows.min().item() // bm, rows.max().item() // bm + 1
+            need = max(need, end * bm - first * bm // bmq * bmq)
+    assert need <= cols <= -(-sq // bm) * bm
+    assert (cols < -(-sq // bm) * bm) == fewer
+

@@ -253,27 +253,37 @@ def test_dq_from_the_written_ds(case, monkeypatch):
     assert ok, nums
 
 
-def test_ds_pieces_equal_the_whole(monkeypatch):
-    """With the dS buffer's bound below the whole backward's, the pair runs in pieces (kv heads of
-    one batch element here) whose gradients equal the one-piece run's bit for bit."""
+PIECE_MASKS = [("plain", lambda s: NO_MASK), ("window+kv_range+offset", lambda s: Mask(
+    lo=-300, kv_range=torch.tensor([[5, s], [0, s - 333]], dtype=torch.int32, device=DEV),
+    q_offset=torch.tensor([3, 0], dtype=torch.int32, device=DEV)))]
+
+
+@pytest.mark.parametrize("name,make", PIECE_MASKS, ids=[m[0] for m in PIECE_MASKS])
+def test_ds_pieces_equal_the_whole(name, make, monkeypatch):
+    """With the dS buffer's bound below the whole backward's, the pair runs in pieces (batch elements,
+    or kv heads of one) whose gradients equal the one-piece run's bit for bit, each batch element
+    with its own key range and offset."""
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     from splitsoftmax.kernels.decode import sm90
     q, k, v, dout = inputs(2, 8, 4, 1000, 128, BF16, True)
     if not sm90(q):
         pytest.skip("the Gluon dK/dV kernel writes dS on sm_90")
-    scale = 1 / math.sqrt(128)
-    _, lse, delta = oracle(q, k, v, dout, scale, True, 0, NO_MASK)
+    scale, mask = 1 / math.sqrt(128), make(1000)
+    _, lse, delta = oracle(q, k, v, dout, scale, True, 0, mask)
     monkeypatch.setattr(configs, "ATTN_BWD_DS_MIN_WAVES", 0)
-    unit = 2 * 1024 * 1024 * 2  # one (batch element, kv head): 2 query heads of 1024 x 1024 (tiles)
+    # one (batch element, kv head): 2 query heads of 1024 keys by the buffer's columns (1024, 640 under
+    # the window)
+    unit = 2 * 1024 * ABP._ds_cols(1000, configs.ATTN_TILES[("bwd_kv_ws", 2, 128)], 128, mask, True, 0) * 2
     grads = {}
-    for cap in (8 * unit, 3 * unit):
+    for cap, pieces in ((8 * unit, 1), (4 * unit, 2), (3 * unit, 4)):
         monkeypatch.setattr(configs, "ATTN_BWD_DS_MAX_BYTES", cap)
         plan = ABP._plan(q, k, v, dout, lse, delta, *(torch.empty_like(t) for t in (q, k, v)), scale, True, 0,
-                         NO_MASK)
-        assert len(plan) == (1 if cap == 8 * unit else 4) and all(run.ds for _, run in plan)
-        grads[cap] = ABP.attn_bwd(q, k, v, dout, lse, delta, scale, True, out_dtype=torch.float32)
-    for name, a, f in zip("qkv", grads[3 * unit], grads[8 * unit]):
-        assert not a.isnan().any() and torch.equal(a, f), name
+                         mask)
+        assert len(plan) == pieces and all(run.ds for _, run in plan)
+        grads[cap] = ABP.attn_bwd(q, k, v, dout, lse, delta, scale, True, out_dtype=torch.float32, mask=mask)
+    for cap in (4 * unit, 3 * unit):
+        for gname, a, f in zip("qkv", grads[cap], grads[8 * unit]):
+            assert not a.isnan().any() and torch.equal(a, f), (cap // unit, gname)
 
 
 def test_public_autograd_bshd_views():
@@ -408,3 +418,32 @@ def test_gluon_kernels_masks(name, causal, make, monkeypatch):
     untouched[0, 0] = untouched[1, 1] = False  # (the poisoned rows' and keys' batch elements and kv heads)
     for gname, a in zip("kv", nans[True][1:]):
         assert a.any() and not a[untouched].any(), gname
+
+
+@pytest.mark.parametrize("name,causal,make", GLUON_MASKS, ids=[m[0] for m in GLUON_MASKS])
+def test_dq_from_the_written_ds_masks(name, causal, make, monkeypatch):
+    """The variants' masks on the dS path: dK and dV those of the pair that recomputes dS bit for
+    bit, dQ within the rule and as close to float64 as the recomputing kernel's."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.kernels.decode import sm90
+    b, h, hkv, s, d = 2, 8, 2, 1800, 128
+    q, k, v, dout = inputs(b, h, hkv, s, d, BF16, True)
+    if not sm90(q):
+        pytest.skip("the Gluon dK/dV kernel writes dS on sm_90")
+    mask, scale = make(s), 1 / math.sqrt(d)
+    want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    masked_attention(*leaves, scale, causal, 0, mask)[0].backward(dout)  # the peer in bf16
+    grads = {}
+    for ds in (False, True):
+        monkeypatch.setattr(configs, "ATTN_BWD_DS", ds)
+        grads[ds] = [torch.full_like(x, float("nan"), dtype=torch.float32) for x in (q, k, v)]
+        run = ABP._launches(q, k, v, dout, lse, delta, *grads[ds], scale, causal, 0, mask)
+        assert (run.ds is not None) == ds
+        ABP._run(run, q, k, v, dout, lse, delta, *grads[ds], ABP._mask_tensors(mask, q, k, lse))
+    for gname, a, f in zip("kv", grads[True][1:], grads[False][1:]):
+        assert torch.equal(a, f), gname
+    ok, nums = rule(grads[True][0].to(BF16), leaves[0].grad, want[0])
+    assert ok, nums
+    fro = [((g[0].double() - want[0]).norm() / want[0].norm()).item() for g in (grads[True], grads[False])]
+    assert fro[0] <= 1.05 * fro[1], fro

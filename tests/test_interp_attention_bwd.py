@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+from torch import Tensor
 
 pytestmark = pytest.mark.interpreter
 
@@ -332,43 +333,74 @@ def test_plain_pair_tma_reads_match_pointer_reads(causal, bshd, monkeypatch):
         assert ok, (name, msg)
 
 
-@pytest.mark.parametrize("causal,sq,sk", [(True, 45, 45), (False, 37, 50), (True, 30, 47)])
-def test_dq_from_written_ds(causal, sq, sk):
+def _rows(cu: list, s: int) -> Tensor:
+    """``Mask.rows`` of documents ``cu`` over ``s`` rows."""
+    cu = torch.tensor(cu)
+    doc = torch.searchsorted(cu, torch.arange(s), right=True) - 1
+    return torch.stack((cu[doc], cu[doc + 1])).to(torch.int32)
+
+
+DS_MASKS = {
+    "plain": lambda sq, sk: NO_MASK,
+    "window": lambda sq, sk: Mask(lo=-20),
+    "documents": lambda sq, sk: Mask(rows=_rows([0, 9, 9, 10, 16, sk], sq)),
+    "documents+window": lambda sq, sk: Mask(lo=-12, rows=_rows([0, 20, sk], sq)),
+    "kv_range+offset": lambda sq, sk: Mask(kv_range=torch.tensor([[3, sk - 4], [0, sk]], dtype=torch.int32),
+                                           q_offset=torch.tensor([2, -5], dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("name,causal,sq,sk", [("plain", True, 45, 45), ("plain", False, 37, 50),
+                                               ("plain", True, 30, 47), ("window", True, 80, 80),
+                                               ("documents", True, 45, 45), ("documents", False, 45, 45),
+                                               ("documents+window", True, 80, 80),
+                                               ("kv_range+offset", True, 37, 50)])
+def test_dq_from_written_ds(name, causal, sq, sk):
     """The dQ kernel that reads the ``dS^T`` tiles the Hopper dK/dV kernel writes: ``scale * dS K``
-    over the pairs each row sees, from a buffer whose tiles no seen pair lies in hold NaN (never
-    written there); a NaN key (its scores NaN, so its seen pairs' dS NaN as that kernel writes them)
-    reaches exactly the rows that see it, the causal rows before it untouched. Odd lengths, GQA 4/2,
-    the diagonal offset of ``Sk - Sq`` for ``Sq != Sk``."""
+    over the pairs each row sees, from a buffer whose rows hold each key block's tiles from its first
+    visited query block on and whose tiles no seen pair lies in hold NaN (never written there); a
+    NaN key (its scores NaN, so its seen pairs' dS NaN as that kernel writes them) reaches exactly
+    the rows that see it, the causal rows before it untouched. Odd lengths, GQA 4/2, the diagonal
+    offset of ``Sk - Sq`` for ``Sq != Sk``; the variants' masks (a window, documents, empty ones
+    included, key ranges and offsets per batch element)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     b, h, hkv, d, bm, bn, bmq = 2, 4, 2, 32, 16, 16, 32
-    g, diag, nan_key = h // hkv, sk - sq if causal else 0, sk - 3
+    g, diag, nan_key = h // hkv, sk - sq if causal else 0, sk - 13
+    mask = DS_MASKS[name](sq, sk)
     torch.manual_seed(3)
     k = torch.randn(b, hkv, sk, d).to(BF16)
     k[1, 0, nan_key, 5] = float("nan")
-    seen = torch.ones(sk, sq, dtype=torch.bool)
-    if causal:
-        seen = torch.arange(sk)[:, None] <= torch.arange(sq)[None, :] + diag
+    seen = visible(mask, causal, diag, b, sq, sk).transpose(1, 2)[:, None]  # [B, 1, Sk, Sq]
     ds = torch.where(seen, torch.randn(b, h, sk, sq, dtype=torch.float64), 0.0).to(BF16)  # dS^T
-    ds[1, :g, nan_key] = torch.where(seen[nan_key], float("nan"), 0.0).to(BF16)
+    ds[1, :g, nan_key] = torch.where(seen[1, 0, nan_key], float("nan"), 0.0).to(BF16)
     nkb, nqb = -(-sk // bn), -(-sq // bm)
-    buf = torch.full((b * h * nkb * bn, nqb * bm), float("nan"), dtype=BF16)
-    tiles = buf.view(b, h, nkb, bn, nqb, bm)
-    for j in range(nkb):  # the tiles the dK/dV kernel visits: those holding a seen pair
-        for i in range(nqb):
-            if seen[j * bn:(j + 1) * bn, i * bm:(i + 1) * bm].any():
-                block = ds[:, :, j * bn:(j + 1) * bn, i * bm:(i + 1) * bm]
-                tiles[:, :, j, :block.shape[2], i, :block.shape[3]] = block
+    # the tiles the dK/dV kernel visits, those holding a seen pair, each key block's from its first
+    # one (rounded down to the dQ kernel's tile) on: (b, key block, query block, column)
+    visits = [(e, j, i) for e in range(b) for j in range(nkb) for i in range(nqb)
+              if seen[e, 0, j * bn:(j + 1) * bn, i * bm:(i + 1) * bm].any()]
+    first = {(e, j): min(i for f, n, i in visits if (f, n) == (e, j)) for e, j, _ in visits}
+    visits = [(e, j, i, i * bm - first[e, j] * bm // bmq * bmq) for e, j, i in visits]
+    cols = max(c for *_, c in visits) + bm
+    full = torch.full((b, h, nkb * bn, cols + 8), float("nan"), dtype=BF16)  # (NaN past the buffer's columns)
+    for e, j, i, c in visits:
+        block = ds[e, :, j * bn:(j + 1) * bn, i * bm:(i + 1) * bm]
+        full[e, :, j * bn:j * bn + block.shape[1], c:c + block.shape[2]] = block
+    buf = full.view(b * h * nkb * bn, cols + 8)[:, :cols]
     scale = 0.3
     dq = torch.full((b, h, sq, d), float("nan"))
+    kvr, off, rows, strides, flags = AB._mask_args(mask, dq, dq)
+    rb = AB.row_blocks(rows, sk, bn) if mask.rows is not None else rows
     ABP._QDS((-(-sq // bmq), b * h), None, (TensorDescriptor(buf, list(buf.shape), list(buf.stride()), [bn, bmq]),
-                                            AB._descriptor(k, bn), dq, *dq.stride(), h, g, sq, sk, diag, scale, 1),
-             dict(D=d, BLOCK_M=bmq, BLOCK_N=bn, CAUSAL=causal, PREC="ieee"))
+                                            AB._descriptor(k, bn), dq, kvr, off, rows, rb, *dq.stride(), *strides,
+                                            h, g, sq, sk, diag, mask.lo or 0, scale, 1),
+             dict(D=d, BLOCK_M=bmq, BLOCK_N=bn, KV_M=bm, CAUSAL=causal, PREC="ieee",
+                  **{f: flags[f] for f in ("HAS_LO", "HAS_KV", "HAS_OFF", "HAS_ROWS")}))
     kz = k.double().nan_to_num(0.0).repeat_interleave(g, 1)
     want = scale * (ds.double().nan_to_num(0.0).transpose(-1, -2) @ kz)
     hit = torch.zeros(b, h, sq, dtype=torch.bool)
-    hit[1, :g] = seen[nan_key]
+    hit[1, :g] = seen[1, 0, nan_key]
     want[hit] = float("nan")
-    assert torch.equal(dq.isnan().any(-1), hit)
+    assert hit.any() and torch.equal(dq.isnan().any(-1), hit)
     torch.testing.assert_close(dq.double(), want, rtol=1e-5, atol=1e-5, equal_nan=True)

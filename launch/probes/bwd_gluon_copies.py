@@ -27,7 +27,8 @@ D = 128
 
 _COPIES = {"dq": ("_attn_bwd_q_gluon", "bwd_gluon"), "kv": ("_attn_bwd_kv_ws", "bwd_kv_ws")}
 # this tree's kernels with a setting of theirs changed: name -> (configs attribute, value)
-_SETTINGS = {"triton-pair": ("ATTN_BWD_GLUON", False), "ds-recomputed": ("ATTN_BWD_DS", False)}
+_SETTINGS = {"triton-pair": ("ATTN_BWD_GLUON", False), "ds-recomputed": ("ATTN_BWD_DS", False),
+             "ds-one-piece": ("ATTN_BWD_DS_MAX_BYTES", 40 << 30)}
 # the choices run, or those listed (comma-separated) in the environment's CHOICES
 CHOICES = tuple(os.environ["CHOICES"].split(",")) if os.environ.get("CHOICES") else None
 

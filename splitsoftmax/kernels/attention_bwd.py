@@ -317,6 +317,42 @@ def _q_tile(dq, q, do, lse2, delta, k_base, v_base, kj, qi, rlo, rhi, dg, lw, kv
     return _dot(ds.to(k.dtype), k, dq, PREC)
 
 
+@triton.jit
+def q_walk(ROWS, s_r, m0, Sq, Sk, dg, lw, kv_lo, kv_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           CAUSAL: tl.constexpr, HAS_LO: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """Key blocks of query rows ``qi = m0 + [0, BLOCK_M)``: ``(rlo, rhi, first, end, ia, ib)``, the
+    rows' document bounds ``rlo, rhi`` (``qi`` twice without ``HAS_ROWS``), blocks ``[first, end)``
+    holding a key one of the rows sees, ``[ia, ib)`` only keys every row sees."""
+    qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    qmask = qi < Sq
+    last = tl.minimum(m0 + BLOCK_M, Sq) - 1
+    k_lo = kv_lo
+    k_hi = kv_hi
+    f_lo = kv_lo
+    f_hi = kv_hi
+    if CAUSAL:
+        k_hi = tl.minimum(k_hi, last + dg + 1)
+        f_hi = tl.minimum(f_hi, m0 + dg + 1)
+    if HAS_LO:
+        k_lo = tl.maximum(k_lo, m0 + lw)
+        f_lo = tl.maximum(f_lo, last + lw)
+    rlo = qi
+    rhi = qi
+    if HAS_ROWS:
+        rlo = tl.load(ROWS + qi, mask=qmask, other=0)
+        rhi = tl.load(ROWS + s_r + qi, mask=qmask, other=0)
+        k_lo = tl.maximum(k_lo, tl.min(tl.where(qmask, rlo, Sk), 0))
+        k_hi = tl.minimum(k_hi, tl.max(tl.where(qmask, rhi, 0), 0))
+        f_lo = tl.maximum(f_lo, tl.max(tl.where(qmask, rlo, 0), 0))
+        f_hi = tl.minimum(f_hi, tl.min(tl.where(qmask, rhi, Sk), 0))
+    k_hi = tl.maximum(k_hi, k_lo)
+    first = k_lo // BLOCK_N
+    end = tl.where(k_hi == k_lo, first, tl.cdiv(k_hi, BLOCK_N))
+    ia = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_N), first), end)
+    ib = tl.minimum(tl.maximum(tl.maximum(f_hi, 0) // BLOCK_N, ia), end)
+    return rlo, rhi, first, end, ia, ib
+
+
 @triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
 def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ, KVR, QOFF, ROWS,
                        s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_db, s_dh, s_ds,
@@ -349,31 +385,8 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ, KVR, QOFF, ROWS,
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty or inactive row: p = 0
     delta = tl.load(DELTA + b64 * s_eb + h * s_eh + qi * s_es, mask=qmask, other=0.0) * scale
     kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
-    last = tl.minimum(m0 + BLOCK_M, Sq) - 1
-    k_lo = kv_lo
-    k_hi = kv_hi
-    f_lo = kv_lo
-    f_hi = kv_hi
-    if CAUSAL:
-        k_hi = tl.minimum(k_hi, last + dg + 1)
-        f_hi = tl.minimum(f_hi, m0 + dg + 1)
-    if HAS_LO:
-        k_lo = tl.maximum(k_lo, m0 + lw)
-        f_lo = tl.maximum(f_lo, last + lw)
-    rlo = qi
-    rhi = qi
-    if HAS_ROWS:
-        rlo = tl.load(ROWS + qi, mask=qmask, other=0)
-        rhi = tl.load(ROWS + s_r + qi, mask=qmask, other=0)
-        k_lo = tl.maximum(k_lo, tl.min(tl.where(qmask, rlo, Sk), 0))
-        k_hi = tl.minimum(k_hi, tl.max(tl.where(qmask, rhi, 0), 0))
-        f_lo = tl.maximum(f_lo, tl.max(tl.where(qmask, rlo, 0), 0))
-        f_hi = tl.minimum(f_hi, tl.min(tl.where(qmask, rhi, Sk), 0))
-    k_hi = tl.maximum(k_hi, k_lo)
-    first = k_lo // BLOCK_N
-    end = tl.where(k_hi == k_lo, first, tl.cdiv(k_hi, BLOCK_N))
-    ia = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_N), first), end)
-    ib = tl.minimum(tl.maximum(tl.maximum(f_hi, 0) // BLOCK_N, ia), end)
+    rlo, rhi, first, end, ia, ib = q_walk(ROWS, s_r, m0, Sq, Sk, dg, lw, kv_lo, kv_hi, BLOCK_M, BLOCK_N, CAUSAL,
+                                          HAS_LO, HAS_ROWS)
     n_pre = ia - first
     cs = qk_scale
     if SOFTCAP:

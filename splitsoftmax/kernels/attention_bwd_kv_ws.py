@@ -237,10 +237,10 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
     """The gradient warpgroup (a worker of 4 warps): ``dV += P^T dO`` and ``dK += dS^T Q`` of every
     tile, its buffers released once both are done; then the store. ``DS_OUT``: each tile's ``dS^T``
     also goes by TMA from its hand-over buffer to ``ds_desc`` (rows ``((b, h) * NKB + key block) *
-    BLOCK_N``, columns the tile's query rows; ``ds_row0``: query head ``kvh * G``'s row of this key
-    block), for the dQ kernel to read."""
+    BLOCK_N``, columns the tile's query rows less ``ds_col0``; ``ds_row0``: query head ``kvh * G``'s
+    row of this key block), for the dQ kernel to read."""
     (q_ring, do_ring, p_ring, ds_ring, t_full, t_empty, h_full, h_empty, T, GK, GV, s_kgb, s_kgh, s_kgs, s_vgb,
-     s_vgh, s_vgs, b, kvh, n0, Sk, scale, tiles, ds_desc, NKB, ds_row0) = p
+     s_vgh, s_vgs, b, kvh, n0, Sk, scale, tiles, ds_desc, NKB, ds_row0, ds_col0) = p
     o_layout: gl.constexpr = _mma_layout(D, 4)  # dK, dV: [BLOCK_N, D]
     dk = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
     dv = gl.zeros([BLOCK_N, D], gl.float32, o_layout)
@@ -253,7 +253,7 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
         dk = warpgroup_mma(ds_ring.index(u), q_ring.index(s).reshape([BLOCK_M, D]), dk, is_async=True)
         if DS_OUT:
             gi, m0 = _tile_of(t, tiles, BLOCK_M)
-            _tma_store(ds_desc, [ds_row0 + gi * NKB * BLOCK_N, m0], ds_ring.index(u))
+            _tma_store(ds_desc, [ds_row0 + gi * NKB * BLOCK_N, m0 - ds_col0], ds_ring.index(u))
         # released as soon as done (the score warpgroups' products keep the tensor cores busy meanwhile)
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         if DS_OUT:
@@ -272,7 +272,7 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                     STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr,
                     HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr, DS_OUT: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    DS_ALIGN: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``);
     ``num_warps = 4`` (the first score warpgroup), plus the second's 4, the gradient warpgroup's 4
     and the producer's 1. ``q_desc`` and ``do_desc`` read ``BLOCK_M`` rows, ``k_desc`` and
@@ -280,7 +280,9 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     :func:`attention_bwd.row_blocks`) are those of ``attention_bwd._attn_bwd_kv_kernel``, read where
     their flag is set; ``cap2 = softcap * log2(e)``. ``DS_OUT``: every tile's ``dS^T`` (bfloat16,
     ``[BLOCK_N, BLOCK_M]``) is also written through ``ds_desc``, a 2-D ``(B * H * key blocks * BLOCK_N,
-    query columns)`` descriptor (:func:`_grads`); otherwise ``ds_desc`` is not read."""
+    query columns)`` descriptor (:func:`_grads`), a key block's query rows from its first visited
+    one rounded down to ``DS_ALIGN`` (the dQ kernel's query tile; the dQ kernel finds it likewise);
+    otherwise ``ds_desc`` is not read."""
     pid_n, pid_bh = _program_order(GH)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
@@ -331,7 +333,7 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
           ROWS, s_r, n0, dg, lw, kv_lo, kv_hi, cs, cap2)
     pg = (q_ring, do_ring, p_ring, ds_ring, t_full, t_empty, h_full, h_empty, T, GK, GV, s_kgb, s_kgh, s_kgs, s_vgb,
           s_vgh, s_vgs, b, kvh, n0, Sk, scale, tiles, ds_desc, gl.num_programs(0),
-          (b * HKV + kvh) * G * gl.num_programs(0) * BLOCK_N + n0)
+          (b * HKV + kvh) * G * gl.num_programs(0) * BLOCK_N + n0, first * BLOCK_M // DS_ALIGN * DS_ALIGN)
     pp = (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_bar, t_full, t_empty, n0, tiles)
     # workers: the second score warpgroup and the gradient one (4 warps each) and the producer (1),
     # given the registers asked for each (setmaxnreg) out of the launch's maxnreg per thread; the

@@ -3,9 +3,9 @@ the variants' masks.
 
 Two atomic-free kernels, seven products per tile pair: one program per key block and kv head sums
 dK, dV over every query block of the G query heads that read that kv head; then one program per
-query block and head walks its key blocks for dQ. On Hopper, with full or causal masks, the dK/dV
-kernel also writes each tile's dS and the dQ kernel reads it (``_attn_bwd_q_ds_kernel``): five
-products per tile pair, for a buffer the backward holds (:func:`_ds_pieces`). On one H200 (Triton
+query block and head walks its key blocks for dQ. On Hopper the Gluon dK/dV kernel also writes
+each tile's dS and the dQ kernel reads it (``_attn_bwd_q_ds_kernel``, every mask): five products per
+tile pair, for a buffer the backward holds (:func:`_ds_pieces`). On one H200 (Triton
 3.6) this pair ran 8-12% faster than ``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md, "Attention backward"),
 so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90, bfloat16) also take
 the variants' masks (:func:`takes`); elsewhere those take the general pair. Gradients are written
@@ -25,10 +25,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
 from ..local import interpreting
-from ..mask import NO_MASK, Mask
+from ..mask import NO_MASK, Mask, row_span
 from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows, _program_order
-from .attention_bwd import _descriptor, _finite_or_zero, _mask_args, _tile, _tma_ok, row_blocks
+from .attention_bwd import (_batch_bounds, _descriptor, _finite_or_zero, _kv_rows, _mask_args, _seen, _tile, _tma_ok,
+                            q_walk, row_blocks)
 from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm90, sm_count
 from .launch import Launcher, Memo, auto_key, geometry
 
@@ -214,16 +215,33 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
              mask=qmask[:, None] & dmask[None, :])
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "GH"])
-def _attn_bwd_q_ds_kernel(DS, K, GQ, s_qgb, s_qgh, s_qgs, s_qgd, H, G, Sq, Sk, diag, scale, GH,
-                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                          PREC: tl.constexpr):
+@triton.jit
+def _ds_col(RB, nb, m0, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_M: tl.constexpr,
+            CAUSAL: tl.constexpr, HAS_LO: tl.constexpr, HAS_ROWS: tl.constexpr):
+    """The ``dS^T`` buffer's column of query row ``m0`` (a multiple of ``BLOCK_M``) in key block
+    ``nb``'s row: ``m0`` less the block's first visited row rounded down to ``BLOCK_M``; 0 where the
+    block's visited rows start past ``m0`` (no pair of those rows is seen: the tile is masked out)."""
+    first = _kv_rows(RB, nb, nb * BLOCK_N, (nb + 1) * BLOCK_N, Sq, dg, lw, kv_lo, kv_hi, KV_M, CAUSAL, HAS_LO,
+                     HAS_ROWS)[0]
+    return tl.maximum(m0 - first * KV_M // BLOCK_M * BLOCK_M, 0)
+
+
+@triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH"])
+def _attn_bwd_q_ds_kernel(DS, K, GQ, KVR, QOFF, ROWS, RB, s_qgb, s_qgh, s_qgs, s_qgd, s_kvb, s_kvc, s_off, s_r,
+                          H, G, Sq, Sk, diag, lo, scale, GH,
+                          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_M: tl.constexpr,
+                          CAUSAL: tl.constexpr, HAS_LO: tl.constexpr, HAS_KV: tl.constexpr, HAS_OFF: tl.constexpr,
+                          HAS_ROWS: tl.constexpr, PREC: tl.constexpr):
     """``dQ = scale * dS K`` from the ``dS^T`` tiles the dK/dV kernel wrote (``DS``: the 2-D
     ``(B * H * key blocks * BLOCK_N, query columns)`` descriptor, ``[BLOCK_N, BLOCK_M]`` tiles; ``K``:
-    the ``(B, Hkv, S, D)`` one, ``[1, 1, BLOCK_N, D]`` tiles, zeros past Sk). Grid ``(query blocks,
-    B * H)`` in the order of ``GH``. Key blocks across the diagonal or past ``Sk`` take only the
-    pairs the rows see (the tiles no pair of them sees were not written) and K with its NaN/Inf
-    zeroed, as the dQ kernel that recomputes ``dS``."""
+    the ``(B, Hkv, S, D)`` one, ``[1, 1, BLOCK_N, D]`` tiles, zeros past Sk). A key block's row holds
+    its query columns from that kernel's first visited query block (of ``KV_M`` rows: ``_kv_rows``,
+    ``RB`` its document row blocks) rounded down to ``BLOCK_M``. Grid ``(query blocks, B * H)`` in
+    the order of ``GH``. The key blocks every row sees whole come first; the others (a
+    pair some row does not see: the mask's edges or past ``Sk``) take only the pairs the rows see (the
+    tiles no pair of them sees were not written) and K with its NaN/Inf zeroed, as the dQ kernels that
+    recompute ``dS``. The mask's tensors, strides and flags are ``attention_bwd._attn_bwd_q_kernel``'s
+    (a softcap is in the written ``dS``)."""
     pid_m, pid_bh = _program_order(GH)
     if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -232,19 +250,24 @@ def _attn_bwd_q_ds_kernel(DS, K, GQ, s_qgb, s_qgh, s_qgs, s_qgd, H, G, Sq, Sk, d
     kvh = h // G
     m0 = pid_m * BLOCK_M
     qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    mid, hi = _q_keys(m0, Sq, Sk, diag, BLOCK_M, BLOCK_N, CAUSAL)
+    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
+    rlo, rhi, first, end, ia, ib = q_walk(ROWS, s_r, m0, Sq, Sk, dg, lw, kv_lo, kv_hi, BLOCK_M, BLOCK_N, CAUSAL,
+                                          HAS_LO, HAS_ROWS)
     row0 = pid_bh * tl.cdiv(Sk, BLOCK_N) * BLOCK_N  # head (b, h)'s first row of DS
     dq = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(0, mid, BLOCK_N):
-        ds_t = DS.load([row0 + n0, m0])  # [BLOCK_N, BLOCK_M]
-        k = K.load([b, kvh, n0, 0]).reshape(BLOCK_N, D)  # [BLOCK_N, D]
+    for nb in range(ia, ib):
+        ds_t = DS.load([row0 + nb * BLOCK_N, _ds_col(RB, nb, m0, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, BLOCK_N, KV_M,
+                                                     CAUSAL, HAS_LO, HAS_ROWS)])  # [BLOCK_N, BLOCK_M]
+        k = K.load([b, kvh, nb * BLOCK_N, 0]).reshape(BLOCK_N, D)  # [BLOCK_N, D]
         dq = _dot(tl.trans(ds_t), k, dq, PREC)
-    for n0 in range(mid, hi, BLOCK_N):
+    n_pre = ia - first
+    for it in range(0, n_pre + end - ib):  # blocks [first, ia), then [ib, end)
+        n0 = tl.where(it < n_pre, first + it, ib + it - n_pre) * BLOCK_N
         kj = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-        ok = kj[:, None] < Sk
-        if CAUSAL:
-            ok = ok & (kj[:, None] <= qi[None, :] + diag)
-        ds_t = DS.load([row0 + n0, m0])
+        ok = _seen(kj[:, None], qi[None, :], rlo[None, :], rhi[None, :], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
+                   HAS_ROWS)
+        ds_t = DS.load([row0 + n0, _ds_col(RB, n0 // BLOCK_N, m0, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, BLOCK_N, KV_M,
+                                           CAUSAL, HAS_LO, HAS_ROWS)])
         ds_t = tl.where(ok, ds_t, 0.0).to(ds_t.dtype)
         k = _finite_or_zero(K.load([b, kvh, n0, 0]).reshape(BLOCK_N, D))
         dq = _dot(tl.trans(ds_t), k, dq, PREC)
@@ -341,24 +364,49 @@ def _mask_tensors(mask: Mask, q: Tensor, k: Tensor, lse: Tensor) -> tuple:
     return kvr, off, rows, rb
 
 
-def _ds_shape(q: Tensor, k: Tensor, gkv: Optional[tuple], mask: Mask, grads: tuple) -> Optional[tuple]:
+def _ds_shape(q: Tensor, k: Tensor, gkv: Optional[tuple], grads: tuple, mask: Mask, causal: bool,
+              diag: int) -> Optional[tuple]:
     """``(rows, columns)`` of the bfloat16 ``dS^T`` buffer through which the Gluon dK/dV kernel (tile
     ``gkv``) hands every tile's ``dS`` to the dQ kernel, which then takes one product per tile pair
-    instead of three: ``configs.ATTN_BWD_DS``, plain visibility, all three gradients wanted and the
-    buffer (``B * H`` heads of ``Sk`` by ``Sq``, rounded up to tiles) within
-    ``configs.ATTN_BWD_DS_MAX_BYTES``; else None."""
-    if not (configs.ATTN_BWD_DS and gkv and mask.plain() and all(g.numel() for g in grads)):
+    instead of three: ``configs.ATTN_BWD_DS``, all three gradients wanted and the buffer (``B * H``
+    heads of ``Sk`` rows by :func:`_ds_cols`) within ``configs.ATTN_BWD_DS_MAX_BYTES``; else None."""
+    if not (configs.ATTN_BWD_DS and gkv and all(g.numel() for g in grads)):
         return None
     b, h, sq = q.shape[:3]
     rows = b * h * configs.cdiv(k.shape[2], gkv[1]) * gkv[1]
-    cols = configs.cdiv(sq, gkv[0]) * gkv[0]
+    cols = _ds_cols(sq, gkv, q.shape[-1], mask, causal, diag)
     return (rows, cols) if rows * cols * q.element_size() <= configs.ATTN_BWD_DS_MAX_BYTES else None
 
 
+def _ds_cols(sq: int, gkv: tuple, d: int, mask: Mask, causal: bool, diag: int) -> int:
+    """Columns of the ``dS^T`` buffer. A key block's row holds the query rows its tiles visit, from
+    the first one rounded down to the dQ kernel's tile: at most ``Sq`` (rounded up to tiles), fewer
+    where the host knows a bound on the rows that see a key block, ``BLOCK_N + diag - lo`` under a
+    causal window and ``BLOCK_N + 2 * span`` with documents of at most ``span`` keys
+    (:func:`_doc_span`), plus a tile on each side and the rounding."""
+    bm, bn = gkv[:2]
+    dense = configs.cdiv(sq, bm) * bm
+    rows = sq
+    if causal and mask.lo is not None:
+        rows = min(rows, max(bn + diag - mask.lo, 0))
+    span = _doc_span(mask)
+    if span is not None:
+        rows = min(rows, bn + 2 * span)
+    return min(dense, configs.cdiv(rows + 2 * bm + configs.ATTN_TILES[("bwd_q_ds", 2, d)][0], bm) * bm)
+
+
+def _doc_span(mask: Mask) -> Optional[int]:
+    """The longest document of ``mask.rows`` as noted where the host made it (:func:`row_span`),
+    rounded up to 256 keys (a plan serves every packing within that), or None."""
+    span = row_span(mask.rows) if mask.rows is not None else None
+    return None if span is None else configs.cdiv(span, 256) * 256
+
+
 def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int,
-              mask: Mask = NO_MASK) -> _Launches:
+              mask: Mask = NO_MASK, piece: Optional[tuple] = None) -> _Launches:
     """The launches of :func:`attn_bwd` for these operands and gradient buffers (the variants' masks
-    only where :func:`takes` them: on the Gluon kernels)."""
+    only where :func:`takes` them: on the Gluon kernels); ``piece``: the operands are those of a
+    piece of :func:`_ds_pieces`, the mask's those of the whole."""
     b, h, sq, d = q.shape
     hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     tma = _use_tma(q, k, v, dout)
@@ -372,16 +420,19 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     gkv, gq = (_gluon_tile(kind, q, v) if tma else None for kind in ("bwd_kv_ws", "bwd_q_gluon"))
     # the Gluon kernels' mask: its tensors (after the gradients), strides, scalars and flags
     mts = _mask_tensors(mask, q, k, lse)
+    if piece:
+        mts = _mask_piece(mts, mask, piece)
     mstrides, flags = _mask_args(mask, q, lse)[3:]
     lo, cap2 = mask.lo if mask.lo is not None else 0, mask.softcap * LOG2E
-    ds = _ds_shape(q, k, gkv, mask, (dq, dk, dv))
+    ds = _ds_shape(q, k, gkv, (dq, dk, dv), mask, causal, diag)
     if (dk.numel() or dv.numel()) and gkv:
         nkb = configs.cdiv(sk, gkv[1])
         # three warpgroups of num_warps (and a producer warp) per program, their registers within an SM's
         scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], *mstrides, hkv, h // hkv, sq, sk, diag, lo,
                    scale * LOG2E, scale, cap2, head_group(nkb, b * hkv, q, causal, 3 * gkv[2]))
         kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv, *mts), causal, d, dtypes,
-                           maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG, DS_OUT=ds is not None, **flags)
+                           maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG, DS_OUT=ds is not None,
+                           DS_ALIGN=configs.ATTN_TILES[("bwd_q_ds", 2, d)][0], **flags)
     elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
@@ -393,10 +444,11 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     if ds:
         bm, warps, stages = configs.ATTN_TILES[("bwd_q_ds", 2, d)]
         nqb = configs.cdiv(sq, bm)
-        scalars = (*dq.stride(), h, h // hkv, sq, sk, diag, scale, head_group(nqb, b * h, q, causal, warps))
-        qp = ((nqb, b * h), (auto_key((dq, *scalars)), dtypes), scalars,
-              dict(D=d, BLOCK_M=bm, BLOCK_N=gkv[1], CAUSAL=causal, PREC=common["PREC"], num_warps=warps,
-                   num_stages=stages))
+        scalars = (*dq.stride(), *mstrides, h, h // hkv, sq, sk, diag, lo, scale,
+                   head_group(nqb, b * h, q, causal, warps))
+        qp = ((nqb, b * h), (auto_key((dq, *mts, *scalars)), dtypes), scalars,
+              dict(D=d, BLOCK_M=bm, BLOCK_N=gkv[1], KV_M=gkv[0], CAUSAL=causal, PREC=common["PREC"], num_warps=warps,
+                   num_stages=stages, **{f: flags[f] for f in ("HAS_LO", "HAS_KV", "HAS_OFF", "HAS_ROWS")}))
         ds = (*ds, gkv[1], gkv[0], bm)
     elif dq.numel() and gq:
         nqb = configs.cdiv(sq, gq[0])
@@ -428,7 +480,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     mts = () if mask.plain() else tuple(t for t in (mask.kv_range, mask.q_offset, mask.rows) if t is not None)
     geo = (geometry(q, k, v, dout, lse, delta, *mts), od, scale, causal, diag, mask.lo, mask.softcap,
-           tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), configs.ATTN_BWD_TMA,
+           tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), _doc_span(mask), configs.ATTN_BWD_TMA,
            configs.ATTN_BWD_GLUON, configs.ATTN_BWD_DS, configs.ATTN_BWD_DS_MAX_BYTES,
            configs.ATTN_BWD_DS_MIN_WAVES, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
            attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
@@ -437,8 +489,12 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     if plan is None:
         plan = _LAUNCHES.put(geo, _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask))
     ops = (q, k, v, dout, lse, delta, dq, dk, dv)
+    mts = _mask_tensors(mask, q, k, lse) if mts else None
     for piece, run in plan:
-        _run(run, *(_piece(ops, piece) if piece else ops), _mask_tensors(mask, q, k, lse) if mts else None)
+        if piece:
+            _run(run, *_piece(ops, piece), mts and _mask_piece(mts, mask, piece))
+        else:
+            _run(run, *ops, mts)
     return dq, dk, dv
 
 
@@ -446,22 +502,23 @@ def _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, dia
     """``((piece, launches), ..)`` of :func:`attn_bwd`: the launches (:func:`_launches`) on the whole
     operands (``piece`` None), or on each piece of :func:`_ds_pieces`."""
     ops = (q, k, v, dout, lse, delta, dq, dk, dv)
-    pieces = _ds_pieces(q, k, v, dout, mask, (dq, dk, dv)) or (None,)
-    return tuple((p, _launches(*(_piece(ops, p) if p else ops), scale, causal, diag, mask)) for p in pieces)
+    pieces = _ds_pieces(q, k, v, dout, (dq, dk, dv), mask, causal, diag) or (None,)
+    return tuple((p, _launches(*(_piece(ops, p) if p else ops), scale, causal, diag, mask, p)) for p in pieces)
 
 
-def _ds_pieces(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: Mask, grads: tuple) -> tuple:
+def _ds_pieces(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, grads: tuple, mask: Mask, causal: bool,
+               diag: int) -> tuple:
     """``(b0, b1, kvh0, kvh1)`` pieces (batch elements, kv heads) taken one after another where the
     whole ``dS^T`` buffer (:func:`_ds_shape`) passes ``configs.ATTN_BWD_DS_MAX_BYTES`` and each
     piece's is within it: whole batch elements while they fit, else kv heads of one; each piece's
     dK/dV grid at least ``configs.ATTN_BWD_DS_MIN_WAVES`` waves. Empty: one launch pair on the whole."""
-    gkv = (_gluon_tile("bwd_kv_ws", q, v) if configs.ATTN_BWD_DS and mask.plain() and all(g.numel() for g in grads)
+    gkv = (_gluon_tile("bwd_kv_ws", q, v) if configs.ATTN_BWD_DS and all(g.numel() for g in grads)
            and _use_tma(q, k, v, dout) else None)
     if not gkv:
         return ()
     b, h, sq = q.shape[:3]
     hkv, nkb = k.shape[1], configs.cdiv(k.shape[2], gkv[1])
-    unit = h // hkv * nkb * gkv[1] * configs.cdiv(sq, gkv[0]) * gkv[0] * q.element_size()  # one (b, kv head)
+    unit = h // hkv * nkb * gkv[1] * _ds_cols(sq, gkv, q.shape[-1], mask, causal, diag) * q.element_size()  # (b, kvh)
     per = configs.ATTN_BWD_DS_MAX_BYTES // unit
     if per >= b * hkv or nkb * min(per, hkv) < configs.ATTN_BWD_DS_MIN_WAVES * sm_count(q):
         return ()
@@ -479,6 +536,15 @@ def _piece(ops: tuple, piece: tuple) -> tuple:
     kv = (slice(b0, b1), slice(h0, h1))
     qh = (slice(b0, b1), slice(h0 * g, h1 * g))
     return tuple(t[kv] if i in (1, 2, 7, 8) else t[qh] for i, t in enumerate(ops))
+
+
+def _mask_piece(mts: tuple, mask: Mask, piece: tuple) -> tuple:
+    """The mask's tensors of :func:`_mask_tensors` for batch elements ``[b0, b1)`` of ``piece``: the
+    key ranges and offsets sliced (views), the document rows shared by every batch element."""
+    kvr, off, rows, rb = mts
+    b0, b1 = piece[:2]
+    return (kvr[b0:b1] if mask.kv_range is not None else kvr, off[b0:b1] if mask.q_offset is not None else off,
+            rows, rb)
 
 
 def _ds_descriptor(ds: Tensor, block: tuple) -> TensorDescriptor:
@@ -508,7 +574,7 @@ def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv, mts: Optional[tu
     if run.q is not None:
         grid, key, scalars, kwargs = run.q
         if run.ds:
-            _QDS(grid, key, (_ds_descriptor(ds, (run.ds[2], run.ds[4])), _descriptor(k, run.ds[2]), dq, *scalars),
+            _QDS(grid, key, (_ds_descriptor(ds, (run.ds[2], run.ds[4])), _descriptor(k, run.ds[2]), dq, *mts, *scalars),
                  kwargs)
         elif run.gluon[1]:
             _gluon_launcher(run.gluon[1])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dq,

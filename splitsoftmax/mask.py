@@ -51,19 +51,19 @@ class Mask(NamedTuple):
 
 NO_MASK = Mask()
 
-# a Mask.rows tensor -> (its _version when noted, the longest row interval): noted where the host made it
-_SPANS = WeakIdKeyDictionary()
+# a Mask.rows tensor -> (its _version when noted, its reach): noted where the host made it
+_REACH = WeakIdKeyDictionary()
 
 
-def note_span(rows: Tensor, span: int) -> None:
-    """Note that no row interval of ``rows`` (``Mask.rows``) is longer than ``span`` keys (the longest
-    document), a bound the host knows without reading the tensor back."""
-    _SPANS[rows] = (rows._version, span)
+def note_reach(rows: Tensor, reach: int) -> None:
+    """Note that no row ``i`` of ``rows`` (``Mask.rows``) lies more than ``reach`` past its interval's
+    first key (``i - rows[0, i] <= reach``), a bound the host knows without reading the tensor back."""
+    _REACH[rows] = (rows._version, reach)
 
 
-def row_span(rows: Tensor) -> Optional[int]:
-    """The bound :func:`note_span` noted for ``rows`` while it is unmodified, else None."""
-    hit = _SPANS.get(rows)
+def row_reach(rows: Tensor) -> Optional[int]:
+    """The bound :func:`note_reach` noted for ``rows`` while it is unmodified, else None."""
+    hit = _REACH.get(rows)
     return hit[1] if hit is not None and hit[0] == rows._version else None
 
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _checks
-from .mask import NO_MASK, Mask, note_span
+from .mask import NO_MASK, Mask, note_reach
 
 _INT_DTYPES = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
@@ -280,14 +280,15 @@ _ROWS_CACHE: dict = {}
 
 def doc_rows(cu: tuple, q_start: int, q_len: int, k_start: int, k_len: int, device) -> Tensor:
     """:func:`_doc_rows_host` on ``device`` (the copy kept per device: one upload per plan), its
-    longest interval noted (:func:`splitsoftmax.mask.note_span`: the longest document)."""
+    reach noted (:func:`splitsoftmax.mask.note_reach`: how far a row lies past its document's start)."""
     if torch.compiler.is_compiling():  # a traced constant: no cache to mutate
         return _doc_rows_host.__wrapped__(cu, q_start, q_len, k_start, k_len).to(device)
     key = (cu, q_start, q_len, k_start, k_len, torch.device(device))
     hit = _ROWS_CACHE.get(key)
     if hit is None:
-        hit = _doc_rows_host(cu, q_start, q_len, k_start, k_len).to(device)
-        note_span(hit, max((b - a for a, b in zip(cu, cu[1:])), default=0))
+        host = _doc_rows_host(cu, q_start, q_len, k_start, k_len)
+        hit = host.to(device)
+        note_reach(hit, int((torch.arange(q_len) - host[0]).max()) if q_len else 0)
         if len(_ROWS_CACHE) >= 64:
             _ROWS_CACHE.pop(next(iter(_ROWS_CACHE)))
         _ROWS_CACHE[key] = hit

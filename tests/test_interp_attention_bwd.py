@@ -357,8 +357,8 @@ DS_MASKS = {
                                                ("kv_range+offset", True, 37, 50)])
 def test_dq_from_written_ds(name, causal, sq, sk):
     """The dQ kernel that reads the ``dS^T`` tiles the Hopper dK/dV kernel writes: ``scale * dS K``
-    over the pairs each row sees, from a buffer whose rows hold each key block's tiles from its first
-    visited query block on and whose tiles no seen pair lies in hold NaN (never written there); a
+    over the pairs each row sees, from a buffer whose rows hold each causal key block's tiles from
+    its first row in the band on and whose tiles no seen pair lies in hold NaN (never written there); a
     NaN key (its scores NaN, so its seen pairs' dS NaN as that kernel writes them) reaches exactly
     the rows that see it, the causal rows before it untouched. Odd lengths, GQA 4/2, the diagonal
     offset of ``Sk - Sq`` for ``Sq != Sk``; the variants' masks (a window, documents, empty ones
@@ -376,12 +376,13 @@ def test_dq_from_written_ds(name, causal, sq, sk):
     ds = torch.where(seen, torch.randn(b, h, sk, sq, dtype=torch.float64), 0.0).to(BF16)  # dS^T
     ds[1, :g, nan_key] = torch.where(seen[1, 0, nan_key], float("nan"), 0.0).to(BF16)
     nkb, nqb = -(-sk // bn), -(-sq // bm)
-    # the tiles the dK/dV kernel visits, those holding a seen pair, each key block's from its first
-    # one (rounded down to the dQ kernel's tile) on: (b, key block, query block, column)
-    visits = [(e, j, i) for e in range(b) for j in range(nkb) for i in range(nqb)
+    # the tiles the dK/dV kernel visits, those holding a seen pair, a causal key block's from its
+    # first row in the band (rounded down to tiles, then to the dQ kernel's) on: (b, key block, query
+    # block, column)
+    dg = [diag + (0 if mask.q_offset is None else int(mask.q_offset[e])) for e in range(b)]
+    visits = [(e, j, i, i * bm - (max(j * bn - dg[e], 0) // bm * bm // bmq * bmq if causal else 0))
+              for e in range(b) for j in range(nkb) for i in range(nqb)
               if seen[e, 0, j * bn:(j + 1) * bn, i * bm:(i + 1) * bm].any()]
-    first = {(e, j): min(i for f, n, i in visits if (f, n) == (e, j)) for e, j, _ in visits}
-    visits = [(e, j, i, i * bm - first[e, j] * bm // bmq * bmq) for e, j, i in visits]
     cols = max(c for *_, c in visits) + bm
     full = torch.full((b, h, nkb * bn, cols + 8), float("nan"), dtype=BF16)  # (NaN past the buffer's columns)
     for e, j, i, c in visits:
@@ -391,10 +392,9 @@ def test_dq_from_written_ds(name, causal, sq, sk):
     scale = 0.3
     dq = torch.full((b, h, sq, d), float("nan"))
     kvr, off, rows, strides, flags = AB._mask_args(mask, dq, dq)
-    rb = AB.row_blocks(rows, sk, bn) if mask.rows is not None else rows
     ABP._QDS((-(-sq // bmq), b * h), None, (TensorDescriptor(buf, list(buf.shape), list(buf.stride()), [bn, bmq]),
-                                            AB._descriptor(k, bn), dq, kvr, off, rows, rb, *dq.stride(), *strides,
-                                            h, g, sq, sk, diag, mask.lo or 0, scale, 1),
+                                            AB._descriptor(k, bn), dq, kvr, off, rows, *dq.stride(), *strides, h,
+                                            g, sq, sk, diag, mask.lo or 0, scale, 1),
              dict(D=d, BLOCK_M=bmq, BLOCK_N=bn, KV_M=bm, CAUSAL=causal, PREC="ieee",
                   **{f: flags[f] for f in ("HAS_LO", "HAS_KV", "HAS_OFF", "HAS_ROWS")}))
     kz = k.double().nan_to_num(0.0).repeat_interleave(g, 1)

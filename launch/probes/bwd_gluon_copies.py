@@ -1,8 +1,9 @@
 """Probe of the Gluon backward kernels against other copies of them, on one H200.
 
-``PYTHONPATH=. python3 launch/probes/bwd_gluon_copies.py OUTDIR [fb,prof]``: ``fb``, forward+backward TFLOP/s of
+``PYTHONPATH=. python3 launch/probes/bwd_gluon_copies.py OUTDIR [fb,fbv,prof]``: ``fb``, forward+backward TFLOP/s of
 ``ss.attention`` (bf16, D=128) at short causal rows (B * S = 32k tokens, H=16), GQA layers at
-batch 1 and 4 and the variant rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``),
+batch 1 and 4 and the variant rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``;
+``fbv``: those alone),
 with this tree's kernels (``tree``), with a setting of theirs changed (``_SETTINGS``) and with each copy
 beside them: ``dq-<tag>`` runs the dQ kernel of
 ``splitsoftmax/kernels/_probe_<tag>_bwd_gluon.py``, ``kv-<tag>`` the dK/dV kernel of
@@ -130,15 +131,20 @@ def fb():
                 for _ in range(2))
         flops = 3.5 * 4.0 * b * h * D * s * (s + 1) / 2
         _time("fb", label, lambda q, k, v: ss.attention(q, k, v, causal=True), [q, k, v], torch.randn_like(q), flops)
+    fb_variants()
+
+
+def fb_variants():
+    """The ``fb`` section's variant rows alone (documents, window, softcap)."""
     q, k, v = (torch.randn(1, V.H, V.S, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
     sinks = torch.randn(V.H, device="cuda") + 2.0
-    for name in ("documents", "window"):
+    for name in ("documents", "window", "softcap"):
         fn, _ = V.ss_fn(name, sinks)
         _time("fb", name, fn, [q, k, v], torch.randn_like(q), 3.5 * 4.0 * V.H * D * V.visible_pairs(name))
 
 
 if __name__ == "__main__":
-    run_sections({"fb": fb, "prof": prof}, sys.argv)
+    run_sections({"fb": fb, "fbv": fb_variants, "prof": prof}, sys.argv)
     print("\nsummary (TFLOP/s)")
     for r in __import__("helpers").ROWS:
         if "tflops" in r:

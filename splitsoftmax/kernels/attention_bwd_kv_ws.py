@@ -280,9 +280,9 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     :func:`attention_bwd.row_blocks`) are those of ``attention_bwd._attn_bwd_kv_kernel``, read where
     their flag is set; ``cap2 = softcap * log2(e)``. ``DS_OUT``: every tile's ``dS^T`` (bfloat16,
     ``[BLOCK_N, BLOCK_M]``) is also written through ``ds_desc``, a 2-D ``(B * H * key blocks * BLOCK_N,
-    query columns)`` descriptor (:func:`_grads`), a key block's query rows from its first visited
-    one rounded down to ``DS_ALIGN`` (the dQ kernel's query tile; the dQ kernel finds it likewise);
-    otherwise ``ds_desc`` is not read."""
+    query columns)`` descriptor (:func:`_grads`), a causal key block's query rows from its first in
+    the band (``n0 - diag - off``) rounded down to ``BLOCK_M``, then to ``DS_ALIGN`` (the dQ kernel's
+    query tile; that kernel finds it likewise); otherwise ``ds_desc`` is not read."""
     pid_n, pid_bh = _program_order(GH)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
@@ -302,6 +302,9 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     cs = qk_scale
     if SOFTCAP:
         cs = scale / cap2 * 1.4426950408889634  # s / c
+    ds_col0 = 0  # DS_OUT: this key block's first row in the causal band, rounded down to DS_ALIGN
+    if CAUSAL:
+        ds_col0 = gl.maximum(n0 - dg, 0) // BLOCK_M * BLOCK_M // DS_ALIGN * DS_ALIGN
 
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
@@ -333,7 +336,7 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
           ROWS, s_r, n0, dg, lw, kv_lo, kv_hi, cs, cap2)
     pg = (q_ring, do_ring, p_ring, ds_ring, t_full, t_empty, h_full, h_empty, T, GK, GV, s_kgb, s_kgh, s_kgs, s_vgb,
           s_vgh, s_vgs, b, kvh, n0, Sk, scale, tiles, ds_desc, gl.num_programs(0),
-          (b * HKV + kvh) * G * gl.num_programs(0) * BLOCK_N + n0, first * BLOCK_M // DS_ALIGN * DS_ALIGN)
+          (b * HKV + kvh) * G * gl.num_programs(0) * BLOCK_N + n0, ds_col0)
     pp = (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_bar, t_full, t_empty, n0, tiles)
     # workers: the second score warpgroup and the gradient one (4 warps each) and the producer (1),
     # given the registers asked for each (setmaxnreg) out of the launch's maxnreg per thread; the

@@ -25,11 +25,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import configs
 from ..local import interpreting
-from ..mask import NO_MASK, Mask, row_span
+from ..mask import NO_MASK, Mask, row_reach
 from ..state import stat_dtype
 from .attention import LOG2E, _dot, _load_rows, _program_order
-from .attention_bwd import (_batch_bounds, _descriptor, _finite_or_zero, _kv_rows, _mask_args, _seen, _tile, _tma_ok,
-                            q_walk, row_blocks)
+from .attention_bwd import (_batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _tile, _tma_ok, q_walk,
+                            row_blocks)
 from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm90, sm_count
 from .launch import Launcher, Memo, auto_key, geometry
 
@@ -216,28 +216,28 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
 
 
 @triton.jit
-def _ds_col(RB, nb, m0, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_M: tl.constexpr,
-            CAUSAL: tl.constexpr, HAS_LO: tl.constexpr, HAS_ROWS: tl.constexpr):
+def _ds_col(nb, m0, dg, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_M: tl.constexpr, CAUSAL: tl.constexpr):
     """The ``dS^T`` buffer's column of query row ``m0`` (a multiple of ``BLOCK_M``) in key block
-    ``nb``'s row: ``m0`` less the block's first visited row rounded down to ``BLOCK_M``; 0 where the
-    block's visited rows start past ``m0`` (no pair of those rows is seen: the tile is masked out)."""
-    first = _kv_rows(RB, nb, nb * BLOCK_N, (nb + 1) * BLOCK_N, Sq, dg, lw, kv_lo, kv_hi, KV_M, CAUSAL, HAS_LO,
-                     HAS_ROWS)[0]
-    return tl.maximum(m0 - first * KV_M // BLOCK_M * BLOCK_M, 0)
+    ``nb``'s row: ``m0`` less the block's first row in the causal band (its first query block of
+    ``KV_M`` rows, as the dK/dV kernel takes it) rounded down to ``BLOCK_M``; 0 where that starts past
+    ``m0`` (no pair of those rows is seen: the tile is masked out)."""
+    c0 = 0
+    if CAUSAL:
+        c0 = tl.maximum(nb * BLOCK_N - dg, 0) // KV_M * KV_M // BLOCK_M * BLOCK_M
+    return tl.maximum(m0 - c0, 0)
 
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH"])
-def _attn_bwd_q_ds_kernel(DS, K, GQ, KVR, QOFF, ROWS, RB, s_qgb, s_qgh, s_qgs, s_qgd, s_kvb, s_kvc, s_off, s_r,
+def _attn_bwd_q_ds_kernel(DS, K, GQ, KVR, QOFF, ROWS, s_qgb, s_qgh, s_qgs, s_qgd, s_kvb, s_kvc, s_off, s_r,
                           H, G, Sq, Sk, diag, lo, scale, GH,
                           D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KV_M: tl.constexpr,
                           CAUSAL: tl.constexpr, HAS_LO: tl.constexpr, HAS_KV: tl.constexpr, HAS_OFF: tl.constexpr,
                           HAS_ROWS: tl.constexpr, PREC: tl.constexpr):
     """``dQ = scale * dS K`` from the ``dS^T`` tiles the dK/dV kernel wrote (``DS``: the 2-D
     ``(B * H * key blocks * BLOCK_N, query columns)`` descriptor, ``[BLOCK_N, BLOCK_M]`` tiles; ``K``:
-    the ``(B, Hkv, S, D)`` one, ``[1, 1, BLOCK_N, D]`` tiles, zeros past Sk). A key block's row holds
-    its query columns from that kernel's first visited query block (of ``KV_M`` rows: ``_kv_rows``,
-    ``RB`` its document row blocks) rounded down to ``BLOCK_M``. Grid ``(query blocks, B * H)`` in
-    the order of ``GH``. The key blocks every row sees whole come first; the others (a
+    the ``(B, Hkv, S, D)`` one, ``[1, 1, BLOCK_N, D]`` tiles, zeros past Sk), a key block's columns
+    from its first row in the causal band (:func:`_ds_col`). Grid ``(query blocks, B * H)`` in the
+    order of ``GH``. The key blocks every row sees whole come first; the others (a
     pair some row does not see: the mask's edges or past ``Sk``) take only the pairs the rows see (the
     tiles no pair of them sees were not written) and K with its NaN/Inf zeroed, as the dQ kernels that
     recompute ``dS``. The mask's tensors, strides and flags are ``attention_bwd._attn_bwd_q_kernel``'s
@@ -256,8 +256,7 @@ def _attn_bwd_q_ds_kernel(DS, K, GQ, KVR, QOFF, ROWS, RB, s_qgb, s_qgh, s_qgs, s
     row0 = pid_bh * tl.cdiv(Sk, BLOCK_N) * BLOCK_N  # head (b, h)'s first row of DS
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     for nb in range(ia, ib):
-        ds_t = DS.load([row0 + nb * BLOCK_N, _ds_col(RB, nb, m0, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, BLOCK_N, KV_M,
-                                                     CAUSAL, HAS_LO, HAS_ROWS)])  # [BLOCK_N, BLOCK_M]
+        ds_t = DS.load([row0 + nb * BLOCK_N, _ds_col(nb, m0, dg, BLOCK_M, BLOCK_N, KV_M, CAUSAL)])  # [BLOCK_N, BLOCK_M]
         k = K.load([b, kvh, nb * BLOCK_N, 0]).reshape(BLOCK_N, D)  # [BLOCK_N, D]
         dq = _dot(tl.trans(ds_t), k, dq, PREC)
     n_pre = ia - first
@@ -266,8 +265,7 @@ def _attn_bwd_q_ds_kernel(DS, K, GQ, KVR, QOFF, ROWS, RB, s_qgb, s_qgh, s_qgs, s
         kj = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         ok = _seen(kj[:, None], qi[None, :], rlo[None, :], rhi[None, :], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
                    HAS_ROWS)
-        ds_t = DS.load([row0 + n0, _ds_col(RB, n0 // BLOCK_N, m0, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, BLOCK_N, KV_M,
-                                           CAUSAL, HAS_LO, HAS_ROWS)])
+        ds_t = DS.load([row0 + n0, _ds_col(n0 // BLOCK_N, m0, dg, BLOCK_M, BLOCK_N, KV_M, CAUSAL)])
         ds_t = tl.where(ok, ds_t, 0.0).to(ds_t.dtype)
         k = _finite_or_zero(K.load([b, kvh, n0, 0]).reshape(BLOCK_N, D))
         dq = _dot(tl.trans(ds_t), k, dq, PREC)
@@ -379,27 +377,27 @@ def _ds_shape(q: Tensor, k: Tensor, gkv: Optional[tuple], grads: tuple, mask: Ma
 
 
 def _ds_cols(sq: int, gkv: tuple, d: int, mask: Mask, causal: bool, diag: int) -> int:
-    """Columns of the ``dS^T`` buffer. A key block's row holds the query rows its tiles visit, from
-    the first one rounded down to the dQ kernel's tile: at most ``Sq`` (rounded up to tiles), fewer
-    where the host knows a bound on the rows that see a key block, ``BLOCK_N + diag - lo`` under a
-    causal window and ``BLOCK_N + 2 * span`` with documents of at most ``span`` keys
-    (:func:`_doc_span`), plus a tile on each side and the rounding."""
+    """Columns of the ``dS^T`` buffer. A causal key block's row holds the query rows from the band's
+    first (``n0 - diag``, rounded down to the dQ kernel's tile) on: at most ``Sq`` (rounded up to
+    tiles), fewer where the host bounds the rows that see a key block, ``BLOCK_N + diag - lo`` under a
+    window and ``BLOCK_N + diag + reach`` with documents whose rows lie at most ``reach`` past their
+    document's start (:func:`_doc_reach`), plus a tile on each side and the rounding."""
     bm, bn = gkv[:2]
     dense = configs.cdiv(sq, bm) * bm
     rows = sq
     if causal and mask.lo is not None:
         rows = min(rows, max(bn + diag - mask.lo, 0))
-    span = _doc_span(mask)
-    if span is not None:
-        rows = min(rows, bn + 2 * span)
+    reach = _doc_reach(mask)
+    if causal and reach is not None and mask.q_offset is None:
+        rows = min(rows, max(bn + diag + reach, 0))
     return min(dense, configs.cdiv(rows + 2 * bm + configs.ATTN_TILES[("bwd_q_ds", 2, d)][0], bm) * bm)
 
 
-def _doc_span(mask: Mask) -> Optional[int]:
-    """The longest document of ``mask.rows`` as noted where the host made it (:func:`row_span`),
-    rounded up to 256 keys (a plan serves every packing within that), or None."""
-    span = row_span(mask.rows) if mask.rows is not None else None
-    return None if span is None else configs.cdiv(span, 256) * 256
+def _doc_reach(mask: Mask) -> Optional[int]:
+    """The reach of ``mask.rows`` as noted where the host made it (:func:`row_reach`), rounded up to
+    256 rows (a plan serves every packing within that), or None."""
+    reach = row_reach(mask.rows) if mask.rows is not None else None
+    return None if reach is None else configs.cdiv(reach + 1, 256) * 256
 
 
 def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int,
@@ -446,7 +444,7 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
         nqb = configs.cdiv(sq, bm)
         scalars = (*dq.stride(), *mstrides, h, h // hkv, sq, sk, diag, lo, scale,
                    head_group(nqb, b * h, q, causal, warps))
-        qp = ((nqb, b * h), (auto_key((dq, *mts, *scalars)), dtypes), scalars,
+        qp = ((nqb, b * h), (auto_key((dq, *mts[:3], *scalars)), dtypes), scalars,
               dict(D=d, BLOCK_M=bm, BLOCK_N=gkv[1], KV_M=gkv[0], CAUSAL=causal, PREC=common["PREC"], num_warps=warps,
                    num_stages=stages, **{f: flags[f] for f in ("HAS_LO", "HAS_KV", "HAS_OFF", "HAS_ROWS")}))
         ds = (*ds, gkv[1], gkv[0], bm)
@@ -480,7 +478,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     mts = () if mask.plain() else tuple(t for t in (mask.kv_range, mask.q_offset, mask.rows) if t is not None)
     geo = (geometry(q, k, v, dout, lse, delta, *mts), od, scale, causal, diag, mask.lo, mask.softcap,
-           tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), _doc_span(mask), configs.ATTN_BWD_TMA,
+           tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), _doc_reach(mask), configs.ATTN_BWD_TMA,
            configs.ATTN_BWD_GLUON, configs.ATTN_BWD_DS, configs.ATTN_BWD_DS_MAX_BYTES,
            configs.ATTN_BWD_DS_MIN_WAVES, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
            attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
@@ -574,8 +572,8 @@ def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv, mts: Optional[tu
     if run.q is not None:
         grid, key, scalars, kwargs = run.q
         if run.ds:
-            _QDS(grid, key, (_ds_descriptor(ds, (run.ds[2], run.ds[4])), _descriptor(k, run.ds[2]), dq, *mts, *scalars),
-                 kwargs)
+            _QDS(grid, key, (_ds_descriptor(ds, (run.ds[2], run.ds[4])), _descriptor(k, run.ds[2]), dq, *mts[:3],
+                             *scalars), kwargs)
         elif run.gluon[1]:
             _gluon_launcher(run.gluon[1])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dq,
                                                       *mts[:3], *scalars), kwargs)

@@ -211,4 +211,3 @@ def test_ds_buffer_columns_hold_every_visited_tile(causal, cu, window, sq, sk, f
             need = max(need, (rows.max().item() // bm + 1) * bm - first * bm // bmq * bmq)
     assert need <= cols <= -(-sq // bm) * bm
     assert (cols < -(-sq // bm) * bm) == fewer
-

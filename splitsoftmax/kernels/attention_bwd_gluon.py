@@ -205,7 +205,7 @@ def _q_walk(m0, qi, rlo, rhi, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: gl.constexpr, B
             CAUSAL: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr):
     """Key blocks of query rows ``qi = m0 + [0, BLOCK_M)``: ``(first, end, ia, ib)``, blocks
     ``[first, end)`` hold a key one of the rows sees, ``[ia, ib)`` only keys every row sees
-    (``attention_bwd._attn_bwd_q_kernel``'s)."""
+    (``attention_bwd.q_walk``, in Gluon)."""
     qmask = qi < Sq
     last = gl.minimum(m0 + BLOCK_M, Sq) - 1
     k_lo = kv_lo

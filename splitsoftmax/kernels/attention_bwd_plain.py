@@ -5,9 +5,9 @@ Two atomic-free kernels, seven products per tile pair: one program per key block
 dK, dV over every query block of the G query heads that read that kv head; then one program per
 query block and head walks its key blocks for dQ. On Hopper the Gluon dK/dV kernel also writes
 each tile's dS and the dQ kernel reads it (``_attn_bwd_q_ds_kernel``, every mask): five products per
-tile pair, for a buffer the backward holds (:func:`_ds_pieces`). On one H200 (Triton
-3.6) this pair ran 8-12% faster than ``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md, "Attention backward"),
-so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90, bfloat16) also take
+tile pair, for a buffer the backward holds (:func:`_ds_pieces`). On one H200 (Triton 3.6) this pair
+ran 8-12% faster than ``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md,
+"Attention backward"), so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90, bfloat16) also take
 the variants' masks (:func:`takes`); elsewhere those take the general pair. Gradients are written
 once, in the output dtype, with their inputs' strides where dense.
 """
@@ -237,11 +237,11 @@ def _attn_bwd_q_ds_kernel(DS, K, GQ, KVR, QOFF, ROWS, s_qgb, s_qgh, s_qgs, s_qgd
     ``(B * H * key blocks * BLOCK_N, query columns)`` descriptor, ``[BLOCK_N, BLOCK_M]`` tiles; ``K``:
     the ``(B, Hkv, S, D)`` one, ``[1, 1, BLOCK_N, D]`` tiles, zeros past Sk), a key block's columns
     from its first row in the causal band (:func:`_ds_col`). Grid ``(query blocks, B * H)`` in the
-    order of ``GH``. The key blocks every row sees whole come first; the others (a
-    pair some row does not see: the mask's edges or past ``Sk``) take only the pairs the rows see (the
-    tiles no pair of them sees were not written) and K with its NaN/Inf zeroed, as the dQ kernels that
-    recompute ``dS``. The mask's tensors, strides and flags are ``attention_bwd._attn_bwd_q_kernel``'s
-    (a softcap is in the written ``dS``)."""
+    order of ``GH``. The key blocks every row sees whole come first; the others (a pair some row does
+    not see: the mask's edges or past ``Sk``) take only the pairs the rows see (the tiles no pair of
+    them sees were not written) and K with its NaN/Inf zeroed, as the dQ kernels that recompute
+    ``dS``. The mask's tensors, strides and flags are ``attention_bwd._attn_bwd_q_kernel``'s (a
+    softcap is in the written ``dS``)."""
     pid_m, pid_bh = _program_order(GH)
     if CAUSAL:  # the query blocks with the most visible keys start first: a shorter tail
         pid_m = tl.num_programs(0) - 1 - pid_m

@@ -226,12 +226,29 @@ def test_gluon_kernels_repeat_bit_for_bit(stages, monkeypatch):
             assert torch.equal(a, f), (name, call, (a - f).abs().max().item())
 
 
+def _ds_read_and_recomputed(q, k, v, dout, lse, delta, scale, causal, mask, monkeypatch) -> dict:
+    """float32 ``(dq, dk, dv)`` of the Gluon pair by ``configs.ATTN_BWD_DS`` (False: dS recomputed,
+    True: the dS the dK/dV kernel wrote), each gradient buffer NaN before the call; asserts that the
+    dS path was taken where asked and that its dK and dV are the recomputing pair's bit for bit."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    grads = {}
+    for ds in (False, True):
+        monkeypatch.setattr(configs, "ATTN_BWD_DS", ds)
+        grads[ds] = [torch.full_like(x, float("nan"), dtype=torch.float32) for x in (q, k, v)]
+        run = ABP._launches(q, k, v, dout, lse, delta, *grads[ds], scale, causal, 0, mask)
+        assert (run.ds is not None) == ds
+        ABP._run(run, q, k, v, dout, lse, delta, *grads[ds], None if mask.plain() else ABP._mask_tensors(
+            mask, q, k, lse))
+    for name, a, f in zip("kv", grads[True][1:], grads[False][1:]):
+        assert torch.equal(a, f), name
+    return grads
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c[4] == 128], ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}c{int(c[5])}")
 def test_dq_from_the_written_ds(case, monkeypatch):
     """Where the dK/dV kernel writes each tile's dS for the dQ kernel (``configs.ATTN_BWD_DS``), dK and
     dV are those of the pair that recomputes dS bit for bit, and dQ meets the rule, each gradient
     buffer NaN before the call."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
     from splitsoftmax.kernels.decode import sm90
     b, h, hkv, s, d, causal, bshd, dtype = case
     q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
@@ -240,15 +257,7 @@ def test_dq_from_the_written_ds(case, monkeypatch):
     scale = 1 / math.sqrt(d)
     want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, NO_MASK)
     peers = sdpa_grads(q, k, v, dout, scale, causal)
-    grads = {}
-    for ds in (False, True):
-        monkeypatch.setattr(configs, "ATTN_BWD_DS", ds)
-        grads[ds] = [torch.full_like(x, float("nan"), dtype=torch.float32) for x in (q, k, v)]
-        run = ABP._launches(q, k, v, dout, lse, delta, *grads[ds], scale, causal, 0)
-        assert (run.ds is not None) == ds
-        ABP._run(run, q, k, v, dout, lse, delta, *grads[ds])
-    for name, a, f in zip("kv", grads[True][1:], grads[False][1:]):
-        assert torch.equal(a, f), name
+    grads = _ds_read_and_recomputed(q, k, v, dout, lse, delta, scale, causal, NO_MASK, monkeypatch)
     ok, nums = rule(grads[True][0].to(dtype), peers[0], want[0])
     assert ok, nums
 
@@ -424,7 +433,6 @@ def test_gluon_kernels_masks(name, causal, make, monkeypatch):
 def test_dq_from_the_written_ds_masks(name, causal, make, monkeypatch):
     """The variants' masks on the dS path: dK and dV those of the pair that recomputes dS bit for
     bit, dQ within the rule and as close to float64 as the recomputing kernel's."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
     from splitsoftmax.kernels.decode import sm90
     b, h, hkv, s, d = 2, 8, 2, 1800, 128
     q, k, v, dout = inputs(b, h, hkv, s, d, BF16, True)
@@ -434,15 +442,7 @@ def test_dq_from_the_written_ds_masks(name, causal, make, monkeypatch):
     want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, mask)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     masked_attention(*leaves, scale, causal, 0, mask)[0].backward(dout)  # the peer in bf16
-    grads = {}
-    for ds in (False, True):
-        monkeypatch.setattr(configs, "ATTN_BWD_DS", ds)
-        grads[ds] = [torch.full_like(x, float("nan"), dtype=torch.float32) for x in (q, k, v)]
-        run = ABP._launches(q, k, v, dout, lse, delta, *grads[ds], scale, causal, 0, mask)
-        assert (run.ds is not None) == ds
-        ABP._run(run, q, k, v, dout, lse, delta, *grads[ds], ABP._mask_tensors(mask, q, k, lse))
-    for gname, a, f in zip("kv", grads[True][1:], grads[False][1:]):
-        assert torch.equal(a, f), gname
+    grads = _ds_read_and_recomputed(q, k, v, dout, lse, delta, scale, causal, mask, monkeypatch)
     ok, nums = rule(grads[True][0].to(BF16), leaves[0].grad, want[0])
     assert ok, nums
     fro = [((g[0].double() - want[0]).norm() / want[0].norm()).item() for g in (grads[True], grads[False])]

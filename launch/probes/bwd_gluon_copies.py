@@ -3,7 +3,7 @@
 ``PYTHONPATH=. python3 launch/probes/bwd_gluon_copies.py OUTDIR [fb,fbv,prof]``: ``fb``, forward+backward TFLOP/s of
 ``ss.attention`` (bf16, D=128) at short causal rows (B * S = 32k tokens, H=16), GQA layers at
 batch 1 and 4 and the variant rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``;
-``fbv``: those alone),
+``fbv``: those alone; ``pieces``: :func:`pieces`),
 with this tree's kernels (``tree``), with a setting of theirs changed (``_SETTINGS``) and with each copy
 beside them: ``dq-<tag>`` runs the dQ kernel of
 ``splitsoftmax/kernels/_probe_<tag>_bwd_gluon.py``, ``kv-<tag>`` the dK/dV kernel of
@@ -34,10 +34,16 @@ _SETTINGS = {"triton-pair": ("ATTN_BWD_GLUON", False), "ds-recomputed": ("ATTN_B
 CHOICES = tuple(os.environ["CHOICES"].split(",")) if os.environ.get("CHOICES") else None
 
 
+# the dQ kernel reading dS with another (BLOCK_M, num_warps, num_stages[, maxnreg]): dsq-<m>x<warps>x<stages>[x<regs>]
+# in CHOICES
+_DS_TILE = ("bwd_q_ds", 2, D)
+
+
 def _kernels():
-    """``tree`` (this tree's kernels), the settings of ``_SETTINGS``, then ``dq-<tag>`` / ``kv-<tag>``
-    for each copy beside them."""
-    every = ("tree", *_SETTINGS, *(f"{k}-{t}" for k, (_, module) in _COPIES.items() for t in copy_tags(module)))
+    """``tree`` (this tree's kernels), the settings of ``_SETTINGS``, the dQ tiles ``dsq-..`` named in
+    ``CHOICES``, then ``dq-<tag>`` / ``kv-<tag>`` for each copy beside them."""
+    every = ("tree", *_SETTINGS, *(c for c in CHOICES or () if c.startswith("dsq-")),
+             *(f"{k}-{t}" for k, (_, module) in _COPIES.items() for t in copy_tags(module)))
     return tuple(c for c in every if c in CHOICES) if CHOICES else every
 
 
@@ -47,8 +53,11 @@ def kernel(name):
     saved = dict(P._GLUON_MODULES)
     setting = _SETTINGS.get(name)
     was = getattr(configs, setting[0]) if setting else None
+    tile = configs.ATTN_TILES[_DS_TILE]
     if setting:
         setattr(configs, *setting)
+    elif name.startswith("dsq-"):
+        configs.ATTN_TILES[_DS_TILE] = tuple(int(x) for x in name[4:].split("x"))
     elif name != "tree":
         which, tag = name.split("-", 1)
         fn, module = _COPIES[which]
@@ -58,6 +67,7 @@ def kernel(name):
         yield
     finally:
         P._GLUON_MODULES.update(saved)
+        configs.ATTN_TILES[_DS_TILE] = tile
         if setting:
             setattr(configs, setting[0], was)
         P._gluon_launcher.cache_clear()
@@ -134,6 +144,22 @@ def fb():
     fb_variants()
 
 
+def pieces():
+    """Forward+backward at the plain causal rows whose ``dS^T`` buffer passes the bound (``bench
+    attention``'s 8k-32k, H=16, and 1 x 32k GQA 16/4 views): run with ``CHOICES=tree,ds-one-piece``
+    to time the pieces against one buffer."""
+    import splitsoftmax as ss
+    shapes = [(f"{s // 1024}k causal B={32768 // s}", 32768 // s, 16, 16, s) for s in (8192, 16384, 32768)]
+    shapes.append(("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768))
+    for label, b, h, hkv, s in shapes:
+        q = torch.randn(b, s, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+        k, v = (torch.randn(b, s, hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+                for _ in range(2))
+        flops = 3.5 * 4.0 * b * h * D * s * (s + 1) / 2
+        _time("pcs", label, lambda q, k, v: ss.attention(q, k, v, causal=True), [q, k, v], torch.randn_like(q),
+              flops)
+
+
 def fb_variants():
     """The ``fb`` section's variant rows alone (documents, window, softcap)."""
     q, k, v = (torch.randn(1, V.H, V.S, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
@@ -144,7 +170,7 @@ def fb_variants():
 
 
 if __name__ == "__main__":
-    run_sections({"fb": fb, "fbv": fb_variants, "prof": prof}, sys.argv)
+    run_sections({"fb": fb, "fbv": fb_variants, "pieces": pieces, "prof": prof}, sys.argv)
     print("\nsummary (TFLOP/s)")
     for r in __import__("helpers").ROWS:
         if "tflops" in r:

@@ -7,8 +7,8 @@ query block and head walks its key blocks for dQ. On Hopper the Gluon dK/dV kern
 each tile's dS and the dQ kernel reads it (``_attn_bwd_q_ds_kernel``, every mask): five products per
 tile pair, for a buffer the backward holds (:func:`_ds_pieces`). On one H200 (Triton 3.6) this pair
 ran 8-12% faster than ``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md,
-"Attention backward"), so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90, bfloat16) also take
-the variants' masks (:func:`takes`); elsewhere those take the general pair. Gradients are written
+"Attention backward"), so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90,
+bfloat16) also take the variants' masks (:func:`takes`); elsewhere those take the general pair. Gradients are written
 once, in the output dtype, with their inputs' strides where dense.
 """
 from __future__ import annotations
@@ -440,13 +440,14 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
         kv = ((nkb, b * hkv), (auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), dtypes),
               scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
     if ds:
-        bm, warps, stages = configs.ATTN_TILES[("bwd_q_ds", 2, d)]
+        bm, warps, stages, *maxnreg = configs.ATTN_TILES[("bwd_q_ds", 2, d)]
         nqb = configs.cdiv(sq, bm)
         scalars = (*dq.stride(), *mstrides, h, h // hkv, sq, sk, diag, lo, scale,
                    head_group(nqb, b * h, q, causal, warps))
         qp = ((nqb, b * h), (auto_key((dq, *mts[:3], *scalars)), dtypes), scalars,
               dict(D=d, BLOCK_M=bm, BLOCK_N=gkv[1], KV_M=gkv[0], CAUSAL=causal, PREC=common["PREC"], num_warps=warps,
-                   num_stages=stages, **{f: flags[f] for f in ("HAS_LO", "HAS_KV", "HAS_OFF", "HAS_ROWS")}))
+                   num_stages=stages, **({"maxnreg": maxnreg[0]} if maxnreg else {}),
+                   **{f: flags[f] for f in ("HAS_LO", "HAS_KV", "HAS_OFF", "HAS_ROWS")}))
         ds = (*ds, gkv[1], gkv[0], bm)
     elif dq.numel() and gq:
         nqb = configs.cdiv(sq, gq[0])
@@ -482,7 +483,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
            configs.ATTN_BWD_GLUON, configs.ATTN_BWD_DS, configs.ATTN_BWD_DS_MAX_BYTES,
            configs.ATTN_BWD_DS_MIN_WAVES, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
            attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
-           configs.ATTN_TILES.get(("bwd_kv_ws", 2, d)), configs.ATTN_TILES.get(("bwd_q_gluon", 2, d)))
+           *(configs.ATTN_TILES.get((kind, 2, d)) for kind in ("bwd_kv_ws", "bwd_q_gluon", "bwd_q_ds")))
     plan = _LAUNCHES.get(geo)
     if plan is None:
         plan = _LAUNCHES.put(geo, _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask))

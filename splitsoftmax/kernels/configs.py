@@ -49,8 +49,12 @@ ATTN_TILES = {
     # 647 / 514 / 638, 2 buffers 528 / 422 / 576, 64x64 w4 567 / 501 / 596; the Triton kernel 636 / 487 / 630
     ("bwd_q_gluon", 2, 128): (128, 64, 8, 3),
     # ... or, where the dK/dV kernel writes dS (ATTN_BWD_DS), the kernel reading it: (BLOCK_M, num_warps,
-    # num_stages); its key blocks are the dK/dV kernel's
-    ("bwd_q_ds", 2, 128): (128, 8, 3),
+    # num_stages[, maxnreg]); its key blocks are the dK/dV kernel's. 128 registers per thread (sm_90
+    # ptxas: 164 unbounded; at 128 a few bytes of spills, 80-136 with every variant's mask at once) let
+    # two programs share an SM (98 KB of shared memory each). H200, its device time at 1k / 2k causal
+    # (B * S = 32k, H=16) / 16 documents of 2k: 315 / 469 / 565 us unbounded, 236 / 349 / 447 at 128;
+    # 128x8x4, 64x4x4, 64x4x3 (at 128) no faster (BENCHMARKS.md, "Attention backward", R1)
+    ("bwd_q_ds", 2, 128): (128, 8, 3, 128),
     ("bwd_q", 2, 256): (64, 32, 8, 2),
     ("bwd_q", 4, 64): (32, 32, 4, 2),
     ("bwd_q", 4, 256): (16, 16, 4, 2),

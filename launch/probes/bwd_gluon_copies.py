@@ -130,17 +130,30 @@ def prof():
                     *x, is_causal=True), leaves, dout), flops)
 
 
-def fb():
+def _causal_rows(group, shapes):
+    """Time ``ss.attention(causal=True)`` forward+backward at each ``(label, B, H, Hkv, S)`` of
+    ``shapes``, q/k/v ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors."""
     import splitsoftmax as ss
-    shapes = [(f"{s // 1024}k causal B={32768 // s}", 32768 // s, 16, 16, s) for s in (1024, 2048, 4096)]
-    shapes += [("1 x 8k causal GQA 16/4 views", 1, 16, 4, 8192), ("4 x 2k causal GQA 16/4 views", 4, 16, 4, 2048),
-               ("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768), ("1 x 8k causal GQA 32/8 views", 1, 32, 8, 8192)]
     for label, b, h, hkv, s in shapes:
         q = torch.randn(b, s, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
         k, v = (torch.randn(b, s, hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
                 for _ in range(2))
         flops = 3.5 * 4.0 * b * h * D * s * (s + 1) / 2
-        _time("fb", label, lambda q, k, v: ss.attention(q, k, v, causal=True), [q, k, v], torch.randn_like(q), flops)
+        _time(group, label, lambda q, k, v: ss.attention(q, k, v, causal=True), [q, k, v], torch.randn_like(q),
+              flops)
+
+
+def _mha_rows(seqs):
+    """``(label, B, H, Hkv, S)`` of the causal rows of ``bench attention`` (B * S = 32k tokens, H=16) at
+    ``seqs``."""
+    return [(f"{s // 1024}k causal B={32768 // s}", 32768 // s, 16, 16, s) for s in seqs]
+
+
+def fb():
+    shapes = _mha_rows((1024, 2048, 4096))
+    shapes += [("1 x 8k causal GQA 16/4 views", 1, 16, 4, 8192), ("4 x 2k causal GQA 16/4 views", 4, 16, 4, 2048),
+               ("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768), ("1 x 8k causal GQA 32/8 views", 1, 32, 8, 8192)]
+    _causal_rows("fb", shapes)
     fb_variants()
 
 
@@ -148,16 +161,7 @@ def pieces():
     """Forward+backward at the plain causal rows whose ``dS^T`` buffer passes the bound (``bench
     attention``'s 8k-32k, H=16, and 1 x 32k GQA 16/4 views): run with ``CHOICES=tree,ds-one-piece``
     to time the pieces against one buffer."""
-    import splitsoftmax as ss
-    shapes = [(f"{s // 1024}k causal B={32768 // s}", 32768 // s, 16, 16, s) for s in (8192, 16384, 32768)]
-    shapes.append(("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768))
-    for label, b, h, hkv, s in shapes:
-        q = torch.randn(b, s, h, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-        k, v = (torch.randn(b, s, hkv, D, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
-                for _ in range(2))
-        flops = 3.5 * 4.0 * b * h * D * s * (s + 1) / 2
-        _time("pcs", label, lambda q, k, v: ss.attention(q, k, v, causal=True), [q, k, v], torch.randn_like(q),
-              flops)
+    _causal_rows("pcs", _mha_rows((8192, 16384, 32768)) + [("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768)])
 
 
 def fb_variants():

@@ -306,9 +306,12 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             _ws_release(v_empty, j - 1, STAGES)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
+        if _last_read(walk, T, c_first, c_end) < 0:  # the last score product is done: the next tile's Q may land
+            mbarrier.arrive(q_empty.index(C), count=1)
         v_t = _ws_take(v_ring, v_full, base + n_in - 1, BLOCK_N, D, STAGES)
         acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)
         _ws_release(v_empty, base + n_in - 1, STAGES)
+    u_last = _last_read(walk, T, c_first, c_end)  # Q is free once this step's score product is done
     for u in range(n_in, T):
         kb = _key_block(u, walk)
         if (kb >= c_first) & (kb < c_end):
@@ -317,6 +320,8 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
             k_t = _ws_take(k_ring, k_full, base + u, BLOCK_N, D, STAGES)
             qk = warpgroup_mma(q_t, k_t.permute((1, 0)), zeros_s, use_acc=False)
             _ws_release(k_empty, base + u, STAGES)
+            if u == u_last:
+                mbarrier.arrive(q_empty.index(C), count=1)
             kj = kb * BLOCK_N + gl.arange(0, BLOCK_N, layout=cols)
             ok = (kj[None, :] >= lo_r[:, None]) & (kj[None, :] < hi_r[:, None])
             s = gl.where(ok, _scaled(qk, qk_scale, cap, SOFTCAP, SOFTCAP_APPROX), float("-inf"))
@@ -342,7 +347,8 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
             _ws_release(k_empty, base + u, STAGES)
             _ws_take(v_ring, v_full, base + u, BLOCK_N, D, STAGES)
             _ws_release(v_empty, base + u, STAGES)
-    mbarrier.arrive(q_empty.index(C), count=1)  # every product that reads Q is done
+    if (n_in == 0) & (u_last < 0):  # no block read: Q released unread
+        mbarrier.arrive(q_empty.index(C), count=1)
 
     some = l_i != 0
     lse2 = gl.where(some, m_i + gl.log2(gl.where(some, l_i, 1.0)), float("-inf"))
@@ -351,6 +357,18 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
                 BLOCK_M, D)
     gl.store(LSE + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + qi * s_ls, lse2 * 0.6931471805599453,
              mask=qi < Sq)
+
+
+@gluon.jit
+def _last_read(walk, T, c_first, c_end):
+    """The last step of a tile's walk (``_tile_walk``) past its interior blocks whose key block lies in
+    a consumer's ``[c_first, c_end)``, or -1: the walk's ``[first, ia)`` are steps ``n_in ..``, its
+    ``[ib, first + T)`` follow them."""
+    first, n_pre, ib, ia, n_in = walk
+    post = gl.minimum(c_end, first + T) - 1
+    pre = gl.minimum(c_end, ia) - 1
+    return gl.where(post >= gl.maximum(c_first, ib), n_in + n_pre + post - ib,
+                    gl.where(pre >= gl.maximum(c_first, first), n_in + pre - first, -1))
 
 
 @gluon.jit

@@ -84,6 +84,11 @@ def ss_fn(name: str, sinks: torch.Tensor):
 def flex_fn(name: str, sinks: torch.Tensor):
     """FlexAttention (compiled) for variant ``name``; sinks merged after it from its lse."""
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    # each variant's Flex compiles afresh: dynamo keeps one cache per code object, and the graphs of
+    # the variants before (with and without grad) fill flex_attention's, past which a call runs the
+    # unfused eager kernel (64 GiB of scores at 32k)
+    torch._dynamo.reset()
     flex = torch.compile(flex_attention, dynamic=False)
     doc = S // DOCS
     mods = {"documents": lambda b, h, i, j: (i >= j) & (i // doc == j // doc),
@@ -93,8 +98,6 @@ def flex_fn(name: str, sinks: torch.Tensor):
     if name != "sinks":
         return lambda q, k, v: flex(q, k, v, score_mod=score, block_mask=block)
 
-    # lse through return_aux: with the deprecated return_lse the call asked for 64 GiB at 32k, the
-    # size of the scores (16 x 32k x 32k float32), as the unfused kernel takes them
     def run(q, k, v):
         out, aux = flex(q, k, v, block_mask=block, return_aux=AuxRequest(lse=True))
         w = torch.sigmoid(aux.lse - sinks.float().view(1, -1, 1))  # the sink's partial: out 0, lse = sink

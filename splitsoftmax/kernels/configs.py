@@ -128,7 +128,8 @@ ATTN_FWD_GLUON_MAXNREG = 168
 # causal tile). H200, forward TFLOP/s, Triton kernel -> warp-specialized Gluon (BENCHMARKS.md,
 # "Attention", F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;
 # causal 369 -> 265 at 1k, 415 -> 384 at 2k, 479 -> 491 at 4k, 571 -> 628 at 32k; since the masked
-# blocks' NaN/Inf check runs beside the score product (F9), causal 371 -> 341 at 1k, 416 -> 442 at 2k
+# blocks' NaN/Inf check runs beside the score product (F9), causal 371 -> 341 at 1k, 416 -> 442 at 2k;
+# with each tile's Q released early (F12), causal at 1k 353-371 -> 353-370 in the same processes
 ATTN_FWD_GLUON_MIN_SQ = (1024, 2048)
 # ... and launched persistent: one program per SM, each taking the next tile from a counter and
 # streaming its Q, K and V while it finishes the last (False: one program per tile). H200, TFLOP/s,

@@ -70,3 +70,39 @@ def test_truth_follows_the_models_buffers_and_keeps_its_config(model, ids):
     assert model.config._attn_implementation == "splitsoftmax"
     got = bm.errors(model, ids, "sdpa", ref)
     assert got["grad_rel_err"] < 3e-2, got
+
+
+def test_truths_of_several_batches_are_each_batchs_truth(model, ids):
+    """One float32 copy serves every batch: each truth equals the one a copy of its own gives."""
+    other = torch.randint(0, 97, (B, S), generator=torch.Generator().manual_seed(3))
+    refs = bm.truths(model, [ids, other])
+    for got, want in zip(refs, (bm.truth(model, ids), bm.truth(model, other))):
+        assert got[0] == want[0] and torch.equal(got[1], want[1])
+    assert refs[0][0] != refs[1][0]
+
+
+def test_errors_over_batches_are_each_batchs_errors_and_their_means(model, ids):
+    other = torch.randint(0, 97, (B, S), generator=torch.Generator().manual_seed(3))
+    batches = [ids, other]
+    refs = bm.truths(model, batches)
+    got = bm.errors_over(model, batches, "splitsoftmax", refs)
+    each = [bm.errors(model, x, "splitsoftmax", ref) for x, ref in zip(batches, refs)]
+    assert got["loss_err"] == each[0]["loss_err"] and got["grad_rel_err"] == each[0]["grad_rel_err"]
+    assert got["loss_err_batches"] == [e["loss_err"] for e in each]
+    assert got["loss_err_mean"] == pytest.approx((each[0]["loss_err"] + each[1]["loss_err"]) / 2, rel=1e-12)
+    assert got["grad_rel_err_mean"] == pytest.approx((each[0]["grad_rel_err"] + each[1]["grad_rel_err"]) / 2,
+                                                     rel=1e-12)
+    assert each[0]["loss_err"] != each[1]["loss_err"]
+
+
+def test_run_shape_on_cpu_takes_the_errors_then_refuses_to_time(model, monkeypatch):
+    """``run_shape``'s error phase over three batches on CPU; its timing phase needs CUDA events, so
+    ``timed`` is replaced by a record of what it was given."""
+    seen = []
+    monkeypatch.setattr(bm, "timed", lambda m, ids, impl, steps: seen.append((impl, ids.shape)) or {"ms": 1.0})
+    monkeypatch.setattr(bm, "IMPLS", ("sdpa", "splitsoftmax"))
+    rec = bm.run_shape(model, S, B, steps=1, error_batches=3)
+    assert seen == [("sdpa", (B, S)), ("splitsoftmax", (B, S))]
+    for impl in ("sdpa", "splitsoftmax"):
+        assert len(rec[impl]["loss_err_batches"]) == 3 and rec[impl]["ms"] == 1.0
+        assert rec[impl]["loss_err_batches"][0] == rec[impl]["loss_err"]

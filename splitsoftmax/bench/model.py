@@ -11,8 +11,9 @@ loss, backward) at each ``--shapes`` (``S`` x batch; default 8192 x 1 and 2048 x
 all on the same weights and tokens: median step time of ``--steps`` (after two warm-up steps), the
 peak memory of a step, and each one's loss and first-layer gradient against the truth: a copy of
 the same model (bf16 weights, float32 rotary frequencies) run in float32 (``sdpa``, whose float32
-kernels keep float32 throughout). Writes
-``model.json`` and prints a table.
+kernels keep float32 throughout). A step's loss difference is one signed sum over its tokens, so the
+differences are also taken over ``--error-batches`` batches of tokens (the first the timed one) and
+averaged. Writes ``model.json`` and prints a table.
 """
 from __future__ import annotations
 
@@ -93,6 +94,11 @@ def timed(model, ids, impl: str, steps: int) -> dict:
 def truth(model, ids):
     """Loss and first-layer gradient of the same model run in float32: a copy of every parameter and
     buffer (the rotary frequencies too) and of the config, cast to float32, under ``sdpa``."""
+    return truths(model, [ids])[0]
+
+
+def truths(model, batches: list) -> list:
+    """:func:`truth` of each batch of token ids, from one float32 copy."""
     import copy
     model.zero_grad(set_to_none=True)
     ref = copy.deepcopy(model).float()
@@ -100,9 +106,10 @@ def truth(model, ids):
     if low:
         raise RuntimeError(f"the float32 reference holds non-float32 tensors: {low[:4]}")
     _use(ref, "sdpa")
-    out = step(ref, ids, "sdpa_fp32")
+    out = [step(ref, ids, "sdpa_fp32") for ids in batches]
     del ref
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 
@@ -116,26 +123,51 @@ def errors(model, ids, impl: str, ref: tuple) -> dict:
             "grad_rel_err": ((grad - ref_grad).norm() / ref_grad.norm()).item()}
 
 
-def run_shape(model, s: int, b: int, steps: int) -> dict:
-    """Every implementation at ``S = s``, batch ``b``: time, memory, loss and gradient errors."""
+def errors_over(model, batches: list, impl: str, refs: list) -> dict:
+    """:func:`errors` of the first batch, and the loss and gradient differences over every batch
+    (``refs = truths(model, batches)``): each batch's, and their means."""
+    each = [errors(model, ids, impl, ref) for ids, ref in zip(batches, refs)]
+    return {**each[0], "loss_err_batches": [e["loss_err"] for e in each],
+            "loss_err_mean": statistics.fmean(e["loss_err"] for e in each),
+            "grad_rel_err_mean": statistics.fmean(e["grad_rel_err"] for e in each)}
+
+
+def run_shape(model, s: int, b: int, steps: int, error_batches: int = 1) -> dict:
+    """Every implementation at ``S = s``, batch ``b``: loss and gradient errors (the timed batch's, and
+    over ``error_batches`` batches), then time and memory (the other batches' truths dropped first: a
+    step's peak holds the timed batch's truth alone, as it did before they were taken)."""
     dev = next(model.parameters()).device
-    ids = torch.randint(0, model.config.vocab_size, (b, s), device=dev,
-                        generator=torch.Generator(device=dev).manual_seed(1))
-    ref = truth(model, ids)
-    rec = {"S": s, "B": b, "loss_fp32": ref[0]}
+    batches = [torch.randint(0, model.config.vocab_size, (b, s), device=dev,
+                             generator=torch.Generator(device=dev).manual_seed(seed))
+               for seed in range(1, 1 + error_batches)]
+    refs = truths(model, batches)
+    rec = {"S": s, "B": b, "loss_fp32": refs[0][0]}
     for impl in IMPLS:
-        try:
-            rec[impl] = {**errors(model, ids, impl, ref), **timed(model, ids, impl, steps)}
-        except Exception as e:  # noqa: BLE001 (a backend may refuse a shape; splitsoftmax must not)
-            if impl == "splitsoftmax":
-                raise
-            rec[impl] = {"error": repr(e)[:300]}
-        print(json.dumps({impl: {k: v for k, v in rec[impl].items() if k != "times_ms"}, "S": s, "B": b}), flush=True)
+        rec[impl] = _measured(impl, lambda: errors_over(model, batches, impl, refs))
+    del refs[1:]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    for impl in IMPLS:
+        if "error" not in rec[impl]:
+            rec[impl] = {**rec[impl], **_measured(impl, lambda: timed(model, batches[0], impl, steps))}
+        shown = {k: v for k, v in rec[impl].items() if k not in ("times_ms", "loss_err_batches")}
+        print(json.dumps({impl: shown, "S": s, "B": b}), flush=True)
     return rec
 
 
+def _measured(impl: str, measure) -> dict:
+    """``measure()``, or the error a peer's backend raised (``splitsoftmax``'s is raised)."""
+    try:
+        return measure()
+    except Exception as e:  # noqa: BLE001 (a backend may refuse a shape; splitsoftmax must not)
+        if impl == "splitsoftmax":
+            raise
+        return {"error": repr(e)[:300]}
+
+
 def table(rows: list[dict]) -> str:
-    lines = ["S     B | impl          ms      peak GiB  loss err   grad rel err | vs cuDNN"]
+    lines = ["S     B | impl          ms      peak GiB  loss err   grad rel err | mean over batches: loss err, "
+             "grad rel err | vs cuDNN"]
     for r in rows:
         cudnn = r.get("sdpa_cudnn", {}).get("ms")
         for impl in IMPLS:
@@ -145,7 +177,8 @@ def table(rows: list[dict]) -> str:
                 continue
             ratio = f"{cudnn / x['ms']:.2f}x" if cudnn else ""
             lines.append(f"{r['S']:<5} {r['B']} | {impl:<12} {x['ms']:7.1f} {x['peak_gib']:9.2f} "
-                         f"{x['loss_err']:9.2e} {x['grad_rel_err']:12.4e} | {ratio}")
+                         f"{x['loss_err']:9.2e} {x['grad_rel_err']:12.4e} | ({len(x['loss_err_batches'])}) "
+                         f"{x['loss_err_mean']:9.2e} {x['grad_rel_err_mean']:12.4e} | {ratio}")
     return "\n".join(lines)
 
 
@@ -162,7 +195,11 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--intermediate", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--error-batches", type=int, default=4,
+                    help="batches of tokens the loss and gradient differences are averaged over")
     args = ap.parse_args(argv)
+    if args.error_batches < 1:
+        ap.error(f"--error-batches must be >= 1, got {args.error_batches}")
     if not torch.cuda.is_available():
         print("bench model needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -177,7 +214,7 @@ def main(argv=None) -> int:
               "model": {"layers": args.layers, "hidden": DIMS["hidden_size"], "heads": "16/4",
                         "head_dim": DIMS["head_dim"], "vocab": args.vocab, "intermediate": args.intermediate,
                         "dtype": "bfloat16"},
-              "rows": [run_shape(model, s, b, args.steps) for s, b in args.shapes]}
+              "rows": [run_shape(model, s, b, args.steps, args.error_batches) for s, b in args.shapes]}
     with open(os.path.join(args.out, "model.json"), "w") as f:
         json.dump(result, f, indent=1)
     print(table(result["rows"]))

@@ -95,14 +95,19 @@ def test_errors_over_batches_are_each_batchs_errors_and_their_means(model, ids):
     assert each[0]["loss_err"] != each[1]["loss_err"]
 
 
-def test_run_shape_on_cpu_takes_the_errors_then_refuses_to_time(model, monkeypatch):
+def test_run_shape_takes_the_errors_then_times_each_under_its_own_attention(model, monkeypatch):
     """``run_shape``'s error phase over three batches on CPU; its timing phase needs CUDA events, so
     ``timed`` is replaced by a record of what it was given."""
     seen = []
-    monkeypatch.setattr(bm, "timed", lambda m, ids, impl, steps: seen.append((impl, ids.shape)) or {"ms": 1.0})
+
+    def timed(m, ids, impl, steps):
+        seen.append((impl, m.config._attn_implementation, ids.shape))
+        return {"ms": 1.0}
+    monkeypatch.setattr(bm, "timed", timed)
     monkeypatch.setattr(bm, "IMPLS", ("sdpa", "splitsoftmax"))
     rec = bm.run_shape(model, S, B, steps=1, error_batches=3)
-    assert seen == [("sdpa", (B, S)), ("splitsoftmax", (B, S))]
+    # each implementation timed under its own attention (the error phase left the last one's set)
+    assert seen == [("sdpa", "sdpa", (B, S)), ("splitsoftmax", "splitsoftmax", (B, S))]
     for impl in ("sdpa", "splitsoftmax"):
         assert len(rec[impl]["loss_err_batches"]) == 3 and rec[impl]["ms"] == 1.0
         assert rec[impl]["loss_err_batches"][0] == rec[impl]["loss_err"]

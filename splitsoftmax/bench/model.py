@@ -149,6 +149,7 @@ def run_shape(model, s: int, b: int, steps: int, error_batches: int = 1) -> dict
         torch.cuda.empty_cache()
     for impl in IMPLS:
         if "error" not in rec[impl]:
+            _use(model, impl)
             rec[impl] = {**rec[impl], **_measured(impl, lambda: timed(model, batches[0], impl, steps))}
         shown = {k: v for k, v in rec[impl].items() if k not in ("times_ms", "loss_err_batches")}
         print(json.dumps({impl: shown, "S": s, "B": b}), flush=True)

@@ -306,7 +306,9 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
             acc = warpgroup_mma_wait(0, deps=(acc, ))
             _ws_release(v_empty, j - 1, STAGES)
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
-        if _last_read(walk, T, c_first, c_end) < 0:  # the last score product is done: the next tile's Q may land
+        # no masked block read after: the last score product is done, the next tile's Q may land
+        # (_last_read is taken here and again below, not held across the loop: held, it spilled)
+        if _last_read(walk, T, c_first, c_end) < 0:
             mbarrier.arrive(q_empty.index(C), count=1)
         v_t = _ws_take(v_ring, v_full, base + n_in - 1, BLOCK_N, D, STAGES)
         acc = warpgroup_mma(gl.convert_layout(p_j.to(dtype), p_layout), v_t, acc)

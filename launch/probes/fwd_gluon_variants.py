@@ -5,7 +5,8 @@
 - ``fwd``: forward TFLOP/s over visible pairs at the variant rows of ``bench attention`` (32k, B=1,
   H=16, D=128, bf16; ``splitsoftmax.bench.attention_variants``), through ``ss.attention``, with the
   variants on the Gluon forward (``configs.ATTN_FWD_GLUON_VARIANTS``) and on the Triton one; each
-  result checked against float64 on 64 rows (at most 2x torch's bf16 error);
+  result checked against float64 on 64 rows (at most 2x torch's bf16 error), an earlier Gluon
+  kernel's also against this tree's bit for bit;
 - ``fb``: the same forward+backward;
 - ``plain``: the plain forward on this Gluon kernel against earlier ones: bit for bit or the largest
   difference, TFLOP/s;
@@ -68,17 +69,20 @@ def _variants(fb: bool):
     for name in ("causal", "documents", "window", "softcap"):
         flops = 4.0 * V.H * D * V.visible_pairs(name) * (3.5 if fb else 1.0)
         fn, _ = V.ss_fn(name, sinks)
+        outs = {}
         for which in ("triton", *_gluon_kernels()):
             with kernel(which):
                 with torch.no_grad():
-                    err, bar = V._err(fn(q, k, v), q, k, v, name, rows, sinks)
+                    outs[which] = fn(q, k, v)
+                    err, bar = V._err(outs[which], q, k, v, name, rows, sinks)
+                extra = {"bitwise": bool(torch.equal(outs[which], outs["gluon"]))} if "-" in which else {}
                 if fb:
                     ms = bench(lambda: fn(*leaves).backward(dout))
                 else:
                     with torch.no_grad():
                         ms = bench(lambda: fn(q, k, v))
             rec("fb" if fb else "fwd", f"{name} {which}", ms, flops=flops, err=err, torch_err=bar,
-                ok=bool(err <= 2 * bar + 1e-6))
+                ok=bool(err <= 2 * bar + 1e-6), **extra)
 
 
 def plain():
@@ -129,4 +133,4 @@ if __name__ == "__main__":
     print("\nsummary (TFLOP/s)")
     for r in __import__("helpers").ROWS:
         if "tflops" in r:
-            print(f"{r['group']:6s} {r['name']:40s} {r['tflops']:6.0f} {r.get('ok', r.get('bitwise', ''))}")
+            print(f"{r['group']:6s} {r['name']:40s} {r['tflops']:6.0f} {r.get('ok', '')} {r.get('bitwise', '')}")

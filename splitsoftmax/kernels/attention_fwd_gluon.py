@@ -68,9 +68,10 @@ def _scaled(qk, qk_scale, cap, SOFTCAP: gl.constexpr, APPROX: gl.constexpr):
 def _online(qk, m_i, l_i, qk_scale, cap, SOFTCAP: gl.constexpr, APPROX: gl.constexpr):
     """One block of the online softmax, unmasked: ``(p, alpha, m, l)`` from raw products ``qk
     [BLOCK_M, BLOCK_N]`` (``qk_scale > 0`` holds log2(e); ``cap``: :func:`_scaled`)."""
-    if SOFTCAP:
-        s = _scaled(qk, qk_scale, cap, SOFTCAP, APPROX)
-        m_new = gl.maximum(m_i, gl.max(s, 1))
+    if SOFTCAP:  # the row maximum of tanh, then scaled (c > 0: the same value): s feeds exp2 alone, as an FMA
+        t = _tanh_of(qk * cap[0], APPROX)
+        m_new = gl.maximum(m_i, gl.max(t, 1) * cap[1])
+        s = t * cap[1]
     else:
         s = qk * qk_scale
         m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)

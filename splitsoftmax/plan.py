@@ -220,9 +220,37 @@ def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: in
 
 
 def plain_pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], causal: bool) -> tuple:
-    """Full / causal visibility without documents or window: ``layout.block_pairs``' pairs."""
-    return tuple(Piece(qs.local, qs.n, ks.local, ks.n, kind == DIAG, diag, None, False)
-                 for _, qs, ks, kind, diag in block_pairs(list(qbuf), list(kbuf), causal))
+    """Full / causal visibility without documents or window: one causal piece when the queries are
+    the keys' own positions (a rank's own step: positions rise with the local index, so key ``c``
+    is visible to query ``a`` iff ``c <= a``), else ``layout.block_pairs``' pairs with the full ones
+    that lie side by side joined: one launch where the pairs would take several."""
+    if causal and tuple(qbuf) == tuple(kbuf):
+        n = sum(s.n for s in qbuf)
+        return (Piece(0, n, 0, n, True, 0, None, False),) if n else ()
+    return _joined([Piece(qs.local, qs.n, ks.local, ks.n, kind == DIAG, diag, None, False)
+                    for _, qs, ks, kind, diag in block_pairs(list(qbuf), list(kbuf), causal)])
+
+
+def _joined(pcs: list) -> tuple:
+    """``pcs`` with any two full pieces of the same query rows and adjacent keys, or of the same keys
+    and adjacent query rows, made one (until no two are)."""
+    i = 0
+    while i < len(pcs):
+        a = pcs[i]
+        for j, b in enumerate(pcs):
+            if j == i or a.causal or b.causal:
+                continue
+            if (a.q, a.nq) == (b.q, b.nq) and a.k + a.nk == b.k:
+                pcs[i] = a._replace(nk=a.nk + b.nk)
+            elif (a.k, a.nk) == (b.k, b.nk) and a.q + a.nq == b.q:
+                pcs[i] = a._replace(nq=a.nq + b.nq)
+            else:
+                continue
+            del pcs[j]
+            i = -1
+            break
+        i += 1
+    return tuple(pcs)
 
 
 def make_plan(rank: int, q_lens: Sequence[int], k_lens: Sequence[int], layout: str, causal: bool,

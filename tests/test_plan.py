@@ -101,6 +101,34 @@ def test_plan_matches_dense(p, total, layout, causal, window):
             assert bool(plan.pieces[s]) == bool(sub.any())
 
 
+@pytest.mark.parametrize("p,total,layout", [(p, t, lay_) for p in (1, 2, 3, 5) for t in (1, 23, 1000)
+                                             for lay_ in ("contiguous", "zigzag")])
+def test_plain_ring_steps_are_one_launch_each(p, total, layout):
+    """Without documents or window every ring step is at most one piece (one launch): a rank's own
+    step one causal piece over all its rows (its positions rise with the local index), any other
+    the full piece that its pairs make once joined; full visibility one full piece."""
+    lens = lay.shard_lengths(total, p, layout)
+    for r in range(p):
+        causal_plan = pl.make_plan(r, lens, lens, layout, True)
+        n = lens[r]
+        assert causal_plan.pieces[0] == ((pl.Piece(0, n, 0, n, True, 0, None, False),) if n else ())
+        for s in range(1, p):
+            assert len(causal_plan.pieces[s]) <= 1 and not any(pc.causal for pc in causal_plan.pieces[s])
+        full_plan = pl.make_plan(r, lens, lens, layout, False)
+        assert all(len(pcs) == (1 if n and lens[(r - s) % p] else 0) for s, pcs in enumerate(full_plan.pieces))
+
+
+def test_joined_pieces():
+    """Full pieces side by side (same rows, adjacent keys; same keys, adjacent rows) become one; causal
+    ones and gaps stay apart."""
+    full = lambda q, nq, k, nk: pl.Piece(q, nq, k, nk, False, 0, None, False)  # noqa: E731
+    assert pl._joined([full(0, 4, 0, 3), full(0, 4, 3, 5)]) == (full(0, 4, 0, 8),)
+    assert pl._joined([full(4, 2, 0, 3), full(0, 4, 0, 3)]) == (full(0, 6, 0, 3),)
+    assert pl._joined([full(0, 4, 0, 3), full(0, 4, 4, 5)]) == (full(0, 4, 0, 3), full(0, 4, 4, 5))
+    diag = pl.Piece(0, 4, 3, 4, True, 0, None, False)
+    assert pl._joined([full(0, 4, 0, 3), diag]) == (full(0, 4, 0, 3), diag)
+
+
 @pytest.mark.parametrize("max_band", [0, 4, 100])
 def test_banded_and_rows_pieces_agree(max_band):
     """Per-document zigzag with several documents: rows pieces (max_band 0) and banded pieces

@@ -23,6 +23,7 @@ Every function here is pure (host integers in, tuples out) except :func:`positio
 from __future__ import annotations
 
 from bisect import bisect_right
+from itertools import permutations
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -231,26 +232,29 @@ def plain_pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], causal: bool) -> tupl
                     for _, qs, ks, kind, diag in block_pairs(list(qbuf), list(kbuf), causal)])
 
 
-def _joined(pcs: list) -> tuple:
-    """``pcs`` with any two full pieces of the same query rows and adjacent keys, or of the same keys
-    and adjacent query rows, made one (until no two are)."""
-    i = 0
-    while i < len(pcs):
-        a = pcs[i]
-        for j, b in enumerate(pcs):
-            if j == i or a.causal or b.causal:
-                continue
-            if (a.q, a.nq) == (b.q, b.nq) and a.k + a.nk == b.k:
-                pcs[i] = a._replace(nk=a.nk + b.nk)
-            elif (a.k, a.nk) == (b.k, b.nk) and a.q + a.nq == b.q:
-                pcs[i] = a._replace(nq=a.nq + b.nq)
-            else:
-                continue
-            del pcs[j]
-            i = -1
-            break
-        i += 1
-    return tuple(pcs)
+def _joined(pcs: Sequence[Piece]) -> tuple:
+    """``pcs`` with any two that :func:`_join` makes one made one, until no two are."""
+    pcs = list(pcs)
+    while True:
+        pair = next(((a, b, j) for a, b in permutations(range(len(pcs)), 2)
+                     if (j := _join(pcs[a], pcs[b])) is not None), None)
+        if pair is None:
+            return tuple(pcs)
+        a, b, j = pair
+        pcs[a] = j
+        del pcs[b]
+
+
+def _join(a: Piece, b: Piece) -> Optional[Piece]:
+    """Full pieces ``a`` and ``b`` as one: the same query rows and ``b``'s keys right after ``a``'s,
+    or the same keys and ``b``'s rows right after ``a``'s; else None."""
+    if a.causal or b.causal or a.lo is not None or b.lo is not None or a.rows or b.rows:
+        return None
+    if (a.q, a.nq) == (b.q, b.nq) and a.k + a.nk == b.k:
+        return a._replace(nk=a.nk + b.nk)
+    if (a.k, a.nk) == (b.k, b.nk) and a.q + a.nq == b.q:
+        return a._replace(nq=a.nq + b.nq)
+    return None
 
 
 def make_plan(rank: int, q_lens: Sequence[int], k_lens: Sequence[int], layout: str, causal: bool,

@@ -261,7 +261,7 @@ def make_plan(rank: int, q_lens: Sequence[int], k_lens: Sequence[int], layout: s
               docs: Optional[tuple] = None, window: Optional[tuple] = None,
               max_band: int = MAX_BAND_PIECES) -> Plan:
     """Rank ``rank``'s plan given every rank's query and key lengths (rank order). Without
-    documents and window, today's ring: whole buffers, ``layout.block_pairs`` pieces. Otherwise
+    documents and window, today's ring: whole buffers, :func:`plain_pieces` (a launch a step). Otherwise
     each rank receives from each owner only the keys its queries see (none: no transfer, no
     launch), so a window's traffic is a halo to the neighbours that hold it."""
     p, b = len(q_lens), band(causal, window)

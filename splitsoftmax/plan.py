@@ -143,6 +143,18 @@ def seen(src: Sequence[Seg], dst: Sequence[Seg], docs, b: Band) -> tuple:
     return tuple(out)
 
 
+def coalesced(segs: Sequence[Seg]) -> list:
+    """``segs`` without empty ones, each run of segments that continue one another in both local
+    index and position as one (a one-rank zigzag shard's two chunks, adjacent received ranges)."""
+    out: list = []
+    for s in (s for s in segs if s.n):
+        if out and out[-1].local + out[-1].n == s.local and out[-1].glob + out[-1].n == s.glob:
+            out[-1] = out[-1]._replace(n=out[-1].n + s.n)
+        else:
+            out.append(s)
+    return out
+
+
 def compact(segs: Sequence[Seg]) -> tuple:
     """``segs`` as a buffer of their own: local indices from 0, in order."""
     out, local = [], 0
@@ -208,8 +220,9 @@ def _span(segs: Sequence[Seg]) -> tuple[int, int]:
 def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: int = MAX_BAND_PIECES) -> tuple:
     """The pieces of query buffer ``qbuf`` against key buffer ``kbuf``: banded pieces of the
     same-document segment parts when at most ``max_band`` are visible (always without documents),
-    else one piece by rows over the span of the rows that see a key and the keys that are seen."""
-    qbuf, kbuf = [s for s in qbuf if s.n], [s for s in kbuf if s.n]
+    else one piece by rows over the span of the rows that see a key and the keys that are seen.
+    Segments that continue one another count as one (:func:`coalesced`)."""
+    qbuf, kbuf = coalesced(qbuf), coalesced(kbuf)
     banded = _banded(qbuf, kbuf, docs, b, None if docs is None else max_band)
     if banded is not None:
         return tuple(banded)

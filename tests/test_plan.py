@@ -118,6 +118,26 @@ def test_plain_ring_steps_are_one_launch_each(p, total, layout):
         assert all(len(pcs) == (1 if n and lens[(r - s) % p] else 0) for s, pcs in enumerate(full_plan.pieces))
 
 
+@pytest.mark.parametrize("causal,window", [(True, (40, -1)), (True, (5, 0)), (False, (5, 3)), (False, (0, 7))])
+def test_one_rank_window_step_is_one_piece(causal, window):
+    """A one-rank zigzag shard's two chunks continue one another (local index and position), so its
+    step under a window is one banded piece, as on one device; the pieces still match the rule."""
+    plan = pl.make_plan(0, [1000], [1000], "zigzag", causal, None, window)
+    piece, = plan.pieces[0]
+    assert (piece.q, piece.nq, piece.k, piece.nk, piece.rows) == (0, 1000, 0, 1000, False)
+    cnt = covered(plan.q, plan.keys[0], plan.pieces[0], None, plan.band)
+    assert torch.equal(cnt, dense(1000, None, causal, window).long())
+
+
+def test_coalesced_segments():
+    """Runs of segments continuing one another in local index and position become one; a gap in
+    either, or an empty segment between, does not join."""
+    S = Seg
+    assert pl.coalesced([S(0, 10, 3), S(3, 13, 2), S(5, 20, 1)]) == [S(0, 10, 5), S(5, 20, 1)]
+    assert pl.coalesced([S(0, 10, 3), S(4, 13, 2)]) == [S(0, 10, 3), S(4, 13, 2)]
+    assert pl.coalesced([S(0, 10, 3), S(3, 13, 0), S(3, 13, 4)]) == [S(0, 10, 7)]
+
+
 def test_joined_pieces():
     """Full pieces side by side (same rows, adjacent keys; same keys, adjacent rows) become one; causal
     ones and gaps stay apart."""

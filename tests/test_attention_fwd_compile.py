@@ -27,11 +27,11 @@ from splitsoftmax.mask import NO_MASK, Mask  # noqa: E402
 
 
 def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True, lengths=(0, 0), batch: int = 1,
-            runs: list = None, mask: Mask = NO_MASK):
+            runs: list = None, mask: Mask = NO_MASK, acc: bool = False):
     """The forward's one launch on bf16 ``(batch, 16, sq, 128)`` queries over 4 kv heads (``views``:
     ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors) under ``mask``, as captured; ``gluon``,
     ``lengths``: the Gluon forward's flag and least lengths; ``runs`` receives the Gluon forward's
-    launch."""
+    launch; ``acc``: a ring step's (``attn_fwd_acc`` into a float32 state)."""
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
@@ -53,7 +53,11 @@ def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True,
         t = torch.randn(batch, sq, h, 128).to(torch.bfloat16)
         return t.transpose(1, 2) if views else t.transpose(1, 2).contiguous()
     q, k, v = make(16), make(4), make(4)
-    A.attn_fwd(q, k, v, 0.088, causal, out_dtype=torch.bfloat16, mask=mask)
+    if acc:
+        A.attn_fwd_acc(q, k, v, 0.088, causal, 0, torch.zeros(batch, 16, sq, 128), torch.zeros(batch, 16, sq),
+                       mask=mask)
+    else:
+        A.attn_fwd(q, k, v, 0.088, causal, out_dtype=torch.bfloat16, mask=mask)
     return captured
 
 
@@ -97,6 +101,25 @@ def test_gluon_forward_variants_compile_for_sm90(variant, monkeypatch):
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON_VARIANTS", True)
     _, report = _compile(_launch(monkeypatch, True, 1000, True, mask=VARIANTS[variant]))
     assert spill_stores(report) <= 160, report
+
+
+@pytest.mark.parametrize("case", ["causal", "full", "documents"])
+def test_gluon_forward_merging_into_a_state_compiles_for_sm90(case, monkeypatch):
+    """A ring step's forward (``attn_fwd_acc``: merged into a float32 running state) takes the Gluon
+    kernel with its ``ACC``, and compiles for sm_90 within shared memory, products overlapped; the
+    state's rows, read as each tile's are stored, spill no more than the kernel writing them."""
+    mask = VARIANTS["documents"] if case == "documents" else NO_MASK
+    launched = _launch(monkeypatch, case != "full", 1000, True, mask=mask, acc=True)
+    assert launched[0][2]["ACC"]
+    _, report = _compile(launched)
+    assert spill_stores(report) <= (160 if case == "documents" else 16), report
+
+
+def test_gluon_forward_merging_into_a_state_only_when_on(monkeypatch):
+    """With ``configs.ATTN_FWD_GLUON_ACC`` off a ring step's forward takes the Triton kernel."""
+    monkeypatch.setattr(configs, "ATTN_FWD_GLUON_ACC", False)
+    (fn, _, kwargs), = _launch(monkeypatch, True, 1000, True, acc=True)
+    assert fn.fn.__name__ == "_attn_fwd_kernel" and kwargs["ACC"]
 
 
 def test_gluon_forward_variants_only_when_on(monkeypatch):

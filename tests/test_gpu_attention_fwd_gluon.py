@@ -4,7 +4,8 @@ FlashAttention's rule (error against float64 at most 2x torch's attention in bf1
 the lse within the Triton kernel's error; odd lengths, GQA, (B, S, H, D) views, a diagonal
 offset in both directions (empty rows: ``(0, -inf)``); a NaN/Inf value in a diagonal block reaches
 the same rows as under the Triton kernel; launched persistent on any number of programs, the
-result is bit for bit that of one program per tile. Outputs are NaN-poisoned (conftest).
+result is bit for bit that of one program per tile; merged into a ring step's running state as the
+Triton kernel merges. Outputs are NaN-poisoned (conftest).
 """
 from __future__ import annotations
 
@@ -95,6 +96,49 @@ def test_hidden_poison_reaches_the_same_rows(bad, where, monkeypatch):
         assert reached[True][0, :, 130:].all()
 
 
+def _state(b, h, sq, seed):
+    """A running float32 state ``(out (B, H, Sq, 128), lse)``: every third row empty (``lse = -inf``, its
+    ``out`` NaN, which a merge must never multiply in), the others with lse around the block's."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = torch.randn(b, h, sq, 128, device="cuda", generator=g)
+    lse = torch.randn(b, h, sq, device="cuda", generator=g) * 2 + 6
+    out[:, :, ::3], lse[:, :, ::3] = float("nan"), float("-inf")
+    return out, lse
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[2], CASES[4], CASES[5]])
+def test_merge_into_a_state(case, monkeypatch):
+    """A ring step's forward (``attn_fwd_acc``) on the Gluon kernel merges the block's attention into a
+    float32 running state: against float64 (``state.merge_out_lse`` of the state and the float64
+    attention) within 2x the Triton kernel's error for the output and the lse, rows empty in the
+    state, in the block (a negative diagonal) or in both as the float64 merge has them."""
+    from splitsoftmax import state
+    b, h, hkv, sq, sk, views, causal, diag = case
+    q, k, v = _inputs(b, h, hkv, sq, sk, views, seed=11)
+    scale = q.shape[-1] ** -0.5
+    o64, l64 = ref.attention(q, k, v, causal=causal, scale=scale, diag=diag)
+    st_out, st_lse = _state(b, h, sq, 12)
+    want_o, want_l = state.merge_out_lse(torch.stack((st_out.double().nan_to_num(), o64)),
+                                         torch.stack((st_lse.double(), l64)))
+    got = {}
+    for gluon in (True, False):
+        monkeypatch.setattr(configs, "ATTN_FWD_GLUON", gluon)
+        p = A.plan(q, k, v, causal, diag)
+        assert (A._gluon_fwd_tile(q, k, v, st_out, scale, causal, p, True, False) is not None) == gluon
+        out, lse = st_out.clone(), st_lse.clone()
+        A.attn_fwd_acc(q, k, v, scale, causal, diag, out, lse)
+        got[gluon] = out, lse
+    seen = want_l > float("-inf")
+    assert seen.any()
+    for gluon, (out, lse) in got.items():
+        assert not out[seen].isnan().any() and not lse.isnan().any(), gluon
+        assert (out[~seen] == 0).all() and (lse[~seen] == float("-inf")).all(), gluon
+    err = {g: (o[seen].double() - want_o[seen]).abs().max().item() for g, (o, _) in got.items()}
+    err_l = {g: (lse[seen].double() - want_l[seen]).abs().max().item() for g, (_, lse) in got.items()}
+    assert err[True] <= 2 * err[False] + 1e-6, err
+    assert err_l[True] <= 2 * err_l[False] + 1e-6, err_l
+
+
 @pytest.mark.parametrize("programs", [1, 3, 7, 132])
 @pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4], CASES[5], (2, 16, 4, 4096, 4096, True, True, 0)])
 def test_persistent_equals_one_program_per_tile(case, programs, monkeypatch):
@@ -155,3 +199,45 @@ def test_launches_in_turn_and_on_two_streams(monkeypatch):
     torch.cuda.current_stream().wait_stream(side)
     for out in again + [other, mine]:
         assert torch.equal(out, first)
+
+
+RING_VARIANTS = {
+    "causal": dict(causal=True),
+    "full": dict(causal=False),
+    "documents": dict(causal=True, cu_seqlens=[0, 1, 700, 700, 2100, 3000]),
+    "window": dict(causal=True, window_size=(400, 0)),
+    "softcap": dict(causal=True, softcap=20.0),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(RING_VARIANTS))
+def test_ring_steps_merge_on_the_gluon_forward(variant, monkeypatch):
+    """A zigzag ring of 3 loopback ranks over 3000 bf16 positions, GQA, (B, S, H, D) views, plain or
+    under a variant: every step's forward merges on the Gluon kernel (its launches counted), and the
+    sharded output and lse are within 2x the error against float64 of the same ring merging on the
+    Triton kernel."""
+    from splitsoftmax.distributed import LoopbackWorld, shard, sharded_attention, unshard
+    kw = dict(RING_VARIANTS[variant])
+    docs = kw.pop("cu_seqlens", None)
+    cu = None if docs is None else torch.tensor(docs, dtype=torch.int32, device="cuda")
+    q, k, v = _inputs(2 if cu is None else 1, 8, 2, 3000, 3000, True, seed=13)
+    scale = q.shape[-1] ** -0.5
+    o64, l64 = ref.attention_variants(q, k, v, scale=scale, cu_seqlens=cu, **kw)
+    ran = []
+    run_gluon = A._run_gluon_fwd
+    monkeypatch.setattr(A, "_run_gluon_fwd", lambda run, *a: ran.append(run.kwargs["ACC"]) or run_gluon(run, *a))
+
+    def ring(comm):
+        ql, kl, vl = (shard(t, 2, group=comm, layout="zigzag", cu_seqlens=cu) for t in (q, k, v))
+        out, lse = sharded_attention(ql, kl, vl, group=comm, schedule="ring", layout="zigzag", return_lse=True,
+                                     cu_seqlens=cu, **kw)
+        return tuple(unshard(t, 2, group=comm, layout="zigzag", cu_seqlens=cu) for t in (out, lse))
+    err = {}
+    for on in (True, False):
+        monkeypatch.setattr(configs, "ATTN_FWD_GLUON_ACC", on)
+        ran.clear()
+        out, lse = LoopbackWorld(3).run(ring)[0]
+        assert (bool(ran) and all(ran)) if on else not ran, ran
+        assert not out.isnan().any() and not lse.isnan().any()
+        err[on] = ((out.double() - o64).abs().max().item(), (lse.double() - l64).abs().max().item())
+    assert err[True][0] <= 2 * err[False][0] + 1e-6 and err[True][1] <= 2 * err[False][1] + 1e-6, err

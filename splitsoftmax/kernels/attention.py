@@ -565,10 +565,13 @@ def _gluon_fwd_tile(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, 
     """The Gluon forward's tile if it runs this launch of the plain mask, else None:
     :func:`gluon_fwd_length`, a Hopper GPU (sm_90: its warpgroup products), not the interpreter,
     bfloat16 inputs (the dtype its GPU tests cover) with equal head dims and a tile listed for them,
-    one split written directly (no running state, no partials), rows not packed, a positive scale,
-    TMA-addressable inputs and an output with unit last stride."""
+    one split written directly or (``acc``, ``configs.ATTN_FWD_GLUON_ACC``) merged into a float32
+    running state (no partials), rows not packed, a positive scale, TMA-addressable inputs and an
+    output with unit last stride."""
     d = q.shape[-1]
-    if (not gluon_fwd_length(q.shape[2], causal) or interpreting() or acc or split_dim or p.pack
+    if acc and not (configs.ATTN_FWD_GLUON_ACC and out.dtype == torch.float32):
+        return None
+    if (not gluon_fwd_length(q.shape[2], causal) or interpreting() or split_dim or p.pack
             or p.nsplit != 1 or scale <= 0 or not (q.dtype == k.dtype == v.dtype == torch.bfloat16)
             or v.shape[-1] != d or out.stride(-1) != 1 or not sm90(q)
             or not (_tma_ok(q) and _tma_ok(k) and _tma_ok(v))):
@@ -577,9 +580,9 @@ def _gluon_fwd_tile(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, 
 
 
 def _gluon_fwd_launch(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, diag: int,
-                      tile: tuple, km: KernelMask) -> _GluonFwdLaunch:
+                      tile: tuple, km: KernelMask, acc: bool) -> _GluonFwdLaunch:
     """The Gluon forward's launch for these operands (its tile ``tile``: each consumer's) under the
-    mask's kernel arguments ``km``."""
+    mask's kernel arguments ``km``; ``acc``: merged into the state in ``out``, ``lse``."""
     b, h, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     bm, bn, warps, stages = tile
@@ -593,7 +596,7 @@ def _gluon_fwd_launch(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, scale: flo
                scale * LOG2E, km.cap_in, km.cap_out, head_group(nb, b * h, q, causal, 2 * warps))
     # maxnreg: the second consumer's warpgroup and the producer's, within an SM's registers
     return _GluonFwdLaunch(grid, (auto_key((out, lse, km.kvr, km.qoff, km.rows, *scalars)), q.dtype), (bm, bn),
-                           scalars, dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, **f,
+                           scalars, dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, **f, ACC=acc,
                                          num_warps=warps, maxnreg=configs.ATTN_FWD_GLUON_MAXNREG))
 
 
@@ -639,18 +642,20 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
         geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
                configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES,
                configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_MIN_SQ,
-               configs.ATTN_FWD_GLUON_PERSISTENT, configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])))
+               configs.ATTN_FWD_GLUON_PERSISTENT, configs.ATTN_FWD_GLUON_ACC,
+               configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])))
         run = _FWD_LAUNCHES.get(geo)
         if run is None:
             km = _kernel_mask(mask, q, scale, lse)
             tile = _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
-            run = _FWD_LAUNCHES.put(geo, _gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile, km) if tile
-                                    else _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km))
+            run = _FWD_LAUNCHES.put(geo, _gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile, km, acc)
+                                    if tile else _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim,
+                                                             km))
     else:
         km = _kernel_mask(mask, q, scale, lse)
         kvr, qoff, rows = km.kvr, km.qoff, km.rows
         tile = configs.ATTN_FWD_GLUON_VARIANTS and _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
-        run = (_gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile, km) if tile else
+        run = (_gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile, km, acc) if tile else
                _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km))
     if isinstance(run, _GluonFwdLaunch):
         _run_gluon_fwd(run, q, k, v, out, lse, (kvr, qoff, rows))

@@ -22,8 +22,9 @@ some of its rows see, those every row of the tile sees whole first (pipelined, n
 others (``attention_bwd_gluon._q_walk``); a consumer skips the blocks none of its own rows sees.
 
 Same semantics as ``attention._attn_fwd_kernel`` with one key split: ``out (B, H, Sq, D)`` in its
-dtype, ``lse`` in the natural log, empty rows ``(0, -inf)``. 2-byte inputs with ``D = Dv``,
-TMA-addressable ``(B, H, S, D)`` operands.
+dtype, ``lse`` in the natural log, empty rows ``(0, -inf)``; or, as its ``ACC`` (a ring step),
+merged into the running float32 state already held in ``out`` and ``lse``. 2-byte inputs with
+``D = Dv``, TMA-addressable ``(B, H, S, D)`` operands.
 """
 from __future__ import annotations
 
@@ -231,7 +232,7 @@ def _ws_release(empty, j, STAGES: gl.constexpr):
 def _ws_consumer(p, mk, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr,
                  Q_OFFSET: gl.constexpr, ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr,
-                 SOFTCAP_APPROX: gl.constexpr):
+                 SOFTCAP_APPROX: gl.constexpr, ACC: gl.constexpr):
     """Rows ``C * BLOCK_M + [0, BLOCK_M)`` of each tile the producer hands over, until one past the last."""
     (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, a_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
      v_empty, v_land, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH,
@@ -246,7 +247,7 @@ def _ws_consumer(p, mk, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
         walk, T = _tile_walk(mk, bounds, m0, Sq, 2 * BLOCK_M, rows, BLOCK_N, CAUSAL, WINDOW,
                              ROW_BOUNDS)  # both consumers' blocks
         _ws_rows(p, mk, bounds, C, b, h, m0 + C * BLOCK_M, walk, T, base, it & 1, BLOCK_M, BLOCK_N, D, CAUSAL,
-                 STAGES, WINDOW, KV_RANGE, ROW_BOUNDS, SOFTCAP, SOFTCAP_APPROX)
+                 STAGES, WINDOW, KV_RANGE, ROW_BOUNDS, SOFTCAP, SOFTCAP_APPROX, ACC)
         it += 1
         base += T
         t = _take_tile(tile_ids, id_full, id_empty, it)
@@ -256,11 +257,12 @@ def _ws_consumer(p, mk, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
 def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, BLOCK_M: gl.constexpr,
              BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
              WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr,
-             SOFTCAP_APPROX: gl.constexpr):
+             SOFTCAP_APPROX: gl.constexpr, ACC: gl.constexpr):
     """Rows ``r0 + [0, BLOCK_M)`` of head ``(b, h)`` over the tile's ``T`` key blocks (``walk``,
     ``_tile_walk``; block ``u`` of the walk is the rings' ``base + u``): those the whole tile sees
     pipelined, then the others masked, those none of these rows sees released unread; ``bounds``:
-    the batch element's (:func:`_element_bounds`)."""
+    the batch element's (:func:`_element_bounds`). ``ACC``: merged into the state held at ``O``,
+    ``LSE`` (:func:`_merged`)."""
     (q_desc, k_desc, v_desc, q_smem, k_ring, v_ring, a_smem, f_smem, q_full, q_empty, k_full, k_empty, v_full,
      v_empty, v_land, tile_ids, id_full, id_empty, CTR, O, LSE, s_ob, s_oh, s_os, s_lb, s_lh, s_ls, H, G, NB, NBH,
      GH, Sq, Sk, diag, qk_scale) = p
@@ -356,10 +358,38 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
     some = l_i != 0
     lse2 = gl.where(some, m_i + gl.log2(gl.where(some, l_i, 1.0)), float("-inf"))
     inv = 1.0 / gl.where(some, l_i, 1.0)
-    _store_rows(O, acc * gl.convert_layout(inv, o_rows)[:, None], b, h, r0, Sq, s_ob, s_oh, s_os, o_layout,
-                BLOCK_M, D)
-    gl.store(LSE + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + qi * s_ls, lse2 * 0.6931471805599453,
-             mask=qi < Sq)
+    out = acc * gl.convert_layout(inv, o_rows)[:, None]
+    l_ptrs = LSE + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + qi * s_ls
+    if ACC:
+        out, lse2 = _merged(O, l_ptrs, qi < Sq, out, lse2, b, h, r0, Sq, s_ob, s_oh, s_os, o_layout, BLOCK_M, D)
+    _store_rows(O, out, b, h, r0, Sq, s_ob, s_oh, s_os, o_layout, BLOCK_M, D)
+    gl.store(l_ptrs, lse2 * 0.6931471805599453, mask=qi < Sq)
+
+
+@gluon.jit
+def _merged(O, l_ptrs, ok, out, lse2, b, h, r0, Sq, s_ob, s_oh, s_os, o_layout: gl.constexpr,
+            BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """``(out, lse2)`` of rows ``r0 + [0, BLOCK_M)`` (``out [BLOCK_M, D]`` in ``o_layout``, ``lse2
+    [BLOCK_M]`` in the log2 domain) merged with the running state already held there: ``O`` and
+    ``l_ptrs`` (the rows' natural-log ``lse``; ``ok``: the rows below ``Sq``, both in ``lse2``'s
+    layout). The Triton kernel's ``ACC`` epilogue (``attention._attn_fwd_kernel``): an empty part
+    (``lse = -inf``) is never multiplied in, a NaN stays NaN, a row empty in both is ``(0, -inf)``."""
+    rows: gl.constexpr = gl.SliceLayout(1, o_layout)  # [BLOCK_M]
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))  # [D]
+    r = r0 + gl.arange(0, BLOCK_M, layout=rows)
+    old2 = gl.load(l_ptrs, mask=ok, other=float("-inf")) * 1.4426950408889634
+    m2 = gl.maximum(old2, lse2)
+    m2 = gl.where(m2 == float("-inf"), 0.0, m2)
+    w_old = gl.exp2(old2 - m2)
+    w_new = gl.exp2(lse2 - m2)
+    tot = w_old + w_new
+    some = tot != 0
+    inv = gl.where(some, 1.0 / gl.where(some, tot, 1.0), 0.0)
+    keep = gl.convert_layout(w_old > 0, rows) & (r < Sq)
+    o_old = gl.load(O + b.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + r[:, None].to(gl.int64) * s_os + cols[None, :],
+                    mask=keep[:, None] & (cols < D)[None, :], other=0.0)  # [BLOCK_M, D]
+    out = o_old * gl.convert_layout(w_old * inv, rows)[:, None] + out * gl.convert_layout(w_new * inv, rows)[:, None]
+    return out, gl.where(some, m2 + gl.log2(gl.where(some, tot, 1.0)), float("-inf"))
 
 
 @gluon.jit
@@ -412,19 +442,21 @@ def _flag(a_t):
 @gluon.jit
 def _ws_consumer0(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                   STAGES: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr,
-                  ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr):
+                  ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr,
+                  ACC: gl.constexpr):
     """The first consumer (the default partition: the kernel's own warps)."""
     _ws_consumer(p, mk, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
-                 SOFTCAP_APPROX)
+                 SOFTCAP_APPROX, ACC)
 
 
 @gluon.jit
 def _ws_consumer1(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                   STAGES: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr,
-                  ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr):
+                  ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr,
+                  ACC: gl.constexpr):
     """The second consumer (a worker partition of 4 warps)."""
     _ws_consumer(p, mk, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
-                 SOFTCAP_APPROX)
+                 SOFTCAP_APPROX, ACC)
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "NB", "NBH", "GH", "s_lb", "s_lh", "s_r", "lo"])
@@ -433,7 +465,7 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, KVR, QOFF, ROWS, s_ob, 
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                     STAGES: gl.constexpr, WINDOW: gl.constexpr, KV_RANGE: gl.constexpr, Q_OFFSET: gl.constexpr,
                     ROW_BOUNDS: gl.constexpr, SOFTCAP: gl.constexpr, SOFTCAP_APPROX: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    ACC: gl.constexpr, num_warps: gl.constexpr):
     """Grid ``(P,)``: the programs take the ``NB * NBH`` tiles (``NB`` blocks of ``2 * BLOCK_M``
     queries by ``NBH = B * H`` heads, in ``_tile_of``'s order) one at a time from the counter
     ``CTR`` (two int32, zero at launch and left zero), each program running on while its next tile's
@@ -480,8 +512,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, O, LSE, CTR, KVR, QOFF, ROWS, s_ob, 
     # consumer keeps the rest.
     gl.warp_specialize([
         (_ws_consumer0, (p, mk, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
-                         SOFTCAP_APPROX)),
+                         SOFTCAP_APPROX, ACC)),
         (_ws_consumer1, (p, mk, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS, SOFTCAP,
-                         SOFTCAP_APPROX)),
+                         SOFTCAP_APPROX, ACC)),
         (_ws_producer, (p, mk, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, WINDOW, KV_RANGE, Q_OFFSET, ROW_BOUNDS)),
     ], [4, 4], [240, 24])

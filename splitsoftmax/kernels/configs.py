@@ -139,6 +139,9 @@ ATTN_FWD_GLUON_PERSISTENT = True
 # ... and with the variants' masks (a window, kv_range, q_offset, documents, softcap) as well as the
 # plain one: each tile walks the key blocks its rows see, those every row sees whole first, unmasked
 ATTN_FWD_GLUON_VARIANTS = True
+# ... and for a ring step's forward (``attn_fwd_acc``): each tile's rows merged into the running
+# float32 state as they are stored (its ``ACC``), as the Triton kernel's are
+ATTN_FWD_GLUON_ACC = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .._log import LOG, nbytes
 from .comm import Communicator
-from .ring import attn_bwd_visit, attn_fwd_visit, by_origin, empty_acc
+from .ring import attn_bwd_visit, attn_fwd_visit, by_origin, dq_of, empty_acc
 from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
 from .. import state
 
@@ -88,7 +88,7 @@ def allgather_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Te
 def _scatter_seen(comm: Communicator, spec: AttnSpec, parts: list, k: Tensor, dt) -> tuple[Tensor, Tensor]:
     """Send each step's dK/dV rows to their owner; sum this rank's own in rank order of the senders."""
     plan, p, r = spec.plan, comm.size, comm.rank
-    mine = {s: pack(*parts[s]) for s in range(1, p) if parts[s] is not None}
+    mine = {s: parts[s] for s in range(1, p) if parts[s] is not None}
     got = {s: torch.empty(spec.rows_numel(nrows(plan.send[s])), dtype=dt, device=k.device)
            for s in range(1, p) if plan.send[s]}
     hs = comm.post([(b, (r - s) % p) for s, b in mine.items()], [(b, (r + s) % p) for s, b in got.items()],
@@ -99,8 +99,9 @@ def _scatter_seen(comm: Communicator, spec: AttnSpec, parts: list, k: Tensor, dt
     for t in range(p):  # the sender's rank order, this rank's own part in its place
         s = (t - r) % p
         if s == 0:
-            dk += parts[0][0]
-            dv += parts[0][1]
+            pk, pv = unpack(parts[0], spec, r)
+            dk += pk
+            dv += pv
         elif s in got:
             add_rows(dk, dv, got[s], spec, plan.send[s])
     return dk, dv
@@ -109,7 +110,7 @@ def _scatter_seen(comm: Communicator, spec: AttnSpec, parts: list, k: Tensor, dt
 def allgather_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta):
     """Backward: gather K/V again, compute every owner's dK/dV, reduce-scatter them home."""
     dt = state.stat_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+    dq = [None]
     visit = attn_bwd_visit(spec, q, dout, lse, delta, dq)
     if spec.plan.direct:
         got = gather_seen(comm, spec, k, v, "allgather backward: gathering K/V")
@@ -118,9 +119,9 @@ def allgather_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, l
             if got[s] is not None:
                 parts[s] = visit(s, *got[s])
         dk, dv = _scatter_seen(comm, spec, parts, k, dt)
-        return dq, dk, dv
+        return dq_of(dq, q), dk, dv
     bufs = allgather_var(comm, pack(k, v), spec.kv_numel, "allgather backward: gathering K/V")
-    run = by_origin(spec, visit, packed=True)
+    run = by_origin(spec, visit)
     parts = [run(origin, buf) for origin, buf in enumerate(bufs)]
     dk, dv = unpack(reduce_scatter_var(comm, parts, "allgather backward: reduce-scatter of dK/dV"), spec, spec.rank)
-    return dq, dk, dv
+    return dq_of(dq, q), dk, dv

@@ -120,21 +120,49 @@ def attn_fwd_visit(spec: AttnSpec, q: Tensor, acc: tuple[Tensor, Tensor]) -> Cal
     return visit
 
 
-def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: Tensor) -> Callable:
-    """Visit for the backward: add to ``dq`` (float32), return ``(dk, dv)`` (float32) of the buffer."""
-    def visit(s: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        dk = torch.zeros(k.shape, dtype=dq.dtype, device=q.device)
-        dv = torch.zeros(v.shape, dtype=dq.dtype, device=q.device)
+def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: list) -> Callable:
+    """Visit for the backward: add to ``dq[0]`` (float32; None until a call adds to it), return the
+    buffer's ``(dk, dv)`` (float32) packed as one flat buffer (:func:`work.pack`'s layout). The first
+    call's gradients are taken as they are where they cover every row (the queries' for ``dq``, the
+    buffer's for dK/dV), not added to zeros."""
+    def visit(s: int, k: Tensor, v: Tensor) -> Tensor:
+        n, buf = k.shape[2], None
         for c in spec.calls(s, q.device):
             qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
             dqp, dkp, dvp = masked_op("attn_bwd", q, c.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs],
                                                              lse[:, :, qs], delta[:, :, qs], spec.scale, c.causal,
                                                              c.diag)
-            dq[:, :, qs] += dqp
-            dk[:, :, ks] += dkp
-            dv[:, :, ks] += dvp
-        return dk, dv
+            dq[0] = added(dq[0], dqp, qs, q.shape[2])
+            whole = buf is None and (c.k, c.nk) == (0, n)
+            if buf is None:
+                buf = (torch.empty if whole else torch.zeros)(spec.rows_numel(n), dtype=dkp.dtype, device=q.device)
+            dk, dv = unpack_rows(buf, spec, n)
+            if whole:
+                dk.copy_(dkp)
+                dv.copy_(dvp)
+            else:
+                dk[:, :, ks] += dkp
+                dv[:, :, ks] += dvp
+        if buf is None:
+            buf = torch.zeros(spec.rows_numel(n), dtype=state.stat_dtype(q.dtype), device=q.device)
+        return buf
     return visit
+
+
+def added(total: Optional[Tensor], part: Tensor, rows: slice, n: int) -> Tensor:
+    """``total (B, H, n, D)`` (None: zeros) with ``part`` added at ``rows`` of dim 2: ``part`` itself
+    where it is the first and covers every row."""
+    if total is None:
+        if (rows.start, rows.stop) == (0, n):
+            return part
+        total = part.new_zeros((*part.shape[:2], n, part.shape[3]))
+    total[:, :, rows] += part
+    return total
+
+
+def dq_of(dq: list, q: Tensor) -> Tensor:
+    """The backward's ``dq`` (float32) once every visit has added to ``dq[0]``: zeros where none did."""
+    return dq[0] if dq[0] is not None else torch.zeros(q.shape, dtype=state.stat_dtype(q.dtype), device=q.device)
 
 
 def empty_acc(spec: AttnSpec, q: Tensor) -> tuple[Tensor, Tensor]:
@@ -145,11 +173,10 @@ def empty_acc(spec: AttnSpec, q: Tensor) -> tuple[Tensor, Tensor]:
     return out, torch.full((spec.b, spec.h, q.shape[2]), float("-inf"), dtype=dt, device=q.device)
 
 
-def by_origin(spec: AttnSpec, visit: Callable, packed: bool = False) -> Callable:
+def by_origin(spec: AttnSpec, visit: Callable) -> Callable:
     """``visit(s, k, v)`` as the ``visit(origin, buf)`` of a whole-buffer transport."""
     def run(origin: int, buf: Tensor):
-        res = visit((spec.rank - origin) % len(spec.k_lens), *unpack(buf, spec, origin))
-        return pack(*res) if packed else res
+        return visit((spec.rank - origin) % len(spec.k_lens), *unpack(buf, spec, origin))
     return run
 
 
@@ -167,23 +194,21 @@ def ring_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor,
 
 def direct_bwd(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit: Callable, dt: torch.dtype):
     """The direct transport's backward: every step's dK/dV rows sent to their owner at once, the
-    rows of this rank's keys that each peer computed added in step order: ``(dk, dv)``."""
+    rows of this rank's keys that each peer computed added in step order to its own step's:
+    ``(dk, dv)``."""
     plan, p, r = spec.plan, comm.size, comm.rank
-    dk = torch.zeros(k.shape, dtype=dt, device=k.device)
-    dv = torch.zeros(v.shape, dtype=dt, device=k.device)
-    homes = []
+    own, homes = [], []
 
     def done(s: int, res) -> None:
         if s == 0:
-            dk.add_(res[0])
-            dv.add_(res[1])
+            own.append(res)
             return
         n = nrows(plan.send[s])
         got = torch.empty(spec.rows_numel(n), dtype=dt, device=k.device) if n else None
-        mine = pack(*res) if res is not None else None
-        hs = comm.post([(mine, (r - s) % p)] if mine is not None else [], [(got, (r + s) % p)] if n else [], TAG_DKV)
-        homes.append((s, got, hs, mine))
+        hs = comm.post([(res, (r - s) % p)] if res is not None else [], [(got, (r + s) % p)] if n else [], TAG_DKV)
+        homes.append((s, got, hs, res))
     direct_loop(comm, spec, k, v, visit, done, step="ring backward")
+    dk, dv = unpack(own[0], spec, r)
     for s, got, hs, _ in homes:
         comm.wait(hs, f"ring backward step {s}: dK/dV with ranks {(r - s) % p} and {(r + s) % p}")
         if got is not None:
@@ -194,12 +219,12 @@ def direct_bwd(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit: 
 def ring_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta):
     """Backward of the ring schedule: ``(dq, dk, dv)`` float32 of this rank's shards."""
     dt = state.stat_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=dt, device=q.device)
+    dq = [None]
     visit = attn_bwd_visit(spec, q, dout, lse, delta, dq)
     if spec.plan.direct:
         dk, dv = direct_bwd(comm, spec, k, v, visit, dt)
     else:
-        dkv = ring_loop(comm, pack(k, v), spec.kv_numel, by_origin(spec, visit, packed=True), carry=spec.kv_numel,
+        dkv = ring_loop(comm, pack(k, v), spec.kv_numel, by_origin(spec, visit), carry=spec.kv_numel,
                         step="ring backward")
         dk, dv = unpack(dkv, spec, spec.rank)
-    return dq, dk, dv
+    return dq_of(dq, q), dk, dv

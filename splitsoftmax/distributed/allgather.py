@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .._log import LOG, nbytes
 from .comm import Communicator
-from .ring import attn_bwd_visit, attn_fwd_visit, by_origin, dq_of, empty_acc
+from .ring import attn_bwd_visit, attn_fwd_visit, by_origin, dq_of, state_of
 from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
 from .. import state
 
@@ -70,19 +70,19 @@ def _in_rank_order(spec: AttnSpec) -> list:
 def allgather_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor):
     """Forward: gather every rank's packed K/V (or the rows this rank sees), then visit them in
     rank order. ``(out, lse)`` in the accumulation dtype."""
-    acc = empty_acc(spec, q)
+    acc = [None]
     visit = attn_fwd_visit(spec, q, acc)
     if spec.plan.direct:
         got = gather_seen(comm, spec, k, v, "allgather forward: gathering K/V")
         for s in _in_rank_order(spec):
             if got[s] is not None:
                 visit(s, *got[s])
-        return acc
+        return state_of(acc, spec, q)
     bufs = allgather_var(comm, pack(k, v), spec.kv_numel, "allgather forward: gathering K/V")
     run = by_origin(spec, visit)
     for origin, buf in enumerate(bufs):
         run(origin, buf)
-    return acc
+    return state_of(acc, spec, q)
 
 
 def _scatter_seen(comm: Communicator, spec: AttnSpec, parts: list, k: Tensor, dt) -> tuple[Tensor, Tensor]:

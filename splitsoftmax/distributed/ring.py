@@ -108,16 +108,25 @@ def direct_loop(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit:
             done(s, res)
 
 
-def attn_fwd_visit(spec: AttnSpec, q: Tensor, acc: tuple[Tensor, Tensor]) -> Callable:
-    """Visit for the forward: merge each call's attention into ``acc = (out, lse)`` in place."""
-    acc_out, acc_lse = acc
-
+def attn_fwd_visit(spec: AttnSpec, q: Tensor, acc: list) -> Callable:
+    """Visit for the forward: merge each call's attention into the running state ``acc[0] = (out,
+    lse)`` in place (None until a call writes it: the first call covering every row writes its own
+    state, as merging it into the empty one would, with no empty state made first)."""
     def visit(s: int, k: Tensor, v: Tensor) -> None:
         for c in spec.calls(s, q.device):
             qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
+            if acc[0] is None and (c.q, c.nq) == (0, q.shape[2]):
+                acc[0] = masked_op("attn_fwd", q, c.mask)(q, k[:, :, ks], v[:, :, ks], spec.scale, c.causal, c.diag)
+                continue
+            out, lse = acc[0] = state_of(acc, spec, q)
             masked_op("attn_fwd_acc", q, c.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], spec.scale, c.causal, c.diag,
-                                                 acc_out[:, :, qs], acc_lse[:, :, qs])
+                                                 out[:, :, qs], lse[:, :, qs])
     return visit
+
+
+def state_of(acc: list, spec: AttnSpec, q: Tensor) -> tuple[Tensor, Tensor]:
+    """The forward's running state ``acc[0]``, the empty one (:func:`empty_acc`) where no call wrote it."""
+    return acc[0] if acc[0] is not None else empty_acc(spec, q)
 
 
 def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: list) -> Callable:
@@ -183,13 +192,13 @@ def by_origin(spec: AttnSpec, visit: Callable) -> Callable:
 def ring_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor, v: Tensor):
     """Forward of the ring schedule: ``(out, lse)`` of this rank's queries over all keys, in the
     accumulation dtype."""
-    acc = empty_acc(spec, q)
+    acc = [None]
     visit = attn_fwd_visit(spec, q, acc)
     if spec.plan.direct:
         direct_loop(comm, spec, k, v, visit, step="ring forward")
     else:
         ring_loop(comm, pack(k, v), spec.kv_numel, by_origin(spec, visit), step="ring forward")
-    return acc
+    return state_of(acc, spec, q)
 
 
 def direct_bwd(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit: Callable, dt: torch.dtype):

@@ -51,7 +51,8 @@ class Piece(NamedTuple):
 
     Banded (``rows=False``): query ``a`` of the piece sees key ``c`` iff ``c <= a + diag`` (when
     ``causal``) and ``c >= a + lo`` (when ``lo`` is not None). By rows (``rows=True``):
-    :func:`rows` gives each row's interval (documents + band).
+    :func:`rows` gives each row's interval (documents + band); ``causal`` then says that the
+    intervals also keep to ``c <= a + diag`` (hiding nothing more).
     """
 
     q: int
@@ -230,7 +231,10 @@ def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: in
     if not qs:
         return ()
     (q, nq), (k, nk) = _span(qs), _span(ks)
-    return (Piece(q, nq, k, nk, False, 0, None, True),)
+    # the queries' own keys under a band that hides every later key: a key past a query's local index is
+    # hidden too (positions rise with it), so the piece is causal as well, which bounds its backward
+    own = b.hi is not None and b.hi <= 0 and qbuf == kbuf
+    return (Piece(q, nq, k, nk, own, q - k if own else 0, None, True),)
 
 
 def plain_pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], causal: bool) -> tuple:

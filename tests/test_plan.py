@@ -41,16 +41,15 @@ def covered(qbuf, kbuf, pieces, docs, b) -> torch.Tensor:
     for pc in pieces:
         a = torch.arange(pc.nq).view(-1, 1)
         c = torch.arange(pc.nk).view(1, -1)
+        vis = torch.ones(pc.nq, pc.nk, dtype=torch.bool)
         if pc.rows:
             r = pl.rows(qbuf, kbuf, pc, docs, b)
             assert r.dtype == torch.int32 and r.shape == (2, pc.nq)
             vis = (c >= r[0].view(-1, 1).long()) & (c < r[1].view(-1, 1).long())
-        else:
-            vis = torch.ones(pc.nq, pc.nk, dtype=torch.bool)
-            if pc.causal:
-                vis &= c <= a + pc.diag
-            if pc.lo is not None:
-                vis &= c >= a + pc.lo
+        if pc.causal:  # (by rows as well: the kernels apply both)
+            vis &= c <= a + pc.diag
+        if pc.lo is not None:
+            vis &= c >= a + pc.lo
         cnt[pc.q:pc.q + pc.nq, pc.k:pc.k + pc.nk] += vis.long()
     return cnt
 
@@ -218,6 +217,36 @@ def test_documents_skip_ranks():
             plan = pl.make_plan(r, lens, lens, "contiguous", True, docs)
             assert [k for k in plan.keys[1:]] == per_rank[r], (docs, r, plan.keys)
             assert sum(bool(p) for p in plan.pieces) == 1 + sum(bool(k) for k in per_rank[r])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("window", [None, (40, 0), (40, -1)])
+def test_own_rows_piece_is_causal(layout, window):
+    """Under causal documents (with or without a window) a rank's own step, one piece by rows, is
+    marked causal too (its intervals keep to it, so the cover test above holds it to the rule), which
+    lets its backward bound the dS buffer; other steps' pieces by rows are not."""
+    docs = (0, 30, 31, 200, 333, 600)
+    lens = lay.shard_lengths(600, 3, layout, docs)
+    for r in range(3):
+        plan = pl.make_plan(r, lens, lens, layout, True, docs, window, max_band=0)
+        own, = plan.pieces[0]
+        assert own.rows and own.causal and own.diag == own.q - own.k
+        assert not any(pc.causal for s in range(1, 3) for pc in plan.pieces[s])
+        full = pl.make_plan(r, lens, lens, layout, False, docs, None, max_band=0)
+        assert not any(pc.causal for pcs in full.pieces for pc in pcs)
+
+
+def test_uploaded_rows_note_their_reach():
+    """A piece's row bounds, uploaded, carry how far a row lies past its interval's first key (the
+    longest document's last row: 266 past its start), for the backward's dS bound."""
+    from splitsoftmax.distributed.work import uploaded_rows
+    from splitsoftmax.mask import row_reach
+    docs = (0, 30, 31, 200, 333, 600)
+    lens = lay.shard_lengths(600, 1, "zigzag", docs)
+    plan = pl.make_plan(0, lens, lens, "zigzag", True, docs, None, max_band=0)
+    pc, = plan.pieces[0]
+    host = pl.rows(plan.q, plan.keys[0], pc, docs, plan.band)
+    assert row_reach(uploaded_rows(host, "cpu")) == max(a - int(host[0, a]) for a in range(pc.nq)) == 266
 
 
 def test_seen_mirror():

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .. import plan as pl
-from ..mask import NO_MASK, Mask
+from ..mask import NO_MASK, Mask, note_reach
 from .attn_meta import Keywords
 
 
@@ -52,9 +52,19 @@ class Planned:
         return self.tensor(("kpos", s), device, lambda: pl.positions(keys, 0, nrows(keys), device))
 
     def rows(self, s: int, i: int, device) -> Tensor:
-        """``Mask.rows`` of piece ``i`` of step ``s`` (a piece by rows)."""
+        """``Mask.rows`` of piece ``i`` of step ``s`` (a piece by rows), made on the host and uploaded
+        once, its reach noted (:func:`uploaded_rows`)."""
         p = self.plan
-        return self.tensor(("rows", s, i), device, lambda: pl.rows(p.q, p.keys[s], p.pieces[s][i], p.docs, p.band, device))
+        return self.tensor(("rows", s, i), device,
+                           lambda: uploaded_rows(pl.rows(p.q, p.keys[s], p.pieces[s][i], p.docs, p.band), device))
+
+
+def uploaded_rows(rows: Tensor, device) -> Tensor:
+    """Host ``Mask.rows`` ``(2, n)`` on ``device``, with how far a row lies past its interval's first
+    key noted (:func:`splitsoftmax.mask.note_reach`: the backward bounds its dS buffer by it)."""
+    out = rows.to(device)
+    note_reach(out, int((torch.arange(rows.shape[1]) - rows[0].long()).max()) if rows.shape[1] else 0)
+    return out
 
 
 @lru_cache(maxsize=8)

@@ -18,7 +18,8 @@ causal and window reduce to per-row intervals (``Mask.rows``) for any pair of bu
 - :func:`make_plan`: per rank and ring step, the keys received, the keys sent and the pieces.
 
 Every function here is pure (host integers in, tuples out) except :func:`positions` and
-:func:`rows`, which build the small device tensors of a plan.
+:func:`rows`, which build the small tensors of a plan (:func:`pieces` reads a piece's rows on the
+host).
 """
 from __future__ import annotations
 
@@ -221,8 +222,9 @@ def _span(segs: Sequence[Seg]) -> tuple[int, int]:
 def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: int = MAX_BAND_PIECES) -> tuple:
     """The pieces of query buffer ``qbuf`` against key buffer ``kbuf``: banded pieces of the
     same-document segment parts when at most ``max_band`` are visible (always without documents),
-    else one piece by rows over the span of the rows that see a key and the keys that are seen.
-    Segments that continue one another count as one (:func:`coalesced`)."""
+    else one piece by rows over the span of the rows that see a key and the keys that are seen,
+    marked causal where its intervals keep to the main diagonal. Segments that continue one another
+    count as one (:func:`coalesced`)."""
     qbuf, kbuf = coalesced(qbuf), coalesced(kbuf)
     banded = _banded(qbuf, kbuf, docs, b, None if docs is None else max_band)
     if banded is not None:
@@ -231,10 +233,14 @@ def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: in
     if not qs:
         return ()
     (q, nq), (k, nk) = _span(qs), _span(ks)
-    # the queries' own keys under a band that hides every later key: a key past a query's local index is
-    # hidden too (positions rise with it), so the piece is causal as well, which bounds its backward
-    own = b.hi is not None and b.hi <= 0 and qbuf == kbuf
-    return (Piece(q, nq, k, nk, own, q - k if own else 0, None, True),)
+    piece = Piece(q, nq, k, nk, False, 0, None, True)
+    if b.hi is None:
+        return (piece,)
+    # under a band that hides later keys the intervals may keep to the main diagonal (a rank's own
+    # step always does): marked causal (hiding nothing more), the piece's backward bounds its dS buffer
+    r = rows(qbuf, kbuf, piece, docs, b)
+    some = r[1] > r[0]
+    return (piece._replace(causal=bool((r[1] - 1 - torch.arange(nq))[some].max() <= 0)),)
 
 
 def plain_pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], causal: bool) -> tuple:

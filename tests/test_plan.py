@@ -221,17 +221,22 @@ def test_documents_skip_ranks():
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("window", [None, (40, 0), (40, -1)])
-def test_own_rows_piece_is_causal(layout, window):
-    """Under causal documents (with or without a window) a rank's own step, one piece by rows, is
-    marked causal too (its intervals keep to it, so the cover test above holds it to the rule), which
-    lets its backward bound the dS buffer; other steps' pieces by rows are not."""
+def test_rows_pieces_keep_to_a_diagonal(layout, window):
+    """Under causal documents (with or without a window) a piece by rows whose intervals keep to the
+    main diagonal (``c <= a``; a rank's own step always) is marked causal (the cover test above
+    holds it to the rule), which lets its backward bound the dS buffer; others and, without a band
+    that hides later keys, all are not."""
     docs = (0, 30, 31, 200, 333, 600)
     lens = lay.shard_lengths(600, 3, layout, docs)
     for r in range(3):
         plan = pl.make_plan(r, lens, lens, layout, True, docs, window, max_band=0)
+        for s, pcs in enumerate(plan.pieces):
+            for pc in pcs:
+                rows = pl.rows(plan.q, plan.keys[s], pc, docs, plan.band)
+                last = max(int(rows[1, a]) - 1 - a for a in range(pc.nq) if rows[1, a] > rows[0, a])
+                assert pc.rows and pc.causal == (last <= 0) and pc.diag == 0, (r, s, pc)
         own, = plan.pieces[0]
-        assert own.rows and own.causal and own.diag == own.q - own.k
-        assert not any(pc.causal for s in range(1, 3) for pc in plan.pieces[s])
+        assert own.causal
         full = pl.make_plan(r, lens, lens, layout, False, docs, None, max_band=0)
         assert not any(pc.causal for pcs in full.pieces for pc in pcs)
 

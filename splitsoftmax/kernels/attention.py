@@ -648,20 +648,26 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
         if run is None:
             km = _kernel_mask(mask, q, scale, lse)
             tile = _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
-            run = _FWD_LAUNCHES.put(geo, _gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile, km, acc)
-                                    if tile else _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim,
-                                                             km))
+            run = _FWD_LAUNCHES.put(geo, _launch_of(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km,
+                                                    tile))
     else:
         km = _kernel_mask(mask, q, scale, lse)
         kvr, qoff, rows = km.kvr, km.qoff, km.rows
         tile = configs.ATTN_FWD_GLUON_VARIANTS and _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
-        run = (_gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile, km, acc) if tile else
-               _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km))
+        run = _launch_of(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km, tile)
     if isinstance(run, _GluonFwdLaunch):
         _run_gluon_fwd(run, q, k, v, out, lse, (kvr, qoff, rows))
         return
     _FWD(run.grid, run.key, (*_operands((q, k, v, out), run.specs), lse, *run.scalars, kvr, qoff, rows, *run.tail),
          run.kwargs)
+
+
+def _launch_of(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, diag: int,
+               p: Plan, acc: bool, split_dim: bool, km: KernelMask, tile: Optional[tuple]):
+    """The forward's launch: the Gluon kernel's with its tile ``tile``, else (None) the Triton kernel's."""
+    if tile:
+        return _gluon_fwd_launch(q, k, out, lse, scale, causal, diag, tile, km, acc)
+    return _fwd_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km)
 
 
 def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,

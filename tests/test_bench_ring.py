@@ -32,7 +32,7 @@ def bench(tmp_path_factory):
 
 def test_gate_passed_on_every_schedule(bench):
     data, _, _ = bench
-    assert data["meta"]["world"] == 2 and data["meta"]["backend"] == "gloo"
+    assert data["meta"]["world"] == 2 and data["meta"]["backend"] == "gloo" and data["complete"] is True
     ops = {(g["op"], g["schedule"]) for g in data["gate"]}
     assert {s for _, s in ops} == {"ring", "allgather", "tree"}
     assert len(data["gate"]) == 10  # ring, allgather x causal, non-causal x fwd, bwd; tree fwd, bwd
@@ -145,3 +145,42 @@ def test_variant_peer_mask_is_the_rule(name, s, docs, window):
     want = ref.variant_visible(1, s, s, causal=True, **v.kw)[0]
     assert torch.equal(v.mask_mod(0, 0, i, j), want)
     assert v.pairs == int(want.sum())
+
+
+class _OneRank:
+    """A world of one rank for :func:`splitsoftmax.bench.ring.run` in this process (no collectives)."""
+    rank, size, kind, cuda = 0, 1, "test", False
+    device = __import__("torch").device("cpu")
+
+    def say(self, msg):
+        print(msg)
+
+    def barrier(self):
+        pass
+
+
+def test_a_stopped_run_keeps_the_shapes_it_measured(tmp_path, monkeypatch, capsys):
+    """The JSON is written after every shape, ``complete`` false until the end: a run stopped in its
+    second shape leaves the first shape's rows on disk, and printed."""
+    from splitsoftmax.bench import ring
+    opts = ring.defaults(ring.parser().parse_args(["--out", str(tmp_path), "--seqs", "64", "--kv-heads", "4",
+                                                   "--causal", "--fwd-only", "--variants", "window"]), False)
+    shapes = []
+
+    def bench_shape(w, s, hkv, causal, backward, opts, variant=None):
+        shapes.append(variant.name if variant else "plain")
+        if len(shapes) == 2:
+            raise KeyboardInterrupt("stopped at the deadline")
+        return [{"S": s, "Hkv": hkv, "variant": "plain", "causal": causal, "mode": "fwd", "method": "ss-ring",
+                 "ms": 1.5, "tflops_per_gpu": 2.0, "P": 1}]
+    monkeypatch.setattr(ring, "gate", lambda w, opts: [])
+    monkeypatch.setattr(ring, "meta", lambda w, opts, argv: {"world": 1})
+    monkeypatch.setattr(ring, "bench_shape", bench_shape)
+    with pytest.raises(KeyboardInterrupt):
+        ring.run(_OneRank(), opts, [])
+    assert shapes == ["plain", "window"]
+    with open(tmp_path / "ring_p1.json") as f:
+        data = json.load(f)
+    assert data["complete"] is False and [r["method"] for r in data["results"]] == ["ss-ring"]
+    assert data["results"][0]["ms"] == 1.5
+    assert "ss-ring" in capsys.readouterr().out

@@ -29,8 +29,10 @@ different reps); the median per rank, the slowest rank reported. Peak memory per
 ``torch.cuda.max_memory_allocated`` (reset before each method, inputs are this rank's shards).
 TFLOP/s per GPU: forward ``4*B*H*D`` per visible (query, key) pair (``S*S``, about half of it
 causal) ``/ P``, forward+backward 3.5x.
-Rank 0 writes ``ring_p<P>.json`` and PNG plots to ``--out`` and prints a table. Without GPUs it
-runs the same harness at toy sizes on Gloo with the torch peers skipped, with the reason.
+Rank 0 writes ``ring_p<P>.json`` and PNG plots to ``--out`` and prints a table; the JSON is also
+written after every shape, its ``complete`` false until the end, and each shape's rows are printed
+as measured, so a run stopped at ``--deadline`` keeps what it measured. Without GPUs it runs the
+same harness at toy sizes on Gloo with the torch peers skipped, with the reason.
 """
 from __future__ import annotations
 
@@ -488,13 +490,22 @@ def meta(w: World, opts, argv: Sequence[str]) -> dict:
 
 
 def run(w: World, opts, argv: Sequence[str]) -> int:
-    """Gate, every shape, decode; rank 0 writes JSON and plots and prints the table."""
+    """Gate, every shape, decode; rank 0 writes JSON and plots and prints the table. The JSON is
+    written again after every shape (``"complete": false`` until the end) and each shape's rows are
+    printed as measured, so a run stopped at its deadline keeps what it measured."""
     w.say(f"bench ring: {w.size} ranks on {w.device.type} ({w.kind}); correctness gate first")
     checks = gate(w, opts)
-    result = {"meta": meta(w, opts, argv), "gate": [vars(r) | {"ok": r.ok} for r in checks], "results": []}
+    result = {"meta": meta(w, opts, argv), "gate": [vars(r) | {"ok": r.ok} for r in checks], "results": [],
+              "complete": False}
     if w.rank == 0:
         print(HEADER)
         print("\n".join(r.render() for r in checks), flush=True)
+
+    def measured(rows: list) -> None:
+        result["results"] += rows
+        if w.rank == 0:
+            print("\n".join(row_lines(rows)), flush=True)
+            write(opts.out, w.size, result)
     if all(r.ok for r in checks):
         for s in opts.seqs:
             for hkv in opts.kv_heads:
@@ -502,19 +513,17 @@ def run(w: World, opts, argv: Sequence[str]) -> int:
                     for backward in opts.modes:
                         w.say(f"S={s} Hkv={hkv} {'causal' if causal else 'non-causal'} "
                               f"{'fwd+bwd' if backward else 'fwd'}")
-                        result["results"] += bench_shape(w, s, hkv, causal, backward, opts)
+                        measured(bench_shape(w, s, hkv, causal, backward, opts))
                 for name in opts.variants:
                     for backward in opts.modes:
                         w.say(f"S={s} Hkv={hkv} causal, {name} {'fwd+bwd' if backward else 'fwd'}")
-                        result["results"] += bench_shape(w, s, hkv, True, backward, opts, Variant(name, s, opts))
+                        measured(bench_shape(w, s, hkv, True, backward, opts, Variant(name, s, opts)))
         result["derived"] = derived(result["results"], w.size)
         if opts.decode_keys:
             result["decode"] = decode(w, opts)
+    result["complete"] = True
     if w.rank == 0:
-        os.makedirs(opts.out, exist_ok=True)
-        path = os.path.join(opts.out, f"ring_p{w.size}.json")
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+        path = write(opts.out, w.size, result)
         result["plots"] = plots(opts.out)
         print(render(result))
         print(f"wrote {path} and {', '.join(result['plots']) or 'no plots (matplotlib missing)'}")
@@ -522,17 +531,32 @@ def run(w: World, opts, argv: Sequence[str]) -> int:
     return 0 if all(r.ok for r in checks) else 1
 
 
-def render(result: dict) -> str:
-    """The short table: one line per method and shape, then the derived ratios and the decode."""
-    lines = [f"{'S':>7} {'Hkv':>4} {'variant':>9} {'causal':>6} {'mode':>7} {'method':<28} {'ms':>9} "
-             f"{'TFLOP/s/GPU':>11} {'peak GiB':>8}  note"]
-    for r in result["results"]:
+def write(out_dir: str, world: int, result: dict) -> str:
+    """Write ``result`` to ``out_dir/ring_p<world>.json`` (replacing it); its path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"ring_p{world}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    return path
+
+
+def row_lines(rows: list) -> list:
+    """One table line per row of ``rows`` (:func:`render`'s)."""
+    lines = []
+    for r in rows:
         note = r.get("skipped") or r.get("error") or ""
         ms = f"{r['ms']:9.3f}" if "ms" in r else f"{'-':>9}"
         tf = f"{r['tflops_per_gpu']:11.1f}" if "ms" in r else f"{'-':>11}"
         peak = f"{r['peak_gib']:8.2f}" if "peak_gib" in r else f"{'-':>8}"
         lines.append(f"{r['S']:>7} {r['Hkv']:>4} {r['variant']:>9} {str(r['causal']):>6} {r['mode']:>7} "
                      f"{r['method']:<28} {ms} {tf} {peak}  {note[:60]}")
+    return lines
+
+
+def render(result: dict) -> str:
+    """The short table: one line per method and shape, then the derived ratios and the decode."""
+    lines = [f"{'S':>7} {'Hkv':>4} {'variant':>9} {'causal':>6} {'mode':>7} {'method':<28} {'ms':>9} "
+             f"{'TFLOP/s/GPU':>11} {'peak GiB':>8}  note", *row_lines(result["results"])]
     for d in result.get("derived", []):
         vals = ", ".join(f"{k} {v:.3f}" for k, v in d.items() if isinstance(v, float))
         lines.append(f"S={d['S']} Hkv={d['Hkv']} {d['variant']} {'causal' if d['causal'] else 'non-causal'} "

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.distributed
 
@@ -136,8 +137,6 @@ def test_variant_peer_mask_is_the_rule(name, s, docs, window):
     splitsoftmax's keywords (``reference.variant_visible``), remainders and empty documents included."""
     import argparse
 
-    import torch
-
     from splitsoftmax import reference as ref
     from splitsoftmax.bench.ring import Variant
     v = Variant(name, s, argparse.Namespace(docs=docs, window=window))
@@ -149,8 +148,7 @@ def test_variant_peer_mask_is_the_rule(name, s, docs, window):
 
 class _OneRank:
     """A world of one rank for :func:`splitsoftmax.bench.ring.run` in this process (no collectives)."""
-    rank, size, kind, cuda = 0, 1, "test", False
-    device = __import__("torch").device("cpu")
+    rank, size, kind, cuda, device = 0, 1, "test", False, torch.device("cpu")
 
     def say(self, msg):
         print(msg)

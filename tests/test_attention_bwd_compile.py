@@ -188,6 +188,39 @@ def test_backward_pieces_keep_the_ds_buffer_within_its_bound(cap_units, pieces, 
         assert covered == [(i, j) for i in range(2) for j in range(4)]
 
 
+def test_backward_parts_of_a_kv_heads_query_heads(monkeypatch):
+    """Where one (batch element, kv head)'s dS buffer passes the bound but one query head's fits, the
+    pieces are parts of each kv head's query heads, in order, each within the bound, every query head
+    once; their launches take float32 dK/dV buffers (the parts' sum, rounded once). B=2, 8/2 heads
+    (4 query heads a kv head), 300 rows: one query head is 320 x 320 x 2 bytes."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    head = 320 * 320 * 2
+    monkeypatch.setattr(configs, "ATTN_BWD_DS_MAX_BYTES", 3 * head)
+    monkeypatch.setattr(configs, "ATTN_BWD_DS_MIN_WAVES", 1)
+    monkeypatch.setattr(ABP, "sm_count", lambda t: 5)
+    monkeypatch.setattr(ABP, "hopper", lambda t: True)
+    monkeypatch.setattr(ABP, "sm90", lambda t: True)
+    monkeypatch.setattr(configs, "ATTN_BWD_TMA", True)
+    monkeypatch.setattr(ABP, "_LAUNCHES", launch.Memo())
+    q, dout = (torch.randn(2, 8, 300, 128).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 300, 128).to(torch.bfloat16) for _ in range(2))
+    lse, delta = torch.randn(2, 8, 300), torch.randn(2, 8, 300)
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+    plan = ABP._plan(q, k, v, dout, lse, delta, *grads, 0.1, True, 0, Mask())
+    assert [p for p, _ in plan] == [(i, i + 1, j, j + 1, a, min(a + 3, 4)) for i in range(2) for j in range(2)
+                                    for a in (0, 3)]
+    for piece, run in plan:
+        assert run.ds and run.ds[0] * run.ds[1] * 2 <= configs.ATTN_BWD_DS_MAX_BYTES
+        i, _, j, _, a, e = piece
+        views = ABP._piece((q, k, v, dout, lse, delta, *grads), piece)
+        assert views[0].data_ptr() == q[i, 4 * j + a].data_ptr() and views[0].shape[:2] == (1, e - a)
+        assert views[7].data_ptr() == grads[1][i, j].data_ptr() and views[7].shape[:2] == (1, 1)
+        # the dK/dV launch writes float32 buffers of the part (dense), not the bfloat16 gradients
+        assert run.kv[1][0] == ABP._launches(*views[:7], *ABP._part_grads(views[7:]), 0.1, True, 0, Mask(),
+                                              piece).kv[1][0]
+        assert run.kv[1][0] != ABP._launches(*views, 0.1, True, 0, Mask(), piece).kv[1][0]
+
+
 @pytest.mark.parametrize("causal,cu,window,sq,sk,fewer", [
     (True, None, None, 1000, 1000, False), (False, None, None, 700, 900, False),
     (True, None, (300, 0), 2000, 2000, True), (True, None, (64, 0), 1000, 1300, True),

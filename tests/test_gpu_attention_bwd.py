@@ -271,7 +271,8 @@ PIECE_MASKS = [("plain", lambda s: NO_MASK), ("window+kv_range+offset", lambda s
 def test_ds_pieces_equal_the_whole(name, make, monkeypatch):
     """With the dS buffer's bound below the whole backward's, the pair runs in pieces (batch elements,
     or kv heads of one) whose gradients equal the one-piece run's bit for bit, each batch element
-    with its own key range and offset."""
+    with its own key range and offset; in parts of a kv head's query heads, dQ bit for bit and dK, dV
+    (the parts' float32 sum) within float32 rounding of it."""
     from splitsoftmax.kernels import attention_bwd_plain as ABP
     from splitsoftmax.kernels.decode import sm90
     q, k, v, dout = inputs(2, 8, 4, 1000, 128, BF16, True)
@@ -284,15 +285,19 @@ def test_ds_pieces_equal_the_whole(name, make, monkeypatch):
     # the window)
     unit = 2 * 1024 * ABP._ds_cols(1000, configs.ATTN_TILES[("bwd_kv_ws", 2, 128)], 128, mask, True, 0) * 2
     grads = {}
-    for cap, pieces in ((8 * unit, 1), (4 * unit, 2), (3 * unit, 4)):
+    for cap, pieces in ((8 * unit, 1), (4 * unit, 2), (3 * unit, 4), (unit // 2, 16)):
         monkeypatch.setattr(configs, "ATTN_BWD_DS_MAX_BYTES", cap)
         plan = ABP._plan(q, k, v, dout, lse, delta, *(torch.empty_like(t) for t in (q, k, v)), scale, True, 0,
                          mask)
         assert len(plan) == pieces and all(run.ds for _, run in plan)
         grads[cap] = ABP.attn_bwd(q, k, v, dout, lse, delta, scale, True, out_dtype=torch.float32, mask=mask)
-    for cap in (4 * unit, 3 * unit):
+    for cap in (4 * unit, 3 * unit, unit // 2):
         for gname, a, f in zip("qkv", grads[cap], grads[8 * unit]):
-            assert not a.isnan().any() and torch.equal(a, f), (cap // unit, gname)
+            assert not a.isnan().any(), (cap, gname)
+            if cap > unit or gname == "q":
+                assert torch.equal(a, f), (cap / unit, gname)
+            else:
+                assert (a - f).abs().max() <= 1e-5 * f.abs().max(), (gname, (a - f).abs().max().item())
 
 
 def test_public_autograd_bshd_views():

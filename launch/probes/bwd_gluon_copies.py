@@ -108,23 +108,25 @@ def _profile(group, name, step, flops):
 
 
 def prof():
-    """Device time per kernel of one forward+backward, each kernel choice and SDPA cuDNN, at 1k and
-    2k causal (B * S = 32k tokens, H=16) and the documents row (cuDNN: not run)."""
+    """Device time per kernel of one forward+backward, each kernel choice and SDPA cuDNN, at causal
+    rows of B * S = 32k tokens, H=16 (the environment's ``PROF_SEQS``, comma-separated; 1k and 2k)
+    and the variant rows of ``PROF_VARIANTS`` (documents, window; cuDNN: not run)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import splitsoftmax as ss
-    cases = [(f"{s // 1024}k causal", 32768 // s, s, {}) for s in (1024, 2048)]
-    cases.append(("documents", 1, V.S, {"cu_seqlens": list(range(0, V.S + 1, V.S // V.DOCS))}))
-    for label, b, s, kw in cases:
+    seqs = (int(s) for s in os.environ.get("PROF_SEQS", "1024,2048").split(",") if s)
+    cases = [(f"{s // 1024}k causal", 32768 // s, s, None) for s in seqs]
+    cases += [(name, 1, V.S, name) for name in os.environ.get("PROF_VARIANTS", "documents").split(",") if name]
+    for label, b, s, variant in cases:
         leaves = [torch.randn(b, 16, s, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3)]
         dout = torch.randn_like(leaves[0])
-        flops = 3.5 * 4.0 * 16 * D * (V.visible_pairs("documents") if kw else b * s * (s + 1) / 2)
+        flops = 3.5 * 4.0 * 16 * D * (V.visible_pairs(variant) if variant else b * s * (s + 1) / 2)
         for which in _kernels():
             with kernel(which):
-                _profile("prof", f"{label} {which}", lambda: _step(lambda *x: ss.attention(*x, causal=True, **kw),
-                                                                    leaves, dout), flops)
-        if not kw:
+                fn = V.ss_fn(variant, None)[0] if variant else (lambda *x: ss.attention(*x, causal=True))
+                _profile("prof", f"{label} {which}", lambda: _step(fn, leaves, dout), flops)
+        if not variant:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 _profile("prof", f"{label} cudnn", lambda: _step(lambda *x: F.scaled_dot_product_attention(
                     *x, is_causal=True), leaves, dout), flops)
@@ -158,10 +160,13 @@ def fb():
 
 
 def pieces():
-    """Forward+backward at the plain causal rows whose ``dS^T`` buffer passes the bound (``bench
-    attention``'s 8k-32k, H=16, and 1 x 32k GQA 16/4 views): run with ``CHOICES=tree,ds-one-piece``
-    to time the pieces against one buffer."""
-    _causal_rows("pcs", _mha_rows((8192, 16384, 32768)) + [("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768)])
+    """Forward+backward at the rows whose ``dS^T`` buffer may pass the bound (``bench attention``'s
+    causal 4k-32k, H=16, 1 x 32k GQA 16/4 views and the window row): run with
+    ``CHOICES=tree,ds-one-piece`` to time the pieces against one buffer."""
+    _causal_rows("pcs", _mha_rows((4096, 8192, 16384, 32768)) + [("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768)])
+    q, k, v = (torch.randn(1, V.H, V.S, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
+    _time("pcs", "window", V.ss_fn("window", None)[0], [q, k, v], torch.randn_like(q),
+          3.5 * 4.0 * V.H * D * V.visible_pairs("window"))
 
 
 def fb_variants():

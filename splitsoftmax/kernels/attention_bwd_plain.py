@@ -489,28 +489,64 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
         plan = _LAUNCHES.put(geo, _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask))
     ops = (q, k, v, dout, lse, delta, dq, dk, dv)
     mts = _mask_tensors(mask, q, k, lse) if mts else None
-    for piece, run in plan:
-        if piece:
-            _run(run, *_piece(ops, piece), mts and _mask_piece(mts, mask, piece))
-        else:
-            _run(run, *ops, mts)
+    _run_pieces(plan, ops, mask, mts)
     return dq, dk, dv
+
+
+def _run_pieces(plan: tuple, ops: tuple, mask: Mask, mts: Optional[tuple]) -> None:
+    """Make the launches of each piece of ``plan`` on its views of ``ops`` (all of them for a piece
+    None); a part of one kv head's query heads (:func:`_is_part`) writes its dK, dV into float32
+    buffers, summed over the kv head's parts in order into its gradients after its last part."""
+    acc = None
+    for piece, run in plan:
+        views = _piece(ops, piece)
+        pm = _mask_piece(mts, mask, piece)
+        if not _is_part(piece):
+            _run(run, *views, pm)
+            continue
+        part = _part_grads(views[7:])
+        _run(run, *views[:7], *part, pm)
+        acc = part if acc is None else [a.add_(p) for a, p in zip(acc, part)]
+        if piece[5] == ops[0].shape[1] // ops[1].shape[1]:  # the kv head's last part
+            for view, a in zip(views[7:], acc):
+                view.copy_(a)
+            acc = None
 
 
 def _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int, mask: Mask) -> tuple:
     """``((piece, launches), ..)`` of :func:`attn_bwd`: the launches (:func:`_launches`) on the whole
-    operands (``piece`` None), or on each piece of :func:`_ds_pieces`."""
+    operands (``piece`` None), or on each piece of :func:`_ds_pieces` (a part's dK, dV: float32
+    buffers, :func:`_part_grads`)."""
     ops = (q, k, v, dout, lse, delta, dq, dk, dv)
     pieces = _ds_pieces(q, k, v, dout, (dq, dk, dv), mask, causal, diag) or (None,)
-    return tuple((p, _launches(*(_piece(ops, p) if p else ops), scale, causal, diag, mask, p)) for p in pieces)
+    plan = []
+    for p in pieces:
+        views = _piece(ops, p)
+        if _is_part(p):
+            views = (*views[:7], *_part_grads(views[7:]))
+        plan.append((p, _launches(*views, scale, causal, diag, mask, p)))
+    return tuple(plan)
+
+
+def _is_part(piece: Optional[tuple]) -> bool:
+    """Whether ``piece`` (of :func:`_ds_pieces`) holds a part of one kv head's query heads."""
+    return piece is not None and len(piece) == 6
+
+
+def _part_grads(like: tuple) -> list:
+    """float32 buffers for a part's ``(dk, dv)`` (``like``: the kv head's views): the sum over its
+    parts is taken in float32 and rounded once."""
+    return [torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in like]
 
 
 def _ds_pieces(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, grads: tuple, mask: Mask, causal: bool,
                diag: int) -> tuple:
     """``(b0, b1, kvh0, kvh1)`` pieces (batch elements, kv heads) taken one after another where the
     whole ``dS^T`` buffer (:func:`_ds_shape`) passes ``configs.ATTN_BWD_DS_MAX_BYTES`` and each
-    piece's is within it: whole batch elements while they fit, else kv heads of one; each piece's
-    dK/dV grid at least ``configs.ATTN_BWD_DS_MIN_WAVES`` waves. Empty: one launch pair on the whole."""
+    piece's is within it: whole batch elements while they fit, else kv heads of one, else
+    ``(b, b + 1, kvh, kvh + 1, g0, g1)``: query heads ``[g0, g1)`` of one kv head's (a part, whose dK
+    and dV the kv head's other parts add to); each piece's dK/dV grid at least
+    ``configs.ATTN_BWD_DS_MIN_WAVES`` waves. Empty: one launch pair on the whole."""
     gkv = (_gluon_tile("bwd_kv_ws", q, v) if configs.ATTN_BWD_DS and all(g.numel() for g in grads)
            and _use_tma(q, k, v, dout) else None)
     if not gkv:
@@ -518,7 +554,13 @@ def _ds_pieces(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, grads: tuple, mask
     b, h, sq = q.shape[:3]
     hkv, nkb = k.shape[1], configs.cdiv(k.shape[2], gkv[1])
     unit = h // hkv * nkb * gkv[1] * _ds_cols(sq, gkv, q.shape[-1], mask, causal, diag) * q.element_size()  # (b, kvh)
-    per = configs.ATTN_BWD_DS_MAX_BYTES // unit
+    per, g = configs.ATTN_BWD_DS_MAX_BYTES // unit, h // hkv
+    if per == 0:  # one (batch element, kv head) does not fit: parts of its query heads, if one fits
+        per_g = configs.ATTN_BWD_DS_MAX_BYTES // (unit // g)
+        if per_g == 0 or nkb < configs.ATTN_BWD_DS_MIN_WAVES * sm_count(q):
+            return ()
+        return tuple((i, i + 1, j, j + 1, a, min(a + per_g, g)) for i in range(b) for j in range(hkv)
+                     for a in range(0, g, per_g))
     if per >= b * hkv or nkb * min(per, hkv) < configs.ATTN_BWD_DS_MIN_WAVES * sm_count(q):
         return ()
     if per >= hkv:
@@ -527,19 +569,26 @@ def _ds_pieces(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, grads: tuple, mask
     return tuple((i, i + 1, j, min(j + per, hkv)) for i in range(b) for j in range(0, hkv, per))
 
 
-def _piece(ops: tuple, piece: tuple) -> tuple:
+def _piece(ops: tuple, piece: Optional[tuple]) -> tuple:
     """``(q, k, v, dout, lse, delta, dq, dk, dv)`` of batch elements ``[b0, b1)`` and kv heads
-    ``[kvh0, kvh1)`` (with their query heads): views."""
-    b0, b1, h0, h1 = piece
+    ``[kvh0, kvh1)`` (with their query heads, or those ``[g0, g1)`` of each of a part): views; all
+    of ``ops`` where ``piece`` is None."""
+    if piece is None:
+        return ops
+    b0, b1, h0, h1 = piece[:4]
     g = ops[0].shape[1] // ops[1].shape[1]
+    g0, g1 = piece[4:] if _is_part(piece) else (0, g)
     kv = (slice(b0, b1), slice(h0, h1))
-    qh = (slice(b0, b1), slice(h0 * g, h1 * g))
+    qh = (slice(b0, b1), slice(h0 * g + g0, (h1 - 1) * g + g1))
     return tuple(t[kv] if i in (1, 2, 7, 8) else t[qh] for i, t in enumerate(ops))
 
 
-def _mask_piece(mts: tuple, mask: Mask, piece: tuple) -> tuple:
+def _mask_piece(mts: Optional[tuple], mask: Mask, piece: Optional[tuple]) -> Optional[tuple]:
     """The mask's tensors of :func:`_mask_tensors` for batch elements ``[b0, b1)`` of ``piece``: the
-    key ranges and offsets sliced (views), the document rows shared by every batch element."""
+    key ranges and offsets sliced (views), the document rows shared by every batch element; ``mts``
+    itself where it or ``piece`` is None."""
+    if mts is None or piece is None:
+        return mts
     kvr, off, rows, rb = mts
     b0, b1 = piece[:2]
     return (kvr[b0:b1] if mask.kv_range is not None else kvr, off[b0:b1] if mask.q_offset is not None else off,

@@ -109,8 +109,9 @@ ATTN_BWD_KV_WS_MAXNREG = 128
 # warpgroup) and the dQ kernel reads it: one product per tile pair in place of three (S, dP, dQ),
 # for a buffer of B * H * Sk * Sq * 2 bytes held during the backward (each key block's visited query
 # rows: fewer than Sq under a causal window or causal documents whose length the host knows), up to this
-# many bytes: past it the backward runs in pieces of batch elements or kv heads whose buffers fit,
-# each piece's dK/dV grid at least this many waves; where none fits, the dQ kernel recomputes dS.
+# many bytes: past it the backward runs in pieces of batch elements, kv heads or a kv head's query
+# heads whose buffers fit, each piece's dK/dV grid at least this many waves; where none fits, the dQ
+# kernel recomputes dS.
 ATTN_BWD_DS = True
 ATTN_BWD_DS_MAX_BYTES = 2 << 30
 ATTN_BWD_DS_MIN_WAVES = 3

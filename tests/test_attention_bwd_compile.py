@@ -149,6 +149,25 @@ def test_deterministic_algorithms_keep_the_gluon_pair(monkeypatch):
         "_attn_bwd_kv_ws", "_attn_bwd_q_ds_kernel"]
 
 
+def _pieces_plan(monkeypatch, cap: int, hkv: int) -> tuple:
+    """``(plan, ops)`` of the backward at B=2, 8 query heads over ``hkv``, 300 causal rows (bf16, D=128)
+    on a Hopper of 5 SMs (each piece's 5 key blocks per kv head fill a wave), the dS buffer's bound
+    ``cap`` bytes; ``ops``: ``(q, k, v, dout, lse, delta, dq, dk, dv)``."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    monkeypatch.setattr(configs, "ATTN_BWD_DS_MAX_BYTES", cap)
+    monkeypatch.setattr(configs, "ATTN_BWD_DS_MIN_WAVES", 1)
+    monkeypatch.setattr(ABP, "sm_count", lambda t: 5)
+    monkeypatch.setattr(ABP, "hopper", lambda t: True)
+    monkeypatch.setattr(ABP, "sm90", lambda t: True)
+    monkeypatch.setattr(configs, "ATTN_BWD_TMA", True)
+    monkeypatch.setattr(ABP, "_LAUNCHES", launch.Memo())
+    q, dout = (torch.randn(2, 8, 300, 128).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, hkv, 300, 128).to(torch.bfloat16) for _ in range(2))
+    lse, delta = torch.randn(2, 8, 300), torch.randn(2, 8, 300)
+    ops = (q, k, v, dout, lse, delta, *(torch.empty_like(t) for t in (q, k, v)))
+    return ABP._plan(*ops, 0.1, True, 0, Mask()), ops
+
+
 @pytest.mark.parametrize("cap_units,pieces", [
     (16, None), (8, None), (7, [(0, 1, 0, 4), (1, 2, 0, 4)]), (4, [(0, 1, 0, 4), (1, 2, 0, 4)]),
     (2, [(0, 1, 0, 2), (0, 1, 2, 4), (1, 2, 0, 2), (1, 2, 2, 4)]), (3, [(0, 1, 0, 3), (0, 1, 3, 4), (1, 2, 0, 3),
@@ -156,22 +175,11 @@ def test_deterministic_algorithms_keep_the_gluon_pair(monkeypatch):
 def test_backward_pieces_keep_the_ds_buffer_within_its_bound(cap_units, pieces, monkeypatch):
     """Where the dS buffer of the whole backward passes ``ATTN_BWD_DS_MAX_BYTES`` the pair runs in
     pieces (whole batch elements while they fit, else kv heads of one) that cover every (batch, kv
-    head) once, each piece's buffer within the bound; where one (batch, kv head) does not fit, the dQ
+    head) once, each piece's buffer within the bound; where not even one query head fits, the dQ
     kernel recomputes dS. B=2, 8/4 heads, 300 rows: one (batch, kv head) is 2 x 320 x 320 x 2 bytes."""
     from splitsoftmax.kernels import attention_bwd_plain as ABP
-    unit = 2 * 320 * 320 * 2
-    monkeypatch.setattr(configs, "ATTN_BWD_DS_MAX_BYTES", cap_units * unit)
-    monkeypatch.setattr(configs, "ATTN_BWD_DS_MIN_WAVES", 1)
-    monkeypatch.setattr(ABP, "sm_count", lambda t: 5)  # (each piece's 5 key blocks per kv head fill a wave)
-    monkeypatch.setattr(ABP, "hopper", lambda t: True)
-    monkeypatch.setattr(ABP, "sm90", lambda t: True)
-    monkeypatch.setattr(configs, "ATTN_BWD_TMA", True)
-    monkeypatch.setattr(ABP, "_LAUNCHES", launch.Memo())
-    q, dout = (torch.randn(2, 8, 300, 128).to(torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(2, 4, 300, 128).to(torch.bfloat16) for _ in range(2))
-    lse, delta = torch.randn(2, 8, 300), torch.randn(2, 8, 300)
-    grads = [torch.empty_like(t) for t in (q, k, v)]
-    plan = ABP._plan(q, k, v, dout, lse, delta, *grads, 0.1, True, 0, Mask())
+    plan, ops = _pieces_plan(monkeypatch, cap_units * 2 * 320 * 320 * 2, 4)
+    q, grads = ops[0], ops[6:]
     got = [p for p, _ in plan]
     assert got == (pieces if isinstance(pieces, list) else [None])
     for piece, run in plan:
@@ -179,7 +187,7 @@ def test_backward_pieces_keep_the_ds_buffer_within_its_bound(cap_units, pieces, 
         if run.ds:
             assert run.ds[0] * run.ds[1] * 2 <= configs.ATTN_BWD_DS_MAX_BYTES
         if piece:
-            views = ABP._piece((q, k, v, dout, lse, delta, *grads), piece)
+            views = ABP._piece(ops, piece)
             b0, b1, h0, h1 = piece
             assert views[0].data_ptr() == q[b0, 2 * h0].data_ptr() and views[0].shape[:2] == (b1 - b0, 2 * (h1 - h0))
             assert views[7].data_ptr() == grads[1][b0, h0].data_ptr() and views[7].shape[:2] == (b1 - b0, h1 - h0)
@@ -194,25 +202,14 @@ def test_backward_parts_of_a_kv_heads_query_heads(monkeypatch):
     once; their launches take float32 dK/dV buffers (the parts' sum, rounded once). B=2, 8/2 heads
     (4 query heads a kv head), 300 rows: one query head is 320 x 320 x 2 bytes."""
     from splitsoftmax.kernels import attention_bwd_plain as ABP
-    head = 320 * 320 * 2
-    monkeypatch.setattr(configs, "ATTN_BWD_DS_MAX_BYTES", 3 * head)
-    monkeypatch.setattr(configs, "ATTN_BWD_DS_MIN_WAVES", 1)
-    monkeypatch.setattr(ABP, "sm_count", lambda t: 5)
-    monkeypatch.setattr(ABP, "hopper", lambda t: True)
-    monkeypatch.setattr(ABP, "sm90", lambda t: True)
-    monkeypatch.setattr(configs, "ATTN_BWD_TMA", True)
-    monkeypatch.setattr(ABP, "_LAUNCHES", launch.Memo())
-    q, dout = (torch.randn(2, 8, 300, 128).to(torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(2, 2, 300, 128).to(torch.bfloat16) for _ in range(2))
-    lse, delta = torch.randn(2, 8, 300), torch.randn(2, 8, 300)
-    grads = [torch.empty_like(t) for t in (q, k, v)]
-    plan = ABP._plan(q, k, v, dout, lse, delta, *grads, 0.1, True, 0, Mask())
+    plan, ops = _pieces_plan(monkeypatch, 3 * 320 * 320 * 2, 2)
+    q, grads = ops[0], ops[6:]
     assert [p for p, _ in plan] == [(i, i + 1, j, j + 1, a, min(a + 3, 4)) for i in range(2) for j in range(2)
                                     for a in (0, 3)]
     for piece, run in plan:
         assert run.ds and run.ds[0] * run.ds[1] * 2 <= configs.ATTN_BWD_DS_MAX_BYTES
         i, _, j, _, a, e = piece
-        views = ABP._piece((q, k, v, dout, lse, delta, *grads), piece)
+        views = ABP._piece(ops, piece)
         assert views[0].data_ptr() == q[i, 4 * j + a].data_ptr() and views[0].shape[:2] == (1, e - a)
         assert views[7].data_ptr() == grads[1][i, j].data_ptr() and views[7].shape[:2] == (1, 1)
         # the dK/dV launch writes float32 buffers of the part (dense), not the bfloat16 gradients

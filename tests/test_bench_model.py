@@ -111,3 +111,19 @@ def test_run_shape_takes_the_errors_then_times_each_under_its_own_attention(mode
     for impl in ("sdpa", "splitsoftmax"):
         assert len(rec[impl]["loss_err_batches"]) == 3 and rec[impl]["ms"] == 1.0
         assert rec[impl]["loss_err_batches"][0] == rec[impl]["loss_err"]
+
+
+def test_run_shape_without_errors_times_alone(model, monkeypatch):
+    """``error_batches = 0`` (lengths whose float32 truth does not fit): no truth is taken, each
+    implementation is timed, and the table shows its time with no errors."""
+    def no_truth(*a):
+        raise AssertionError("no float32 truth with error_batches = 0")
+    monkeypatch.setattr(bm, "truths", no_truth)
+    monkeypatch.setattr(bm, "timed", lambda m, ids, impl, steps: {"ms": 2.0, "peak_gib": 0.5})
+    monkeypatch.setattr(bm, "IMPLS", ("sdpa_cudnn", "splitsoftmax"))
+    rec = bm.run_shape(model, S, B, steps=1, error_batches=0)
+    assert rec["sdpa_cudnn"] == rec["splitsoftmax"] == {"ms": 2.0, "peak_gib": 0.5} and "loss_fp32" not in rec
+    lines = bm.table([rec]).splitlines()
+    assert len(lines) == 3 and lines[2].split("|")[1].split()[:3] == ["splitsoftmax", "2.0", "0.50"]
+    assert lines[2].rstrip().endswith("1.00x")
+

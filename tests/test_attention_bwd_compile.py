@@ -218,6 +218,32 @@ def test_backward_parts_of_a_kv_heads_query_heads(monkeypatch):
         assert run.kv[1][0] != ABP._launches(*views, 0.1, True, 0, Mask(), piece).kv[1][0]
 
 
+def test_parts_sum_their_dk_dv_in_float32_into_the_kv_heads(monkeypatch):
+    """Run in parts (the launches replaced by a record that writes each part's query-head count), a kv
+    head's dK and dV are the float32 sum of its parts' buffers, written once into its bfloat16
+    gradients after its last part; dQ goes straight to each part's query heads."""
+    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    plan, ops = _pieces_plan(monkeypatch, 3 * 320 * 320 * 2, 2)
+    seen = []
+
+    def run(launches, q, k, v, dout, lse, delta, dq, dk, dv, mts):
+        seen.append((dk.dtype, dv.dtype, dk.data_ptr() == ops[7].data_ptr()))
+        dq.fill_(q.shape[1])
+        dk.fill_(0.25 * q.shape[1])  # (3 + 1 parts of query heads: 0.75 + 0.25 in float32)
+        dv.fill_(1 / 3 * q.shape[1])
+    monkeypatch.setattr(ABP, "_run", run)
+    for t in ops[6:]:
+        t.fill_(float("nan"))
+    ABP._run_pieces(plan, ops, Mask(), None)
+    assert seen == [(torch.float32, torch.float32, False)] * 8
+    dq, dk, dv = ops[6:]
+    assert torch.equal(dq[:, [0, 1, 2, 4, 5, 6]].float(), torch.full_like(dq[:, :6].float(), 3))
+    assert torch.equal(dq[:, [3, 7]].float(), torch.ones_like(dq[:, :2].float()))
+    assert torch.equal(dk.float(), torch.ones_like(dk.float()))
+    want = (torch.tensor(1 / 3 * 3, dtype=torch.float32) + torch.tensor(1 / 3, dtype=torch.float32)).to(dv.dtype)
+    assert torch.equal(dv, torch.full_like(dv, want.item()))
+
+
 @pytest.mark.parametrize("causal,cu,window,sq,sk,fewer", [
     (True, None, None, 1000, 1000, False), (False, None, None, 700, 900, False),
     (True, None, (300, 0), 2000, 2000, True), (True, None, (64, 0), 1000, 1300, True),

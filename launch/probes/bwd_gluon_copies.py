@@ -27,9 +27,9 @@ D = 128
 
 
 _COPIES = {"dq": ("_attn_bwd_q_gluon", "bwd_gluon"), "kv": ("_attn_bwd_kv_ws", "bwd_kv_ws")}
-# this tree's kernels with a setting of theirs changed: name -> (configs attribute, value)
-_SETTINGS = {"triton-pair": ("ATTN_BWD_GLUON", False), "ds-recomputed": ("ATTN_BWD_DS", False),
-             "ds-one-piece": ("ATTN_BWD_DS_MAX_BYTES", 40 << 30)}
+# this tree's kernels with settings of theirs changed: name -> ((configs attribute, value), ..)
+_SETTINGS = {"triton-pair": (("ATTN_BWD_GLUON", False), ), "ds-recomputed": (("ATTN_BWD_DS", False), ),
+             "ds-one-piece": (("ATTN_BWD_DS_MAX_BYTES", 40 << 30), ), "ds-4g": (("ATTN_BWD_DS_MAX_BYTES", 4 << 30), )}
 # the choices run, or those listed (comma-separated) in the environment's CHOICES
 CHOICES = tuple(os.environ["CHOICES"].split(",")) if os.environ.get("CHOICES") else None
 
@@ -51,11 +51,12 @@ def _kernels():
 def kernel(name):
     """Within it the kernel that copy ``name`` replaces is the copy's (or the setting is changed)."""
     saved = dict(P._GLUON_MODULES)
-    setting = _SETTINGS.get(name)
-    was = getattr(configs, setting[0]) if setting else None
+    settings = _SETTINGS.get(name, ())
+    was = [(attr, getattr(configs, attr)) for attr, _ in settings]
     tile = configs.ATTN_TILES[_DS_TILE]
-    if setting:
-        setattr(configs, *setting)
+    if settings:
+        for attr, value in settings:
+            setattr(configs, attr, value)
     elif name.startswith("dsq-"):
         configs.ATTN_TILES[_DS_TILE] = tuple(int(x) for x in name[4:].split("x"))
     elif name != "tree":
@@ -68,8 +69,8 @@ def kernel(name):
     finally:
         P._GLUON_MODULES.update(saved)
         configs.ATTN_TILES[_DS_TILE] = tile
-        if setting:
-            setattr(configs, setting[0], was)
+        for attr, value in was:
+            setattr(configs, attr, value)
         P._gluon_launcher.cache_clear()
 
 
@@ -83,7 +84,7 @@ def _step(fn, leaves, dout):
 
 def _time(group, name, fn, leaves, dout, flops):
     """Each kernel's gradients against the tree's (two calls each: the tree's also against
-    themselves), then its time, the kernels in turn twice over."""
+    themselves), then its time, the kernels in turn ``ROUNDS`` times over (the environment's; 2)."""
     grads = {}
     for which in _kernels():
         with kernel(which):
@@ -91,7 +92,7 @@ def _time(group, name, fn, leaves, dout, flops):
             again = _step(fn, leaves, dout)
             print(f"{group} {name} {which}: the same gradients twice: "
                   f"{all(torch.equal(a, b) for a, b in zip(again, grads[which]))}", flush=True)
-    for _ in range(2):
+    for _ in range(int(os.environ.get("ROUNDS", "2"))):
         for which in _kernels():
             with kernel(which):
                 same = [torch.equal(a, b) for a, b in zip(grads[which], grads["tree"])]
@@ -161,12 +162,16 @@ def fb():
 
 def pieces():
     """Forward+backward at the rows whose ``dS^T`` buffer may pass the bound (``bench attention``'s
-    causal 4k-32k, H=16, 1 x 32k GQA 16/4 views and the window row): run with
-    ``CHOICES=tree,ds-one-piece`` to time the pieces against one buffer."""
-    _causal_rows("pcs", _mha_rows((4096, 8192, 16384, 32768)) + [("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768)])
+    causal 4k-32k, H=16, 1 x 32k GQA 16/4 views and the variant rows but softcap's; the environment's
+    ``PIECE_SEQS``, comma-separated, for the causal lengths): run with ``CHOICES=tree,ds-one-piece`` to
+    time the pieces against one buffer."""
+    seqs = tuple(int(s) for s in os.environ.get("PIECE_SEQS", "4096,8192,16384,32768").split(",") if s)
+    _causal_rows("pcs", _mha_rows(seqs) + [("1 x 32k causal GQA 16/4 views", 1, 16, 4, 32768)])
     q, k, v = (torch.randn(1, V.H, V.S, D, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-    _time("pcs", "window", V.ss_fn("window", None)[0], [q, k, v], torch.randn_like(q),
-          3.5 * 4.0 * V.H * D * V.visible_pairs("window"))
+    sinks = torch.randn(V.H, device="cuda") + 2.0
+    for name in ("window", "documents", "sinks"):
+        _time("pcs", name, V.ss_fn(name, sinks)[0], [q, k, v], torch.randn_like(q),
+              3.5 * 4.0 * V.H * D * V.visible_pairs(name))
 
 
 def fb_variants():

@@ -63,3 +63,26 @@ def test_masked_variants_on_the_triton_kernels(kw):
     q = torch.zeros(1, 1, 1, 16)
     assert local.takes_mask(local.op("attn_fwd", q)) and local.takes_mask(local.op("attn_bwd", q))
     _check(kw)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_keyword_mixes_on_the_triton_kernels(seed):
+    """The CPU lane's random mixes of every keyword (``test_variants._random_mix``) in float32 through
+    the Triton kernels: out, lse and every gradient within 2e-4 of the rule written out in float64."""
+    from test_variants import _random_mix, _rule_written_out
+    (b, h, hkv, sq, sk, d, dv), kw = _random_mix(seed)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64)
+               for shape in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, dv)))
+    scale = kw.pop("scale") or d ** -0.5
+    dout = torch.randn(b, h, sq, dv, generator=g, dtype=torch.float64)
+    runs = {torch.float32: lambda q, k, v, **w: ss.attention(q, k, v, scale=scale, return_lse=True, **w),
+            torch.float64: lambda q, k, v, **w: _rule_written_out(q, k, v, scale, **w)}
+    got, want = (_run(fn, q.to(dt), k.to(dt), v.to(dt), dout, kw) for dt, fn in runs.items())
+    seen = want[1] > NEG_INF
+    assert torch.equal(got[1] == NEG_INF, ~seen)
+    for name, a, w in zip(["out", "lse", "dq", "dk", "dv", "dsinks"], got, want):
+        assert not a.isnan().any(), name
+        if name == "lse":
+            a, w = a[seen], w[seen]
+        torch.testing.assert_close(a.double(), w, atol=2e-4, rtol=2e-4, msg=name)

@@ -179,6 +179,92 @@ def test_gradcheck_float64(kw):
     assert torch.autograd.gradcheck(lse, (q, k, v, sinks_var))
 
 
+def _rule_written_out(q, k, v, scale, causal=False, cu_seqlens=None, window_size=None, softcap=None, sinks=None,
+                      kv_range=None, q_offset=0):
+    """``(out, lse)`` of the contract's one rule, every visible pair and the sink written out in
+    float64 (independent of ``reference``): key ``j`` is visible to query ``i`` of element ``b`` iff
+    it lies in ``kv_range[b]``, in ``i``'s document, and inside the causal / window band around key
+    position ``q_offset[b] + i``."""
+    b, h, sq, _ = q.shape
+    sk = k.shape[2]
+    g = h // k.shape[1]
+    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    i, j = torch.arange(sq).view(1, sq, 1), torch.arange(sk).view(1, 1, sk)
+    pos = i + torch.as_tensor(q_offset).reshape(-1, 1, 1)
+    ok = torch.ones(b, sq, sk, dtype=torch.bool)
+    if kv_range is not None:
+        ok = ok & (j >= kv_range[:, :1, None]) & (j < kv_range[:, 1:, None])
+    if cu_seqlens is not None:
+        doc = torch.bucketize(torch.arange(sq), torch.as_tensor(cu_seqlens)[1:], right=True)
+        ok = ok & (doc.view(1, sq, 1) == doc.view(1, 1, sk))
+    if causal:
+        ok = ok & (j <= pos)
+    if window_size is not None and window_size[0] >= 0:
+        ok = ok & (j >= pos - window_size[0])
+    if window_size is not None and window_size[1] >= 0:
+        ok = ok & (j <= pos + window_size[1])
+    s = s.masked_fill(~ok.unsqueeze(1), NEG_INF)
+    vv = v.repeat_interleave(g, 1)
+    if sinks is not None:  # one virtual key of value 0 per head
+        s = torch.cat((s, sinks.view(1, h, 1, 1).expand(b, h, sq, 1)), -1)
+        vv = torch.cat((vv, vv.new_zeros(b, h, 1, vv.shape[-1])), 2)
+    lse = torch.logsumexp(s, -1)
+    p = torch.where(lse[..., None] == NEG_INF, 0.0, torch.exp(s - lse[..., None]))
+    return p @ vv, lse
+
+
+def _random_mix(seed):
+    """``(shapes (B, H, Hkv, Sq, Sk, D, Dv), keywords)``: a random mix of every variant keyword."""
+    r = random.Random(seed)
+    hkv = r.choice([1, 2])
+    b, h, d = r.choice([1, 2, 3]), hkv * r.choice([1, 2, 3]), r.choice([8, 16])
+    sq = r.randint(1, 70)
+    sk = sq if r.random() < 0.6 else r.randint(1, 70)
+    kw = dict(causal=r.random() < 0.6, scale=r.choice([None, 0.3]))
+    if sq == sk and r.random() < 0.5:
+        cu = [0, *sorted(r.randint(0, sq) for _ in range(r.randint(0, 4))), sq]
+        kw["cu_seqlens"] = cu if r.random() < 0.5 else torch.tensor(cu, dtype=r.choice([torch.int32, torch.int64]))
+    if r.random() < 0.4:
+        kw["window_size"] = (r.choice([-1, 0, 1, 5, 17]), r.choice([-1, 0, 3, 9]))
+    if r.random() < 0.3:
+        kw["softcap"] = r.choice([0.5, 5.0, 30.0])
+    if r.random() < 0.3:
+        kw["sinks"] = torch.tensor([r.gauss(0, 2) for _ in range(h)], dtype=torch.float64)
+    if r.random() < 0.3:
+        los = [r.randint(0, sk) for _ in range(b)]
+        kw["kv_range"] = torch.tensor([[lo, r.randint(lo, sk)] for lo in los])
+    if "cu_seqlens" not in kw and r.random() < 0.3:
+        kw["q_offset"] = r.randint(0, 20) if r.random() < 0.5 else torch.tensor([r.randint(0, 20) for _ in range(b)])
+    return (b, h, hkv, sq, sk, d, r.choice([d, 8])), kw
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_keyword_mixes_against_the_rule_written_out(seed):
+    """Random mixes of every keyword (documents of any length, windows, softcap, sinks, key ranges,
+    int and tensor offsets, GQA, odd lengths) on the CPU path in float64: out, lse and every gradient
+    (the sinks' too) equal the rule written out pair by pair, empty rows exactly ``(0, -inf)``."""
+    (b, h, hkv, sq, sk, d, dv), kw = _random_mix(seed)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_(True)
+               for shape in ((b, h, sq, d), (b, hkv, sk, d), (b, hkv, sk, dv)))
+    leaves = [q, k, v] + ([kw["sinks"].requires_grad_(True)] if "sinks" in kw else [])
+    out, lse = ss.attention(q, k, v, return_lse=True, **kw)
+    scale = kw.pop("scale") or 1 / math.sqrt(d)
+    want_out, want_lse = _rule_written_out(q, k, v, scale, **kw)
+    torch.testing.assert_close(out, want_out, atol=1e-10, rtol=1e-10)
+    seen = want_lse > NEG_INF
+    assert torch.equal(lse == NEG_INF, ~seen) and torch.equal(out[~seen], torch.zeros_like(out[~seen]))
+    torch.testing.assert_close(lse[seen].double(), want_lse[seen], atol=2e-6, rtol=2e-6)
+    dout, dlse = torch.randn(out.shape, generator=g, dtype=torch.float64), torch.randn(lse.shape, generator=g)
+    got = torch.autograd.grad((out * dout).sum() + (lse.masked_fill(~seen, 0) * dlse).sum(), leaves)
+    want = torch.autograd.grad((want_out * dout).sum() + (want_lse.masked_fill(~seen, 0) * dlse).sum(), leaves)
+    for name, a, w in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert not a.isnan().any(), name
+        torch.testing.assert_close(a, w, atol=1e-8, rtol=1e-8, msg=name)
+
+
 def test_empty_rows_and_sinks():
     """Rows that see no key: out 0, lse -inf (or sinks[h]), zero gradients, never NaN; a -inf sink
     is no sink and has gradient 0."""

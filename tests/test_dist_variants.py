@@ -8,6 +8,8 @@ and byte the schedules send against the pairs that a dense visibility matrix say
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -197,8 +199,41 @@ def case_shard_docs(group):
         assert torch.equal(shard(x, 2, group=group, cu_seqlens=cu), torch.tensor_split(x, p, 2)[c.rank])
 
 
+def random_mix(p: int, seed: int) -> tuple:
+    """``(schedule, layout, causal, keywords, S, lens)``: a random mix of the keywords the ring and
+    allgather take (documents of any length, a window, softcap, sinks, key ranges) at a random
+    length, zigzag or contiguous with random per-rank lengths (0 included)."""
+    r = random.Random(seed)
+    lens = [r.choice([0, 1, 2, 5, 9]) for _ in range(p)]
+    s = sum(lens) or 1
+    lens[-1] += s - sum(lens)
+    kw = {}
+    if r.random() < 0.6:
+        kw["cu_seqlens"] = (0, *sorted(r.randint(0, s) for _ in range(r.randint(0, 3))), s)
+    if r.random() < 0.5:
+        kw["window_size"] = (r.choice([-1, 0, 1, 4, s]), r.choice([-1, 0, 2]))
+    if r.random() < 0.3:
+        kw["softcap"] = r.choice([0.8, 3.0])
+    if r.random() < 0.3:
+        kw["sinks"] = sinks_of()
+    if r.random() < 0.4:
+        los = [r.randint(0, s) for _ in range(B)]
+        kw["kv_range"] = torch.tensor([[lo, r.randint(lo, s)] for lo in los], dtype=torch.int32, device=DEVICE)
+    layout = r.choice(["zigzag", "contiguous"])
+    return r.choice(["ring", "allgather"]), layout, r.random() < 0.6, kw, s, lens if layout == "contiguous" else None
+
+
+def case_random_mixes(group):
+    """Random keyword mixes (:func:`random_mix`), each against the oracle: out, lse, every gradient."""
+    p = as_comm(group).size
+    for seed in range(25):
+        schedule, layout, causal, kw, s, lens = random_mix(p, 100 * p + seed)
+        check(group, schedule, layout, causal, kw, s=None if lens else s, lens=lens, seed=seed)
+
+
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
-@pytest.mark.parametrize("case", [case_variants, case_tree, case_hidden_nan, case_shard_docs],
+@pytest.mark.parametrize("case", [case_variants, case_tree, case_hidden_nan, case_shard_docs,
+                                  case_random_mixes],
                          ids=lambda f: f.__name__)
 def test_loopback(size, case):
     LoopbackWorld(size).run(case)
@@ -360,7 +395,7 @@ def test_agreement_before_bulk_transfer(size):
 
 def case_all(group):
     """Every case above, in one worker start (process groups are slow to start)."""
-    for case in (case_variants, case_tree, case_hidden_nan, case_shard_docs, case_agreement):
+    for case in (case_variants, case_tree, case_hidden_nan, case_shard_docs, case_agreement, case_random_mixes):
         case(group)
 
 

@@ -300,6 +300,27 @@ def test_ds_pieces_equal_the_whole(name, make, monkeypatch):
                 assert (a - f).abs().max() <= 1e-5 * f.abs().max(), (gname, (a - f).abs().max().item())
 
 
+@pytest.mark.parametrize("sq,sk", [(92, 1021), (189, 979), (128, 1000)])
+def test_causal_key_blocks_that_no_row_sees(sq, sk):
+    """Top-left causal with fewer queries than keys: key blocks past the last row's band hold no
+    visible pair, so the dK/dV programs walk no query tile for them (with ``Sq`` off the tile size,
+    the last query block was once walked for them, its ``dS`` written at a column left of the
+    buffer: an illegal instruction on sm_90). Their dK and dV are exact zeros; every gradient meets
+    the rule."""
+    g = torch.Generator(device=DEV).manual_seed(sq)
+    q, dout = (torch.randn(2, 8, sq, 128, generator=g, device=DEV).to(BF16) for _ in range(2))
+    k, v = (torch.randn(2, 2, sk, 128, generator=g, device=DEV).to(BF16) for _ in range(2))
+    scale = 1 / math.sqrt(128)
+    want, lse, delta = oracle(q, k, v, dout, scale, True, 0, NO_MASK)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    masked_attention(*leaves, scale, True, 0, NO_MASK)[0].backward(dout)  # the peer in bf16
+    got = AB.attn_bwd(q, k, v, dout, lse, delta, scale, True, 0, out_dtype=BF16)
+    for gname, gr, p, w in zip("qkv", got, leaves, want):
+        ok, nums = rule(gr, p.grad, w)
+        assert ok, (gname, nums)
+    assert not got[1][:, :, sq:].any() and not got[2][:, :, sq:].any()
+
+
 def test_public_autograd_bshd_views():
     """Hugging Face's layout through ``ss.attention``: the leaves' gradients arrive contiguous in
     (B, S, H, D), within the rule against SDPA flash."""

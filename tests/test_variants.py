@@ -179,25 +179,19 @@ def test_gradcheck_float64(kw):
     assert torch.autograd.gradcheck(lse, (q, k, v, sinks_var))
 
 
-def _rule_written_out(q, k, v, scale, causal=False, cu_seqlens=None, window_size=None, softcap=None, sinks=None,
-                      kv_range=None, q_offset=0):
-    """``(out, lse)`` of the contract's one rule, every visible pair and the sink written out in
-    float64 (independent of ``reference``): key ``j`` is visible to query ``i`` of element ``b`` iff
-    it lies in ``kv_range[b]``, in ``i``'s document, and inside the causal / window band around key
-    position ``q_offset[b] + i``."""
-    b, h, sq, _ = q.shape
-    sk = k.shape[2]
-    g = h // k.shape[1]
-    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    i, j = torch.arange(sq).view(1, sq, 1), torch.arange(sk).view(1, 1, sk)
-    pos = i + torch.as_tensor(q_offset).reshape(-1, 1, 1)
-    ok = torch.ones(b, sq, sk, dtype=torch.bool)
+def _visible_written_out(b, sq, sk, causal=False, cu_seqlens=None, window_size=None, kv_range=None, q_offset=0,
+                         device=None):
+    """``(B, Sq, Sk)``: the contract's one rule, independent of ``reference``: key ``j`` is visible to
+    query ``i`` of element ``b`` iff it lies in ``kv_range[b]``, in ``i``'s document, and inside the
+    causal / window band around key position ``q_offset[b] + i``."""
+    i, j = torch.arange(sq, device=device).view(1, sq, 1), torch.arange(sk, device=device).view(1, 1, sk)
+    pos = i + torch.as_tensor(q_offset, device=device).reshape(-1, 1, 1)
+    ok = torch.ones(b, sq, sk, dtype=torch.bool, device=device)
     if kv_range is not None:
         ok = ok & (j >= kv_range[:, :1, None]) & (j < kv_range[:, 1:, None])
     if cu_seqlens is not None:
-        doc = torch.bucketize(torch.arange(sq), torch.as_tensor(cu_seqlens)[1:], right=True)
+        doc = torch.bucketize(torch.arange(sq, device=device), torch.as_tensor(cu_seqlens, device=device)[1:],
+                              right=True)
         ok = ok & (doc.view(1, sq, 1) == doc.view(1, 1, sk))
     if causal:
         ok = ok & (j <= pos)
@@ -205,10 +199,23 @@ def _rule_written_out(q, k, v, scale, causal=False, cu_seqlens=None, window_size
         ok = ok & (j >= pos - window_size[0])
     if window_size is not None and window_size[1] >= 0:
         ok = ok & (j <= pos + window_size[1])
+    return ok
+
+
+def _rule_written_out(q, k, v, scale, causal=False, cu_seqlens=None, window_size=None, softcap=None, sinks=None,
+                      kv_range=None, q_offset=0):
+    """``(out, lse)`` of the contract's rule (:func:`_visible_written_out`), every visible pair and
+    the sink written out in ``q``'s dtype."""
+    b, h, sq, _ = q.shape
+    g = h // k.shape[1]
+    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    ok = _visible_written_out(b, sq, k.shape[2], causal, cu_seqlens, window_size, kv_range, q_offset, q.device)
     s = s.masked_fill(~ok.unsqueeze(1), NEG_INF)
     vv = v.repeat_interleave(g, 1)
     if sinks is not None:  # one virtual key of value 0 per head
-        s = torch.cat((s, sinks.view(1, h, 1, 1).expand(b, h, sq, 1)), -1)
+        s = torch.cat((s, sinks.to(s.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)), -1)
         vv = torch.cat((vv, vv.new_zeros(b, h, 1, vv.shape[-1])), 2)
     lse = torch.logsumexp(s, -1)
     p = torch.where(lse[..., None] == NEG_INF, 0.0, torch.exp(s - lse[..., None]))

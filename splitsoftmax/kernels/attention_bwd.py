@@ -192,7 +192,7 @@ def _kv_rows(RB, pid_n, n0, n1, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: tl.constexpr,
     r_hi = tl.where((kv_hi <= n0) | (kv_lo >= n1) | (kv_lo >= kv_hi), 0, tl.maximum(r_hi, 0))  # no key in range
     f_hi = tl.where((n0 < kv_lo) | (n1 > kv_hi), 0, f_hi)  # some keys out of range: every tile masked
     first = tl.minimum(r_lo, r_hi) // BLOCK_M
-    end = tl.maximum(tl.cdiv(r_hi, BLOCK_M), first)
+    end = tl.where(r_lo >= r_hi, first, tl.maximum(tl.cdiv(r_hi, BLOCK_M), first))  # no row sees a key: none
     ia = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_M), first), end)
     ib = tl.where(f_hi >= Sq, end, tl.maximum(f_hi, 0) // BLOCK_M)  # rows past Sq have p = 0
     ib = tl.minimum(tl.maximum(ib, ia), end)

@@ -103,7 +103,7 @@ def _kv_walk(RB, pid_n, n0, n1, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: gl.constexpr,
         r_hi = gl.where((kv_hi <= n0) | (kv_lo >= n1) | (kv_lo >= kv_hi), 0, gl.maximum(r_hi, 0))
         f_hi = gl.where((n0 < kv_lo) | (n1 > kv_hi), 0, f_hi)  # some keys out of range: every tile masked
     first = gl.maximum(gl.minimum(r_lo, r_hi), 0) // BLOCK_M
-    end = gl.maximum(gl.cdiv(r_hi, BLOCK_M), first)
+    end = gl.where(r_lo >= r_hi, first, gl.maximum(gl.cdiv(r_hi, BLOCK_M), first))  # no row sees a key: none
     ia = gl.minimum(gl.maximum(gl.cdiv(f_lo, BLOCK_M), first), end)
     ib = gl.where(f_hi >= Sq, end, gl.maximum(f_hi, 0) // BLOCK_M)  # rows past Sq have p = 0
     ib = gl.minimum(gl.maximum(ib, ia), end)

@@ -161,6 +161,51 @@ def case_tree(group):
                 torch.testing.assert_close(sl.grad, want[5], **F64, msg=lambda m: f"{what} dsinks: {m}")
 
 
+def case_tree_random_mixes(group):
+    """Split-KV under random mixes of its keywords (a window, softcap, sinks, key ranges, int or
+    tensor offsets; causal or not; 1-5 query rows over random per-rank key lengths, 0 included):
+    out, lse and every gradient against the oracle, out and lse identical on every rank."""
+    c = as_comm(group)
+    for seed in range(12):
+        r = random.Random(1000 * c.size + seed)
+        lens = [r.choice([0, 1, 3, 7]) for _ in range(c.size)]
+        lens[-1] += 1
+        sk, sq = sum(lens), r.randint(1, 5)
+        kw = {}
+        if r.random() < 0.5:
+            kw["window_size"] = (r.choice([-1, 0, 2, 6]), r.choice([-1, 0, 1]))
+        if r.random() < 0.3:
+            kw["softcap"] = r.choice([0.8, 3.0])
+        if r.random() < 0.3:
+            kw["sinks"] = sinks_of()
+        if r.random() < 0.4:
+            los = [r.randint(0, sk) for _ in range(B)]
+            kw["kv_range"] = torch.tensor([[lo, r.randint(lo, sk)] for lo in los], device=DEVICE)
+        if r.random() < 0.5:
+            off = [r.randint(-2, sk) for _ in range(B)]
+            kw["q_offset"] = off[0] if r.random() < 0.5 else torch.tensor(off, device=DEVICE)
+        causal = r.random() < 0.6
+        q, k, v, wo, wl = _inputs(seed, max(sk, sq))
+        q, k, v, wo, wl = q[:, :, :sq], k[:, :, :sk], v[:, :, :sk], wo[:, :, :sq], wl[:, :, :sq]
+        want = _oracle(q, k, v, wo, wl, {**kw, "q_offset": kw.get("q_offset", sk - sq)}, causal, torch.arange(sq))
+        ql = q.clone().requires_grad_()
+        kl, vl = (t.split(lens, 2)[c.rank].clone().requires_grad_() for t in (k, v))
+        sl = None if "sinks" not in kw else kw["sinks"].clone().requires_grad_()
+        out, lse = sharded_attention(ql, kl, vl, causal=causal, group=group, schedule="tree", return_lse=True,
+                                     **{**kw, "sinks": sl})
+        what = f"tree seed {seed} sq={sq} lens={lens} causal={causal} {sorted(kw)} rank {c.rank}"
+        every = unshard(torch.cat((out.detach(), lse.detach().unsqueeze(-1).double()), -1)[None], 0, group=group)
+        assert all(torch.equal(e, every[0]) for e in every), f"{what}: ranks differ"
+        torch.testing.assert_close(out, want[0], **F64, msg=lambda m: f"{what} out: {m}")
+        torch.testing.assert_close(lse.double(), want[1], **F32, msg=lambda m: f"{what} lse: {m}")
+        _loss(out, lse, wo, wl.float()).backward()
+        torch.testing.assert_close(ql.grad, want[2], **F64, msg=lambda m: f"{what} dq: {m}")
+        torch.testing.assert_close(kl.grad, want[3].split(lens, 2)[c.rank], **F64, msg=lambda m: f"{what} dk: {m}")
+        torch.testing.assert_close(vl.grad, want[4].split(lens, 2)[c.rank], **F64, msg=lambda m: f"{what} dv: {m}")
+        if sl is not None:
+            torch.testing.assert_close(sl.grad, want[5], **F64, msg=lambda m: f"{what} dsinks: {m}")
+
+
 def case_hidden_nan(group):
     """NaN in keys and values that kv_range or another document hides changes nothing."""
     p = as_comm(group).size
@@ -233,7 +278,7 @@ def case_random_mixes(group):
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5])
 @pytest.mark.parametrize("case", [case_variants, case_tree, case_hidden_nan, case_shard_docs,
-                                  case_random_mixes],
+                                  case_random_mixes, case_tree_random_mixes],
                          ids=lambda f: f.__name__)
 def test_loopback(size, case):
     LoopbackWorld(size).run(case)
@@ -395,7 +440,8 @@ def test_agreement_before_bulk_transfer(size):
 
 def case_all(group):
     """Every case above, in one worker start (process groups are slow to start)."""
-    for case in (case_variants, case_tree, case_hidden_nan, case_shard_docs, case_agreement, case_random_mixes):
+    for case in (case_variants, case_tree, case_hidden_nan, case_shard_docs, case_agreement, case_random_mixes,
+                 case_tree_random_mixes):
         case(group)
 
 

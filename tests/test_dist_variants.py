@@ -126,11 +126,36 @@ def case_variants(group):
         check(group, "allgather", "zigzag", False, dict(cu_seqlens=(0, tiny - 1, tiny)), s=tiny)
 
 
+def check_tree(group, lens, sq, causal, kw, seed, label):
+    """One split-KV call over key shards of ``lens`` and ``sq`` query rows against the oracle: out
+    and lse identical on every rank, out, lse, dq, dk, dv and the sinks' full gradient."""
+    c = as_comm(group)
+    sk = sum(lens)
+    q, k, v, wo, wl = _inputs(seed, max(sk, sq))
+    q, k, v, wo, wl = q[:, :, :sq], k[:, :, :sk], v[:, :, :sk], wo[:, :, :sq], wl[:, :, :sq]
+    want = _oracle(q, k, v, wo, wl, {**kw, "q_offset": kw.get("q_offset", sk - sq)}, causal, torch.arange(sq))
+    ql = q.clone().requires_grad_()
+    kl, vl = (t.split(lens, 2)[c.rank].clone().requires_grad_() for t in (k, v))
+    sl = None if "sinks" not in kw else kw["sinks"].clone().requires_grad_()
+    out, lse = sharded_attention(ql, kl, vl, causal=causal, group=group, schedule="tree", return_lse=True,
+                                 **{**kw, "sinks": sl})
+    what = f"tree {label} sq={sq} lens={lens} causal={causal} {sorted(kw)} rank {c.rank}"
+    every = unshard(torch.cat((out.detach(), lse.detach().unsqueeze(-1).double()), -1)[None], 0, group=group)
+    assert all(torch.equal(e, every[0]) for e in every), f"{what}: ranks differ"
+    torch.testing.assert_close(out, want[0], **F64, msg=lambda m: f"{what} out: {m}")
+    torch.testing.assert_close(lse.double(), want[1], **F32, msg=lambda m: f"{what} lse: {m}")
+    _loss(out, lse, wo, wl.float()).backward()
+    torch.testing.assert_close(ql.grad, want[2], **F64, msg=lambda m: f"{what} dq: {m}")
+    torch.testing.assert_close(kl.grad, want[3].split(lens, 2)[c.rank], **F64, msg=lambda m: f"{what} dk: {m}")
+    torch.testing.assert_close(vl.grad, want[4].split(lens, 2)[c.rank], **F64, msg=lambda m: f"{what} dv: {m}")
+    if sl is not None:
+        torch.testing.assert_close(sl.grad, want[5], **F64, msg=lambda m: f"{what} dsinks: {m}")
+
+
 def case_tree(group):
     """Split-KV under the keywords: windows, softcap, sinks (full gradient on every rank), kv_range,
     q_offset as an int and as a tensor; out and lse identical on every rank."""
-    c = as_comm(group)
-    lens = uneven_lengths(c.size, 5)
+    lens = uneven_lengths(as_comm(group).size, 5)
     lens[-1] += 4
     sk = sum(lens)
     cases = [(True, dict(window_size=(3, 0), sinks=sinks_of())), (True, dict(q_offset=2, softcap=1.2)),
@@ -139,71 +164,23 @@ def case_tree(group):
              (False, dict(window_size=(-1, 1), q_offset=0))]
     for sq in (1, 3):
         for causal, kw in cases:
-            q, k, v, wo, wl = _inputs(6, sk)
-            q, wo, wl = q[:, :, :sq], wo[:, :, :sq], wl[:, :, :sq]
-            off = kw.get("q_offset", sk - sq)
-            want = _oracle(q, k, v, wo, wl, {**kw, "q_offset": off}, causal, torch.arange(sq))
-            ql = q.clone().requires_grad_()
-            kl, vl = (t.split(lens, 2)[c.rank].clone().requires_grad_() for t in (k, v))
-            sl = None if "sinks" not in kw else kw["sinks"].clone().requires_grad_()
-            out, lse = sharded_attention(ql, kl, vl, causal=causal, group=group, schedule="tree", return_lse=True,
-                                         **{**kw, "sinks": sl})
-            what = f"tree sq={sq} causal={causal} {sorted(kw)} rank {c.rank}"
-            every = unshard(torch.cat((out.detach(), lse.detach().unsqueeze(-1).double()), -1)[None], 0, group=group)
-            assert all(torch.equal(e, every[0]) for e in every), f"{what}: ranks differ"
-            torch.testing.assert_close(out, want[0], **F64, msg=lambda m: f"{what} out: {m}")
-            torch.testing.assert_close(lse.double(), want[1], **F32, msg=lambda m: f"{what} lse: {m}")
-            _loss(out, lse, wo, wl.float()).backward()
-            torch.testing.assert_close(ql.grad, want[2], **F64, msg=lambda m: f"{what} dq: {m}")
-            torch.testing.assert_close(kl.grad, want[3].split(lens, 2)[c.rank], **F64)
-            torch.testing.assert_close(vl.grad, want[4].split(lens, 2)[c.rank], **F64)
-            if sl is not None:
-                torch.testing.assert_close(sl.grad, want[5], **F64, msg=lambda m: f"{what} dsinks: {m}")
+            check_tree(group, lens, sq, causal, kw, 6, "")
 
 
 def case_tree_random_mixes(group):
     """Split-KV under random mixes of its keywords (a window, softcap, sinks, key ranges, int or
-    tensor offsets; causal or not; 1-5 query rows over random per-rank key lengths, 0 included):
-    out, lse and every gradient against the oracle, out and lse identical on every rank."""
-    c = as_comm(group)
+    tensor offsets; causal or not; 1-5 query rows over random per-rank key lengths, 0 included)."""
+    p = as_comm(group).size
     for seed in range(12):
-        r = random.Random(1000 * c.size + seed)
-        lens = [r.choice([0, 1, 3, 7]) for _ in range(c.size)]
+        r = random.Random(1000 * p + seed)
+        lens = [r.choice([0, 1, 3, 7]) for _ in range(p)]
         lens[-1] += 1
         sk, sq = sum(lens), r.randint(1, 5)
-        kw = {}
-        if r.random() < 0.5:
-            kw["window_size"] = (r.choice([-1, 0, 2, 6]), r.choice([-1, 0, 1]))
-        if r.random() < 0.3:
-            kw["softcap"] = r.choice([0.8, 3.0])
-        if r.random() < 0.3:
-            kw["sinks"] = sinks_of()
-        if r.random() < 0.4:
-            los = [r.randint(0, sk) for _ in range(B)]
-            kw["kv_range"] = torch.tensor([[lo, r.randint(lo, sk)] for lo in los], device=DEVICE)
+        kw = random_keywords(r, sk)
         if r.random() < 0.5:
             off = [r.randint(-2, sk) for _ in range(B)]
             kw["q_offset"] = off[0] if r.random() < 0.5 else torch.tensor(off, device=DEVICE)
-        causal = r.random() < 0.6
-        q, k, v, wo, wl = _inputs(seed, max(sk, sq))
-        q, k, v, wo, wl = q[:, :, :sq], k[:, :, :sk], v[:, :, :sk], wo[:, :, :sq], wl[:, :, :sq]
-        want = _oracle(q, k, v, wo, wl, {**kw, "q_offset": kw.get("q_offset", sk - sq)}, causal, torch.arange(sq))
-        ql = q.clone().requires_grad_()
-        kl, vl = (t.split(lens, 2)[c.rank].clone().requires_grad_() for t in (k, v))
-        sl = None if "sinks" not in kw else kw["sinks"].clone().requires_grad_()
-        out, lse = sharded_attention(ql, kl, vl, causal=causal, group=group, schedule="tree", return_lse=True,
-                                     **{**kw, "sinks": sl})
-        what = f"tree seed {seed} sq={sq} lens={lens} causal={causal} {sorted(kw)} rank {c.rank}"
-        every = unshard(torch.cat((out.detach(), lse.detach().unsqueeze(-1).double()), -1)[None], 0, group=group)
-        assert all(torch.equal(e, every[0]) for e in every), f"{what}: ranks differ"
-        torch.testing.assert_close(out, want[0], **F64, msg=lambda m: f"{what} out: {m}")
-        torch.testing.assert_close(lse.double(), want[1], **F32, msg=lambda m: f"{what} lse: {m}")
-        _loss(out, lse, wo, wl.float()).backward()
-        torch.testing.assert_close(ql.grad, want[2], **F64, msg=lambda m: f"{what} dq: {m}")
-        torch.testing.assert_close(kl.grad, want[3].split(lens, 2)[c.rank], **F64, msg=lambda m: f"{what} dk: {m}")
-        torch.testing.assert_close(vl.grad, want[4].split(lens, 2)[c.rank], **F64, msg=lambda m: f"{what} dv: {m}")
-        if sl is not None:
-            torch.testing.assert_close(sl.grad, want[5], **F64, msg=lambda m: f"{what} dsinks: {m}")
+        check_tree(group, lens, sq, r.random() < 0.6, kw, seed, f"seed {seed}")
 
 
 def case_hidden_nan(group):
@@ -244,17 +221,9 @@ def case_shard_docs(group):
         assert torch.equal(shard(x, 2, group=group, cu_seqlens=cu), torch.tensor_split(x, p, 2)[c.rank])
 
 
-def random_mix(p: int, seed: int) -> tuple:
-    """``(schedule, layout, causal, keywords, S, lens)``: a random mix of the keywords the ring and
-    allgather take (documents of any length, a window, softcap, sinks, key ranges) at a random
-    length, zigzag or contiguous with random per-rank lengths (0 included)."""
-    r = random.Random(seed)
-    lens = [r.choice([0, 1, 2, 5, 9]) for _ in range(p)]
-    s = sum(lens) or 1
-    lens[-1] += s - sum(lens)
+def random_keywords(r: random.Random, s: int) -> dict:
+    """A random draw of a window, softcap, sinks and key ranges over ``s`` keys (each or none)."""
     kw = {}
-    if r.random() < 0.6:
-        kw["cu_seqlens"] = (0, *sorted(r.randint(0, s) for _ in range(r.randint(0, 3))), s)
     if r.random() < 0.5:
         kw["window_size"] = (r.choice([-1, 0, 1, 4, s]), r.choice([-1, 0, 2]))
     if r.random() < 0.3:
@@ -264,6 +233,20 @@ def random_mix(p: int, seed: int) -> tuple:
     if r.random() < 0.4:
         los = [r.randint(0, s) for _ in range(B)]
         kw["kv_range"] = torch.tensor([[lo, r.randint(lo, s)] for lo in los], dtype=torch.int32, device=DEVICE)
+    return kw
+
+
+def random_mix(p: int, seed: int) -> tuple:
+    """``(schedule, layout, causal, keywords, S, lens)``: a random mix of the keywords the ring and
+    allgather take (documents of any length, a window, softcap, sinks, key ranges) at a random
+    length, zigzag or contiguous with random per-rank lengths (0 included)."""
+    r = random.Random(seed)
+    lens = [r.choice([0, 1, 2, 5, 9]) for _ in range(p)]
+    s = sum(lens) or 1
+    lens[-1] += s - sum(lens)
+    kw = random_keywords(r, s)
+    if r.random() < 0.6:
+        kw["cu_seqlens"] = (0, *sorted(r.randint(0, s) for _ in range(r.randint(0, 3))), s)
     layout = r.choice(["zigzag", "contiguous"])
     return r.choice(["ring", "allgather"]), layout, r.random() < 0.6, kw, s, lens if layout == "contiguous" else None
 

@@ -126,4 +126,3 @@ def test_run_shape_without_errors_times_alone(model, monkeypatch):
     lines = bm.table([rec]).splitlines()
     assert len(lines) == 3 and lines[2].split("|")[1].split()[:3] == ["splitsoftmax", "2.0", "0.50"]
     assert lines[2].rstrip().endswith("1.00x")
-

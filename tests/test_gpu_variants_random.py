@@ -4,9 +4,10 @@ the Gluon forward and backward on sm_90), FlashAttention's rule against the rule
 Each mix draws documents of any length, a window, softcap, sinks, key ranges and int or tensor
 offsets at lengths that cross several tiles and end inside one; the output, lse and every gradient
 (the sinks' too) are compared with float64 (``test_variants._rule_written_out``): the error at most
-2x that of torch's attention in bf16 under the same rule (scores from bf16 products, softmax in
-float32, probabilities rounded to bf16 before their product with V), plus twice the error of
-rounding the exact result to bf16; rows that see no key are exactly ``(0, -inf)``.
+2x that of torch's attention in bf16 under the same rule (the same function on bf16 inputs: scores
+from bf16 products, softmax in float32, probabilities rounded to bf16 before their product with V),
+plus twice the error of rounding the exact result to bf16; rows that see no key are exactly
+``(0, -inf)``.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 import splitsoftmax as ss  # noqa: E402
-from test_variants import _rule_written_out, _visible_written_out  # noqa: E402
+from test_variants import _rule_written_out  # noqa: E402
 
 NEG_INF = float("-inf")
 DEV = "cuda"
@@ -51,24 +52,6 @@ def _mix(seed):
         off = [r.randint(-50, 300) for _ in range(b)]
         kw["q_offset"] = off[0] if r.random() < 0.5 else torch.tensor(off, dtype=torch.int32, device=DEV)
     return (b, h, hkv, sq, sk), kw
-
-
-def _bf16_peer(q, k, v, scale, causal=False, cu_seqlens=None, window_size=None, softcap=None, sinks=None,
-               kv_range=None, q_offset=0):
-    """torch's attention in bf16 under the rule: scores from bf16 products, softmax in float32,
-    probabilities rounded to bf16 before their product with V."""
-    b, h, sq, _ = q.shape
-    g = h // k.shape[1]
-    s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)).float() * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    ok = _visible_written_out(b, sq, k.shape[2], causal, cu_seqlens, window_size, kv_range, q_offset, q.device)
-    s = s.masked_fill(~ok.unsqueeze(1), NEG_INF)
-    if sinks is not None:
-        s = torch.cat((s, sinks.float().view(1, h, 1, 1).expand(b, h, sq, 1)), -1)
-    lse = torch.logsumexp(s, -1)
-    p = torch.where(lse[..., None] == NEG_INF, 0.0, torch.exp(s - lse[..., None]))
-    return p[..., :k.shape[2]].to(BF16) @ v.repeat_interleave(g, 1), lse
 
 
 def _run(fn, q, k, v, dout, kw, dtype, sinks_dtype):
@@ -106,7 +89,7 @@ def test_random_keyword_mixes_within_the_flash_rule(seed, gluon_any_length, monk
                BF16, torch.float32)
     want = _run(lambda q, k, v, **w: _rule_written_out(q, k, v, scale, **w), q, k, v, dout, kw, torch.float64,
                 torch.float64)
-    peer = _run(lambda q, k, v, **w: _bf16_peer(q, k, v, scale, **w), q, k, v, dout, kw, BF16, torch.float32)
+    peer = _run(lambda q, k, v, **w: _rule_written_out(q, k, v, scale, **w), q, k, v, dout, kw, BF16, torch.float32)
     seen = want[1] > NEG_INF
     what = f"seed {seed}: B={b} H={h}/{hkv} Sq={sq} Sk={sk} {sorted(kw)}"
     assert torch.equal(got[1] == NEG_INF, ~seen) and not got[0][~seen].any(), what

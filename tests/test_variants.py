@@ -205,21 +205,21 @@ def _visible_written_out(b, sq, sk, causal=False, cu_seqlens=None, window_size=N
 def _rule_written_out(q, k, v, scale, causal=False, cu_seqlens=None, window_size=None, softcap=None, sinks=None,
                       kv_range=None, q_offset=0):
     """``(out, lse)`` of the contract's rule (:func:`_visible_written_out`), every visible pair and
-    the sink written out in ``q``'s dtype."""
+    the sink (a virtual key of value 0) written out. In float64 exact; on 16-bit inputs it is torch's
+    attention in that precision: scores from 16-bit products, softmax in float32, probabilities
+    rounded to ``v``'s dtype before their product with V."""
     b, h, sq, _ = q.shape
     g = h // k.shape[1]
-    s = q @ k.repeat_interleave(g, 1).transpose(-1, -2) * scale
+    s = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
     ok = _visible_written_out(b, sq, k.shape[2], causal, cu_seqlens, window_size, kv_range, q_offset, q.device)
     s = s.masked_fill(~ok.unsqueeze(1), NEG_INF)
-    vv = v.repeat_interleave(g, 1)
-    if sinks is not None:  # one virtual key of value 0 per head
+    if sinks is not None:
         s = torch.cat((s, sinks.to(s.dtype).view(1, h, 1, 1).expand(b, h, sq, 1)), -1)
-        vv = torch.cat((vv, vv.new_zeros(b, h, 1, vv.shape[-1])), 2)
     lse = torch.logsumexp(s, -1)
     p = torch.where(lse[..., None] == NEG_INF, 0.0, torch.exp(s - lse[..., None]))
-    return p @ vv, lse
+    return p[..., :k.shape[2]].to(v.dtype) @ v.repeat_interleave(g, 1), lse
 
 
 def _random_mix(seed):

@@ -1,9 +1,11 @@
 """One check of an op against float64, the rule ``verify`` and ``bench ring`` share.
 
 :func:`compare` computes splitsoftmax's result and gradient, the float64 reference, and the same
-quantity through torch in the same dtype (the peer); the tolerance is FlashAttention's rule (twice
-the peer's own error, 4x for gradients) with a floor of a few ulps of the dtype, widened for
-sharded merges. Each check gives :class:`Row` lines of the verify table.
+quantity through torch in the same dtype (the peer); the tolerance is FlashAttention's rule: twice
+the peer's own error (4x for gradients) plus twice the error of rounding the float64 truth once to
+the result's dtype (half an ulp of the truth's largest entries, so it scales with the result, not
+with 1), widened for sharded merges. Each check gives :class:`Row` lines of the verify table
+(:func:`table`).
 """
 from __future__ import annotations
 
@@ -33,15 +35,20 @@ class Row:
     def ok(self) -> bool:
         return self.err <= self.tol  # NaN fails
 
-    def render(self) -> str:
+    def render(self, width: int = 46) -> str:
+        """The table line, the operation padded to ``width`` characters."""
         status = "ok" if self.ok else "MISMATCH"
         secs = "" if self.seconds is None else f"{self.seconds:.2f}s"
-        return (f"{self.op:<46} {self.schedule:<10} {self.layout:<11} {self.err:>10.2e} "
+        return (f"{self.op:<{width}} {self.schedule:<10} {self.layout:<11} {self.err:>10.2e} "
                 f"{self.tol:>10.2e} {secs:>8}  {status}")
 
 
-HEADER = (f"{'operation':<46} {'schedule':<10} {'layout':<11} {'max err':>10} {'tolerance':>10} "
-          f"{'fwd+bwd':>8}")
+def table(rows: Sequence[Row]) -> str:
+    """The header and one line per row, the operation column as wide as the longest name."""
+    width = max([len("operation"), *(len(r.op) for r in rows)])
+    header = (f"{'operation':<{width}} {'schedule':<10} {'layout':<11} {'max err':>10} {'tolerance':>10} "
+              f"{'fwd+bwd':>8}")
+    return "\n".join([header, *(r.render(width) for r in rows)])
 
 
 def rel_err(x: Tensor, want: Tensor, *, skip_nan: bool = False) -> float:
@@ -59,9 +66,10 @@ def rel_err(x: Tensor, want: Tensor, *, skip_nan: bool = False) -> float:
     return (d.max().item() if d.numel() else 0.0) / scale
 
 
-def floor(dtype: torch.dtype) -> float:
-    """A few ulps of ``dtype`` at 1: the least tolerance any check gets."""
-    return 4 * torch.finfo(dtype).eps
+def rounding(want: Tensor, dtype: torch.dtype) -> float:
+    """:func:`rel_err` of the float64 ``want`` rounded once to ``dtype``: half an ulp of its largest
+    entries (relative to them when they exceed 1), the least error any result in ``dtype`` has."""
+    return rel_err(want.to(dtype), want)
 
 
 @dataclass
@@ -93,7 +101,8 @@ def compare(name: str, fn: Callable, peer: Callable, oracle: Callable, inputs: S
             sharding: Optional[Sharding] = None, schedule: str = "local", layout: str = "-",
             seed: int = 0, merges: int = 1) -> list[Row]:
     """Rows for ``fn`` forward and backward against ``oracle`` in float64; the tolerance is from
-    ``peer`` (torch, one device, inputs' dtype), widened by ``1 + log2(merges)`` for sharded merges."""
+    ``peer`` (torch, one device, inputs' dtype) and the rounding of the truth to the result's dtype
+    (:func:`rounding`), widened by ``1 + log2(merges)`` for sharded merges."""
     want = oracle(*[x.double() for x in inputs])
     gen = torch.Generator().manual_seed(seed)
     proj = torch.randn(want.shape, generator=gen, dtype=torch.float64).to(want.device)
@@ -104,9 +113,9 @@ def compare(name: str, fn: Callable, peer: Callable, oracle: Callable, inputs: S
     want, grads64 = evaluate(oracle, [x.double() for x in inputs], proj, unsharded(len(inputs)))
     peer_out, peer_grads = evaluate(peer, inputs, proj, unsharded(len(inputs)))
     widen = 1.0 + math.log2(max(merges, 1))
-    fl = floor(inputs[0].dtype)
-    tol = widen * max(2 * rel_err(peer_out, want, skip_nan=True), fl)
-    tol_g = widen * GRAD_FACTOR * max(max(rel_err(g, w, skip_nan=True) for g, w in zip(peer_grads, grads64)), fl)
+    tol = widen * (2 * rel_err(peer_out, want, skip_nan=True) + 2 * rounding(want, out.dtype))
+    tol_g = widen * max(GRAD_FACTOR * rel_err(p, w, skip_nan=True) + 2 * rounding(w, g.dtype)
+                        for p, g, w in zip(peer_grads, grads, grads64))
     return [Row(f"{name} fwd", schedule, layout, rel_err(out, want), tol, secs),
             Row(f"{name} bwd", schedule, layout, max(rel_err(g, w) for g, w in zip(grads, grads64)), tol_g, None)]
 

@@ -51,7 +51,7 @@ import torch
 import splitsoftmax as ss
 from splitsoftmax import launcher
 from splitsoftmax import reference as ref
-from splitsoftmax.compare import HEADER, Sharding, compare, sdpa
+from splitsoftmax.compare import Sharding, compare, sdpa, table
 
 GIB = float(1 << 30)
 
@@ -498,8 +498,7 @@ def run(w: World, opts, argv: Sequence[str]) -> int:
     result = {"meta": meta(w, opts, argv), "gate": [vars(r) | {"ok": r.ok} for r in checks], "results": [],
               "complete": False}
     if w.rank == 0:
-        print(HEADER)
-        print("\n".join(r.render() for r in checks), flush=True)
+        print(table(checks), flush=True)
 
     def measured(rows: list) -> None:
         result["results"] += rows

@@ -189,3 +189,18 @@ def cross_entropy_backward(ctx, g_loss: Optional[Tensor], _g_lse: Optional[Tenso
     logits, target, lse, count = ctx.saved_tensors
     ignore_index, smoothing, reduction = ctx.args
     return _ops().ce_bwd(logits, target, lse, g_loss, count, ignore_index, smoothing, reduction), None, None, None, None
+
+
+def once_differentiable(what: str, op: str) -> tuple:
+    """``(backward, setup_context)`` for a backward op ``op`` without a second derivative: a
+    backward through it (a double backward of ``what``) raises a NotImplementedError naming both."""
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"double backward through splitsoftmax {what} is not supported: its gradient (splitsoftmax::{op}) "
+            f"is not differentiable; take one derivative (create_graph=True works only where the result is "
+            f"not differentiated again through {what})")
+
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+    return backward, setup_context
+

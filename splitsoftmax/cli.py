@@ -6,7 +6,17 @@ import importlib
 import sys
 from typing import Optional, Sequence
 
-BENCHES = ("softmax", "attention", "ring", "cross_entropy", "host", "model", "vocab")
+BENCH_HELP = {
+    "softmax": "softmax, log_softmax and logsumexp beside torch's, at model shapes and over a sweep of row lengths",
+    "attention": "ss.attention beside SDPA flash, SDPA cuDNN and FlexAttention, forward and backward",
+    "ring": "attention over a sequence sharded across ranks beside torch's context parallelism "
+            "(GPUs over NCCL, or CPU ranks over Gloo)",
+    "cross_entropy": "ss.cross_entropy beside torch.nn.functional.cross_entropy",
+    "host": "host time per call at short lengths beside torch",
+    "model": "a Hugging Face training step of a Llama-shaped model with random weights",
+    "vocab": "the vocabulary statistics (log-probabilities, entropy, KL) beside torch, in parts",
+}
+BENCHES = tuple(BENCH_HELP)
 # benches that time one GPU (ring also runs on CPU ranks)
 CUDA_BENCHES = ("softmax", "attention", "cross_entropy", "host", "model", "vocab")
 HELP = {
@@ -37,10 +47,26 @@ def _trace(args: Sequence[str]) -> int:
     return main()
 
 
+def _rest(parser: argparse.ArgumentParser, what: str) -> None:
+    """The positional ``args``: everything after the command, ``--help`` included, none required."""
+    parser.add_argument("args", nargs=argparse.REMAINDER, help=what).required = False
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    width = max(map(len, BENCHES))
+    parser = argparse.ArgumentParser(
+        prog="splitsoftmax bench", description="benchmarks of splitsoftmax against its peers; "
+        f"{', '.join(CUDA_BENCHES)} time one CUDA device, ring runs on GPUs or CPU ranks",
+        epilog="\n".join(f"{b:<{width}}  {v}" for b, v in BENCH_HELP.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=BENCHES, help="the benchmark (listed below)")
+    _rest(parser, "the benchmark's options (see bench <name> --help)")
+    return parser
+
+
 def _bench(args: Sequence[str]) -> int:
-    if not args or args[0] not in BENCHES:
-        print(f"usage: python -m splitsoftmax bench {{{','.join(BENCHES)}}} [options]", file=sys.stderr)
-        return 2
+    ns = _bench_parser().parse_args(list(args))
+    args = [ns.name, *ns.args]
     asks_help = any(a in ("-h", "--help") for a in args[1:])
     if args[0] in CUDA_BENCHES and not asks_help:
         import torch
@@ -68,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      epilog="\n".join(f"{k}: {v}" for k, v in HELP.items()),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=("trace", "verify", "bench", "env", "warmup"))
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments of the command (see <command> --help)")
+    _rest(parser, "arguments of the command (see <command> --help)")
     ns = parser.parse_args(argv)
     if ns.command == "trace":
         return _trace(ns.args)

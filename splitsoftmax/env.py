@@ -55,11 +55,24 @@ def _devices() -> list[str]:
     return [f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())]
 
 
-def report() -> str:
+def _backends() -> str:
+    """The torch.distributed backends usable here; each other one with why not (NCCL needs a GPU)."""
     dist = torch.distributed
-    backends = [name for name, ok in (("NCCL", dist.is_available() and dist.is_nccl_available()),
-                                      ("Gloo", dist.is_available() and dist.is_gloo_available()),
-                                      ("MPI (torch)", dist.is_available() and dist.is_mpi_available())) if ok]
+    if not dist.is_available():
+        return "unavailable (torch built without torch.distributed)"
+    parts = []
+    for name, built in (("NCCL", dist.is_nccl_available()), ("Gloo", dist.is_gloo_available()),
+                        ("MPI (torch)", dist.is_mpi_available())):
+        if not built:
+            parts.append(f"{name} unavailable (torch built without it)")
+        elif name == "NCCL" and not torch.cuda.is_available():
+            parts.append(f"{name} unavailable (no CUDA device)")
+        else:
+            parts.append(name)
+    return "; ".join(sorted(parts, key=lambda p: "unavailable" in p))
+
+
+def report() -> str:
     cuda = torch.cuda.is_available()
     kernels = ("yes (CUDA)" if cuda and triton_available() else
                "yes (interpreter, TRITON_INTERPRET=1)" if interpreting() and triton_available() else
@@ -72,7 +85,7 @@ def report() -> str:
         ("numpy", _version("numpy")),
         ("transformers", _version("transformers")),
         ("devices", "; ".join(_devices())),
-        ("torch.distributed", ", ".join(backends) or "unavailable"),
+        ("torch.distributed", _backends()),
         ("MPI", _mpi()),
         ("launchers", _launchers()),
         ("settings", _settings()),

@@ -337,3 +337,5 @@ _autograd("logsumexp_bwd", ag.logsumexp_bwd_backward, ag.setup_logsumexp_bwd)
 _autograd("attn_fwd", ag.attention_backward, ag.setup_attention)
 _autograd("merge_fwd", ag.merge_backward, ag.setup_merge)
 _autograd("ce_fwd", ag.cross_entropy_backward, ag.setup_cross_entropy)
+for _name, _what in (("attn_bwd", "attention"), ("attn_bwd_prep", "attention"), ("ce_bwd", "cross_entropy")):
+    _autograd(_name, *ag.once_differentiable(_what, _name))

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .autograd import once_differentiable
 from .kernels import vocab_cpu
 from .kernels.vocab_cpu import kl_coef, stats_coefs
 from .local import use_triton
@@ -124,3 +125,6 @@ def _kl_backward(ctx, g, _g_rows):
 
 register_autograd("splitsoftmax::vocab_fwd", _vocab_backward, setup_context=_setup_vocab)
 register_autograd("splitsoftmax::kl_fwd", _kl_backward, setup_context=_setup_kl)
+for _name, _what in (("vocab_bwd", "the vocabulary statistics"), ("kl_bwd", "kl_div")):
+    _backward, _setup = once_differentiable(_what, _name)
+    register_autograd(f"splitsoftmax::{_name}", _backward, setup_context=_setup)

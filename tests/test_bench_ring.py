@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SS_METHODS = {"ss-ring", "ss-allgather", "ss-ring-nocomm"}
 CP_METHODS = {f"torch-cp-{b}-{rot}" for b in ("flash", "cudnn") for rot in ("allgather", "alltoall")}
 ONE_GPU_PEERS = {"1gpu-sdpa-flash", "1gpu-sdpa-cudnn"}
+ONE = "1cpu-ss"  # splitsoftmax on one device: a CPU rank here
 VARIANTS = ("documents", "window")
 # visible (query, key) pairs at S=64 of the CPU defaults: 4 documents of 16, a window of 16 keys
 PAIRS = {"documents": 4 * 16 * 17 // 2, "window": sum(min(i + 1, 16) for i in range(64))}
@@ -54,17 +55,17 @@ def test_every_shape_and_method_recorded(bench):
     assert data["meta"]["H"] == 4 and data["meta"]["Hkv"] == [4, 2] and data["meta"]["variants"] == list(VARIANTS)
     for s, hkv, variant, causal, mode in {_shape(r) for r in rows}:
         here = {r["method"]: r for r in rows if _shape(r) == (s, hkv, variant, causal, mode)}
-        for m in SS_METHODS | {"1gpu-ss"}:
+        for m in SS_METHODS | {ONE}:
             r = here[m]
             assert r["ms"] > 0 and r["reps"] >= 2 and r["tflops_per_gpu"] > 0, r
-            assert r["P"] == (1 if m == "1gpu-ss" else 2)
+            assert r["P"] == (1 if m == ONE else 2)
         if variant == "plain":
             peers = CP_METHODS | ({f"{m}-nolb" for m in CP_METHODS} if not causal else set()) | ONE_GPU_PEERS
         else:
             peers = {"torch-cp-flex", "1gpu-flex"}
         for m in peers:
             assert "ms" not in here[m] and "CUDA" in here[m]["skipped"], here[m]
-        assert set(here) == SS_METHODS | {"1gpu-ss"} | peers
+        assert set(here) == SS_METHODS | {ONE} | peers
 
 
 def test_tflops_formula(bench):
@@ -84,12 +85,13 @@ def test_derived_and_decode(bench):
     for d in data["derived"]:
         key = _shape(d)
         ring = by[(*key, "ss-ring")]
-        assert d["efficiency_vs_1gpu-ss"] == pytest.approx(by[(*key, "1gpu-ss")] / (2 * ring))
+        assert d["efficiency_vs_1cpu-ss"] == pytest.approx(by[(*key, ONE)] / (2 * ring))
+        assert "efficiency_vs_1gpu-ss" not in d
         assert d["ring_over_nocomm"] == pytest.approx(ring / by[(*key, "ss-ring-nocomm")])
         assert "ring_over_torch_cp_best" not in d  # no torch CP on CPU
     dec = data["decode"]
     assert dec["keys"] == 4096 and dec["max_abs_diff_vs_1gpu"] < 1e-5
-    assert {r["method"] for r in dec["rows"] if "ms" in r} == {"tree", "local-split-kv", "small-allreduce", "1gpu-ss"}
+    assert {r["method"] for r in dec["rows"] if "ms" in r} == {"tree", "local-split-kv", "small-allreduce", ONE}
     assert dec["tree_over_local_plus_allreduce"] > 0
 
 
@@ -97,6 +99,9 @@ def test_table_and_plots(bench):
     _, stdout, out = bench
     assert "ss-ring-nocomm" in stdout and "decode 4096 keys" in stdout
     assert stdout.count(" ok") >= 10
+    assert "1gpu-ss" not in stdout and f" {ONE} " in stdout  # no GPU ran here
+    reason = "torch context parallel over FlexAttention needs CUDA and an NCCL group"
+    assert any(line.endswith(reason) for line in stdout.splitlines())  # the reason whole
     pytest.importorskip("matplotlib")
     for name in ("ring_p2_time.png", "ring_p2_tflops.png", "ring_scaling.png"):
         assert (out / name).stat().st_size > 1000
@@ -182,3 +187,22 @@ def test_a_stopped_run_keeps_the_shapes_it_measured(tmp_path, monkeypatch, capsy
     assert data["complete"] is False and [r["method"] for r in data["results"]] == ["ss-ring"]
     assert data["results"][0]["ms"] == 1.5
     assert "ss-ring" in capsys.readouterr().out
+
+
+def test_table_keeps_a_long_reason_whole():
+    """A skip's or an error's reason is printed whole, whatever its length."""
+    from splitsoftmax.bench.ring import row_lines
+    reason = "RuntimeError: " + "a reason longer than any column width, " * 4 + "ending here"
+    row = {"S": 64, "Hkv": 4, "variant": "plain", "causal": True, "mode": "fwd", "method": "torch-cp-flash-allgather"}
+    lines = row_lines([row | {"error": reason}, row | {"skipped": reason}])
+    assert all(line.endswith(reason) for line in lines), lines
+
+
+def test_single_device_row_named_for_its_device():
+    """``1gpu-ss`` on GPUs, ``1cpu-ss`` on CPU ranks; the efficiency is against whichever ran."""
+    from splitsoftmax.bench.ring import derived, single_ss
+    assert single_ss(_OneRank()) == "1cpu-ss"
+    assert single_ss(type("GpuRank", (_OneRank,), {"cuda": True})()) == "1gpu-ss"
+    base = {"S": 64, "Hkv": 4, "variant": "plain", "causal": True, "mode": "fwd"}
+    d, = derived([base | {"method": "ss-ring", "ms": 2.0}, base | {"method": "1cpu-ss", "ms": 3.0}], 2)
+    assert d["efficiency_vs_1cpu-ss"] == pytest.approx(0.75)

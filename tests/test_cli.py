@@ -58,3 +58,65 @@ def test_verify_default_runs_every_sharded_op_on_cpu_ranks():
                  "zigzag", "contiguous"):
         assert what in r.stdout, what
     assert "on 4 ranks (cpu)" in r.stderr  # progress lines
+
+
+def test_bench_help_lists_the_benches():
+    r = run("bench", "--help")
+    assert r.returncode == 0, r.stderr
+    from splitsoftmax.cli import BENCH_HELP
+    for name, what in BENCH_HELP.items():
+        assert f"{name}  " in r.stdout and what in r.stdout.replace("\n", " ")
+
+
+def test_without_a_command_only_the_command_is_required():
+    r = run()
+    assert r.returncode == 2
+    assert "required: command" in r.stderr and "args" not in r.stderr, r.stderr
+
+
+def test_env_without_cuda_lists_nccl_unavailable(monkeypatch):
+    """torch built with NCCL on a machine without a GPU: NCCL is listed as unavailable, with why."""
+    import torch
+
+    from splitsoftmax import env
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    line = next(x for x in env.report().splitlines() if x.startswith("torch.distributed"))
+    assert "NCCL unavailable (no CUDA device)" in line
+    assert "NCCL" not in line.replace("NCCL unavailable (no CUDA device)", "")
+
+
+def test_verify_table_aligned_on_long_names():
+    from splitsoftmax.compare import Row, table
+    rows = [Row("short fwd", "ring", "zigzag", 1e-7, 2e-7, 0.5),
+            Row("sharded_attention variants S=79 docs+window+cap+sinks+pad bwd", "tree", "contiguous", 3e-7, 2e-7,
+                None)]
+    lines = table(rows).splitlines()
+    col = lines[0].index("schedule")
+    assert [line[col:col + 4] for line in lines[1:]] == ["ring", "tree"]
+    assert len({line.index("e-07") for line in lines[1:]}) == 1
+
+
+def test_verify_bf16_tolerance_scales_with_the_result(monkeypatch):
+    """bf16 softmax off by 0.02 in one entry (within the old 4 ulps at 1, 0.031) is a mismatch: the
+    bound is torch's own error and the rounding of the truth, both relative to the result; the
+    table exits non-zero, and every other row still passes."""
+    import io
+
+    import torch
+
+    from splitsoftmax import functional as F
+    from splitsoftmax import verify
+    right = F.softmax
+
+    def wrong(x, *a, **kw):
+        y = right(x, *a, **kw)
+        return y + torch.zeros_like(y).index_put_((torch.tensor([0]), torch.tensor([7])), torch.tensor(0.02, dtype=y.dtype))
+    monkeypatch.setattr(F, "softmax", wrong)
+    torch.manual_seed(0)
+    rows = verify.single_device_rows("cpu", torch.bfloat16)
+    bad = [r for r in rows if not r.ok]
+    assert [r.op for r in bad] == ["softmax 33x1000 fwd"] and bad[0].tol < 0.02, [(r.op, r.err, r.tol) for r in rows]
+    assert all(r.tol < 0.2 for r in rows)  # the peer's own error bounds the widest (logsumexp's gradient)
+    out = io.StringIO()
+    assert verify.run_table(lambda: rows, stream=out) == 1 and "MISMATCH" in out.getvalue()

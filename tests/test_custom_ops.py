@@ -206,3 +206,23 @@ def test_calls_needing_autograd_take_the_op():
     with fwAD.dual_level():
         assert not ops.plain_eager(x.detach())
     assert not torch.func.vmap(lambda r: torch.tensor(ops.plain_eager(r)))(x.detach()).any()
+
+
+@pytest.mark.parametrize("what", ["attention", "cross_entropy", "kl_div"])
+def test_double_backward_is_a_clear_error(what):
+    """A second derivative through an op without one: our NotImplementedError naming the op, not
+    torch's message about a missing autograd formula."""
+    import splitsoftmax as ss
+    gen = torch.Generator().manual_seed(0)
+    if what == "attention":
+        leaf, *rest = [torch.randn(1, 2, 5, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+        loss = ss.attention(leaf, *rest).square().sum()
+    elif what == "cross_entropy":
+        leaf = torch.randn(4, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+        loss = ss.cross_entropy(leaf, torch.tensor([0, 3, 6, 2]))
+    else:
+        leaf = torch.randn(4, 7, generator=gen, dtype=torch.float64, requires_grad=True)
+        loss = ss.kl_div(leaf, torch.randn(4, 7, generator=gen, dtype=torch.float64)).sum()
+    (g,) = torch.autograd.grad(loss, leaf, create_graph=True)
+    with pytest.raises(NotImplementedError, match=f"double backward through splitsoftmax {what} is not supported"):
+        g.square().sum().backward()

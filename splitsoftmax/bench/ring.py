@@ -13,7 +13,7 @@ Hkv, causal and not, forward and forward+backward, it times
   Hkv < H), one per rotate method; the fastest of them is the peer. Non-causal under torch's
   default head-tail balancer is refused by torch (recorded); ``-nolb`` runs it with balancing off;
 - ``1gpu-ss``, ``1gpu-sdpa-flash``, ``1gpu-sdpa-cudnn``: one GPU (rank 0's) on the full sequence;
-  scaling efficiency is ``T_1gpu / (P * T_P)``;
+  scaling efficiency is ``T_1gpu / (P * T_P)`` (on CPU ranks the single-device row is ``1cpu-ss``);
 
 Then the variants across the ranks (``--variants``; causal, every S and Hkv): ``documents``
 (``--docs`` equal packed documents, per-document zigzag shards) and ``window`` (``--window`` keys),
@@ -88,6 +88,14 @@ class World:
     def say(self, msg: str) -> None:
         if self.rank == 0:
             print(msg, file=sys.stderr, flush=True)
+
+
+def single_ss(w: World) -> str:
+    """The name of splitsoftmax's single-device row: ``1gpu-ss`` on GPUs, ``1cpu-ss`` on CPU ranks."""
+    return "1gpu-ss" if w.cuda else "1cpu-ss"
+
+
+SINGLE_SS = ("1gpu-ss", "1cpu-ss")
 
 
 class Skip(Exception):
@@ -364,7 +372,7 @@ def bench_shape(w: World, s: int, hkv: int, causal: bool, backward: bool, opts,
         w.say(f"  {name}")
         rows.append(run_method(w, name, make, opts) | {"P": w.size})
     del local
-    ones = [("1gpu-ss", one_gpu(w, full, causal, backward, None, kw))]
+    ones = [(single_ss(w), one_gpu(w, full, causal, backward, None, kw))]
     if variant:
         ones.append(("1gpu-flex", one_gpu_flex(w, full, backward, s, variant)))
     else:
@@ -400,7 +408,7 @@ def derived(rows: list, world: int) -> list:
                 peak = next(r.get("peak_gib") for r in here if r["method"] == "ss-ring")
                 if peak is not None and all("peak_gib" in r for r in cp):
                     d["ring_peak_over_torch_cp_least"] = peak / min(r["peak_gib"] for r in cp)
-            for base in ("1gpu-ss", "1gpu-flex", *(f"1gpu-sdpa-{b}" for b in SDPA_BACKENDS)):
+            for base in (*SINGLE_SS, "1gpu-flex", *(f"1gpu-sdpa-{b}" for b in SDPA_BACKENDS)):
                 if base in ms:
                     d[f"efficiency_vs_{base}"] = ms[base] / (world * ring)
             if "ss-ring-nocomm" in ms:
@@ -434,7 +442,7 @@ def decode(w: World, opts) -> dict:
     cases = [("tree", lambda: contextlib.nullcontext(tree), True),
              ("local-split-kv", lambda: contextlib.nullcontext(lambda: ss.attention(q, kl, vl)), True),
              ("small-allreduce", contextlib.contextmanager(small_allreduce), True),
-             ("1gpu-ss", lambda: contextlib.nullcontext(lambda: ss.attention(q, kf, vf)), False)]
+             (single_ss(w), lambda: contextlib.nullcontext(lambda: ss.attention(q, kf, vf)), False)]
     with torch.no_grad():
         for name, make, coll in cases:
             w.say(f"  decode {name}")
@@ -540,7 +548,8 @@ def write(out_dir: str, world: int, result: dict) -> str:
 
 
 def row_lines(rows: list) -> list:
-    """One table line per row of ``rows`` (:func:`render`'s)."""
+    """One table line per row of ``rows`` (:func:`render`'s); the note (a skip's or an error's
+    reason) whole, last on the line."""
     lines = []
     for r in rows:
         note = r.get("skipped") or r.get("error") or ""
@@ -548,7 +557,7 @@ def row_lines(rows: list) -> list:
         tf = f"{r['tflops_per_gpu']:11.1f}" if "ms" in r else f"{'-':>11}"
         peak = f"{r['peak_gib']:8.2f}" if "peak_gib" in r else f"{'-':>8}"
         lines.append(f"{r['S']:>7} {r['Hkv']:>4} {r['variant']:>9} {str(r['causal']):>6} {r['mode']:>7} "
-                     f"{r['method']:<28} {ms} {tf} {peak}  {note[:60]}")
+                     f"{r['method']:<28} {ms} {tf} {peak}  {note}".rstrip())
     return lines
 
 
@@ -604,15 +613,15 @@ def plots(out_dir: str) -> list:
     series = {}
     for world, data in runs.items():
         for d in data.get("derived", []):
-            if "efficiency_vs_1gpu-ss" in d:
+            for key in (f"efficiency_vs_{base}" for base in SINGLE_SS if f"efficiency_vs_{base}" in d):
                 label = (f"S={d['S']} Hkv={d['Hkv']} {d['variant']} {'causal' if d['causal'] else 'full'} "
                          f"{d['mode']}")
-                series.setdefault(label, []).append(
-                    (world, d["efficiency_vs_1gpu-ss"]))
+                series.setdefault(label, []).append((world, d[key]))
     for label, xy in sorted(series.items()):
         xy.sort()
         ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=label)
-    ax.set(xlabel="world size (GPUs)", ylabel="T_1gpu / (P * T_P)", title="ss-ring scaling efficiency vs 1gpu-ss")
+    ax.set(xlabel="world size (ranks)", ylabel="T_1 / (P * T_P)",
+           title="ss-ring scaling efficiency vs splitsoftmax on one device")
     ax.axhline(1.0, color="gray", lw=0.5)
     ax.legend(fontsize=7)
     files.append(os.path.join(out_dir, "ring_scaling.png"))

@@ -181,5 +181,5 @@ def test_packed_sequences_need_use_cache_false_in_a_hand_written_loop():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     tour = readme[readme.index("## Hugging Face transformers"):]
-    assert re.search(r"packed[^\n]*\n?[^\n]*use_cache=False", tour, re.I), "README: packed sequences need use_cache=False"
+    assert re.search(r"packed[^\n]*\n?[^\n]*use_cache=False", tour, re.I), "README: packed needs use_cache=False"
     assert "splitsoftmax_sp" in tour and "loss_scale" in tour and "trainer_sp_example.py" in tour

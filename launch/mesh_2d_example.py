@@ -2,15 +2,16 @@
 
 Each of the ``dp`` replicas trains on its own batch; the ``cp`` ranks of a replica hold zigzag
 shards of that batch's sequences (``shard_inputs``) and run the attention layers with
-``ss.sharded_attention`` over their ``cp`` group (``register(mesh["cp"], sequence_parallel=True)``).
+``ss.sharded_attention`` over their ``cp`` group (``register(mesh["cp"])`` and a model loaded with
+``attn_implementation="splitsoftmax_sp"``).
 
 The loss, which is where one-process equality is won or lost: with ``shard_inputs`` each rank's
 loss is the sum of its tokens' losses divided by ``num_items_in_batch``, so a replica's ``cp``
 losses *sum* to its mean loss. DDP (and FSDP2, whose reduce-scatter averages the same way) over
-all ``P = dp * cp`` ranks *averages* gradients, dividing by ``P``. So ``num_items_in_batch`` is
-set to the predicted tokens of every replica (an all-reduce over ``dp``) and each rank's loss is
-multiplied by ``P``: the averaged gradient is then exactly the gradient of the mean loss over the
-whole global batch, as one process computes it (the same rule as the Trainer's
+all ``P = dp * cp`` ranks *averages* gradients, dividing by ``P``. ``shard_inputs(...,
+dp_group=mesh["dp"])`` counts the predicted tokens of every replica in ``num_items_in_batch`` and
+returns ``loss_scale = P``; the loss multiplied by it gives, averaged, exactly the gradient of the
+mean loss over the whole global batch, as one process computes it (the same rule as the Trainer's
 ``average_tokens_across_devices``). This script checks that, forward and backward, against one
 process running the whole batch with ``attn_implementation="sdpa"``, and exits non-zero on a mismatch.
 
@@ -42,23 +43,20 @@ def models(device):
     """The same random tiny Llama twice: ``splitsoftmax`` (trained here) and ``sdpa`` (the check)."""
     import transformers
     torch.manual_seed(0)
-    ours = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attn_implementation="splitsoftmax"))
+    ours = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attn_implementation="splitsoftmax_sp"))
     ref = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, attn_implementation="sdpa"))
     ref.load_state_dict(ours.state_dict())
     return ours.to(device), ref.to(device)
 
 
-def step(ddp, ids, mesh, world: int):
+def step(ddp, ids, mesh):
     """One training step of this rank: its replica's rows, its cp shard, the loss scaled for DDP."""
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     rows = ids.shape[0] // dp
     mine = ids[dp_rank * rows:(dp_rank + 1) * rows]
-    inputs = sst.shard_inputs(mine, labels=mine)  # over the cp group given to register()
-    count = torch.tensor([inputs["num_items_in_batch"]], device=ids.device)
-    dist.all_reduce(count, group=mesh["dp"].get_group())  # predicted tokens of every replica
-    inputs["num_items_in_batch"] = int(count)
+    inputs = sst.shard_inputs(mine, labels=mine, dp_group=mesh["dp"])  # over the cp group given to register()
     loss = ddp(**inputs).loss
-    (loss * world).backward()  # DDP averages over all `world` ranks
+    (loss * inputs.loss_scale).backward()  # DDP averages over all dp * cp ranks
     return loss.detach()
 
 
@@ -81,12 +79,12 @@ def main(argv=None) -> int:
         print(f"--dp {opts.dp} x --cp {opts.cp} != {world} ranks", file=sys.stderr)
         return 2
     mesh = init_device_mesh(device.type, (opts.dp, opts.cp), mesh_dim_names=("dp", "cp"))
-    sst.register(mesh["cp"], sequence_parallel=True)
+    sst.register(mesh["cp"])
     ours, ref = models(device)
     ddp = torch.nn.parallel.DistributedDataParallel(ours, device_ids=[device.index] if device.type == "cuda" else None)
     ids = torch.randint(0, SMALL["vocab_size"], (2 * opts.dp, opts.seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
-    loss = step(ddp, ids, mesh, world)
+    loss = step(ddp, ids, mesh)
     dist.all_reduce(loss)  # the ranks' shares of the global mean loss
     want = ref(ids, labels=ids).loss
     want.backward()

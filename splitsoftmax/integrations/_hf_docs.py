@@ -139,16 +139,22 @@ def flash_kwargs(cu: Tensor, device) -> dict:
     return {"cu_seq_lens_q": dev, "cu_seq_lens_k": dev, "max_length_q": longest, "max_length_k": longest}
 
 
-def check_shard_positions(module, position_ids: Optional[Tensor], local: int, cu, group, where: str) -> None:
+def check_shard_positions(module, position_ids: Optional[Tensor], local: int, cu, group, where: str,
+                          generating: Optional[str] = None) -> None:
     """First layer, sequence parallel: ``position_ids`` must be this rank's zigzag shard (per
     document) of positions restarting at every document; checked on the gathered whole, so every
-    rank reaches the same verdict."""
+    rank reaches the same verdict. ``generating``: the advice to give where a KV cache is in use
+    (whole sequences with a cache are what ``generate`` passes), instead of sharding the inputs."""
     if position_ids is None or position_ids.is_meta or getattr(module, "layer_idx", 0) not in (0, None):
         return
     extra = {} if cu is None else {"cu_seqlens": cu}
     full = unshard(position_ids.contiguous(), position_ids.dim() - 1, group=group, layout="zigzag", **extra)
     want = positions(cu, full.shape[-1], full.device)
     if position_ids.shape[-1] != local or not bool((full == want).all()):
+        if generating:
+            raise ValueError(f"{WHO}{where} (sequence-parallel): position_ids are not the zigzag shards of positions "
+                             f"0..S-1 and a KV cache is in use (use_cache=True), as in generate(): {generating}")
         raise ValueError(f"{WHO}{where} (sequence-parallel): position_ids are not the zigzag shards of positions "
-                         "0..S-1 (restarting per document); shard input_ids, position_ids and labels with "
-                         "splitsoftmax.integrations.transformers.shard_inputs")
+                         "0..S-1 (restarting per document); to train, shard input_ids, position_ids and labels with "
+                         "splitsoftmax.integrations.transformers.shard_inputs; to run whole sequences on every rank "
+                         "(evaluation, generation), use local attention: attn_implementation='splitsoftmax'")

@@ -12,10 +12,14 @@ to the keywords of ``ss.attention``:
   ``DataCollatorWithFlattening`` gives them) -> ``cu_seqlens``; ``sliding_window`` -> ``window_size``;
   ``softcap`` -> ``softcap``; ``s_aux`` (attention sinks) -> ``sinks``.
 
-Two modes. By default every process computes attention over its own batch with ``ss.attention``
-(one process, or data parallelism: DDP, FSDP). With ``register(group, sequence_parallel=True)``
-every rank of ``group`` holds its zigzag shard of the sequence (per document when packed; see
-:func:`shard_inputs`) and the layers run ``ss.sharded_attention``. Under ``torch.autocast`` q, k, v
+Two modes, chosen per model by its ``attn_implementation``. ``"splitsoftmax"``: every process
+computes attention over its own batch with ``ss.attention`` (one process, or data parallelism: DDP,
+FSDP). ``"splitsoftmax_sp"``: sequence parallelism over the group given to :func:`register`; every
+rank of it holds its zigzag shard of the sequence (per document when packed; see
+:func:`shard_inputs`) and the layers run ``ss.sharded_attention``. ``register(group,
+sequence_parallel=True)`` makes ``"splitsoftmax"`` sequence-parallel too (the older spelling). A
+sequence-parallel model cannot generate (no KV cache across ranks): it is refused, naming the switch
+to local attention. Under ``torch.autocast`` q, k, v
 are cast like SDPA's. What cannot be expressed (dropout, attention weights, a 4-D mask tensor,
 custom mask patterns, padding with holes) raises ``ValueError``; nothing silently differs from
 ``attn_implementation="sdpa"``.
@@ -30,21 +34,25 @@ from torch import Tensor
 from .._autocast import like_sdpa
 from ..distributed import shard, sharded_attention
 from ..distributed.comm import as_comm
+from ..distributed.tree import allreduce_sum
 from ..functional import attention
 from . import _hf_docs as docs
 from ._hf_masks import Visibility, build
 
 NAME = "splitsoftmax"
+SP_NAME = "splitsoftmax_sp"
 WHO = "attn_implementation='splitsoftmax'"
 _CONFIG = {"group": None, "sequence_parallel": False}
 
 
 def register(group=None, *, sequence_parallel: bool = False) -> str:
-    """Register ``attn_implementation="splitsoftmax"`` with transformers; returns the name.
+    """Register ``attn_implementation="splitsoftmax"`` and ``"splitsoftmax_sp"`` with transformers;
+    returns ``"splitsoftmax"``.
 
-    By default every process computes attention over its own batch (one process, or data
-    parallelism). ``sequence_parallel=True``: the layers run ``ss.sharded_attention`` over ``group``
-    (None: the default group; a ProcessGroup, a 1-d DeviceMesh) on inputs sharded by :func:`shard_inputs`.
+    The mode belongs to the model: ``"splitsoftmax"`` computes attention over each process's own
+    batch (one process, or data parallelism); ``"splitsoftmax_sp"`` runs ``ss.sharded_attention``
+    over ``group`` (None: the default group; a ProcessGroup, a 1-d DeviceMesh) on inputs sharded by
+    :func:`shard_inputs`. ``sequence_parallel=True`` makes ``"splitsoftmax"`` sequence-parallel as well.
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
@@ -52,19 +60,32 @@ def register(group=None, *, sequence_parallel: bool = False) -> str:
         raise TypeError(f"sequence_parallel must be a bool, got {sequence_parallel!r}")
     _CONFIG.update(group=group, sequence_parallel=sequence_parallel)
     AttentionInterface.register(NAME, attention_forward)
+    AttentionInterface.register(SP_NAME, sharded_attention_forward)
     AttentionMaskInterface.register(NAME, build)
+    AttentionMaskInterface.register(SP_NAME, build)
     return NAME
 
 
-def _sharded() -> bool:
-    """Whether the layers run sequence-parallel: asked for, and a group of more than one rank."""
+def _sharded(sequence_parallel: Optional[bool]) -> bool:
+    """Whether the layers run sequence-parallel: asked for (None: as :func:`register` set
+    ``"splitsoftmax"``), and a group of more than one rank."""
     import torch.distributed as dist
-    if not _CONFIG["sequence_parallel"]:
+    if not (_CONFIG["sequence_parallel"] if sequence_parallel is None else sequence_parallel):
         return False
     if not (dist.is_available() and dist.is_initialized()) and _CONFIG["group"] is None:
-        raise ValueError(f"{WHO}: register(sequence_parallel=True) needs an initialised torch.distributed "
-                         "group (or pass group=...)")
+        raise ValueError(f"attn_implementation='{SP_NAME}' (or register(sequence_parallel=True)) needs an "
+                         "initialised torch.distributed group (or register(group=...))")
     return as_comm(_CONFIG["group"]).size > 1
+
+
+def _generation_advice() -> str:
+    """What to do instead of generating with sequence-parallel layers (this transformers' spelling)."""
+    from transformers import PreTrainedModel
+    switch = ("model.set_attn_implementation('splitsoftmax')" if hasattr(PreTrainedModel, "set_attn_implementation")
+              else "model.config._attn_implementation = 'splitsoftmax'")
+    return ("sequence-parallel layers cannot generate or evaluate with a KV cache (it would hold shards). Run "
+            "generation on whole sequences with local attention, attn_implementation='splitsoftmax' or 'sdpa' (the "
+            f"weights are whole on every rank): {switch}, or load the model with that attn_implementation")
 
 
 def _refuse_extras(dropout: float, kwargs: dict) -> None:
@@ -134,19 +155,27 @@ def _variants(vis: Visibility, sliding_window, softcap, s_aux, where: str) -> di
 
 def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
                       scaling: Optional[float] = None, is_causal: Optional[bool] = None, sliding_window=None,
-                      softcap: Optional[float] = None, s_aux: Optional[Tensor] = None, **kwargs) -> tuple:
+                      softcap: Optional[float] = None, s_aux: Optional[Tensor] = None, *,
+                      sequence_parallel: Optional[bool] = None, **kwargs) -> tuple:
     """transformers attention function: ``query (B, H, Sq, D)``, ``key/value (B, Hkv, Sk, D)``
-    -> ``(out (B, Sq, H, Dv), None)``. GQA by ``H % Hkv``, ``scaling`` as the score scale."""
+    -> ``(out (B, Sq, H, Dv), None)``. GQA by ``H % Hkv``, ``scaling`` as the score scale.
+    ``sequence_parallel``: None as :func:`register` set ``"splitsoftmax"``."""
     _refuse_extras(dropout, kwargs)
     layer = getattr(module, "layer_idx", None)
     where = f" (layer {layer})" if layer is not None else ""
     vis = _visibility(attention_mask, module, is_causal, query, key, where)
     kw = dict(_variants(vis, sliding_window, softcap, s_aux, where), causal=vis.causal, scale=scaling)
-    if _sharded():
+    if _sharded(sequence_parallel):
         out = _sharded_forward(module, query, key, value, vis, kw, kwargs, where)
     else:
         out = _local_forward(module, query, key, value, vis, kw, kwargs, where)
     return out.transpose(1, 2).contiguous(), None
+
+
+def sharded_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, **kwargs) -> tuple:
+    """``attn_implementation="splitsoftmax_sp"``: :func:`attention_forward`, sequence-parallel over
+    the group given to :func:`register` whatever its ``sequence_parallel``."""
+    return attention_forward(module, query, key, value, attention_mask, sequence_parallel=True, **kwargs)
 
 
 def _flatten(t: Tensor) -> Tensor:
@@ -176,24 +205,34 @@ def _local_forward(module, q, k, v, vis: Visibility, kw: dict, kwargs: dict, whe
 def _sharded_forward(module, q, k, v, vis: Visibility, kw: dict, kwargs: dict, where: str) -> Tensor:
     """Sequence parallel: this rank's zigzag shard of the sequence, ``ss.sharded_attention``."""
     if q.shape[2] != k.shape[2] or (isinstance(vis.q_offset, int) and vis.q_offset):
-        raise ValueError(f"{WHO}{where} (sequence-parallel): queries ({q.shape[2]}) and keys ({k.shape[2]}) differ; "
-                         "a KV cache is not supported across ranks")
+        raise ValueError(f"{WHO}{where} (sequence-parallel): queries ({q.shape[2]}) and keys ({k.shape[2]}) differ, "
+                         f"a KV cache (a generation step): {_generation_advice()}")
     if vis.kv_range is not None:
         raise ValueError(f"{WHO}{where} (sequence-parallel) does not take padding masks; pack the sequences "
                          "instead (shard_inputs with position_ids that restart, or cu_seqlens)")
     cu = docs.given(kwargs)
     group = _CONFIG["group"]
-    docs.check_shard_positions(module, kwargs.get("position_ids"), q.shape[2], cu, group, where)
+    docs.check_shard_positions(module, kwargs.get("position_ids"), q.shape[2], cu, group, where,
+                               _generation_advice() if kwargs.get("use_cache") else None)
     if cu is not None:
         kw["cu_seqlens"] = cu
     return like_sdpa(sharded_attention)(q, k, v, group=group, layout="zigzag", **kw)
 
 
+class ShardedInputs(dict):
+    """The keyword arguments of the model (a dict), with ``loss_scale``: the factor by which to
+    multiply the loss when DDP or FSDP averages gradients over every rank that shares the step (the
+    ``dp_group`` ranks times the sequence-parallel ``group``): their product, ``P``."""
+
+    loss_scale: int = 1
+
+
 def shard_inputs(input_ids: Tensor, position_ids: Optional[Tensor] = None, labels: Optional[Tensor] = None, *,
-                 group=None, layout: str = "zigzag", ignore_index: int = -100, cu_seqlens=None) -> dict:
+                 group=None, layout: str = "zigzag", ignore_index: int = -100, cu_seqlens=None,
+                 dp_group=None) -> ShardedInputs:
     """This rank's shards (along the sequence, dim 1) of ``input_ids (B, S)``, ``position_ids``
     (default ``0..S-1``, restarting per document when packed) and ``labels``: a dict to pass to
-    the model as keyword arguments, for ``register(group, sequence_parallel=True)``.
+    the model as keyword arguments, for ``attn_implementation="splitsoftmax_sp"``.
 
     Every rank passes the full tensors. ``group`` defaults to the group given to :func:`register`.
     Packed documents, from ``position_ids`` that restart (the same in every row) or ``cu_seqlens``
@@ -202,7 +241,12 @@ def shard_inputs(input_ids: Tensor, position_ids: Optional[Tensor] = None, label
     ``ignore_index``) and returned sharded as ``labels`` and ``shift_labels``, with
     ``num_items_in_batch`` the global count of predicted tokens: each rank's loss is its tokens'
     share of the global mean, so the ranks' losses (and gradients) **sum** to the one-process loss.
-    A data-parallel wrapper over the same ranks averages instead: see docs/API.md ("2-D meshes").
+
+    ``dp_group``: the data-parallel group whose ranks hold the other batches (every rank of it
+    calls collectively); ``num_items_in_batch`` then counts the tokens of all of them. The result's
+    ``loss_scale`` (``dp_group``'s size times ``group``'s) is what to multiply the loss by where DDP
+    or FSDP averages gradients over those ranks: ``(out.loss * inputs.loss_scale).backward()`` then
+    gives the gradient of the global mean loss, as one process on every batch computes it.
     """
     if layout != "zigzag":
         raise ValueError(f"shard_inputs: layout={layout!r}; the sequence-parallel layers run layout='zigzag' "
@@ -212,12 +256,17 @@ def shard_inputs(input_ids: Tensor, position_ids: Optional[Tensor] = None, label
     if position_ids is None:
         position_ids = docs.positions(cu, input_ids.shape[1], input_ids.device).expand(input_ids.shape[0], -1)
     extra = {} if cu is None else {"cu_seqlens": cu}
-    out = {"input_ids": shard(input_ids, 1, group=group, layout="zigzag", **extra),
-           "position_ids": shard(position_ids.contiguous(), 1, group=group, layout="zigzag", **extra)}
+    out = ShardedInputs(input_ids=shard(input_ids, 1, group=group, layout="zigzag", **extra),
+                        position_ids=shard(position_ids.contiguous(), 1, group=group, layout="zigzag", **extra))
     if cu is not None:
         out.update(docs.flash_kwargs(cu, input_ids.device))
+    dp = None if dp_group is None else as_comm(dp_group)
+    out.loss_scale = as_comm(group).size * (1 if dp is None else dp.size)
     if labels is not None:
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
         out["shift_labels"] = out["labels"] = shard(shifted, 1, group=group, layout="zigzag", **extra)
-        out["num_items_in_batch"] = int((shifted != ignore_index).sum())
+        count = (shifted != ignore_index).sum().reshape(1)
+        if dp is not None and dp.size > 1:
+            count = allreduce_sum(dp, count, "shard_inputs: num_items_in_batch over dp_group")
+        out["num_items_in_batch"] = int(count)
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from functools import lru_cache, partial
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -33,9 +33,18 @@ _TRITON_MODULE = {
 }
 
 
-@lru_cache(maxsize=None)
-def triton_available() -> bool:
-    """Whether Triton imports here (it is a Linux-only dependency)."""
+_ONCE: dict = {}  # what the dispatch computes once per process, by name
+
+
+def _once(key, compute):
+    """``compute()`` on the first call with ``key``, kept: a plain dict read where torch.compile
+    traces the dispatch (it warns of an ``lru_cache`` wrapper in a traced path)."""
+    if key not in _ONCE:
+        _ONCE[key] = compute()
+    return _ONCE[key]
+
+
+def _imports_triton() -> bool:
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -43,11 +52,15 @@ def triton_available() -> bool:
     return True
 
 
-@lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """Whether Triton imports here (it is a Linux-only dependency)."""
+    return _once("triton", _imports_triton)
+
+
 def interpreting() -> bool:
     """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``). Read once, as Triton
     reads it once: its kernels are compiled or interpreted from when they are defined."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return _once("interpret", lambda: os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def use_triton(t: Tensor) -> bool:
@@ -57,10 +70,10 @@ def use_triton(t: Tensor) -> bool:
     return triton_available() and (t.is_cuda or interpreting()) and t.dtype != torch.float64
 
 
-@lru_cache(maxsize=None)
 def _triton_module(name: str):
     """The module of splitsoftmax.kernels holding op ``name``'s Triton launcher (imported on first use)."""
-    return importlib.import_module(f"splitsoftmax.kernels.{_TRITON_MODULE[name]}")
+    module = f"splitsoftmax.kernels.{_TRITON_MODULE[name]}"
+    return _once(module, lambda: importlib.import_module(module))
 
 
 def op(name: str, t: Tensor):
@@ -70,10 +83,9 @@ def op(name: str, t: Tensor):
     return getattr(cpu, name)
 
 
-@lru_cache(maxsize=None)
 def takes_mask(fn) -> bool:
     """Whether the local op ``fn`` has the ``mask`` keyword (the variants' visibility)."""
-    return "mask" in inspect.signature(fn).parameters
+    return _once(("takes_mask", fn.__module__, fn.__qualname__), lambda: "mask" in inspect.signature(fn).parameters)
 
 
 def masked_op(name: str, t: Tensor, mask: Mask):

@@ -17,6 +17,7 @@ from splitsoftmax.distributed import (LoopbackWorld, as_comm, shard, sharded_att
                                       sharded_logsumexp, sharded_softmax, unshard)
 
 from splitsoftmax import reference as ref
+from splitsoftmax.distributed.handshake import REASON_BYTES, handshake
 from splitsoftmax.local import use_triton
 
 NEG_INF = float("-inf")
@@ -220,7 +221,7 @@ def case_mismatch(group):
     with pytest.raises(ValueError, match=r"dtype differs"):
         sharded_attention(*(t.float() if c.rank == 0 else t for t in (q, k, v)), group=group)
     with pytest.raises(ValueError, match=r"schedule='bogus' is not one of|rank\(s\) \[0\] rejected their arguments "
-                                         r"\(rank 0: schedule; see"):
+                                         r"\(rank 0: schedule='bogus' is not one of"):
         sharded_attention(q, k, v, group=group, schedule="bogus" if c.rank == 0 else "ring")
     with pytest.raises(ValueError, match=r"rows differs"):
         sharded_softmax(torch.randn(2 + (c.rank == last), 3, device=DEVICE), group=group)
@@ -230,10 +231,30 @@ def case_mismatch(group):
         sharded_attention(q, k, v, group=group, layout="zigzag" if c.rank == last else "contiguous")
     with pytest.raises(ValueError, match=r"x.shape\[0\] differs across ranks"):  # same row count, other rows
         sharded_softmax(torch.randn(*((2, 6, 3) if c.rank == 0 else (3, 4, 3)), device=DEVICE), group=group)
+    _shard_mismatch(c, group)
     q, k, v, _, _ = _qkv(7, 4 + c.rank, 4 + c.rank)
     with pytest.raises(ValueError, match=r"layout='zigzag' but rank\(s\) \[0"):
         sharded_attention(q, k, v, group=group, layout="zigzag")
     _check_sharded(group, "ring", "contiguous", True, None)
+
+
+def _shard_mismatch(c, group):
+    """shard of a "full" tensor whose values (or length) differ on the last rank: every rank raises,
+    naming the argument and the ranks, before anything is sliced."""
+    last = c.size - 1
+    x = _randn(torch.Generator().manual_seed(3), 2, 3, 9, 4)
+    mine = x.clone()
+    if c.rank == last:
+        mine[1, 2, 8, 3] += 1.0  # one element of the last rank's copy (a per-rank data pipeline)
+    for layout in ("contiguous", "zigzag"):
+        with pytest.raises(ValueError, match=rf"shard: x differs across ranks \(rank\(s\) \[0.*\] hold copy 1; "
+                                             rf"rank\(s\) \[{last}\] hold copy 2\)"):
+            shard(mine, 2, group=group, layout=layout)
+    with pytest.raises(ValueError, match=rf"shard: x.shape\[2\] differs across ranks .*rank\(s\) \[{last}\]: 8"):
+        shard(x[:, :, :9 - (c.rank == last)], 2, group=group)
+    with pytest.raises(ValueError, match=r"x differs across ranks"):  # any dtype: bits compared
+        shard(torch.arange(6, device=DEVICE).view(1, 6) + (c.rank == 0), 1, group=group)
+    assert torch.equal(shard(x, 2, group=group), torch.tensor_split(x, c.size, 2)[c.rank])  # still usable
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8])
@@ -241,6 +262,22 @@ def case_mismatch(group):
                          ids=lambda f: f.__name__)
 def test_loopback(size, case):
     LoopbackWorld(size).run(case)
+
+
+def test_refusal_reasons_reach_every_rank():
+    """Every refusing rank's message reaches every rank in the handshake, cut to ``REASON_BYTES``
+    (a character cut in two is replaced, not an error); the refusing ranks raise their own error."""
+    def run(c):
+        mine = ValueError(f"x is odd on rank {c.rank}: " + "\u00e9" * 2000) if c.rank % 2 else None
+        with pytest.raises(ValueError) as info:
+            handshake(c, "shard", {"a": 1}, None, mine)
+        if mine is not None:
+            assert info.value is mine
+            return
+        msg = str(info.value)
+        assert msg.startswith("shard: rank(s) [1, 3] rejected their arguments (rank 1: x is odd on rank 1: \u00e9"), msg
+        assert "; rank 3: x is odd on rank 3: \u00e9" in msg and len(msg.encode()) < 2 * REASON_BYTES + 200, msg
+    LoopbackWorld(4).run(run)
 
 
 TAGS = {"meta": 11, "kv": 21, "dkv": 22, "gather": 31, "scatter": 32, "tree": 41}

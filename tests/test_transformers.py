@@ -317,3 +317,49 @@ def _sharded_packed(group):
 def test_sharded_gloo_matches_single_process_sdpa(size):
     assert_ok(spawn(size, "tests/test_transformers.py:case_sharded", timeout=300,
                     env={"SPLITSOFTMAX_TIMEOUT": "60"}), f"transformers sharded on {size} Gloo ranks")
+
+
+def _raises_fast(match: str, fn, **kw):
+    """``fn(**kw)`` raises ValueError matching ``match`` within 5 s (the peers' timeout is 60 s)."""
+    import time
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=match):
+        fn(**kw)
+    assert time.monotonic() - start < 5, f"took {time.monotonic() - start:.1f} s"
+
+
+def case_sharded_refusals(group):
+    """Gloo worker, 2 ranks, sequence parallel: what one rank refuses reaches the other with the real
+    reason within seconds; ranks given different batches, or too short a sequence, refused on both."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    _, ours = pair()
+    sst.register(sequence_parallel=True)
+    ids = ids_of(2, 12)
+    inp = sst.shard_inputs(ids, labels=ids)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[:, 10:] = 0  # right padding: in rank 0's zigzag chunks (9..11) only
+    reason = r"\(sequence-parallel\) does not take padding masks"
+    _raises_fast(reason if rank == 0 else rf"rank\(s\) \[0\] rejected their arguments \(rank 0: .*{reason}", ours,
+                 input_ids=inp["input_ids"], position_ids=inp["position_ids"],
+                 attention_mask=ss.shard(mask, 1, layout="zigzag"))
+    _raises_fast(r"shard: input_ids differs across ranks \(rank\(s\) \[0\] hold copy 1; rank\(s\) \[1\] hold copy 2\)",
+                 sst.shard_inputs, input_ids=ids_of(2, 12, seed=1 + rank))  # each rank its own batch
+    _raises_fast(r"shard: labels differs across ranks", sst.shard_inputs, input_ids=ids, labels=ids_of(2, 12, rank))
+    packed = packed_positions([5, 7], rows=2)
+    if rank == 1:
+        packed[1] = torch.arange(12)
+    reason = "the rows of position_ids pack different documents"
+    _raises_fast(reason if rank == 1 else rf"rank\(s\) \[1\] rejected their arguments \(rank 1: shard_inputs: {reason}",
+                 sst.shard_inputs, input_ids=ids, position_ids=packed)
+    _raises_fast(r"shard_inputs: a sequence of 1 positions leaves rank\(s\) \[1\] of 2 an empty zigzag shard",
+                 sst.shard_inputs, input_ids=ids[:, :1])
+    out = ours(**sst.shard_inputs(ids, labels=ids))  # the group is still in step
+    assert out.logits.shape == (2, 6, VOCAB) and torch.isfinite(out.loss)
+
+
+@pytest.mark.distributed
+def test_sharded_refusals_reach_every_rank_gloo():
+    assert_ok(spawn(2, "tests/test_transformers.py:case_sharded_refusals", timeout=240,
+                    env={"SPLITSOFTMAX_TIMEOUT": "60"}), "transformers sharded refusals on 2 Gloo ranks")

@@ -2,10 +2,11 @@
 
 Each rank packs a small int64 vector ``[op, ok, fields...]`` (fixed length, so the exchange itself
 can never mismatch) and every rank receives every other rank's vector. Then, identically on all
-ranks: a rank whose local arguments were rejected makes every rank raise; a field that must agree
-but does not raises ``ValueError`` naming the field and the ranks; per-rank fields (shard lengths)
-are returned for the schedules. All transfers complete before anyone raises, so the group stays
-usable after a refused call.
+ranks: a rank whose local arguments were rejected makes every rank raise (its message follows in
+a second small exchange, made only then, so every rank's error carries the real reason); a field
+that must agree but does not raises ``ValueError`` naming the field and the ranks; per-rank fields
+(shard lengths) are returned for the schedules. All transfers complete before anyone raises, so
+the group stays usable after a refused call.
 
 Fields read from device tensors (a fingerprint of ``kv_range``, whether ``q_offset`` is zero) are
 0-d int64 tensors placed in the same vector on the device: the exchange's one read of the vector
@@ -25,6 +26,8 @@ from .comm import Communicator
 
 META_LEN = 32
 TAG_META = 11
+TAG_REASON = 12
+REASON_BYTES = 1024  # the most of a refusing rank's message that reaches its peers
 OK = 1
 # arguments a rank's refusal can name to the other ranks
 ARGS = ("x", "dim", "q", "k", "v", "causal", "scale", "return_lse", "schedule", "layout", "logits", "target",
@@ -79,7 +82,7 @@ _DECODE = {"dtype": _dtype_of, "scale": _float_of, "label_smoothing": _float_of,
 
 
 # fields holding a checksum of a tensor that must be equal on every rank (shown as "differs", not as numbers)
-FINGERPRINTS = ("target", "q")
+FINGERPRINTS = ("target", "q", "x", "input_ids", "position_ids", "labels")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -121,6 +124,11 @@ def _status(error: Optional[BaseException]) -> int:
         return OK
     word = re.match(r"[A-Za-z_]\w*", str(error))
     return 2 + ARGS.index(word.group()) if word and word.group() in ARGS else 0
+
+
+def _arg_of(status: int) -> str:
+    """What a refusing rank's status names: the argument, else that it gave no reason."""
+    return ARGS[status - 2] if 2 <= status < 2 + len(ARGS) else "an error it did not describe"
 
 
 def _describe(name: str, values: list) -> str:
@@ -187,13 +195,31 @@ def start_handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank
 
     def finish() -> dict:
         comm.wait(handles, f"{op}: metadata handshake")
-        return _check(op, torch.stack(rows).cpu().tolist(), agree, names, error)
+        table = torch.stack(rows).cpu().tolist()
+        return _check(op, table, agree, names, error, _reasons(comm, op, table, error))
     return finish
 
 
-def _check(op: str, rows: list, agree: dict, names: list, error: Optional[BaseException]) -> dict:
-    """Every rank's vector ``rows (P, META_LEN)``: raise on a refused call or a disagreement, else
-    ``{name: [value per rank]}``."""
+def _reasons(comm: Communicator, op: str, rows: list, error: Optional[BaseException]) -> dict:
+    """``{rank: message}`` of every rank that refused (none: no transfer). Each refusing rank sends
+    its message, UTF-8, cut to ``REASON_BYTES``; the rows tell every rank who sends."""
+    bad = [i for i, row in enumerate(rows) if row[1] != OK]
+    if not bad:
+        return {}
+    r = comm.rank
+    bufs = {i: torch.zeros(REASON_BYTES, dtype=torch.uint8, device=comm.meta_device) for i in bad}
+    if r in bad:
+        text = str(error).encode()[:REASON_BYTES]
+        bufs[r][:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
+    sends = [(bufs[r], q) for q in range(comm.size) if q != r] if r in bad else []
+    comm.wait(comm.post(sends, [(bufs[i], i) for i in bad if i != r], TAG_REASON), f"{op}: refusal reasons")
+    return {i: bytes(b.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for i, b in bufs.items()}
+
+
+def _check(op: str, rows: list, agree: dict, names: list, error: Optional[BaseException],
+           reasons: dict) -> dict:
+    """Every rank's vector ``rows (P, META_LEN)``: raise on a refused call (``reasons``: the refusing
+    ranks' messages) or a disagreement, else ``{name: [value per rank]}``."""
     ops = [row[0] for row in rows]
     if len(set(ops)) > 1:
         raise ValueError(f"{op}: ranks called different operations: "
@@ -202,9 +228,8 @@ def _check(op: str, rows: list, agree: dict, names: list, error: Optional[BaseEx
         raise error
     bad = [i for i, row in enumerate(rows) if row[1] != OK]
     if bad:
-        which = "; ".join(f"rank {i}: {ARGS[rows[i][1] - 2]}" for i in bad if 2 <= rows[i][1] < 2 + len(ARGS))
-        raise ValueError(f"{op}: rank(s) {bad} rejected their arguments ({which + '; ' if which else ''}"
-                         f"see the error on those ranks)")
+        which = "; ".join(f"rank {i}: {reasons.get(i) or _arg_of(rows[i][1])}" for i in bad)
+        raise ValueError(f"{op}: rank(s) {bad} rejected their arguments ({which})")
     out = {name: [row[2 + j] for row in rows] for j, name in enumerate(names)}
     for name in agree:
         if len(set(out[name])) > 1:

@@ -222,9 +222,10 @@ class UnshardFn(torch.autograd.Function):
         return _slice_seq(g, dim, lengths, layout, comm.rank, docs), None, None, None, None, None
 
 
-def _seq_meta(name: str, x, dim, group, layout, cu_seqlens):
+def _seq_meta(name: str, x, dim, group, layout, cu_seqlens, arg: str = "x"):
     """Checks and handshake of shard / unshard: ``(comm, dim, meta, docs)``, ``docs`` the checked
-    ``cu_seqlens`` (agreed by every rank)."""
+    ``cu_seqlens`` (agreed by every rank). ``shard`` agrees on the full shape and on a fingerprint
+    of the values of ``x`` (named ``arg`` in a disagreement), read with the exchange."""
     comm = as_comm(group)
     agree, per, err, d, docs = None, None, None, 0, None
     try:
@@ -238,6 +239,8 @@ def _seq_meta(name: str, x, dim, group, layout, cu_seqlens):
             vs.check_cu_seqlens(docs, x.shape[d], x.shape[d], 0)
         agree = {"ndim": x.dim(), "dim": d, "dtype": encode_dtype(x.dtype), "layout": _checks.LAYOUTS.index(layout),
                  "cu_seqlens": attn_meta.docs_code(docs), **_other_sizes(list(x.shape), d)}
+        if name == "shard":
+            agree.update({f"x.shape[{d}]": x.shape[d], arg: attn_meta.replica_fingerprint(x)})
         per = {"length": x.shape[d]}
     except LOCAL_ERRORS as e:
         err = e
@@ -250,11 +253,15 @@ def shard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", cu
     ``"contiguous"`` splits like ``torch.tensor_split``; ``"zigzag"`` cuts ``2P`` chunks the same
     way and keeps chunks ``r`` and ``2P-1-r``; with ``cu_seqlens`` (documents, ``cu[-1]`` the
     length along ``dim``) ``"zigzag"`` does so to every document, in document order (any lengths).
-    Backward gathers the full gradient on every rank.
+    Backward gathers the full gradient on every rank. Ranks whose ``x`` differ (in shape or values:
+    a fingerprint travels with the handshake) raise ``ValueError`` on every rank, naming them.
     """
-    comm, d, meta, docs = _seq_meta("shard", x, dim, group, layout, cu_seqlens)
-    if len(set(meta["length"])) > 1:
-        raise ValueError(f"shard: the full length along dim differs across ranks (per rank: {meta['length']})")
+    return _shard(x, dim, group, layout, cu_seqlens, "x")
+
+
+def _shard(x: Tensor, dim, group, layout: str, cu_seqlens, arg: str) -> Tensor:
+    """:func:`shard`, naming ``x`` as ``arg`` where its values differ across ranks."""
+    comm, d, meta, docs = _seq_meta("shard", x, dim, group, layout, cu_seqlens, arg)
     docs = docs if layout == "zigzag" else None  # contiguous slices ignore documents
     lengths = lay.shard_lengths(x.shape[d], comm.size, layout, docs)
     return ShardFn.apply(x, d, lengths, layout, comm, docs)

@@ -32,9 +32,12 @@ import torch
 from torch import Tensor
 
 from .._autocast import like_sdpa
-from ..distributed import shard, sharded_attention
+from ..distributed import attn_meta, sharded_attention
 from ..distributed.comm import as_comm
 from ..distributed.tree import allreduce_sum
+from ..distributed.handshake import handshake
+from ..distributed.layout import shard_lengths
+from ..distributed.sharded import _shard
 from ..functional import attention
 from . import _hf_docs as docs
 from ._hf_masks import Visibility, build
@@ -160,12 +163,18 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
     """transformers attention function: ``query (B, H, Sq, D)``, ``key/value (B, Hkv, Sk, D)``
     -> ``(out (B, Sq, H, Dv), None)``. GQA by ``H % Hkv``, ``scaling`` as the score scale.
     ``sequence_parallel``: None as :func:`register` set ``"splitsoftmax"``."""
-    _refuse_extras(dropout, kwargs)
+    sharded = _sharded(sequence_parallel)
     layer = getattr(module, "layer_idx", None)
     where = f" (layer {layer})" if layer is not None else ""
-    vis = _visibility(attention_mask, module, is_causal, query, key, where)
-    kw = dict(_variants(vis, sliding_window, softcap, s_aux, where), causal=vis.causal, scale=scaling)
-    if _sharded(sequence_parallel):
+    try:
+        _refuse_extras(dropout, kwargs)
+        vis = _visibility(attention_mask, module, is_causal, query, key, where)
+        kw = dict(_variants(vis, sliding_window, softcap, s_aux, where), causal=vis.causal, scale=scaling)
+    except ValueError as e:
+        if sharded:
+            _refuse_everywhere(_CONFIG["group"], "sharded_attention", e)
+        raise
+    if sharded:
         out = _sharded_forward(module, query, key, value, vis, kw, kwargs, where)
     else:
         out = _local_forward(module, query, key, value, vis, kw, kwargs, where)
@@ -203,20 +212,44 @@ def _local_forward(module, q, k, v, vis: Visibility, kw: dict, kwargs: dict, whe
 
 
 def _sharded_forward(module, q, k, v, vis: Visibility, kw: dict, kwargs: dict, where: str) -> Tensor:
-    """Sequence parallel: this rank's zigzag shard of the sequence, ``ss.sharded_attention``."""
-    if q.shape[2] != k.shape[2] or (isinstance(vis.q_offset, int) and vis.q_offset):
-        raise ValueError(f"{WHO}{where} (sequence-parallel): queries ({q.shape[2]}) and keys ({k.shape[2]}) differ, "
-                         f"a KV cache (a generation step): {_generation_advice()}")
-    if vis.kv_range is not None:
-        raise ValueError(f"{WHO}{where} (sequence-parallel) does not take padding masks; pack the sequences "
-                         "instead (shard_inputs with position_ids that restart, or cu_seqlens)")
-    cu = docs.given(kwargs)
+    """Sequence parallel: this rank's zigzag shard of the sequence, ``ss.sharded_attention``. A
+    refusal here (it may hold on this rank only: padding in its shard) is raised on every rank in
+    the attention's handshake, the first collective of the layer; the positions check comes after."""
     group = _CONFIG["group"]
-    docs.check_shard_positions(module, kwargs.get("position_ids"), q.shape[2], cu, group, where,
-                               _generation_advice() if kwargs.get("use_cache") else None)
+    try:
+        if q.shape[2] != k.shape[2] or (isinstance(vis.q_offset, int) and vis.q_offset):
+            raise ValueError(f"{WHO}{where} (sequence-parallel): queries ({q.shape[2]}) and keys ({k.shape[2]}) "
+                             f"differ, a KV cache (a generation step): {_generation_advice()}")
+        if vis.kv_range is not None:
+            raise ValueError(f"{WHO}{where} (sequence-parallel) does not take padding masks; pack the sequences "
+                             "instead (shard_inputs with position_ids that restart, or cu_seqlens)")
+        cu = docs.given(kwargs)
+    except ValueError as e:
+        _refuse_everywhere(group, "sharded_attention", e)
     if cu is not None:
         kw["cu_seqlens"] = cu
-    return like_sdpa(sharded_attention)(q, k, v, group=group, layout="zigzag", **kw)
+    out = like_sdpa(sharded_attention)(q, k, v, group=group, layout="zigzag", **kw)
+    docs.check_shard_positions(module, kwargs.get("position_ids"), q.shape[2], cu, group, where,
+                               _generation_advice() if kwargs.get("use_cache") else None)
+    return out
+
+
+def _refuse_everywhere(group, op: str, error: ValueError):
+    """Raise ``error`` here, and on the other ranks of ``group`` (in the handshake of ``op``, which
+    they are making) a ``ValueError`` carrying its message, within the handshake's one exchange."""
+    handshake(as_comm(group), op, None, None, error)
+    raise error
+
+
+def _refuse_empty(s: int, group, cu) -> None:
+    """After the shard handshake (S and the documents agreed): ``ValueError`` on every rank when a
+    rank's shard holds no position, which a transformers model cannot run."""
+    lengths = shard_lengths(s, as_comm(group).size, "zigzag", None if cu is None else attn_meta.doc_values(cu))
+    empty = [r for r, n in enumerate(lengths) if n == 0]
+    if empty:
+        raise ValueError(f"shard_inputs: a sequence of {s} positions leaves rank(s) {empty} of {len(lengths)} an "
+                         "empty zigzag shard, on which the model cannot run; give every rank at least one position "
+                         "(a longer sequence, or fewer ranks)")
 
 
 class ShardedInputs(dict):
@@ -248,23 +281,26 @@ def shard_inputs(input_ids: Tensor, position_ids: Optional[Tensor] = None, label
     or FSDP averages gradients over those ranks: ``(out.loss * inputs.loss_scale).backward()`` then
     gives the gradient of the global mean loss, as one process on every batch computes it.
     """
-    if layout != "zigzag":
-        raise ValueError(f"shard_inputs: layout={layout!r}; the sequence-parallel layers run layout='zigzag' "
-                         "(per document when packed), so the inputs must be sharded that way")
     group = _CONFIG["group"] if group is None else group
-    cu = docs.from_inputs(input_ids, position_ids, cu_seqlens)
-    if position_ids is None:
-        position_ids = docs.positions(cu, input_ids.shape[1], input_ids.device).expand(input_ids.shape[0], -1)
-    extra = {} if cu is None else {"cu_seqlens": cu}
-    out = ShardedInputs(input_ids=shard(input_ids, 1, group=group, layout="zigzag", **extra),
-                        position_ids=shard(position_ids.contiguous(), 1, group=group, layout="zigzag", **extra))
+    try:
+        if layout != "zigzag":
+            raise ValueError(f"shard_inputs: layout={layout!r}; the sequence-parallel layers run layout='zigzag' "
+                             "(per document when packed), so the inputs must be sharded that way")
+        cu = docs.from_inputs(input_ids, position_ids, cu_seqlens)
+        if position_ids is None:
+            position_ids = docs.positions(cu, input_ids.shape[1], input_ids.device).expand(input_ids.shape[0], -1)
+    except ValueError as e:
+        _refuse_everywhere(group, "shard", e)
+    out = ShardedInputs(input_ids=_shard(input_ids, 1, group, "zigzag", cu, "input_ids"))
+    _refuse_empty(input_ids.shape[1], group, cu)
+    out["position_ids"] = _shard(position_ids.contiguous(), 1, group, "zigzag", cu, "position_ids")
     if cu is not None:
         out.update(docs.flash_kwargs(cu, input_ids.device))
     dp = None if dp_group is None else as_comm(dp_group)
     out.loss_scale = as_comm(group).size * (1 if dp is None else dp.size)
     if labels is not None:
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
-        out["shift_labels"] = out["labels"] = shard(shifted, 1, group=group, layout="zigzag", **extra)
+        out["shift_labels"] = out["labels"] = _shard(shifted, 1, group, "zigzag", cu, "labels")
         count = (shifted != ignore_index).sum().reshape(1)
         if dp is not None and dp.size > 1:
             count = allreduce_sum(dp, count, "shard_inputs: num_items_in_batch over dp_group")

@@ -1,0 +1,171 @@
+"""``ss.context_parallel``: a plain torch model trained under the block equals one process.
+
+The model calls ``F.scaled_dot_product_attention`` itself (``is_causal`` with ``enable_gqa``, a
+boolean causal mask built from the local length, an additive causal mask of the full sequence from
+an unsharded buffer) and reads rotary tables from buffers the block shards. Loss and every parameter
+gradient (summed over ranks, as data parallelism would) equal the float64 one-process run; the
+per-rank logits are the layout's shards of the full logits. ``case_*(group)`` run on the loopback
+world here and in Gloo worker processes of 2 and 4 ranks (``test_gloo_*``).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import splitsoftmax as ss
+from splitsoftmax.distributed import LoopbackWorld, as_comm
+from splitsoftmax.distributed.context import mask_is_causal
+from splitsoftmax.distributed.layout import shard_lengths
+from splitsoftmax.distributed.tree import allreduce_sum
+
+DEVICE = torch.device(os.environ.get("SPLITSOFTMAX_TEST_DEVICE", "cpu"))
+F64 = dict(atol=1e-10, rtol=1e-9)  # float64 on both sides: equal to rounding
+STYLES = ("causal_gqa", "bool_mask", "additive_full")
+
+
+class Layer(torch.nn.Module):
+    """Pre-norm attention (rotary q/k, SDPA called as ``style`` says) and a GELU MLP."""
+
+    def __init__(self, e: int, h: int, hkv: int, style: str):
+        super().__init__()
+        self.h, self.hkv, self.d, self.style = h, hkv, e // h, style
+        self.wq = torch.nn.Linear(e, h * self.d, bias=False)
+        self.wkv = torch.nn.Linear(e, 2 * hkv * self.d, bias=False)
+        self.wo = torch.nn.Linear(h * self.d, e, bias=False)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(e, 2 * e), torch.nn.GELU(), torch.nn.Linear(2 * e, e))
+
+    def attend(self, q, k, v, bias):
+        if self.style == "causal_gqa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        k, v = (t.repeat_interleave(self.h // self.hkv, dim=1) for t in (k, v))
+        if self.style == "bool_mask":
+            s = q.shape[2]
+            return F.scaled_dot_product_attention(q, k, v, torch.ones(s, s, dtype=torch.bool, device=q.device).tril())
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3)
+
+    def forward(self, x, cos, sin, bias):
+        b, s, _ = x.shape
+        y = F.rms_norm(x, (x.shape[-1],))
+        q = rotary(self.wq(y).view(b, s, self.h, self.d).transpose(1, 2), cos, sin)
+        k, v = self.wkv(y).view(b, s, 2, self.hkv, self.d).permute(2, 0, 3, 1, 4)
+        o = self.attend(q, rotary(k, cos, sin), v, bias)
+        x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        return x + self.mlp(F.rms_norm(x, (x.shape[-1],)))
+
+
+def rotary(x, cos, sin):
+    """Rotate pairs of ``x (B, H, S, D)`` by the angles of ``cos, sin (S, D/2)``."""
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
+
+
+class TinyLM(torch.nn.Module):
+    """Token ids ``(B, S)`` -> logits ``(B, S, V)``; rotary tables ``cos, sin (S, D/2)`` are buffers,
+    ``bias (S, S)`` an additive causal mask kept whole."""
+
+    def __init__(self, seq: int, vocab: int = 29, e: int = 16, h: int = 4, hkv: int = 2):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, e)
+        self.layers = torch.nn.ModuleList(Layer(e, h, hkv, style) for style in STYLES)
+        self.head = torch.nn.Linear(e, vocab, bias=False)
+        d = e // h
+        angle = torch.arange(seq, dtype=torch.float64)[:, None] / 10.0 ** (torch.arange(d // 2) / (d // 2))
+        self.register_buffer("cos", angle.cos())
+        self.register_buffer("sin", angle.sin())
+        self.register_buffer("bias", torch.full((seq, seq), float("-inf"), dtype=torch.float64).triu(1))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, self.cos, self.sin, self.bias)
+        return self.head(F.rms_norm(x, (x.shape[-1],)))
+
+
+def setup(seq: int, batch: int = 2):
+    """The same float64 model and batch on every rank: ``(model, tokens, labels)``."""
+    torch.manual_seed(1234)
+    model = TinyLM(seq).double().to(DEVICE)
+    tokens = torch.randint(0, 29, (batch, seq + 1), device=DEVICE)
+    return model, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def step(model, tokens, labels, count: int):
+    """Logits and the loss (summed cross-entropy over ``count`` tokens); gradients accumulated."""
+    model.zero_grad()
+    logits = model(tokens)
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
+    loss.backward()
+    return logits.detach(), loss.detach()
+
+
+def one_process(seq: int):
+    model, tokens, labels = setup(seq)
+    logits, loss = step(model, tokens, labels, labels.numel())
+    return logits, loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def check_training(group, seq: int, layout: str, schedule: str) -> None:
+    """Training step under the block: loss, gradients and logits equal one process; buffers restored."""
+    comm = as_comm(group)
+    ref_logits, ref_loss, ref_grads = one_process(seq)
+    model, tokens, labels = setup(seq)
+    buffers = [tokens, labels, model.cos, model.sin]
+    before = [(b, b.clone(), b.data_ptr()) for b in buffers]
+    local = shard_lengths(seq, comm.size, layout)[comm.rank]
+    with ss.context_parallel(group, buffers=buffers, buffer_seq_dims=[1, 1, 0, 0], layout=layout, schedule=schedule):
+        assert tokens.shape == labels.shape == (2, local) and model.cos.shape[0] == local
+        logits, loss = step(model, tokens, labels, 2 * seq)
+    loss = allreduce_sum(comm, loss, "test loss")
+    torch.testing.assert_close(loss, ref_loss, **F64)
+    torch.testing.assert_close(ss.unshard(logits, 1, group=comm, layout=layout), ref_logits, **F64)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(allreduce_sum(comm, p.grad, "test grad"), ref_grads[name], **F64, msg=name)
+    for b, value, ptr in before:
+        assert b.data_ptr() == ptr and torch.equal(b, value)
+
+
+def case_training(group) -> None:
+    """Zigzag ring and contiguous all-gather, even and uneven sequence lengths."""
+    check_training(group, 16, "zigzag", "ring")
+    check_training(group, 13, "contiguous", "allgather")
+    check_training(group, 13, "zigzag", "allgather")
+
+
+def case_refusals(group) -> None:
+    """A refusal on one rank raises on every rank; the group and the buffers are fine afterwards."""
+    comm = as_comm(group)
+    model, tokens, labels = setup(16)
+    cos = model.cos.clone()
+    q = torch.randn(2, 4, 16, 8, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(ValueError, match="dropout_p" if comm.rank == comm.size - 1 else "rejected their arguments"):
+        with ss.context_parallel(group, buffers=[model.cos], buffer_seq_dims=[0]):
+            qs = ss.shard(q, 2, group=comm, layout="zigzag")
+            F.scaled_dot_product_attention(qs, qs, qs, dropout_p=0.1 if comm.rank == comm.size - 1 else 0.0)
+    assert torch.equal(model.cos, cos)
+    extra = [labels] if comm.rank == 0 else []
+    with pytest.raises(ValueError, match="buffers differs across ranks"):
+        with ss.context_parallel(group, buffers=[tokens, *extra], buffer_seq_dims=[1] * (1 + len(extra))):
+            pass
+    assert tokens.shape == (2, 16)
+    check_training(group, 16, "zigzag", "ring")
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_training_loopback(p):
+    LoopbackWorld(p).run(case_training)
+
+
+def test_refusals_loopback():
+    LoopbackWorld(2).run(case_refusals)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("size", [2, 4])
+def test_gloo(size):
+    from _dist_util import assert_ok, spawn
+    for case in ("case_training", "case_refusals"):
+        assert_ok(spawn(size, f"tests/test_context_parallel.py:{case}", timeout=240,
+                        env={"SPLITSOFTMAX_TIMEOUT": "60"}), f"{case}, gloo world of {size}")

@@ -166,6 +166,127 @@ def test_refusals_loopback():
 @pytest.mark.parametrize("size", [2, 4])
 def test_gloo(size):
     from _dist_util import assert_ok, spawn
-    for case in ("case_training", "case_refusals"):
-        assert_ok(spawn(size, f"tests/test_context_parallel.py:{case}", timeout=240,
-                        env={"SPLITSOFTMAX_TIMEOUT": "60"}), f"{case}, gloo world of {size}")
+    assert_ok(spawn(size, "tests/test_context_parallel.py:case_all", timeout=240, env={"SPLITSOFTMAX_TIMEOUT": "60"}),
+              f"gloo world of {size}")
+
+
+def case_mesh(group) -> None:
+    """A 1-D DeviceMesh of the world names the group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    check_training(init_device_mesh(DEVICE.type, (as_comm(group).size,)), 16, "zigzag", "ring")
+
+
+def case_all(group) -> None:
+    case_training(group)
+    case_refusals(group)
+    case_mesh(group)
+
+
+def test_mask_is_causal():
+    tri = torch.ones(6, 6, dtype=torch.bool).tril()
+    additive = torch.zeros(6, 6).masked_fill(~tri, float("-inf"))
+    assert mask_is_causal(tri, 2, 4, (6,)) and mask_is_causal(tri.expand(2, 4, 6, 6), 2, 4, (6,))
+    assert mask_is_causal(additive, 2, 4, (6,))
+    assert mask_is_causal(torch.zeros(6, 6).masked_fill(~tri, torch.finfo(torch.float32).min), 2, 4, (6,))
+    assert mask_is_causal(tri[None, None], 2, 4, (3, 6))  # the full sequence's mask, this rank holding 3
+    assert not mask_is_causal(torch.ones(2, 1, 1, 6, dtype=torch.bool), 2, 4, (6,))
+    assert not mask_is_causal(torch.zeros(6, 6, dtype=torch.float64), 2, 4, (6,))
+    refused = {"neither all visible nor causal": [tri.T, torch.rand(6, 6) > 0.5, torch.stack([tri, tri.T])[:, None],
+                                                 torch.ones(6, 6, dtype=torch.bool).tril(-1)],
+               "only 0 \\(visible\\) and -inf": [additive + 0.5, torch.full((6, 6), 1e4)],
+               "does not broadcast": [tri[:5, :5], torch.ones(3, 1, 6, 6, dtype=torch.bool), tri[None, None, None]],
+               "boolean or floating": [tri.int()]}
+    for match, masks in refused.items():
+        for m in masks:
+            with pytest.raises(ValueError, match=match):
+                mask_is_causal(m, 2, 4, (6,))
+
+
+def _refused(call, match: str, error=ValueError, **block) -> None:
+    """Every rank of a loopback world of 2 makes the same mistake inside a block over a 16-position
+    buffer: each raises ``error`` matching ``match``, and the buffer is whole afterwards."""
+    def rank(comm):
+        buf = torch.arange(16.0)[:, None].expand(16, 3).contiguous()
+        try:
+            with pytest.raises(error, match=match):
+                with ss.context_parallel(comm, buffers=[buf], buffer_seq_dims=[0], **block):
+                    call(comm, buf)
+        finally:
+            assert torch.equal(buf, torch.arange(16.0)[:, None].expand(16, 3))
+    LoopbackWorld(2).run(rank)
+
+
+def _qkv(comm, shape=(2, 4, 16, 8), hkv=4, **kw):
+    """``q, k, v`` shards (zigzag along dim 2) of a full ``(B, H, 16, D)`` sequence."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(*shape, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(shape[0], hkv, *shape[2:], generator=g, dtype=torch.float64) for _ in range(2))
+    return [ss.shard(t, 2, group=comm, layout="zigzag") for t in (q, k, v)]
+
+
+def test_refused_calls():
+    sdpa = F.scaled_dot_product_attention
+    tri = torch.ones(8, 8, dtype=torch.bool).tril()
+    _refused(lambda c, b: sdpa(*_qkv(c), dropout_p=0.1), "dropout_p=0.1")
+    _refused(lambda c, b: sdpa(*_qkv(c), attn_mask=tri.T), "attn_mask .* neither all visible nor causal")
+    _refused(lambda c, b: sdpa(*_qkv(c), attn_mask=torch.zeros(8, 8).masked_fill(~tri, -1e4).double()),
+             "attn_mask: an additive mask must hold only 0")
+    _refused(lambda c, b: sdpa(*_qkv(c), attn_mask=tri, is_causal=True), "attn_mask must be None when is_causal")
+    _refused(lambda c, b: sdpa(*_qkv(c, hkv=2), is_causal=True), "enable_gqa=False but query has 4 heads and key 2")
+    _refused(lambda c, b: sdpa(*(t.transpose(1, 2) for t in _qkv(c)), is_causal=True),
+             "query of shape \\(2, 8, 4, 8\\) has 4 positions .* this rank holds 8 of the 16 .*transpose\\(1, 2\\)")
+    _refused(lambda c, b: sdpa(*(t[0] for t in _qkv(c))), "query must be 4-D")
+    _refused(lambda c, b: sdpa(*_qkv(c), bogus=1), "unexpected keyword argument 'bogus'", error=TypeError)
+    _refused(lambda c, b: sdpa(*_qkv(c), is_causal=True), "schedule='tree' is not one of", schedule="tree")
+    _refused(lambda c, b: ss.context_parallel(c).__enter__(), "already inside an ss.context_parallel block")
+
+
+def test_refused_blocks():
+    """Arguments of the block itself, refused on every rank before anything is sharded."""
+    x, grad = torch.zeros(2, 16), torch.zeros(16, requires_grad=True)
+    cases = [(dict(buffers=[x], buffer_seq_dims=[1, 0]), "buffer_seq_dims must give one dim per buffer"),
+             (dict(buffers=[x, torch.zeros(15)], buffer_seq_dims=[1, 0]), "different lengths .*\\[16, 15\\]"),
+             (dict(buffers=[x, x], buffer_seq_dims=[1, 1]), "buffers\\[1\\] is the same tensor"),
+             (dict(buffers=[grad], buffer_seq_dims=[0]), "buffers\\[0\\] requires grad"),
+             (dict(buffers=[x], buffer_seq_dims=[2]), "buffer_seq_dims\\[0\\]=2 is out of range"),
+             (dict(layout="striped"), "layout='striped'")]
+
+    def rank(comm):
+        for block, match in cases:
+            with pytest.raises(ValueError, match=match):
+                with ss.context_parallel(comm, **block):
+                    pass
+            assert x.shape == (2, 16)
+    LoopbackWorld(2).run(rank)
+
+
+def test_exception_restores_and_leaves():
+    """An exception inside the block restores the buffers; SDPA outside is torch's own again."""
+    def rank(comm):
+        buf = torch.arange(12).view(2, 6)
+        ptr = buf.data_ptr()
+        with pytest.raises(RuntimeError, match="inside"):
+            with ss.context_parallel(comm, buffers=[buf], buffer_seq_dims=[1]):
+                assert buf.tolist() == ([[0, 1, 5], [6, 7, 11]] if comm.rank == 0 else [[2, 3, 4], [8, 9, 10]])
+                raise RuntimeError("inside")
+        assert buf.data_ptr() == ptr and buf.tolist() == torch.arange(12).view(2, 6).tolist()
+        q = torch.randn(1, 2, 5, 4)
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, q, q), ss.attention(q, q, q))
+        with ss.context_parallel(comm, buffers=[buf], buffer_seq_dims=[1]):  # a new block opens
+            assert buf.shape == (2, 3)
+    LoopbackWorld(2).run(rank)
+
+
+def test_no_grad_forward():
+    """Under ``torch.no_grad`` (evaluation) the logits are the shards of one process's."""
+    with torch.no_grad():
+        ref = setup(13)[0](setup(13)[1])
+
+    def rank(comm):
+        model, tokens, _ = setup(13)
+        with torch.no_grad(), ss.context_parallel(comm, buffers=[tokens, model.cos, model.sin],
+                                                  buffer_seq_dims=[1, 0, 0]):
+            logits = model(tokens)
+        assert not logits.requires_grad
+        torch.testing.assert_close(ss.unshard(logits, 1, group=comm, layout="zigzag"), ref, **F64)
+    LoopbackWorld(3).run(rank)

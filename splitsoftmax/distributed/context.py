@@ -47,19 +47,9 @@ def _refuse(comm: Communicator, op: str, error: BaseException):
 
 
 def bind_sdpa(args: tuple, kwargs: dict) -> dict:
-    """SDPA's arguments by name (its defaults filled in), as ``scaled_dot_product_attention`` binds them."""
-    if len(args) > len(_SDPA_ARGS):
-        raise TypeError(f"scaled_dot_product_attention takes at most {len(_SDPA_ARGS)} arguments, got {len(args)}")
-    bound = dict(_SDPA_DEFAULTS)
-    bound.update(zip(_SDPA_ARGS, args))
-    for name, value in kwargs.items():
-        if name not in _SDPA_ARGS or _SDPA_ARGS.index(name) < len(args):
-            raise TypeError(f"scaled_dot_product_attention got an unexpected or repeated argument {name!r}")
-        bound[name] = value
-    missing = [n for n in _SDPA_ARGS[:3] if n not in bound]
-    if missing:
-        raise TypeError(f"scaled_dot_product_attention is missing {', '.join(missing)}")
-    return bound
+    """SDPA's arguments by name, its defaults filled in (torch's argument parser has already refused
+    unknown, missing and repeated ones before the mode sees the call)."""
+    return {**_SDPA_DEFAULTS, **dict(zip(_SDPA_ARGS, args)), **kwargs}
 
 
 def _hidden(mask: Tensor) -> Tensor:

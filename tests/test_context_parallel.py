@@ -290,3 +290,33 @@ def test_no_grad_forward():
         assert not logits.requires_grad
         torch.testing.assert_close(ss.unshard(logits, 1, group=comm, layout="zigzag"), ref, **F64)
     LoopbackWorld(3).run(rank)
+
+
+def test_autocast_like_sdpa():
+    """Under ``torch.autocast`` the call casts q, k, v and returns the dtype SDPA returns."""
+    def rank(comm):
+        q, k, v = (t.float() for t in _qkv(comm))
+        buf = torch.zeros(16)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = F.scaled_dot_product_attention(q, k, v, is_causal=True).dtype
+            with ss.context_parallel(comm, buffers=[buf], buffer_seq_dims=[0]):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert want == out.dtype == torch.bfloat16
+    LoopbackWorld(2).run(rank)
+
+
+@pytest.mark.distributed
+def test_example_torchrun():
+    """launch/context_parallel_example.py on 2 Gloo ranks under torchrun: loss and gradients match."""
+    from _dist_util import ROOT, _collect, _start, assert_ok, worker_env
+    from test_launch_example import torchrun
+    example = os.path.join(ROOT, "launch", "context_parallel_example.py")
+    cmd = [*torchrun(), "--standalone", "--nproc-per-node=2", "--max-restarts=0", example]
+    p, log = _start(cmd, worker_env({"TORCHELASTIC_ERROR_FILE": os.devnull}))
+    results = _collect([p], [log], timeout=120)
+    assert_ok(results, "torchrun --nproc-per-node=2")
+    out = results[0][1]
+    assert "2 ranks (torchrun, cpu, torch.float32), S=128, this rank's shard 64 positions" in out, out
+    assert "OK: context-parallel step matches one process" in out, out
+    errs = [float(line.split("max rel err")[1].split()[0]) for line in out.splitlines() if "max rel err" in line]
+    assert len(errs) == 17 and max(errs) <= 1e-4, out

@@ -5,6 +5,7 @@ states merge with the associative rescaling operator of :mod:`splitsoftmax.state
 """
 from .distributed import (shard, sharded_attention, sharded_log_softmax, sharded_logsumexp, sharded_softmax,
                           unshard)
+from .distributed.context import context_parallel
 from .functional import attention, log_softmax, logsumexp, merge_states, softmax
 from .losses import cross_entropy, sharded_cross_entropy
 from .vocab import entropy, kl_div, logprobs, sharded_entropy, sharded_kl_div, sharded_logprobs
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "softmax", "log_softmax", "logsumexp", "attention", "merge_states",
     "sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
+    "context_parallel",
     "cross_entropy", "sharded_cross_entropy",
     "logprobs", "entropy", "kl_div", "sharded_logprobs", "sharded_entropy", "sharded_kl_div",
     "topk", "sharded_topk", "sample", "sharded_sample",

@@ -33,11 +33,12 @@ OK = 1
 ARGS = ("x", "dim", "q", "k", "v", "causal", "scale", "return_lse", "schedule", "layout", "logits", "target",
         "ignore_index", "reduction", "label_smoothing", "temperature", "return_entropy", "logits_p", "logits_q",
         "cu_seqlens", "window_size", "softcap", "sinks", "kv_range", "q_offset", "seed", "offset", "top_k", "top_p",
-        "min_p")
+        "min_p", "query", "key", "value", "attn_mask", "dropout_p", "is_causal", "enable_gqa", "buffers",
+        "buffer_seq_dims")
 
 OPS = ("sharded_softmax", "sharded_log_softmax", "sharded_logsumexp", "sharded_attention", "shard", "unshard",
        "sharded_cross_entropy", "sharded_logprobs", "sharded_entropy", "sharded_kl_div",
-       "sharded_topk", "sharded_sample")
+       "sharded_topk", "sharded_sample", "context_parallel")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64, torch.int32,
           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 

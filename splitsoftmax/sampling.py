@@ -2,12 +2,15 @@
 gathering the logits.
 
 A draw is Gumbel-max with counter-based noise: token ``i`` of row ``r`` gets the key
-``x_i / T + Gumbel(seed_r, offset_r, i)`` (in base 2, see ``kernels.sampling_math``) and the row
-draws the kept token with the largest key, ties to the lower id. The noise of a token depends only
-on ``(seed, offset, global id)``, and every merge (maxima of packed keys, integer masses, sorted
-records) is exact, so the token drawn is the same for any number of ranks, any shard widths, any
-batch slot and any tile size, on the CPU and on the GPU. Filters apply in the order temperature,
-top-k, top-p (on what top-k kept), min-p, with ties at each cut-off kept.
+``x_i / T + Gumbel(key_r, offset_r, i)`` (in base 2, see ``kernels.sampling_math``) and the row
+draws the kept token with the largest key, ties to the lower id. A row's key is its own seed when
+the seeds are an ``(N,)`` tensor; an int seed is the batch's, and row ``r``'s key is a hash of the
+seed and ``r`` (``sampling_math.row_seeds``), so the rows of one batch draw independently. The
+noise of a token depends only on ``(key, offset, global id)``, and every merge (maxima of packed
+keys, integer masses, sorted records) is exact, so the token drawn is the same for any number of
+ranks, any shard widths and any tile size, on the CPU and on the GPU, and, with per-row seed
+tensors, in any batch slot. Filters apply in the order temperature, top-k, top-p (on what top-k
+kept), min-p, with ties at each cut-off kept.
 """
 from __future__ import annotations
 
@@ -89,11 +92,15 @@ def _seed_value(name: str, value, n: int, device):
 
 
 def _per_row(name: str, value, n: int, device) -> tuple[Tensor, int]:
-    """``(values (N,) int64, code)``: an int broadcast (code: its int64 value) or an ``(N,)`` integer
-    tensor on the logits' device (code: a marker; its values stay on the device)."""
+    """``(values (N,) int64, code)`` of a seed or offset: an ``(N,)`` integer tensor on the logits'
+    device as it is (code: a marker; its values stay on the device), or an int (code: its int64
+    value): an offset broadcast, a seed the batch's, each row's key ``sampling_math.row_seeds`` of
+    the seed and the row index (the kernels' ``_row_seed`` is its twin)."""
     v = _seed_value(name, value, n, device)
     if isinstance(v, Tensor):
         return v, -(2 ** 62) + 1
+    if name == "seed":
+        return sm.row_seeds(v, torch.arange(n, dtype=torch.int64, device=device)), v
     return torch.full((n,), v, dtype=torch.int64, device=device), v
 
 
@@ -166,7 +173,10 @@ def sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, top_k: Opt
     scaled logits, counts as reaching it), computed on what top-k kept; ``min_p`` keeps
     ``p >= min_p * p_max``. ``seed`` and ``offset`` are ints or ``(N,)`` integer tensors on the
     logits' device (per request, per position; device tensors keep a CUDA graph valid: on CUDA
-    nothing is read back to the host). A row of all
+    nothing is read back to the host). An int ``seed`` is the batch's: the row index is part of
+    each row's key, so rows draw independently of each other, identical rows included; an ``(N,)``
+    ``seed`` gives each row its own key, and rows with equal seeds and offsets draw with equal
+    noise (equal tokens from equal logits), in any batch and slot. A row of all
     ``-inf``, or holding NaN, gives -1; so does a row whose largest scaled logit is ``+inf``
     (sampling only). The token for a given ``(seed, offset, logits)`` is the same on every device
     and equals :func:`sharded_sample` for every split of the vocabulary.
@@ -225,8 +235,9 @@ def sharded_sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, to
                    top_p: Optional[float] = None, min_p: Optional[float] = None, group=None) -> Tensor:
     """:func:`sample` of vocabulary-sharded ``logits (N, V_r)`` (this rank's slice, slices in rank
     order, any widths, 0 allowed), collective over ``group``: global token ids ``(N,)``, identical on
-    every rank and to :func:`sample` on the full logits. ``seed`` and ``offset`` must be the same on
-    every rank.
+    every rank and to :func:`sample` on the full logits. ``seed`` and ``offset`` (as in
+    :func:`sample`: an int seed keys each row with its index, which is the same on every rank) must
+    be the same on every rank.
 
     The logits are never gathered: each pass exchanges per-row records only (one exchange for
     greedy, plain sampling and top-k; min-p and top-p one or two more). The metadata handshake runs

@@ -34,15 +34,28 @@ def rows_and_seeds(v: int = 97):
     return x, torch.arange(x.shape[0], dtype=torch.int64) * 1_000_003 - 7, 11
 
 
+def twin_rows(v: int = 97) -> torch.Tensor:
+    """Rows that repeat (the first eight four times over, a random row eight times): under an int
+    seed each draws on its own, so the sharded draw must key every row as the one-device draw does."""
+    x, _, _ = rows_and_seeds(v)
+    return torch.cat((x[:8].repeat(4, 1), x[8:9].expand(8, -1)))
+
+
 def check_all(group, rank_zero_empty: bool = False) -> None:
-    """Every configuration and top-k: the sharded tokens equal ``ss.sample`` / ``ss.topk`` on the full rows."""
+    """Every configuration and top-k: the sharded tokens equal ``ss.sample`` / ``ss.topk`` on the full
+    rows, with per-row seeds and, on repeating rows, with an int seed and offset."""
     comm = as_comm(group)
     x, seeds, offset = rows_and_seeds()
     widths = split_widths(x.shape[1], comm.size, rank_zero_empty)
     mine = torch.split(x, widths, dim=1)[comm.rank]
+    twins = twin_rows()
+    my_twins = torch.split(twins, widths, dim=1)[comm.rank]
     for kw in CONFIGS:
         want = ss.sample(x, seed=seeds, offset=offset, **kw)
         got = ss.sharded_sample(mine, seed=seeds, offset=offset, group=group, **kw)
+        assert torch.equal(got, want), (kw, widths, got, want)
+        want = ss.sample(twins, seed=-(2 ** 40) - 3, offset=offset, **kw)
+        got = ss.sharded_sample(my_twins, seed=-(2 ** 40) - 3, offset=offset, group=group, **kw)
         assert torch.equal(got, want), (kw, widths, got, want)
     for k in (1, 7, 97):
         wv, wi = ss.topk(x, k)

@@ -4,7 +4,8 @@ many rows, every path of the one-device draw), CUDA-graph capture, sharded over 
 Compiles dominate this file's time, so its shapes keep the kernels' specialisations few: every
 filter in float32 at an aligned vocabulary, the kernel variants once more at an odd one and in
 the half types, and the paths of the draw forced through kernel arguments (the list's capacity,
-the float slack), not sizes."""
+the float slack), not sizes. Int seeds (each row keyed in the kernels with its index) against the
+CPU path and the tensor of their row keys."""
 import pytest
 import torch
 
@@ -14,6 +15,7 @@ from _sampling_util import chi_square, chi_square_limit, filtered_probs
 from splitsoftmax.distributed import LoopbackWorld
 from splitsoftmax.kernels import sampling_config as sc
 from splitsoftmax.kernels import sampling_device
+from splitsoftmax.kernels import sampling_math as sm
 
 pytestmark = pytest.mark.gpu
 # per dtype and vocabulary class (V and the row stride divisible by 16 or not compile apart), the
@@ -95,16 +97,43 @@ def test_top_p_alone_on_cuda(monkeypatch):
 
 
 def test_batch_of_one_and_non_contiguous():
+    """A row drawn alone with its own seed is its token in the batch; an int seed (the batch's,
+    each row keyed in the kernels with its index) gives the CPU path's tokens and draws as the
+    tensor of its row keys, alone too."""
     x, seeds, offset = _rows(128256)
     xc = x.cuda()
     wide = torch.zeros(x.shape[0], 2 * x.shape[1], device="cuda")[:, ::2]
     wide.copy_(xc)
+    keys = sm.row_seeds(-(2 ** 40) - 3, torch.arange(x.shape[0])).cuda()
     for kw in CONFIGS:
         full = ss.sample(xc, seed=seeds.cuda(), offset=offset, **kw)
         assert torch.equal(ss.sample(wide, seed=seeds.cuda(), offset=offset, **kw), full), kw
+        batch = ss.sample(xc, seed=-(2 ** 40) - 3, offset=offset, **kw)
+        assert torch.equal(batch.cpu(), ss.sample(x, seed=-(2 ** 40) - 3, offset=offset, **kw)), kw
+        assert torch.equal(ss.sample(wide, seed=keys, offset=offset, **kw), batch), kw
         for r in (0, 6):
-            one = ss.sample(xc[r:r + 1], seed=int(seeds[r]), offset=offset, **kw)
+            one = ss.sample(xc[r:r + 1], seed=seeds[r:r + 1].cuda(), offset=offset, **kw)
             assert int(one) == int(full[r]), (kw, r)
+            one = ss.sample(xc[r:r + 1], seed=keys[r:r + 1], offset=offset, **kw)
+            assert int(one) == int(batch[r]), (kw, r)
+
+
+def test_identical_rows_under_an_int_seed_on_cuda():
+    """Identical rows under one int seed and offset draw independently on CUDA, as on the CPU: the
+    tokens follow the softmax (chi-square, one in a million) and pairs agree ``sum p^2`` of the time
+    within 5 standard deviations (5.7e-7); equal seed tensors give one token to every row."""
+    row = torch.randn(16, generator=torch.Generator().manual_seed(3)) * 1.5
+    n = 20_000
+    p = filtered_probs(row)
+    tokens = ss.sample(row.cuda().expand(n, -1), seed=2024, offset=7)
+    assert torch.equal(tokens.cpu(), ss.sample(row.expand(n, -1), seed=2024, offset=7))
+    stat, df, outside = chi_square(tokens.cpu(), p)
+    assert outside == 0 and stat < chi_square_limit(df), (stat, df)
+    s = float((p * p).sum())
+    agree = int((tokens[0::2] == tokens[1::2]).sum())
+    assert abs(agree - n // 2 * s) < 5.0 * (n // 2 * s * (1 - s)) ** 0.5, (agree, s)
+    same = ss.sample(row.cuda().expand(n, -1), seed=torch.full((n,), 2024, device="cuda"), offset=7)
+    assert len(set(same.tolist())) == 1
 
 
 def test_distribution_on_cuda():
@@ -161,7 +190,6 @@ def test_near_ties_of_the_keys_on_cuda():
     """Logits that cancel each token's noise (every key within 1e-5): the draw kernel's bound keeps
     every lane, the exact keys and the lower id decide, as on the CPU; top-p alone too (every
     position's bounded key within the margin of the cut: exact keys for all)."""
-    from splitsoftmax.kernels import sampling_math as sm
     n, v = 4, 5003
     seeds, offsets = torch.arange(n) + 5, torch.arange(n) + 1
     noise = sm.gumbel_key(torch.zeros(n, v), sm.words(seeds[:, None], offsets[:, None], 0, v))

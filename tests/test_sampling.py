@@ -3,10 +3,15 @@
 The distribution tests draw 20,000 tokens of one row of 16 logits (one call, 20,000 offsets) and
 compare the counts with the float64 filtered softmax by a chi-square test at a one-in-a-million
 limit. They have the power to see a wrong filter or a biased noise: the top-p draws tested against
-top-p without the crossing token (``filtered_probs(..., drop_crossing=True)``) fail with 1,490 of
-the 20,000 tokens outside its support (statistic 117 on the rest, limit 37), and the plain draws
-tested against the softmax at temperature 1.1 instead of 1.0 fail with 154 against a limit of 57,
-while the right distributions give 10 (limit 57) and below. Both failures are asserted below.
+top-p without the crossing token (``filtered_probs(..., drop_crossing=True)``) fail with 1,409 of
+the 20,000 tokens outside its support (statistic 106 on the rest, limit 37), and the plain draws
+tested against the softmax at temperature 1.1 instead of 1.0 fail with 168 against a limit of 57,
+while the right distributions give 20 (limit 57) and below. Both failures are asserted below.
+
+The rows of one batch under one int seed draw independently (the row index is part of the key):
+30,000 rows of two logit vectors under one seed and offset follow their softmax and agree pairwise
+as often as independent draws do, and the same batch under equal per-row seeds (equal noise, the
+correlated draws) fails both checks by far.
 """
 import math
 
@@ -94,6 +99,81 @@ def test_chi_square_sees_a_wrong_filter_and_a_wrong_temperature(row16):
     assert outside > 1000 and stat > 2 * chi_square_limit(df), (outside, stat)
     stat, df, _ = chi_square(_draws(row16), filtered_probs(row16, temperature=1.1))
     assert stat > 2 * chi_square_limit(df), stat
+
+
+GROUPS = 10_000
+AGREE_Z = 5.0      # a two-sided normal tail of 5.7e-7
+
+
+def _agreement_limit(n: int, s: float) -> float:
+    """Half-width of the agreements of ``n`` independent pairs that agree with probability ``s``
+    (Binomial(n, s), normal approximation: exceeded with probability about 5.7e-7)."""
+    return AGREE_Z * math.sqrt(n * s * (1 - s))
+
+
+def _batch_statistics(tokens: torch.Tensor, a: torch.Tensor, b: torch.Tensor, kw: dict) -> list:
+    """Of a batch of rows ``[a, a, b] * GROUPS`` drawn under one key rule: per check ``(name, value,
+    limit)`` (a check passes when value < limit): the chi-square of the ``a`` rows' and the ``b``
+    rows' tokens against their filtered softmax, and how far the agreements of the pairs (first
+    ``a``, second ``a``) and (second ``a``, ``b``) are from ``GROUPS sum p q``, what independent draws
+    give."""
+    pa, pb = filtered_probs(a, **kw), filtered_probs(b, **kw)
+    t0, t1, t2 = tokens[0::3], tokens[1::3], tokens[2::3]
+    out = []
+    for name, t, p in (("a rows", torch.cat((t0, t1)), pa), ("b rows", t2, pb)):
+        stat, df, outside = chi_square(t, p)
+        out.append((name, stat + (math.inf if outside else 0.0), chi_square_limit(df)))
+    for name, u, w, s in (("a with a", t0, t1, float((pa * pa).sum())), ("a with b", t1, t2, float((pa * pb).sum()))):
+        out.append((name, abs(int((u == w).sum()) - GROUPS * s), _agreement_limit(GROUPS, s)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows_ab(row16):
+    b = torch.randn(16, generator=torch.Generator().manual_seed(4), dtype=torch.float64).mul(1.5).float()
+    return row16, b, torch.stack((row16, row16, b)).repeat(GROUPS, 1)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_p=0.8)], ids=["plain", "top_p"])
+def test_rows_of_an_int_seed_draw_independently(rows_ab, kw):
+    """One call, one int seed and one int offset (a decode step's ``seed=step_seed``) over 30,000
+    rows ``[a, a, b] * 10,000``: each row's token follows its filtered softmax (chi-square, one in a
+    million each) and pairs of rows agree as often as independent draws do: identical rows with
+    probability ``sum p_a^2`` (0.148 plain), different ones ``sum p_a p_b`` (0.047), within 5 standard
+    deviations (5.7e-7 each): a false failure has probability below 4e-6. An int offset and a tensor
+    of it key the rows alike."""
+    a, b, x = rows_ab
+    tokens = ss.sample(x, seed=2024, offset=7, **kw)
+    for name, value, limit in _batch_statistics(tokens, a, b, kw):
+        assert value < limit, (name, value, limit)
+    assert torch.equal(ss.sample(x[:30], seed=2024, offset=torch.full((30,), 7), **kw), tokens[:30])
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_p=0.8)], ids=["plain", "top_p"])
+def test_equal_seed_tensors_give_equal_noise(rows_ab, kw):
+    """Rows with equal seeds and offsets in tensors draw with the same noise: identical rows draw
+    the same token, and the statistics above fail (the correlated draws they exist to catch)."""
+    a, b, x = rows_ab
+    n = x.shape[0]
+    tokens = ss.sample(x, seed=torch.full((n,), 2024), offset=7, **kw)
+    assert torch.equal(tokens[0::3], tokens[1::3]) and len(set(tokens[0::3].tolist())) == 1
+    assert len(set(tokens[2::3].tolist())) == 1
+    stats = _batch_statistics(tokens, a, b, kw)
+    assert all(value > 2 * limit for _, value, limit in stats), stats
+
+
+def test_an_int_seed_is_its_row_keys():
+    """An int seed draws as the tensor of its row keys ``row_seeds(seed, row)``: what reproduces a row
+    of the batch in another batch or slot; the keys of distinct rows and seeds differ."""
+    x = edge_rows()
+    for seed, offset in ((3, 4), (-(2 ** 63), torch.arange(8) * 2 ** 33), (2 ** 64 - 1, 0)):
+        keys = sm.row_seeds(seed - 2 ** 64 if seed >= 2 ** 63 else seed, torch.arange(8))
+        want = ss.sample(x, seed=seed, offset=offset)
+        assert torch.equal(ss.sample(x, seed=keys, offset=offset), want)
+        off = offset[[5, 2]] if isinstance(offset, torch.Tensor) else offset
+        assert torch.equal(ss.sample(x[[5, 2]], seed=keys[[5, 2]], offset=off), want[[5, 2]])
+    keys = torch.stack([sm.row_seeds(s, torch.arange(64)) for s in (0, 1, 2, -1)])
+    assert keys.unique().numel() == keys.numel()
 
 
 def test_greedy_is_argmax_with_lowest_index():

@@ -40,7 +40,8 @@ def _small_passes(monkeypatch):
 def test_tokens_do_not_depend_on_the_passes(monkeypatch):
     """The draw is defined by the logits and the noise alone: tiny records (the mass pass, top-k
     from a full sort), tiny brackets (refinement rounds, candidate lists) and small column blocks
-    give the same tokens as the defaults, and the batch slot does not matter."""
+    give the same tokens as the defaults, and the batch slot of a row with its own seed does not
+    matter."""
     x, seeds, offset = rows_and_seeds()
     want = {i: ss.sample(x, seed=seeds, offset=offset, **kw) for i, kw in enumerate(CONFIGS)}
     calls = {"mass": 0, "refine": 0}

@@ -15,6 +15,9 @@ pytestmark = pytest.mark.interpreter
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter lane: run with TRITON_INTERPRET=1", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 import splitsoftmax as ss  # noqa: E402
 import splitsoftmax.sampling_flow as flow  # noqa: E402
 from splitsoftmax import sampling  # noqa: E402
@@ -25,6 +28,7 @@ from splitsoftmax.kernels import configs, sampling_cpu, sampling_device  # noqa:
 from splitsoftmax.kernels import sampling as tk  # noqa: E402
 from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
 from splitsoftmax.kernels import sampling_math as sm  # noqa: E402
+from splitsoftmax.kernels.sampling_span import _row_seed  # noqa: E402
 
 CONFIGS = [dict(temperature=0.0), dict(), dict(top_k=3, top_p=0.8, min_p=0.05), dict(top_p=0.7),
            dict(top_p=0.95, temperature=2.0), dict(min_p=0.1), dict(top_k=12), dict(top_k=12, top_p=0.6)]
@@ -104,11 +108,34 @@ def test_philox_matches_tl_philox():
     assert (sm.packed_gid(got) >= 5).all() and (sm.packed_gid(got) < 42).all()
 
 
+@triton.jit
+def _row_seed_kernel(SEED, OUT, base, seed_ptr, seed_lo, seed_hi):
+    row = tl.program_id(0).to(tl.int64) + base
+    tl.store(OUT + tl.program_id(0), _row_seed(SEED - base, row, seed_ptr, seed_lo, seed_hi))
+
+
+def test_row_seed_matches_row_seeds():
+    """The kernels' row keys (``_row_seed``) are the torch path's (``row_seeds``) bit for bit: an int
+    seed of every size keyed with row indices low and beyond 32 bits; a seed tensor as it is."""
+    own = torch.tensor([5, -1, 2 ** 62, -(2 ** 63)])
+    for base in (0, 2 ** 33 - 2):
+        for seed in (0, 3, -1, 2 ** 63 - 1, -(2 ** 63), 2 ** 32 + 7):
+            out = torch.empty(4, dtype=torch.int64)
+            _row_seed_kernel[(4,)](own, out, base, *sampling_device._seed_args(seed, own)[1:])
+            assert torch.equal(out, sm.row_seeds(seed, torch.arange(4) + base)), (seed, base)
+        out = torch.empty(4, dtype=torch.int64)
+        _row_seed_kernel[(4,)](own, out, 0, *sampling_device._seed_args(own, own)[1:])
+        assert torch.equal(out, own)
+
+
 def test_own_philox_and_int_seeds(monkeypatch):
     """The draw kernels' Philox rounds, with seeds and offsets as per-row tensors and as ints of
-    every size (kernel arguments), give the torch path's tokens."""
+    every size (kernel arguments), give the torch path's tokens (the last rows repeat the first:
+    under an int seed each is keyed with its index)."""
     x = torch.randn(3, 23, generator=torch.Generator().manual_seed(2))
-    for seed, offset in [(torch.tensor([0, -1, 2 ** 62]), 7), (-(2 ** 63), torch.tensor([2 ** 40 + 3, -5, 1])),
+    x = torch.cat((x, x[:1].expand(3, -1)))
+    for seed, offset in [(torch.tensor([0, -1, 2 ** 62, 0, 0, 9]), 7),
+                         (-(2 ** 63), torch.tensor([2 ** 40 + 3, -5, 1, 1, 1, 2])),
                          (2 ** 64 - 1, 2 ** 33 + 5), (3, 0)]:
         want = _torch_tokens(monkeypatch, x, seed, offset)
         assert torch.equal(ss.sample(x, seed=seed, offset=offset), want), (seed, offset)
@@ -370,7 +397,8 @@ def test_top_p_alone_near_ties(monkeypatch):
 
 
 def test_sharded_over_the_kernels(monkeypatch):
-    """3 ranks (one empty, widths not divisible by 4) on the kernels: the one-device tokens."""
+    """3 ranks (one empty, widths not divisible by 4) on the kernels: the one-device tokens, with
+    per-row seeds and, on repeating rows, with an int seed (row keys from the host and in-kernel)."""
     x, seeds, offset = _rows()
     widths = split_widths(x.shape[1], 3, True)
     parts = torch.split(x, widths, dim=1)
@@ -378,6 +406,14 @@ def test_sharded_over_the_kernels(monkeypatch):
         want = ss.sample(x, seed=seeds, offset=offset, **kw)
         for got in LoopbackWorld(3).run(lambda c: ss.sharded_sample(parts[c.rank], seed=seeds, offset=offset,
                                                                     group=c, **kw)):
+            assert torch.equal(got, want), (kw, widths)
+    twins = x[[0, 0, 0, 3, 3, 6, 6, 6]]
+    twin_parts = torch.split(twins, widths, dim=1)
+    for kw in (CONFIGS[1], CONFIGS[2], CONFIGS[3]):
+        want = ss.sample(twins, seed=2 ** 63 + 9, offset=offset, **kw)
+        assert torch.equal(want, _torch_tokens(monkeypatch, twins, 2 ** 63 + 9, offset, **kw)), kw
+        for got in LoopbackWorld(3).run(lambda c: ss.sharded_sample(twin_parts[c.rank], seed=2 ** 63 + 9,
+                                                                    offset=offset, group=c, **kw)):
             assert torch.equal(got, want), (kw, widths)
     vals, idx = ss.topk(x, 6)
     for gv, gi in LoopbackWorld(3).run(lambda c: ss.sharded_topk(parts[c.rank], 6, group=c)):

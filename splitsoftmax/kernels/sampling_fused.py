@@ -26,7 +26,7 @@ from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any 
 from .sampling_decide import _decide_draw, _decide_exact, _decide_pivots, _decide_records
 from .sampling_jit import (COLLECT, EXACT, F_DTHR, F_HI, F_LO, F_PIV, F_XTHR, F_ZMAX, INTERPRETING, NONE, PIVOT,
                            PIVOTS, PLAN_W, POS_INF, THRESH, _seed_of)
-from .sampling_span import _count_value, _draw_span, _pivot_span, _records_span
+from .sampling_span import _count_value, _draw_span, _pivot_span, _records_span, _row_seed
 
 # integers that do not specialise a kernel (the row stride and V do: they decide vector loads)
 INTS = ["col0", "tiles", "Q", "k_tie", "top_k", "cap", "seed_ptr", "seed_lo", "seed_hi", "off_ptr", "off_lo", "off_hi",
@@ -88,7 +88,7 @@ def _records_kernel(X, PART, TIES, MOM, CNT, V, col0, tiles, s_xn, Q, k_tie, SEE
             keys = tl.load(PART + (row * QP + qi[:, None]) * KR + ki[None, :], mask=(qi < Q)[:, None], other=NONE,
                            cache_modifier=".cg")
             tie = tl.load(TIES + row * QP + qi, mask=qi < Q, other=0, cache_modifier=".cg")
-            seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
+            seed = _row_seed(SEED, row, seed_ptr, seed_lo, seed_hi)
             off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
             _decide_records(row, keys, tie, Q, MOM, QP * 4, seed, off, XK, MODE, PLANF, OUT, c, shift, top_p_bits,
                             cmin, top_k, probit, slack, spread, growth, KR, QP, LARGE_K, GREEDY, TOP_P, MOMENTS)
@@ -184,7 +184,7 @@ def _draw_kernel(X, PART, CAND, CCOUNT, CNT, MODE, PLANF, OUT, SEED, seed_ptr, s
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     mode = tl.load(MODE + row)
-    seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
+    seed = _row_seed(SEED, row, seed_ptr, seed_lo, seed_hi)
     off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
     xrow = X + row * s_xn
     drawn = (mode == THRESH) | (mode == COLLECT)

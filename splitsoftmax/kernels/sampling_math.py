@@ -6,9 +6,12 @@ operations that round the same everywhere: integer arithmetic, float32 ``+ - *``
 the kernels are compiled without FMA contraction), comparisons, ``floor`` and conversions.
 Logarithms and powers of two are polynomials built from those, not the device's ``log``/``exp2``.
 
-- Noise: Philox 4x32-10 (Random123; ``tl.philox`` in Triton) keyed by the 64-bit ``seed``, counter
+- Noise: Philox 4x32-10 (Random123; ``tl.philox`` in Triton) keyed by the row's 64-bit key, counter
   ``(gid >> 2, offset low 32 bits, offset high 32 bits, STREAM)``; token ``gid`` takes word
-  ``gid & 3``. ``v = clamp(float32(word) * 2^-32, 2^-33, 1 - 2^-24)``.
+  ``gid & 3``. ``v = clamp(float32(word) * 2^-32, 2^-33, 1 - 2^-24)``. A row's key is its own seed
+  (a per-row seed tensor) or, under one int seed for the batch, :func:`row_seeds`: words 0 and 1 of
+  Philox keyed by the seed at counter ``(row low 32 bits, row high 32 bits, 0, ROWS)``, so rows of
+  one batch draw independently and two batch seeds share no row key (but by a 2^-64 chance).
 - Gumbel-max in base 2: the token drawn is the argmax of ``key = zz - log2(-log2(1 - v))`` with
   ``zz = x * c``, ``c = float32(log2(e) / T)``: the base-2 form of ``x / T + Gumbel``.
 - Probabilities: ``d = zz - zz_max <= 0`` is ``log2(p / p_max)``; a token's mass is the integer
@@ -27,6 +30,7 @@ import torch
 from torch import Tensor
 
 STREAM = 0x53414D50            # Philox counter word 3: this library's sampling stream
+ROWS = 0x524F5753              # and of the row keys of a batch seed
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85
 ROUND_A, ROUND_B = 0xD2511F53, 0xCD9E8D57
 U32 = 0xFFFFFFFF
@@ -138,6 +142,15 @@ def words_at(seed: Tensor, offset: Tensor, gid: Tensor) -> Tensor:
     out = philox(seed, gid >> 2, offset & U32, (offset >> 32) & U32, torch.full_like(gid, STREAM))
     lane = gid & 3
     return torch.where(lane == 0, out[0], torch.where(lane == 1, out[1], torch.where(lane == 2, out[2], out[3])))
+
+
+def row_seeds(seed: int, rows: Tensor) -> Tensor:
+    """The Philox keys (int64) of rows ``rows`` (int64, any shape: their indices in the batch) drawn
+    under the batch seed ``seed`` (an int64 int): ``w1 << 32 | w0`` of Philox keyed by ``seed`` at
+    counter ``(row low 32 bits, row high 32 bits, 0, ROWS)``."""
+    w0, w1, _, _ = philox(torch.full_like(rows, seed), rows & U32, (rows >> 32) & U32, torch.zeros_like(rows),
+                          torch.full_like(rows, ROWS))
+    return torch.where(w1 > 0x7FFFFFFF, w1 - 2 ** 32, w1) * 2 ** 32 + w0
 
 
 def uniform(word: Tensor) -> Tensor:

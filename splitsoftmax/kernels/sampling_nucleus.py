@@ -32,7 +32,7 @@ from .sampling_finish import _token
 from .sampling_fused import INTS, _exact_row, _last
 from .sampling_jit import (DONE, EXACT, F_DTHR, F_PIV, F_RHI, F_RLO, F_XTHR, F_ZMAX, NEG_INF, NONE, PIVOTS, PLAN_W,
                            POS_INF, U32, _ord32, _seed_of, _unord32)
-from .sampling_span import _approx_noise, _draw_tile, _exact_at, _exact_key, _pivot_span
+from .sampling_span import _approx_noise, _draw_tile, _exact_at, _exact_key, _pivot_span, _row_seed
 
 NUCLEUS = tl.constexpr(5)          # the row mode between the two passes (after sampling_jit's modes)
 NAN_FLAG = tl.constexpr(1 << 40)   # a span's NaN mark in its partial's logit word (above any int32 bits)
@@ -132,7 +132,7 @@ def _nucleus_keys_kernel(X, PART, CNT, MODE, PLANF, NUC, OUT, SEED, seed_ptr, se
     (``NUC [N, M]``, their ``d`` at the plan's pivots, ``zmax``), mode NUCLEUS, or the token."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
+    seed = _row_seed(SEED, row, seed_ptr, seed_lo, seed_hi)
     off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
     xrow = X + row * s_xn
     lo = split * tiles * TILE
@@ -238,7 +238,7 @@ def _nucleus_mass_kernel(X, PART, CNT, MODE, PLANF, NUC, OUT, CAND, CCOUNT, SEED
                 tl.store(p + F_PIV + tl.arange(0, PIVOTS), _range_pivots(NEG_INF, POS_INF, floor))
                 tl.store(MODE + row, EXACT)
                 tl.debug_barrier()
-                seed = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
+                seed = _row_seed(SEED, row, seed_ptr, seed_lo, seed_hi)
                 off = _seed_of(OFFSET, row, off_ptr, off_lo, off_hi)
                 _exact_row(xrow, row, V, c, seed, off, shift, top_p_bits, cap, CAND, CCOUNT, MODE, PLANF, OUT,
                            ROUNDS, DTILE, XTILE, CP, STAGES)

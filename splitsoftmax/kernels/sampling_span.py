@@ -29,11 +29,12 @@ import triton.language as tl
 
 from ..local import interpreting
 from . import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
-from .sampling_jit import INT32_MIN, NEG_INF, NONE, U32, _gumbel, _ord32, _qmass, _top
+from .sampling_jit import INT32_MIN, NEG_INF, NONE, U32, _gumbel, _ord32, _qmass, _seed_of, _top
 
 NAN_KEY = tl.constexpr(0x7FFFFFFF << 32)      # the packed high word of a NaN key
 INF_KEY = tl.constexpr(0x7F800000 << 32)      # and of a +inf key
 STREAM = tl.constexpr(0x53414D50)              # Philox counter word 3 (``sampling_math.STREAM``)
+ROWS = tl.constexpr(0x524F5753)                # and of a batch seed's row keys (``sampling_math.ROWS``)
 # ``tl.log2`` compiles to libdevice's exact log2 (about 25 instructions); the bound of the draw
 # takes the special function unit's ``lg2.approx`` (one), except in the interpreter
 FAST_LOG2 = tl.constexpr(not interpreting())
@@ -250,6 +251,18 @@ def _philox(seed, c0, c1, c2, c3):
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
     return c0, c1, c2, c3
+
+
+@triton.jit
+def _row_seed(SEED, row, seed_ptr, seed_lo, seed_hi):
+    """A row's Philox key (int64): its own seed ``SEED[row]`` when ``seed_ptr``, else the batch seed
+    ``seed_hi << 32 | seed_lo`` keyed with the row index ``row`` (``sampling_math.row_seeds``)."""
+    own = _seed_of(SEED, row, seed_ptr, seed_lo, seed_hi)
+    r = row.to(tl.int64)
+    zero = (r * 0).to(tl.uint32)
+    w0, w1, _, _ = _philox(own, (r & U32).to(tl.uint32), ((r >> 32) & U32).to(tl.uint32), zero, zero + ROWS)
+    batch = (w1.to(tl.int64) << 32) | w0.to(tl.int64)
+    return tl.where(seed_ptr != 0, own, batch)
 
 
 @triton.jit

@@ -51,3 +51,36 @@ def add_interpreter_descriptor_reduce() -> None:
 
 if interpreting():
     add_interpreter_descriptor_reduce()
+
+
+def round_bf16_to_nearest() -> None:
+    """Triton's interpreter (3.6 to 3.9) casts float32 to bfloat16 by truncation (round toward zero),
+    and its round-to-nearest mode carries into the exponent wrongly; the GPU rounds to nearest even.
+    Truncation is biased (every P, dS and result rounded down in magnitude): make the interpreter's
+    float32 -> bfloat16 casts round to nearest even, as the GPU does (explicit ``"rtz"`` stays).
+    Idempotent."""
+    import numpy as np
+    from triton._C.libtriton import ir
+    from triton.runtime import interpreter
+    import triton.language as tl
+
+    convert = interpreter._convert_float
+    if getattr(convert, "nearest_even", False):
+        return
+
+    def patched(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype != tl.float32 or output_dtype != tl.bfloat16 or rounding_mode == ir.ROUNDING_MODE.RTZ:
+            return convert(data, input_dtype, output_dtype, rounding_mode)
+        u = np.ascontiguousarray(data, dtype=np.float32).view(np.uint32)
+        even = (u >> 16) & 1
+        out = ((u + np.uint32(0x7FFF) + even) >> 16).astype(np.uint16)
+        nan = (u & 0x7FFFFFFF) > 0x7F800000
+        out = np.where(nan, ((u >> 16) | 0x0040).astype(np.uint16), out)
+        return out.reshape(np.shape(data))
+
+    patched.nearest_even = True
+    interpreter._convert_float = patched
+
+
+if interpreting():
+    round_bf16_to_nearest()

@@ -110,3 +110,24 @@ def test_peer_exits(case):
 def test_peer_stalls(size, case):
     """A peer that stalls past SPLITSOFTMAX_TIMEOUT=10 -> RuntimeError naming it, within the timeout."""
     run_case(size, case, timeout=120)
+
+
+def test_failing_early_local_work_completes_the_started_handshake(monkeypatch):
+    """A tree call whose local work raises after the handshake started still completes its
+    transfers before raising: no message is left undelivered in the world."""
+    from splitsoftmax.distributed import sharded
+    from splitsoftmax.distributed.comm import LoopbackWorld
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("local failed")
+    monkeypatch.setattr(sharded, "early_local", failing)
+    world = LoopbackWorld(3)
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+
+    def body(comm):
+        k, v = torch.randn(1, 2, 5, 8, dtype=torch.float64), torch.randn(1, 2, 5, 8, dtype=torch.float64)
+        sharded_attention(q, k, v, group=comm, schedule="tree")
+    with pytest.raises(RuntimeError, match="local failed"):
+        world.run(body)
+    assert world.sends[11] == 3 * 2
+    assert not any(world.boxes.values()), {key: len(b) for key, b in world.boxes.items() if b}

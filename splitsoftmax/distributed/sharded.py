@@ -170,10 +170,22 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     keywords = dict(cu_seqlens=cu_seqlens, window_size=window_size, softcap=softcap, sinks=sinks,
                     kv_range=kv_range, q_offset=q_offset)
     finish, s, kw = attn_meta.start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords)
-    local = early_local(q, k, v, s, causal, kw) if schedule == "tree" and s is not None else None
+    try:
+        local = early_local(q, k, v, s, causal, kw) if schedule == "tree" and s is not None else None
+    except Exception:  # the handshake's transfers are posted: complete them (bounded) before raising
+        _complete(finish)
+        raise
     spec = _spec(comm, q, k, v, s, causal, layout, schedule, kw, finish())
     out, lse = ShardedAttentionFn.apply(q, k, v, kw.sinks, comm, spec, schedule, local)
     return (out, lse) if return_lse else out
+
+
+def _complete(finish) -> None:
+    """Wait for a started handshake whose call is already failing; its own errors give way to that one."""
+    try:
+        finish()
+    except Exception:
+        pass
 
 
 def _slice_seq(x: Tensor, dim: int, lengths: list, layout: str, rank: int, docs=None) -> Tensor:

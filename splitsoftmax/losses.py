@@ -16,7 +16,7 @@ from torch import Tensor
 
 from . import _checks
 from .distributed import handshake as hs
-from .distributed.comm import as_comm
+from .distributed.comm import as_comm, eager
 from .distributed.tree import allgather
 from .local import op, use_triton
 from .ops import call, ce_kernels
@@ -96,6 +96,7 @@ class ShardedCrossEntropyFn(torch.autograd.Function):
         return dx, None, None, None, None, None, None, None
 
 
+@eager
 def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_index: int = -100,
                           reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
     """Cross-entropy of vocabulary-sharded logits (collective over ``group``).

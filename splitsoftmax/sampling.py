@@ -25,7 +25,7 @@ from torch import Tensor
 
 from . import _checks
 from .distributed import handshake as hs
-from .distributed.comm import as_comm
+from .distributed.comm import as_comm, eager
 from .distributed.session import collective
 from .kernels import configs
 from .kernels import sampling_math as sm
@@ -138,6 +138,7 @@ def _topk(ex: Exchange, logits: Tensor, col0: int, k: int) -> tuple[Tensor, Tens
     return vals.to(logits.dtype), ids
 
 
+@eager
 def sharded_topk(logits: Tensor, k: int, *, group=None) -> tuple[Tensor, Tensor]:
     """:func:`topk` of vocabulary-sharded ``logits (N, V_r)`` (this rank's slice, slices in rank
     order, any widths, 0 allowed): the global ``(values, indices)`` ``(N, k)`` with global indices,
@@ -231,6 +232,7 @@ def _draw(ex: Exchange, logits: Tensor, col0: int, vocab: int, filters, seeds: T
     return draw(ex, logits, col0, spec, seeds, offsets, plain)
 
 
+@eager
 def sharded_sample(logits: Tensor, *, seed, offset, temperature: float = 1.0, top_k: Optional[int] = None,
                    top_p: Optional[float] = None, min_p: Optional[float] = None, group=None) -> Tensor:
     """:func:`sample` of vocabulary-sharded ``logits (N, V_r)`` (this rank's slice, slices in rank

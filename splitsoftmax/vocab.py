@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import _checks
 from .distributed import handshake as hs
-from .distributed.comm import as_comm
+from .distributed.comm import as_comm, eager
 from .distributed.tree import allgather
 from .kernels.vocab_cpu import kl_coef, merge_kl_records, merge_records, stats_coefs
 from .distributed.handshake import fingerprint
@@ -174,6 +174,7 @@ def _agree(comm, op: str, local: Callable[[], tuple]):
     return result, hs.handshake(comm, op, agree, per, err)
 
 
+@eager
 def sharded_logprobs(logits: Tensor, target: Tensor, *, temperature: float = 1.0, return_entropy: bool = False,
                      ignore_index: int = -100, group=None):
     """:func:`logprobs` of vocabulary-sharded logits (collective over ``group``).
@@ -201,6 +202,7 @@ def sharded_logprobs(logits: Tensor, target: Tensor, *, temperature: float = 1.0
     return (logp, ent) if return_entropy else logp
 
 
+@eager
 def sharded_entropy(logits: Tensor, *, temperature: float = 1.0, group=None) -> Tensor:
     """:func:`entropy` of vocabulary-sharded ``logits (N, V_r)`` (collective over ``group``):
     ``(N,)`` float32, identical on every rank, differentiable (each rank's gradient is its slice)."""
@@ -214,6 +216,7 @@ def sharded_entropy(logits: Tensor, *, temperature: float = 1.0, group=None) -> 
     return ShardedStatsFn.apply(logits, None, comm, 0, inv_t, -100, True, "sharded_entropy")[1]
 
 
+@eager
 def sharded_kl_div(logits_p: Tensor, logits_q: Tensor, *, temperature: float = 1.0, group=None) -> Tensor:
     """:func:`kl_div` of two alike-sharded logits ``(N, V_r)`` (the same slice of the vocabulary
     on each rank; collective over ``group``): ``(N,)`` float32, identical on every rank,

@@ -35,6 +35,14 @@ from torch import Tensor
 DEFAULT_TIMEOUT = 300.0
 
 
+def eager(fn: Callable) -> Callable:
+    """A public collective op, run eagerly under ``torch.compile``: Dynamo breaks the graph around
+    it (``fullgraph=True`` refuses it, naming this reason). Its handshakes, bounded waits and
+    host-side plans read clocks and agreed values on the host, which a traced graph cannot."""
+    return torch.compiler.disable(fn, reason=f"splitsoftmax.{fn.__name__} is a collective across ranks: it runs "
+                                             "eagerly, outside the compiled graph")
+
+
 def timeout_s() -> float:
     """``SPLITSOFTMAX_TIMEOUT`` in seconds (default 300), read at every call."""
     raw = os.environ.get("SPLITSOFTMAX_TIMEOUT", "")

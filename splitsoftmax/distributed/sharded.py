@@ -20,7 +20,7 @@ from ..local import op
 from . import attn_meta, work
 from . import layout as lay
 from .allgather import allgather_attention_bwd, allgather_attention_fwd, allgather_var
-from .comm import as_comm
+from .comm import as_comm, eager
 from .handshake import LOCAL_ERRORS, encode_dtype, handshake
 from .ring import ring_attention_bwd, ring_attention_fwd
 from .tree import allreduce_sum, early_local, merge_lse, tree_attention_bwd, tree_attention_fwd
@@ -94,17 +94,20 @@ def _sharded_softmax(name: str, x, dim, group, log: bool) -> Tensor:
     return _unrows(ShardedSoftmaxFn.apply(x2, log, comm), x, d, moved)
 
 
+@eager
 def sharded_softmax(x: Tensor, dim: int = -1, *, group=None) -> Tensor:
     """This rank's slice of the softmax of rows split across ranks along ``dim`` (rank order,
     any lengths, zero allowed). ``x.dtype`` out; float32 statistics; collective over ``group``."""
     return _sharded_softmax("sharded_softmax", x, dim, group, log=False)
 
 
+@eager
 def sharded_log_softmax(x: Tensor, dim: int = -1, *, group=None) -> Tensor:
     """This rank's slice of the log-softmax of rows split across ranks along ``dim``."""
     return _sharded_softmax("sharded_log_softmax", x, dim, group, log=True)
 
 
+@eager
 def sharded_logsumexp(x: Tensor, dim: int = -1, *, group=None) -> Tensor:
     """logsumexp of the full rows (``dim`` removed), float32, identical on every rank."""
     comm, d, x2, moved = _row_shards("sharded_logsumexp", x, dim, group, None)
@@ -146,6 +149,7 @@ def _spec(comm, q, k, v, s: float, causal: bool, layout: str, schedule: str, kw,
     return AttnSpec(b, h, hkv, d, dv, s, causal, layout, q_lens, k_lens, comm.rank, kw, planned)
 
 
+@eager
 def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
                       group=None, schedule: str = "ring", layout: str = "contiguous", return_lse: bool = False,
                       cu_seqlens=None, window_size=None, softcap=None, sinks=None, kv_range=None, q_offset=None):
@@ -259,6 +263,7 @@ def _seq_meta(name: str, x, dim, group, layout, cu_seqlens, arg: str = "x"):
     return comm, d, handshake(comm, name, agree, per, err), docs
 
 
+@eager
 def shard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", cu_seqlens=None) -> Tensor:
     """This rank's shard along ``dim`` of ``x``, which every rank holds in full (collective).
 
@@ -279,6 +284,7 @@ def _shard(x: Tensor, dim, group, layout: str, cu_seqlens, arg: str) -> Tensor:
     return ShardFn.apply(x, d, lengths, layout, comm, docs)
 
 
+@eager
 def unshard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", cu_seqlens=None) -> Tensor:
     """The full tensor, on every rank, from each rank's shard along ``dim`` (collective).
 

@@ -1,5 +1,10 @@
 """Every tile size and launch configuration, as data in one place."""
 
+import triton
+
+# The Triton in use, (major, minor): a few settings below depend on what its compiler makes of a kernel.
+TRITON_VERSION = tuple(int(n) for n in triton.__version__.split(".")[:2])
+
 # Torch (CPU) path: columns per block of a softmax row, keys per block of attention.
 CPU_BLOCK_COLS = 8192
 CPU_BLOCK_KEYS = 256
@@ -125,6 +130,12 @@ ATTN_FWD_GLUON = True
 # ... under this register limit per thread: 12 warps' worth within an SM's 64K registers, which the
 # kernel moves between its warpgroups (setmaxnreg) ...
 ATTN_FWD_GLUON_MAXNREG = 168
+# ... where each partition reads its int32 scalars (output strides, Sk, diag) where it uses them
+# (attention_fwd_gluon._own), by the Triton version's (major, minor): Triton 3.7 and 3.8 compute what
+# comes of them (widened strides, diag + 1) before the warp-specialize split, where sm_90 ptxas spills
+# it (causal / full, bytes: 3.7 24 / 4 -> 4 / 0, 3.8 20 / 20 -> 0 / 0); 3.6 and 3.9 keep them in
+# registers as written (every timing was taken on 3.6).
+ATTN_FWD_GLUON_OWN_SCALARS = TRITON_VERSION in ((3, 7), (3, 8))
 # ... from this many queries on, (full, causal): shorter rows keep the Triton kernel (and its short
 # causal tile). H200, forward TFLOP/s, Triton kernel -> warp-specialized Gluon (BENCHMARKS.md,
 # "Attention", F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;

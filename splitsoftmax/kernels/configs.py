@@ -1,9 +1,12 @@
 """Every tile size and launch configuration, as data in one place."""
 
-import triton
+try:
+    from triton import __version__ as _triton
+except ImportError:  # a Linux-only dependency: the torch path runs without it
+    _triton = "0.0"
 
 # The Triton in use, (major, minor): a few settings below depend on what its compiler makes of a kernel.
-TRITON_VERSION = tuple(int(n) for n in triton.__version__.split(".")[:2])
+TRITON_VERSION = tuple(int(n) for n in _triton.split(".")[:2])
 
 # Torch (CPU) path: columns per block of a softmax row, keys per block of attention.
 CPU_BLOCK_COLS = 8192

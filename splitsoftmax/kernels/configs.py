@@ -62,8 +62,9 @@ ATTN_TILES = {
     # two programs share an SM (98 KB of shared memory each). H200, its device time at 1k / 2k causal
     # (B * S = 32k, H=16) / 16 documents of 2k: 315 / 469 / 565 us unbounded, 236 / 349 / 447 at 128;
     # 128x8x4, 64x4x4, 64x4x3 (at 128) no faster (BENCHMARKS.md, "Attention backward", R1)
-    # Triton 3.7 and 3.8 take 64x4x3: at 128x8x3 sm_90 ptxas spills 8 bytes with a plain mask (0 at 64x4x3)
-    ("bwd_q_ds", 2, 128): (64, 4, 3, 128) if TRITON_VERSION in ((3, 7), (3, 8)) else (128, 8, 3, 128),
+    # Triton 3.7 and 3.8 take 64x8x3: at 128x8x3 sm_90 ptxas spills 8 bytes with a plain mask, 94 / 212 with
+    # every variant's mask (3.7 / 3.8); 64x8x3 none (untimed)
+    ("bwd_q_ds", 2, 128): (64, 8, 3, 128) if TRITON_VERSION in ((3, 7), (3, 8)) else (128, 8, 3, 128),
     ("bwd_q", 2, 256): (64, 32, 8, 2),
     ("bwd_q", 4, 64): (32, 32, 4, 2),
     ("bwd_q", 4, 256): (16, 16, 4, 2),

@@ -73,7 +73,7 @@ CASES = {
     "nucleus keys": (kn._nucleus_keys_kernel, dict(TYPES, NUC="*i64"),
                      dict(M=16, TILE=sc.TILE, QP=512, STAGES=sc.STAGES), None),
     "nucleus masses": (kn._nucleus_mass_kernel, dict(TYPES, NUC="*i64", PART="*fp32", slack="fp32"),
-                       dict(M=16, TILE=sc.NUCLEUS_TILE, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, DTILE=sc.TILE,
+                       dict(M=16, TILE=sc.NUCLEUS_TILE, STAGES=sc.NUCLEUS_STAGES, ROUNDS=sc.EXACT_ROUNDS, DTILE=sc.TILE,
                             XTILE=sc.TILE_EXACT, ETILE=sc.NUCLEUS_TILE // 4, CP=sc.SLOTS), None),
 }
 

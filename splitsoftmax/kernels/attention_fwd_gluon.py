@@ -33,13 +33,15 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from . import configs
 from .attention_bwd_gluon import (_batch_bounds, _doc_rows, _key_block, _mma_layout, _q_walk, _store_rows, _tanh,
                                   _thread_barrier, _tma_load, launch_order)
-
 
 # the exponent field of a 2-byte float, by dtype: all its bits set marks a NaN or an infinity
 EXP_BITS_BF16 = gl.constexpr(0x7F80)
 EXP_BITS_FP16 = gl.constexpr(0x7C00)
+# scalars read where they are used (configs.ATTN_FWD_GLUON_OWN_SCALARS, by Triton version)
+OWN_SCALARS = gl.constexpr(configs.ATTN_FWD_GLUON_OWN_SCALARS)
 
 
 @gluon.jit
@@ -182,6 +184,16 @@ def _ws_producer(p, mk, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.cons
 
 
 @gluon.jit
+def _own(x):
+    """The int32 scalar ``x`` read where it is used: where ``OWN_SCALARS``, through an opaque move the
+    compiler can neither hoist nor merge, so that nothing computed from ``x`` (a widened stride,
+    ``diag + 1``) is held across a tile loop or the warp-specialize split."""
+    if OWN_SCALARS:
+        x = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+    return x
+
+
+@gluon.jit
 def _post_tile(tile_ids, id_full, id_empty, t, it):
     """The producer hands tile ``t`` (the program's ``it``-th) to both consumers: slot ``it % 2`` of
     ``tile_ids``, once both have read what it held."""
@@ -243,7 +255,7 @@ def _ws_consumer(p, mk, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.cons
     t = _take_tile(tile_ids, id_full, id_empty, it)
     while t < NB * NBH:
         b, h, kvh, m0 = _tile_of(t, NB, NBH, H, G, GH, BLOCK_M, CAUSAL)
-        bounds = _element_bounds(mk, b, Sk, diag, KV_RANGE, Q_OFFSET)
+        bounds = _element_bounds(mk, b, _own(Sk), _own(diag), KV_RANGE, Q_OFFSET)
         walk, T = _tile_walk(mk, bounds, m0, Sq, 2 * BLOCK_M, rows, BLOCK_N, CAUSAL, WINDOW,
                              ROW_BOUNDS)  # both consumers' blocks
         _ws_rows(p, mk, bounds, C, b, h, m0 + C * BLOCK_M, walk, T, base, it & 1, BLOCK_M, BLOCK_N, D, CAUSAL,
@@ -359,6 +371,7 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
     lse2 = gl.where(some, m_i + gl.log2(gl.where(some, l_i, 1.0)), float("-inf"))
     inv = 1.0 / gl.where(some, l_i, 1.0)
     out = acc * gl.convert_layout(inv, o_rows)[:, None]
+    s_ob, s_oh, s_os, s_lb, s_lh = _own(s_ob), _own(s_oh), _own(s_os), _own(s_lb), _own(s_lh)
     l_ptrs = LSE + b.to(gl.int64) * s_lb + h.to(gl.int64) * s_lh + qi * s_ls
     if ACC:
         out, lse2 = _merged(O, l_ptrs, qi < Sq, out, lse2, b, h, r0, Sq, s_ob, s_oh, s_os, o_layout, BLOCK_M, D)

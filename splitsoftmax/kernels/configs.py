@@ -1,5 +1,13 @@
 """Every tile size and launch configuration, as data in one place."""
 
+try:
+    from triton import __version__ as _triton
+except ImportError:  # a Linux-only dependency: the torch path runs without it
+    _triton = "0.0"
+
+# The Triton in use, (major, minor): a few settings below depend on what its compiler makes of a kernel.
+TRITON_VERSION = tuple(int(n) for n in _triton.split(".")[:2])
+
 # Torch (CPU) path: columns per block of a softmax row, keys per block of attention.
 CPU_BLOCK_COLS = 8192
 CPU_BLOCK_KEYS = 256
@@ -54,7 +62,9 @@ ATTN_TILES = {
     # two programs share an SM (98 KB of shared memory each). H200, its device time at 1k / 2k causal
     # (B * S = 32k, H=16) / 16 documents of 2k: 315 / 469 / 565 us unbounded, 236 / 349 / 447 at 128;
     # 128x8x4, 64x4x4, 64x4x3 (at 128) no faster (BENCHMARKS.md, "Attention backward", R1)
-    ("bwd_q_ds", 2, 128): (128, 8, 3, 128),
+    # Triton 3.7 and 3.8 take 64x8x3: at 128x8x3 sm_90 ptxas spills 8 bytes with a plain mask, 94 / 212 with
+    # every variant's mask (3.7 / 3.8); 64x8x3 none (untimed)
+    ("bwd_q_ds", 2, 128): (64, 8, 3, 128) if TRITON_VERSION in ((3, 7), (3, 8)) else (128, 8, 3, 128),
     ("bwd_q", 2, 256): (64, 32, 8, 2),
     ("bwd_q", 4, 64): (32, 32, 4, 2),
     ("bwd_q", 4, 256): (16, 16, 4, 2),
@@ -125,6 +135,12 @@ ATTN_FWD_GLUON = True
 # ... under this register limit per thread: 12 warps' worth within an SM's 64K registers, which the
 # kernel moves between its warpgroups (setmaxnreg) ...
 ATTN_FWD_GLUON_MAXNREG = 168
+# ... where each partition reads its int32 scalars (output strides, Sk, diag) where it uses them
+# (attention_fwd_gluon._own), by the Triton version's (major, minor): Triton 3.7 and 3.8 compute what
+# comes of them (widened strides, diag + 1) before the warp-specialize split, where sm_90 ptxas spills
+# it (causal / full, bytes: 3.7 24 / 4 -> 4 / 0, 3.8 20 / 20 -> 0 / 0); 3.6 and 3.9 keep them in
+# registers as written (every timing was taken on 3.6).
+ATTN_FWD_GLUON_OWN_SCALARS = TRITON_VERSION in ((3, 7), (3, 8))
 # ... from this many queries on, (full, causal): shorter rows keep the Triton kernel (and its short
 # causal tile). H200, forward TFLOP/s, Triton kernel -> warp-specialized Gluon (BENCHMARKS.md,
 # "Attention", F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;

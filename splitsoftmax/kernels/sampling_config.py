@@ -7,6 +7,8 @@ keeps ``STAGES - 1`` tiles in flight through shared memory; a row is spread over
 """
 from __future__ import annotations
 
+from .configs import TRITON_VERSION
+
 TILE = 1024              # columns per tile of the streaming passes (8 warps: 4 columns a thread)
 TILE_EXACT = 64          # the exact pivot rounds (int64 masses and counts at every pivot; rare)
 WARPS = 8
@@ -19,6 +21,9 @@ FEW_ROWS_MERGE = 1024    # selection and the row's merge, not the read, are the 
 NUCLEUS_MISS = 1e-5      # top-p alone: candidates per row so that none is kept with at most this
                          # probability (``sampling_device.nucleus_candidates``)
 NUCLEUS_TILE = 512       # columns per tile of the candidates' mass pass
+# ... in flight through shared memory, by the Triton version: sm_90 ptxas spills 12 bytes of the
+# pass at STAGES on Triton 3.7, none at 2
+NUCLEUS_STAGES = 2 if TRITON_VERSION == (3, 7) else STAGES
 NUCLEUS_SLACK = 1.0      # factor on that pass's float32 error bound (``sampling_device.nucleus_slack``)
 SLOTS = 1024             # bracket tokens a row's list can hold (the draw's finisher sorts them: 80
                          # registers at 8 warps)

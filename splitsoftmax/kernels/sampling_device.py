@@ -160,7 +160,8 @@ def _config_key() -> tuple:
     """The sizes a test may change (a launch plan is kept per their values)."""
     return (sc.TILE, sc.TILE_INTERPRET, sc.TILE_EXACT, sc.WARPS, sc.STAGES, sc.PROGRAMS_PER_SM, sc.MERGE_MAX, sc.CAP,
             sc.SLOTS, sc.PIVOT_ROUNDS, sc.EXACT_ROUNDS, sc.SLACK, sc.SPREAD, sc.GROWTH, sc.INTERPRET_SMS, sc.FEW_ROWS,
-            sc.FEW_ROWS_TILE, sc.FEW_ROWS_MERGE, sc.NUCLEUS_MISS, sc.NUCLEUS_TILE, sc.NUCLEUS_SLACK)
+            sc.FEW_ROWS_TILE, sc.FEW_ROWS_MERGE, sc.NUCLEUS_MISS, sc.NUCLEUS_TILE, sc.NUCLEUS_STAGES,
+            sc.NUCLEUS_SLACK)
 
 
 _PLANS: dict = {}
@@ -251,7 +252,7 @@ def _nucleus_masses(x, w: _Work, spec: Spec, base: tuple, m: int) -> tuple:
     head = (w.part_p, w.cnt, w.mode, w.planf, w.nuc)
     tail = (v, tiles, x.stride(0), q, spec.c, spec.shift, _bits(spec.top_p), w.cap, nucleus_slack(v, tile))
     small = sc.TILE_INTERPRET if interpreting() else sc.TILE_EXACT
-    consts = dict(M=m, TILE=tile, STAGES=sc.STAGES, ROUNDS=sc.EXACT_ROUNDS, DTILE=_tile(), XTILE=small,
+    consts = dict(M=m, TILE=tile, STAGES=sc.NUCLEUS_STAGES, ROUNDS=sc.EXACT_ROUNDS, DTILE=_tile(), XTILE=small,
                   ETILE=small if interpreting() else sc.NUCLEUS_TILE // 4, CP=_slots(), num_warps=sc.WARPS, **LAUNCH)
     return _MASSES, (n, q), base, lambda x, out, seeds, xk: (x, *head, out, w.cand, w.ccount, *seeds, *tail), consts
 

@@ -12,10 +12,10 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from _ce_util import loss_and_grad as grad_of  # noqa: E402
 from splitsoftmax.distributed import LoopbackWorld  # noqa: E402
-from splitsoftmax.kernels import cpu  # noqa: E402
-from splitsoftmax.kernels import cross_entropy as tce  # noqa: E402
-from splitsoftmax.kernels import cross_entropy_cpu as ce_cpu  # noqa: E402
-from splitsoftmax.losses import cross_entropy, sharded_cross_entropy  # noqa: E402
+from splitsoftmax.ops.attention import torch as cpu  # noqa: E402
+from splitsoftmax.ops.cross_entropy import kernel as tce  # noqa: E402
+from splitsoftmax.ops.cross_entropy import torch as ce_cpu  # noqa: E402
+from splitsoftmax.ops.cross_entropy.api import cross_entropy, sharded_cross_entropy  # noqa: E402
 
 NEG_INF = float("-inf")
 

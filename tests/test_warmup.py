@@ -1,4 +1,4 @@
-"""CPU lane: ``splitsoftmax.warmup`` compiles every kernel variant that attention at a new length of a
+"""CPU lane: ``splitsoftmax.tools.warmup`` compiles every kernel variant that attention at a new length of a
 warmed bucket launches. The Triton path runs on CPU tensors with every launch recorded instead of
 run, as on a Hopper GPU of 132 SMs: each launch's constexprs and launch options, and the
 specialisation Triton would compile it for (argument types, 16-byte alignment, integers divisible by
@@ -16,8 +16,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from splitsoftmax import local, ops, warmup  # noqa: E402
-from splitsoftmax.kernels import attention, attention_bwd, decode, launch, merge  # noqa: E402
+from splitsoftmax.ops import _registry as local, _library as ops  # noqa: E402
+from splitsoftmax.tools import warmup  # noqa: E402
+from splitsoftmax.ops.attention import fwd as attention, bwd as attention_bwd, decode  # noqa: E402
+from splitsoftmax.ops._triton import launch  # noqa: E402
+from splitsoftmax.ops.merge import kernel as merge  # noqa: E402
 
 SMS = 132
 
@@ -115,7 +118,7 @@ def test_lengths_of_every_residue_need_no_new_variant(variants, head_dim, heads,
 def test_merge_parts_tile_rounds_the_part_count_up():
     """The all-parts merge holds ``next_pow2(N)`` parts, at least ``MERGE_PARTS_MIN_BLOCK``: any few
     splits share one compiled merge."""
-    from splitsoftmax.kernels import configs
+    from splitsoftmax.ops._triton import configs
     blocks = {n: merge.merge_plan(n, 32, 128, SMS, True) for n in (1, 2, 3, 9, 16, 17, 33)}
     assert {n: (kind, kw["BLOCK_P"]) for n, (kind, _, kw) in blocks.items()} == {
         1: ("parts", 16), 2: ("parts", 16), 3: ("parts", 16), 9: ("parts", 16), 16: ("parts", 16),

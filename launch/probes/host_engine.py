@@ -12,7 +12,7 @@ called directly (no engine); then ``ss.attention`` forward+backward both ways. P
 """
 import time, io, cProfile, pstats
 import torch
-from splitsoftmax import autograd as sag, ops
+from splitsoftmax.ops import _autograd as sag, _library as ops
 
 dev = "cuda"
 def per_call(fn, n=300):

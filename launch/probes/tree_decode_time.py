@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import splitsoftmax as ss
-from splitsoftmax import state
+from splitsoftmax.core import state
 from splitsoftmax.distributed.comm import as_comm
 from splitsoftmax.distributed.handshake import handshake
 from splitsoftmax.distributed.tree import allgather

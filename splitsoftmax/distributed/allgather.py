@@ -14,11 +14,11 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .._log import LOG, nbytes
+from ..core.log import LOG, nbytes
 from .comm import Communicator
 from .ring import attn_bwd_visit, attn_fwd_visit, by_origin, dq_of, state_of
 from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
-from .. import state
+from ..core import state
 
 TAG_GATHER, TAG_SCATTER = 31, 32
 

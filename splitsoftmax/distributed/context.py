@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .. import _checks
-from .._autocast import like_sdpa
+from ..core import checks as _checks
+from ..core.autocast import like_sdpa
 from . import layout as lay
 from .comm import Communicator, as_comm
 from .handshake import LOCAL_ERRORS, handshake

@@ -13,9 +13,9 @@ are already in flight, so the transfers overlap the compute.
   alike (the plan is a function of agreed metadata); under a window only the halo travels, to one
   neighbour (contiguous) or two (zigzag). In the backward each step's dK/dV rows go straight home.
 
-The visits (``attn_fwd_visit``, ``attn_bwd_visit``) run the local ops of ``splitsoftmax.local`` (``masked_op``)
+The visits (``attn_fwd_visit``, ``attn_bwd_visit``) run the local ops of ``splitsoftmax.ops._registry`` (``masked_op``)
 on the calls of ``work.step_calls``; partial results stay float32 states merged by
-``splitsoftmax.state``. The allgather schedule reuses the same visits.
+``splitsoftmax.core.state``. The allgather schedule reuses the same visits.
 """
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .. import state
-from .._log import LOG, clock, nbytes
-from ..local import masked_op
+from ..core import state
+from ..core.log import LOG, clock, nbytes
+from ..ops._registry import masked_op
 from .comm import Communicator
 from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
 

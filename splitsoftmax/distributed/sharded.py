@@ -12,11 +12,11 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import _checks, state
-from .. import variants as vs
-from ..autograd import backward_stats
-from ..functional import _rows, _unrows
-from ..local import op
+from ..core import checks as _checks, state
+from ..core import keywords as vs
+from ..ops._autograd import backward_stats
+from ..ops.functional import _rows, _unrows
+from ..ops._registry import op
 from . import attn_meta, work
 from . import layout as lay
 from .allgather import allgather_attention_bwd, allgather_attention_fwd, allgather_var

@@ -3,7 +3,7 @@
 ``bruck_allgather`` takes ``ceil(log2 P)`` rounds: in round ``k`` rank ``r`` sends the blocks it
 holds (its own and those of ranks ``r+1 ..``, at most ``2^k``) to ``r - 2^k`` and receives as
 many from ``r + 2^k``. Every rank then holds all ``P`` blocks and merges them in rank order with
-``splitsoftmax.state``: the result is bit-identical on every rank and from run to run. A state
+``splitsoftmax.core.state``: the result is bit-identical on every rank and from run to run. A state
 travels packed, ``(out, lse)`` in one float32 buffer, one message per round. Where the transport
 has its own all-gather (NCCL), :func:`allgather` uses that one collective instead of the rounds;
 the blocks arrive in the same rank order, so the merge is unchanged.
@@ -21,10 +21,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .. import plan as pl
-from .. import state
-from .._log import LOG, nbytes
-from ..local import masked_op, op
+from . import plan as pl
+from ..core import state
+from ..core.log import LOG, nbytes
+from ..ops._registry import masked_op, op
 from .comm import Communicator
 from .work import AttnSpec, Call, make_mask
 

@@ -31,14 +31,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._autocast import like_sdpa
+from ..core.autocast import like_sdpa
 from ..distributed import attn_meta, sharded_attention
 from ..distributed.comm import as_comm
 from ..distributed.tree import allreduce_sum
 from ..distributed.handshake import handshake
 from ..distributed.layout import shard_lengths
 from ..distributed.sharded import _shard
-from ..functional import attention
+from ..ops.functional import attention
 from . import _hf_docs as docs
 from ._hf_masks import Visibility, build
 

@@ -23,6 +23,7 @@ from test_attention_bwd_compile import SM90_SMEM, _signature  # noqa: E402
 from splitsoftmax.ops.attention import fwd as A  # noqa: E402
 from splitsoftmax.ops._triton import configs, launch  # noqa: E402
 from splitsoftmax.ops.attention import decode  # noqa: E402
+from splitsoftmax.ops._triton import device  # noqa: E402
 from splitsoftmax.ops.attention.gluon.bwd import descriptor  # noqa: E402
 from splitsoftmax.core.mask import NO_MASK, Mask  # noqa: E402
 
@@ -40,7 +41,7 @@ def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True,
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", lengths)
     monkeypatch.setattr(A, "sm90", lambda t: True)
     monkeypatch.setattr(A, "hopper", lambda t: True)
-    monkeypatch.setattr(decode, "hopper", lambda t: True)
+    monkeypatch.setattr(device, "hopper", lambda t: True)
     monkeypatch.setattr(decode, "sm_count", lambda t: 132)
     monkeypatch.setattr(A, "sm_count", lambda t: 132)
     monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())

@@ -179,7 +179,7 @@ def test_deterministic_algorithms_repeat_bit_for_bit():
     shape, 2k causal rows, 16 heads, batch 16, the dK/dV kernel with one barrier per Q/dO buffer gave
     other dK/dV in most calls.)"""
     from splitsoftmax.ops.attention import bwd_plain as ABP
-    from splitsoftmax.ops.attention.decode import sm90
+    from splitsoftmax.ops._triton.device import sm90
     b, s, h, d = 16, 2048, 16, 128
     leaves = [torch.randn(b, s, h, d, device=DEV, dtype=BF16, requires_grad=True) for _ in range(3)]
     q, k, v = (t.transpose(1, 2) for t in leaves)
@@ -207,7 +207,7 @@ def test_gluon_kernels_repeat_bit_for_bit(stages, monkeypatch):
     five gave other dK/dV.)"""
     from splitsoftmax.ops.attention import fwd as A
     from splitsoftmax.ops.attention import bwd_plain as ABP
-    from splitsoftmax.ops.attention.decode import sm90
+    from splitsoftmax.ops._triton.device import sm90
     b, s, h, d = 32, 1024, 16, 128
     q, k, v, dout = inputs(b, h, h, s, d, BF16, True)
     if not sm90(q):
@@ -249,7 +249,7 @@ def test_dq_from_the_written_ds(case, monkeypatch):
     """Where the dK/dV kernel writes each tile's dS for the dQ kernel (``configs.ATTN_BWD_DS``), dK and
     dV are those of the pair that recomputes dS bit for bit, and dQ meets the rule, each gradient
     buffer NaN before the call."""
-    from splitsoftmax.ops.attention.decode import sm90
+    from splitsoftmax.ops._triton.device import sm90
     b, h, hkv, s, d, causal, bshd, dtype = case
     q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
     if not sm90(q) or dtype != BF16:
@@ -274,7 +274,7 @@ def test_ds_pieces_equal_the_whole(name, make, monkeypatch):
     with its own key range and offset; in parts of a kv head's query heads, dQ bit for bit and dK, dV
     (the parts' float32 sum) within float32 rounding of it."""
     from splitsoftmax.ops.attention import bwd_plain as ABP
-    from splitsoftmax.ops.attention.decode import sm90
+    from splitsoftmax.ops._triton.device import sm90
     q, k, v, dout = inputs(2, 8, 4, 1000, 128, BF16, True)
     if not sm90(q):
         pytest.skip("the Gluon dK/dV kernel writes dS on sm_90")
@@ -367,7 +367,7 @@ def test_gluon_kernels(case, monkeypatch):
     reaches exactly the gradient entries it reaches through the Triton kernels (hidden pairs give
     exact zeros)."""
     from splitsoftmax.ops.attention import bwd_plain as ABP
-    from splitsoftmax.ops.attention.decode import sm90
+    from splitsoftmax.ops._triton.device import sm90
     b, h, hkv, s, d, causal, bshd, dtype = case
     q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
     if not sm90(q):
@@ -417,7 +417,7 @@ def test_gluon_kernels_masks(name, causal, make, monkeypatch):
     entries a poisoned row reaches depends on their tiles; under a softcap an Inf score saturates
     likewise: Q and K get NaN there.)"""
     from splitsoftmax.ops.attention import bwd_plain as ABP
-    from splitsoftmax.ops.attention.decode import sm90
+    from splitsoftmax.ops._triton.device import sm90
     b, h, hkv, s, d = 2, 8, 2, 1800, 128
     q, k, v, dout = inputs(b, h, hkv, s, d, BF16, True)
     if not sm90(q):
@@ -459,7 +459,7 @@ def test_gluon_kernels_masks(name, causal, make, monkeypatch):
 def test_dq_from_the_written_ds_masks(name, causal, make, monkeypatch):
     """The variants' masks on the dS path: dK and dV those of the pair that recomputes dS bit for
     bit, dQ within the rule and as close to float64 as the recomputing kernel's."""
-    from splitsoftmax.ops.attention.decode import sm90
+    from splitsoftmax.ops._triton.device import sm90
     b, h, hkv, s, d = 2, 8, 2, 1800, 128
     q, k, v, dout = inputs(b, h, hkv, s, d, BF16, True)
     if not sm90(q):

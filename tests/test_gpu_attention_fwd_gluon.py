@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 from splitsoftmax.core import reference as ref  # noqa: E402
 from splitsoftmax.ops.attention import fwd as A  # noqa: E402
 from splitsoftmax.ops._triton import configs, launch  # noqa: E402
-from splitsoftmax.ops.attention.decode import sm90  # noqa: E402
+from splitsoftmax.ops._triton.device import sm90  # noqa: E402
 from splitsoftmax.core.mask import Mask  # noqa: E402
 from test_gpu_attention import sdpa  # noqa: E402
 

@@ -22,6 +22,7 @@ if not torch.cuda.is_available():
 from splitsoftmax.core import reference as ref  # noqa: E402
 from splitsoftmax.ops.attention import fwd as A  # noqa: E402
 from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops._triton import device  # noqa: E402
 from splitsoftmax.ops.attention import decode  # noqa: E402
 from splitsoftmax.core.mask import Mask, visible  # noqa: E402
 
@@ -62,7 +63,7 @@ def peer(q, k, v, scale, causal, diag, mask):
 def gluon(request, monkeypatch):
     """Whether the variants run on the Gluon forward (on sm_90, from any length) or the Triton one."""
     on = request.param == "gluon"
-    if on and not decode.sm90(torch.empty(0, device=DEV)):
+    if on and not device.sm90(torch.empty(0, device=DEV)):
         pytest.skip("the Gluon forward runs on sm_90")
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON_VARIANTS", on)
     if on:

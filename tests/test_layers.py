@@ -73,48 +73,14 @@ ALLOWED: dict = {
         "custom ops, autograd formulas and public functions of every family in one module: split per family",
     ("splitsoftmax.ops._library", "splitsoftmax.ops._registry"):
         "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops._registry", "splitsoftmax.ops.attention.torch"):
-        "the torch twin of softmax and cross-entropy still shares a module with attention's",
-    ("splitsoftmax.ops._triton._interpreter", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops._triton.launch", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops.attention.bwd", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops.attention.bwd_plain", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops.attention.decode", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops.attention.fwd", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
     ("splitsoftmax.ops.cross_entropy.api", "splitsoftmax.ops._library"):
         "custom ops, autograd formulas and public functions of every family in one module: split per family",
-    ("splitsoftmax.ops.cross_entropy.kernel", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops.cross_entropy.kernel", "splitsoftmax.ops.attention.decode"):
-        "the device queries (SM count, Hopper) belong in ops/_triton",
-    ("splitsoftmax.ops.cross_entropy.kernel", "splitsoftmax.ops.attention.torch"):
-        "the torch twin of softmax and cross-entropy still shares a module with attention's",
-    ("splitsoftmax.ops.cross_entropy.torch", "splitsoftmax.ops.attention.torch"):
-        "the torch twin of softmax and cross-entropy still shares a module with attention's",
     ("splitsoftmax.ops.functional", "splitsoftmax.ops._library"):
         "custom ops, autograd formulas and public functions of every family in one module: split per family",
-    ("splitsoftmax.ops.merge.kernel", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops.merge.kernel", "splitsoftmax.ops.attention.decode"):
-        "the device queries (SM count, Hopper) belong in ops/_triton",
-    ("splitsoftmax.ops.sampling.device", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops.sampling.jit", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops.sampling.span", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
     ("splitsoftmax.ops.vocab.api", "splitsoftmax.ops._library"):
         "custom ops, autograd formulas and public functions of every family in one module: split per family",
     ("splitsoftmax.ops.vocab.api", "splitsoftmax.ops.cross_entropy.api"):
         "the target check shared with cross-entropy belongs in core",
-    ("splitsoftmax.ops.vocab.kernel", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
     ("splitsoftmax.ops.vocab.op", "splitsoftmax.ops._autograd"):
         "custom ops, autograd formulas and public functions of every family in one module: split per family",
     ("splitsoftmax.ops.vocab.op", "splitsoftmax.ops._library"):

@@ -33,7 +33,7 @@ def test_softmax_family_forward(n, dtype):
 
 
 def test_long_rows_cross_many_blocks(monkeypatch):
-    monkeypatch.setattr("splitsoftmax.ops.attention.torch.CPU_BLOCK_COLS", 64)
+    monkeypatch.setattr("splitsoftmax.ops.softmax.torch.CPU_BLOCK_COLS", 64)
     x = torch.randn(5, 1000) * 10
     x[1, 900] = 80.0  # the maximum arrives late: earlier blocks must be rescaled
     check(ss.softmax(x), ref.softmax(x))

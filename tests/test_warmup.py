@@ -19,7 +19,7 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from splitsoftmax.ops import _registry as local, _library as ops  # noqa: E402
 from splitsoftmax.tools import warmup  # noqa: E402
 from splitsoftmax.ops.attention import fwd as attention, bwd as attention_bwd, decode  # noqa: E402
-from splitsoftmax.ops._triton import launch  # noqa: E402
+from splitsoftmax.ops._triton import device, launch  # noqa: E402
 from splitsoftmax.ops.merge import kernel as merge  # noqa: E402
 
 SMS = 132
@@ -68,7 +68,8 @@ def variants(monkeypatch):
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kwargs: rec.record(self.fn, args, kwargs))
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: rec.record(self, args, kwargs))
-    for mod in (decode, attention, attention_bwd, merge):
+    monkeypatch.setattr(decode, "sm_count", lambda t: SMS)
+    for mod in (device, attention, attention_bwd, merge):
         if hasattr(mod, "sm_count"):
             monkeypatch.setattr(mod, "sm_count", lambda t: SMS)
         monkeypatch.setattr(mod, "hopper", lambda t: True)

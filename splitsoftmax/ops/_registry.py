@@ -5,62 +5,31 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 from functools import partial
 
 import torch
 from torch import Tensor
 
-from .attention import torch as cpu
 from ..core.mask import Mask
+from ..core.runtime import once, interpreting, triton_available
 
-# op name -> module of splitsoftmax.ops holding its Triton launcher
-_TRITON_MODULE = {
-    "lse_rows": "softmax.kernel",
-    "normalize": "softmax.kernel",
-    "softmax_fwd": "softmax.kernel",
-    "softmax_rowsum": "softmax.kernel",
-    "softmax_bwd": "softmax.kernel",
-    "logsumexp_bwd": "softmax.kernel",
-    "attn_fwd": "attention.fwd",
-    "attn_fwd_acc": "attention.fwd",
-    "attn_bwd": "attention.bwd",
-    "attn_bwd_prep": "attention.prep",
-    "merge_out_lse": "merge.kernel",
-    "ce_stats": "cross_entropy.kernel",
-    "ce_rows": "cross_entropy.kernel",
-    "ce_bwd": "cross_entropy.kernel",
+# op name -> (the module of splitsoftmax holding its torch twin, the one holding its Triton launcher)
+_MODULES = {
+    "lse_rows": ("ops.softmax.torch", "ops.softmax.kernel"),
+    "normalize": ("ops.softmax.torch", "ops.softmax.kernel"),
+    "softmax_fwd": ("ops.softmax.torch", "ops.softmax.kernel"),
+    "softmax_rowsum": ("ops.softmax.torch", "ops.softmax.kernel"),
+    "softmax_bwd": ("ops.softmax.torch", "ops.softmax.kernel"),
+    "logsumexp_bwd": ("ops.softmax.torch", "ops.softmax.kernel"),
+    "attn_fwd": ("ops.attention.torch", "ops.attention.fwd"),
+    "attn_fwd_acc": ("ops.attention.torch", "ops.attention.fwd"),
+    "attn_bwd": ("ops.attention.torch", "ops.attention.bwd"),
+    "attn_bwd_prep": ("ops.attention.torch", "ops.attention.prep"),
+    "merge_out_lse": ("core.state", "ops.merge.kernel"),
+    "ce_stats": ("ops.cross_entropy.torch", "ops.cross_entropy.kernel"),
+    "ce_rows": ("ops.cross_entropy.torch", "ops.cross_entropy.kernel"),
+    "ce_bwd": ("ops.cross_entropy.torch", "ops.cross_entropy.kernel"),
 }
-
-
-_ONCE: dict = {}  # what the dispatch computes once per process, by name
-
-
-def _once(key, compute):
-    """``compute()`` on the first call with ``key``, kept: a plain dict read where torch.compile
-    traces the dispatch (it warns of an ``lru_cache`` wrapper in a traced path)."""
-    if key not in _ONCE:
-        _ONCE[key] = compute()
-    return _ONCE[key]
-
-
-def _imports_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def triton_available() -> bool:
-    """Whether Triton imports here (it is a Linux-only dependency)."""
-    return _once("triton", _imports_triton)
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``). Read once, as Triton
-    reads it once: its kernels are compiled or interpreted from when they are defined."""
-    return _once("interpret", lambda: os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 def use_triton(t: Tensor) -> bool:
@@ -70,22 +39,20 @@ def use_triton(t: Tensor) -> bool:
     return triton_available() and (t.is_cuda or interpreting()) and t.dtype != torch.float64
 
 
-def _triton_module(name: str):
-    """The module of splitsoftmax.ops holding op ``name``'s Triton launcher (imported on first use)."""
-    module = f"splitsoftmax.ops.{_TRITON_MODULE[name]}"
-    return _once(module, lambda: importlib.import_module(module))
+def _module(name: str, triton: bool):
+    """The module holding op ``name``'s Triton launcher or torch twin (imported on first use)."""
+    module = f"splitsoftmax.{_MODULES[name][triton]}"
+    return once(module, lambda: importlib.import_module(module))
 
 
 def op(name: str, t: Tensor):
     """The implementation of local op ``name`` for tensors like ``t``."""
-    if use_triton(t):
-        return getattr(_triton_module(name), name)
-    return getattr(cpu, name)
+    return getattr(_module(name, use_triton(t)), name)
 
 
 def takes_mask(fn) -> bool:
     """Whether the local op ``fn`` has the ``mask`` keyword (the variants' visibility)."""
-    return _once(("takes_mask", fn.__module__, fn.__qualname__), lambda: "mask" in inspect.signature(fn).parameters)
+    return once(("takes_mask", fn.__module__, fn.__qualname__), lambda: "mask" in inspect.signature(fn).parameters)
 
 
 def masked_op(name: str, t: Tensor, mask: Mask):

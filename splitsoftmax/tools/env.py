@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ..ops._registry import interpreting, triton_available
+from ..core.runtime import interpreting, triton_available
 
 
 def _version(module: str) -> str:

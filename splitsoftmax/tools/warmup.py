@@ -69,6 +69,7 @@ def bucket(b: int, h: int, hkv: int, sq: int, sk: int, d: int, causal: bool, lik
     """What fixes the compiled kernels of ``ss.attention`` over ``q (b, h, sq, d)``, ``k, v (b, hkv,
     sk, d)`` of ``like``'s dtype and device, and its backward (see the module docstring)."""
     from ..ops._triton import configs
+    from ..ops._triton import device
     from ..ops.attention import decode
     from ..ops.merge import kernel as merge
     from ..ops.attention.fwd import gluon_fwd_length
@@ -79,8 +80,8 @@ def bucket(b: int, h: int, hkv: int, sq: int, sk: int, d: int, causal: bool, lik
     bm, bn = p.tile[:2]
     merged = None
     if p.nsplit > 1:
-        kind, _, kwargs = merge.merge_plan(p.nsplit, b * h * sq, d, decode.sm_count(q),
-                                           configs.MERGE_PDL and decode.hopper(q))
+        kind, _, kwargs = merge.merge_plan(p.nsplit, b * h * sq, d, device.sm_count(q),
+                                           configs.MERGE_PDL and device.hopper(q))
         merged = kind, tuple(kwargs.items())
     bwd_split = configs.ATTN_BWD_ATOMIC and splits(q, k, decode.attn_tile("bwd", q.dtype, d, d)) != (1, 1)
     prep_rows = min(configs.next_pow2(sq), configs.ATTN_PREP_TILE_ELEMS // configs.next_pow2(d))  # attn_prep's tile
@@ -89,7 +90,7 @@ def bucket(b: int, h: int, hkv: int, sq: int, sk: int, d: int, causal: bool, lik
                *(sk * c % 16 == 0 for c in (d, hkv * d, b * hkv * d)))
     # the Gluon forward on sm_90 (ops.attention.fwd._gluon_fwd_tile) at its lengths
     gluon = (gluon_fwd_length(sq, causal) and p.nsplit == 1 and not p.pack and like.dtype == torch.bfloat16
-             and decode.sm90(like))
+             and device.sm90(like))
     return (causal, p.tile, p.pack, sq % bm == 0 and sk % bn == 0, p.nsplit > 1, merged, bwd_split, prep_rows,
             strides, fits_int32(b * h * sq * d * p.nsplit, b * hkv * sk * d), gluon)
 

@@ -4,7 +4,7 @@ Import this module before defining kernels; it patches only when interpreting.
 """
 from __future__ import annotations
 
-from .._registry import interpreting
+from ...core.runtime import interpreting
 
 
 def fix_interpreter_index() -> None:

@@ -25,7 +25,7 @@ from torch import Tensor
 from triton import knobs
 from triton.runtime.driver import driver
 
-from .._registry import interpreting
+from ...core.runtime import interpreting
 from . import configs
 
 

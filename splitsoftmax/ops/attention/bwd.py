@@ -45,10 +45,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
-from .._registry import interpreting
+from ...core.runtime import interpreting
 from ...core.mask import NO_MASK, Mask
 from ...core.state import stat_dtype
-from .decode import attn_tile, dot_precision, head_group, hopper, pad_dim, sm_count
+from .decode import attn_tile, dot_precision, head_group, pad_dim
+from .._triton.device import hopper, sm_count
 from .fwd import LOG2E, _dot, _load_rows as _load, _program_order
 from .._triton.launch import Launcher, fits_int32
 

@@ -7,18 +7,18 @@ writes a float32 partial ``(out, lse)`` and the fused merge kernel combines them
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from .._registry import interpreting
+from ...core.runtime import interpreting
 from ...core.mask import NO_MASK, Mask
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
 from .kernel_mask import key_range
-from .._triton.configs import ATTN_INTERPRET_SMS, ATTN_PACK_MAX_SQ, ATTN_TILE_DEFAULT, ATTN_TILE_INTERPRET, ATTN_TILES
+from .._triton.device import sm_count
+from .._triton.configs import ATTN_PACK_MAX_SQ, ATTN_TILE_DEFAULT, ATTN_TILE_INTERPRET, ATTN_TILES
 
 
 class Plan(NamedTuple):
@@ -55,37 +55,6 @@ def attn_tile(kind: str, dtype: torch.dtype, d: int, dv: int, fallback: Optional
     if dims:
         return ATTN_TILES[(kind, size, dims[0])]
     return attn_tile(fallback, dtype, d, dv) if fallback else ATTN_TILE_DEFAULT
-
-
-@lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@lru_cache(maxsize=None)
-def _hopper(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index) >= (9, 0)
-
-
-def hopper(t: Tensor) -> bool:
-    """Whether ``t`` lives on a CUDA GPU of compute capability 9.0 or later (Hopper on: TMA,
-    programmatic dependent launch)."""
-    return t.is_cuda and _hopper(t.device.index or 0)
-
-
-@lru_cache(maxsize=None)
-def _sm90(index: int) -> bool:
-    return torch.version.hip is None and torch.cuda.get_device_capability(index)[0] == 9
-
-
-def sm90(t: Tensor) -> bool:
-    """Whether ``t`` lives on a CUDA GPU of compute capability 9.x (Hopper: warpgroup products)."""
-    return t.is_cuda and _sm90(t.device.index or 0)
-
-
-def sm_count(t: Tensor) -> int:
-    """Multiprocessors of ``t``'s device (a fixed small number under the interpreter)."""
-    return _sm_count(t.device.index or 0) if t.is_cuda else ATTN_INTERPRET_SMS
 
 
 def head_group(blocks: int, heads: int, t: Tensor, causal: bool, warps: int) -> int:

@@ -49,9 +49,10 @@ from ...core.mask import NO_MASK, Mask
 from ...core.state import stat_dtype
 from .._triton import configs
 from .kernel_mask import KernelMask, band_tiles, capped, kernel_mask, row_bounds
-from .decode import Plan, dot_precision, head_group, hopper, pad_dim, plan, sm90, sm_count
+from .decode import Plan, dot_precision, head_group, pad_dim, plan
+from .._triton.device import hopper, sm90, sm_count
 from .._triton.launch import Launcher, Memo, auto_key, fits_int32, geometry
-from .._registry import interpreting
+from ...core.runtime import interpreting
 from ..merge.kernel import inv_or_zero, lse2_of, merge_into
 
 LOG2E = 1.4426950408889634

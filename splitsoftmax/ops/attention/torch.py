@@ -1,10 +1,10 @@
-"""Torch path of every local op, blockwise, with the same signatures as the Triton launchers.
+"""Torch path of the attention local ops, blockwise, with the same signatures as the Triton launchers.
 
 Runs on any device (it is what CPU tensors use). The math is the state algebra of
-``splitsoftmax.core.state``: each block of columns (keys) gives a tile state that is merged into the
+``splitsoftmax.core.state``: each block of keys gives a tile state that is merged into the
 running one, so no ``Sq x Sk`` matrix is ever formed (memory ``O(rows * block + Sk * D)``).
 
-Softmax-family ops take a 2-D view ``x (R, N)``; attention ops take ``q (B, H, Sq, D)``,
+The ops take ``q (B, H, Sq, D)``,
 ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``. Causal masking is by offset: query ``i`` sees
 key ``j`` iff ``j <= i + diag`` (``diag = 0``: SDPA's top-left alignment); the ``mask`` keyword
 adds the variants (windows, documents, key ranges, query offsets, softcap) as per-row key
@@ -19,71 +19,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ...core.state import (NEG_INF, State, add_sinks, empty_state, lse_of, merge, safe_max, stat_dtype, tile_state,
+from ...core.state import (NEG_INF, add_sinks, empty_state, merge, merge_out_lse, safe_max, stat_dtype, tile_state,
                            to_out_lse, weighted_sum)
-from ...core.state import merge_out_lse
 from ...core.mask import NO_MASK, Mask
-from .._triton.configs import CPU_BLOCK_KEYS, CPU_BLOCK_COLS
-
-
-def _row_state(x: Tensor) -> State:
-    """``(m, l)`` of each row of ``x (R, N)``, merged block by block."""
-    dt = stat_dtype(x.dtype)
-    s = empty_state((x.shape[0],), None, dtype=dt, device=x.device)
-    for j in range(0, x.shape[1], CPU_BLOCK_COLS):
-        s = merge(s, tile_state(x[:, j:j + CPU_BLOCK_COLS].to(dt)))
-    return s
-
-
-def lse_rows(x: Tensor) -> Tensor:
-    """Natural-log logsumexp of each row of ``x (R, N)``: ``(R,)`` float32 (float64 for float64)."""
-    return lse_of(_row_state(x))
-
-
-def normalize(x: Tensor, lse: Tensor, log: bool) -> Tensor:
-    """``exp(x - lse)`` (softmax) or ``x - lse`` (log-softmax) in ``x.dtype``; empty rows give 0 / -inf."""
-    xf = x.to(lse.dtype) - safe_max(lse).unsqueeze(-1)
-    empty = (lse == NEG_INF).unsqueeze(-1)
-    y = torch.where(empty, NEG_INF, xf) if log else torch.where(empty, 0.0, torch.exp(xf))
-    return y.to(x.dtype)
-
-
-def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
-    """Softmax or log-softmax of each row of ``x (R, N)``: ``(y (R, N) x.dtype, lse (R,))``.
-
-    Normalises with the row's ``(m, l)`` rather than the rounded ``lse``: ``exp(x - m) / l``.
-    """
-    s = _row_state(x)
-    lse = lse_of(s)
-    if log:
-        return normalize(x, lse, log), lse
-    inv_l = torch.where(s.l != 0, 1.0 / torch.where(s.l != 0, s.l, 1.0), 0.0)
-    y = torch.exp(x.to(s.m.dtype) - safe_max(s.m).unsqueeze(-1)) * inv_l.unsqueeze(-1)
-    return y.to(x.dtype), lse
-
-
-def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:
-    """The row sum the backward needs: ``sum(dy * y)`` (softmax) or ``sum(dy)`` (log): ``(R,)``."""
-    dt = stat_dtype(y.dtype)
-    return dy.to(dt).sum(-1) if log else (dy.to(dt) * y.to(dt)).sum(-1)
-
-
-def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool, rowsum: Optional[Tensor] = None) -> Tensor:
-    """``dx`` of (log-)softmax from its output ``y``; ``rowsum`` (global, for shards) defaults to local.
-
-    Rows with ``lse = -inf`` (no finite input) get ``dx = 0``.
-    """
-    dt = stat_dtype(y.dtype)
-    s = softmax_rowsum(y, dy, log) if rowsum is None else rowsum.to(dt)
-    yf, dyf = y.to(dt), dy.to(dt)
-    dx = dyf - torch.exp(yf) * s.unsqueeze(-1) if log else yf * (dyf - s.unsqueeze(-1))
-    return torch.where((lse == NEG_INF).unsqueeze(-1), 0.0, dx).to(y.dtype)
-
-
-def logsumexp_bwd(x: Tensor, lse: Tensor, g: Tensor) -> Tensor:
-    """``dx = g * exp(x - lse)`` for ``x (R, N)``, ``lse, g (R,)``; 0 in empty rows."""
-    p = normalize(x.to(lse.dtype), lse, log=False)
-    return (p * g.to(lse.dtype).unsqueeze(-1)).to(x.dtype)
+from .._triton.configs import CPU_BLOCK_KEYS
 
 
 def _grouped(q: Tensor, hkv: int) -> Tensor:
@@ -246,73 +185,3 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
         dq += weighted_sum(ds, kb) * scale
         dk[:, :, j:j + CPU_BLOCK_KEYS] = weighted_sum(ds.transpose(-1, -2), qg) * scale
     return tuple(t.to(out_dtype or dt) for t in (dq.reshape(b, h, sq, d), dk, dv))
-
-
-def ce_stats(logits: Tensor, target: Tensor, col0: int = 0, with_sum: bool = True) -> Tensor:
-    """Cross-entropy row statistics of ``logits (N, V)``: ``(N, 4)`` = ``(m, l, x_t, sum_j x_j)``.
-
-    ``(m, l)`` is the row's softmax state (merged block by block over V), ``x_t`` the logit of the
-    global class ``target (N,)`` when it falls in this slice ``[col0, col0 + V)`` (else 0), and the
-    last column the sum of the row (label smoothing needs it; 0 unless ``with_sum``). float32
-    (float64 for float64 logits).
-    """
-    n, v = logits.shape
-    dt = stat_dtype(logits.dtype)
-    s = empty_state((n,), None, dtype=dt, device=logits.device)
-    total = torch.zeros(n, dtype=dt, device=logits.device)
-    for j in range(0, v, CPU_BLOCK_COLS):
-        xb = logits[:, j:j + CPU_BLOCK_COLS].to(dt)  # [N, block]
-        s = merge(s, tile_state(xb))
-        if with_sum:
-            total = total + xb.sum(-1)
-    local = target - col0
-    own = (local >= 0) & (local < v)
-    xt = torch.zeros(n, dtype=dt, device=logits.device)
-    if v:
-        picked = logits.gather(1, torch.where(own, local, 0).unsqueeze(1)).squeeze(1).to(dt)
-        xt = torch.where(own, picked, xt)
-    return torch.stack((s.m, s.l, xt, total), dim=-1)
-
-
-def merge_ce_stats(parts: Tensor) -> Tensor:
-    """Merge cross-entropy statistics of column slices ``parts (P, N, 4)`` (rank/split order) -> ``(N, 4)``.
-
-    ``(m, l)`` merge with the state algebra; ``x_t`` (non-zero on one slice only) and the row sums add.
-    """
-    from ...core.state import merge_stack
-    s = merge_stack(State(parts[..., 0], parts[..., 1]))
-    return torch.stack((s.m, s.l, parts[..., 2].sum(0), parts[..., 3].sum(0)), dim=-1)
-
-
-def ce_rows(stats: Tensor, target: Tensor, ignore_index: int, smoothing: float, vocab: int) -> tuple[Tensor, Tensor]:
-    """Per-row ``(loss (N,), lse (N,))`` from the statistics ``stats (P, N, 4)`` of ``P`` slices of the
-    vocabulary (merged by :func:`merge_ce_stats`): ``loss = lse - (1 - eps) x_t - eps/V sum_j x_j``
-    (torch's label smoothing over the global ``V = vocab``), 0 where ``target == ignore_index``."""
-    merged = merge_ce_stats(stats)
-    lse = lse_of(State(merged[:, 0], merged[:, 1]))
-    loss = lse - (1.0 - smoothing) * merged[:, 2]
-    if smoothing:
-        loss = loss - (smoothing / vocab) * merged[:, 3]
-    return torch.where(target == ignore_index, 0.0, loss), lse
-
-
-def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int, smoothing: float,
-           vocab: int) -> Tensor:
-    """``dlogits (N, V)`` in ``logits.dtype``: ``coef * (softmax - (1-eps) onehot(target) - eps/vocab)``.
-
-    ``lse, coef (N,)``: the global logsumexp and the upstream gradient of each row's loss (0 for
-    ignored rows, which get exactly 0); ``col0`` the global id of this slice's first class,
-    ``vocab`` the global vocabulary size. Written block by block over V.
-    """
-    n, v = logits.shape
-    dt = stat_dtype(logits.dtype)
-    dx = torch.empty_like(logits)
-    local = (target - col0).unsqueeze(1)
-    c = coef.to(dt).unsqueeze(1)
-    skip = c == 0
-    for j in range(0, v, CPU_BLOCK_COLS):
-        xb = logits[:, j:j + CPU_BLOCK_COLS].to(dt)  # [N, block]
-        hit = local == torch.arange(j, j + xb.shape[1], device=logits.device)
-        g = torch.exp(xb - lse.to(dt).unsqueeze(1)) - smoothing / vocab - (1.0 - smoothing) * hit.to(dt)
-        dx[:, j:j + CPU_BLOCK_COLS] = torch.where(skip, 0.0, c * g).to(logits.dtype)
-    return dx

@@ -15,7 +15,7 @@ Backward (``ce_grad``): one read and one write per element,
 ``dx = coef * (exp(x - lse) - eps/V - (1-eps) [j == target])`` in the logits' dtype, the row
 coefficient (the loss gradient, over the count for ``"mean"``, 0 for ignored rows) computed in it.
 
-``ce_stats`` / ``ce_rows`` / ``ce_bwd``: the signatures and math of ``ops.attention.torch``; ``ce_parts`` /
+``ce_stats`` / ``ce_rows`` / ``ce_bwd``: the signatures and math of ``torch.py``; ``ce_parts`` /
 ``ce_loss`` / ``ce_grad``: those of ``ops.cross_entropy.torch``.
 """
 from __future__ import annotations
@@ -27,12 +27,12 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._registry import interpreting
-from ..attention.torch import merge_ce_stats
+from ...core.runtime import interpreting
+from .torch import merge_ce_stats
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
 from .._triton.configs import CE_BWD_TILE, CE_FWD_TILE, CE_INTERPRET_SMS, CE_PROGRAMS_PER_SM, CE_TILE_INTERPRET
-from ..attention.decode import sm_count
+from .._triton.device import sm_count
 from .._triton.launch import Launcher
 from ..softmax.kernel import _lse, _merge_states, _stats
 
@@ -223,7 +223,7 @@ def ce_parts(logits: Tensor, target: Tensor, col0: int = 0, with_sum: bool = Tru
 
 
 def ce_stats(logits: Tensor, target: Tensor, col0: int = 0, with_sum: bool = True) -> Tensor:
-    """``(N, 4)`` float32 ``(m, l, x_t, sum_j x_j or 0)`` of ``logits (N, V)`` (see ``ops.attention.torch.ce_stats``)."""
+    """``(N, 4)`` float32 ``(m, l, x_t, sum_j x_j or 0)`` of ``logits (N, V)`` (see ``torch.ce_stats``)."""
     parts = ce_parts(logits, target, col0, with_sum)
     return parts[0] if parts.shape[0] == 1 else merge_ce_stats(parts)
 
@@ -242,7 +242,7 @@ def _rows(stats: Tensor, target: Tensor, loss: Tensor, lse: Tensor, ignore_index
 
 def ce_rows(stats: Tensor, target: Tensor, ignore_index: int, smoothing: float, vocab: int) -> tuple[Tensor, Tensor]:
     """``(loss (N,), lse (N,))`` float32 from the statistics ``stats (P, N, 4)`` of ``P`` slices of
-    the vocabulary (see ``ops.attention.torch.ce_rows``); targets are checked on the device."""
+    the vocabulary (see ``torch.ce_rows``); targets are checked on the device."""
     loss = torch.empty(stats.shape[1], dtype=torch.float32, device=stats.device)
     lse = torch.empty_like(loss)
     _rows(stats.float().contiguous(), target, loss, lse, ignore_index, smoothing, vocab)
@@ -317,6 +317,6 @@ def ce_grad(logits: Tensor, target: Tensor, lse: Tensor, g: Tensor, count: Tenso
 
 def ce_bwd(logits: Tensor, target: Tensor, lse: Tensor, coef: Tensor, col0: int, smoothing: float,
            vocab: int) -> Tensor:
-    """``dlogits (N, V)`` in ``logits.dtype`` (see ``ops.attention.torch.ce_bwd``)."""
+    """``dlogits (N, V)`` in ``logits.dtype`` (see ``torch.ce_bwd``)."""
     return _grad(logits, target, lse.float().contiguous(), coef, coef.stride(0), lse, col0, 0, smoothing, vocab,
                  False, False)

@@ -28,9 +28,9 @@ import triton.language as tl
 from torch import Tensor
 
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
-from .._registry import interpreting
+from ...core.runtime import interpreting
 from .._triton import configs
-from ..attention.decode import hopper, sm_count
+from .._triton.device import hopper, sm_count
 from .._triton.launch import Launcher
 
 

@@ -18,7 +18,7 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from .._registry import interpreting
+from ...core.runtime import interpreting
 from .rows import Spec
 from .._triton import configs
 from . import config as sc

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._registry import interpreting
+from ...core.runtime import interpreting
 
 # launch options of every exact sampling kernel: no FMA contraction, the torch path rounds each + and *
 LAUNCH = dict(enable_fp_fusion=False)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._registry import interpreting
+from ...core.runtime import interpreting
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .jit import INT32_MIN, NEG_INF, NONE, U32, _gumbel, _ord32, _qmass, _seed_of, _top
 

@@ -1,7 +1,7 @@
 """Triton kernels of the softmax family: one-pass, online two-pass and split-row.
 
 Every launcher takes a 2-D view ``x (R, N)`` with unit column stride (any row stride) and has the
-signature of its torch twin in ``ops/attention/torch.py``. Paths (chosen by ``configs.softmax_plan``):
+signature of its torch twin in ``torch.py``. Paths (chosen by ``configs.softmax_plan``):
 
 - one pass: a ``[BLOCK_R, BLOCK_N]`` tile holds whole rows; read once, write once (2N traffic);
 - coop: a row too long for one program but short enough for ``C`` co-resident programs: each

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._registry import interpreting
+from ...core.runtime import interpreting
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
 from .torch import merge_kl_records, merge_records

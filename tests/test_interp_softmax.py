@@ -7,7 +7,7 @@ import torch
 
 import splitsoftmax as ss
 from splitsoftmax.ops._triton import configs
-from splitsoftmax.ops.attention import torch as cpu
+from splitsoftmax.ops.softmax import torch as cpu
 
 pytestmark = pytest.mark.interpreter
 

@@ -90,10 +90,6 @@ ALLOWED: dict = {
 ALLOWED_CIRCLES: dict = {
     frozenset(['splitsoftmax.ops._autograd', 'splitsoftmax.ops._library']):
         "the autograd formulas import back the custom ops that register them",
-    frozenset(['splitsoftmax.ops.attention.bwd', 'splitsoftmax.ops.attention.bwd_plain']):
-        "the plain pair imports the masked backward's helpers, which dispatches to it",
-    frozenset(['splitsoftmax.tools.verify.sharded', 'splitsoftmax.tools.verify.variants']):
-        "the variants' rows share the sharded rows' job, which lists the variants' cases",
 }
 
 

@@ -28,7 +28,8 @@ from ...core.runtime import interpreting
 from ...core.mask import NO_MASK, Mask, row_reach
 from ...core.state import stat_dtype
 from .fwd import LOG2E, _dot, _load_rows, _program_order
-from .bwd import _batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _tile, _tma_ok, q_walk, row_blocks
+from .bwd_common import (_batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _tile, _tma_ok, q_walk,
+                         row_blocks)
 from .decode import attn_tile, dot_precision, head_group, pad_dim
 from .._triton.device import hopper, sm90, sm_count
 from .._triton.launch import Launcher, Memo, auto_key, geometry

@@ -19,7 +19,8 @@ import torch
 from ...ops import functional as F
 from ...core import reference as ref
 from .compare import Row, compare, sdpa, table
-from .sharded import Job, sharded_rows
+from .job import Job
+from .sharded import sharded_rows
 
 
 def single_device_rows(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[Row]:

@@ -7,45 +7,14 @@ against float64 (and the tolerance from torch on one device) is :func:`compare.c
 from __future__ import annotations
 
 import sys
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
-from torch import Tensor
 
 from ...core import reference as ref
+from . import variants as verify_variants
 from .compare import Row, Sharding, compare, sdpa
-
-
-def uneven_lengths(total: int, world: int) -> list[int]:
-    """Unequal per-rank lengths summing to ``total``, with rank 1 empty when there are 3+ ranks."""
-    weights = [0 if (r == 1 and world > 2) else r + 1 for r in range(world)]
-    lengths = [total * w // sum(weights) for w in weights]
-    lengths[-1] += total - sum(lengths)
-    return lengths
-
-
-class Job:
-    """This rank's view of the job: group, device, rank, world size, dtype."""
-
-    def __init__(self, group, device: torch.device, rank: int, world: int, dtype: torch.dtype):
-        self.group, self.device, self.rank, self.world, self.dtype = group, device, rank, world, dtype
-
-    def randn(self, *shape, seed: int, scale: float = 1.0) -> Tensor:
-        gen = torch.Generator().manual_seed(seed)
-        return (torch.randn(*shape, generator=gen) * scale).to(self.device, self.dtype)
-
-    def narrow(self, lengths: Sequence[int], dim: int) -> Callable[[Tensor], Tensor]:
-        start = sum(lengths[:self.rank])
-        return lambda t: t.narrow(dim, start, lengths[self.rank])
-
-    def contiguous(self, lengths: Sequence[int], dim: int) -> tuple[Callable, Callable]:
-        import splitsoftmax as ss
-        return self.narrow(lengths, dim), lambda t: ss.unshard(t, dim, group=self.group)
-
-    def zigzag(self, dim: int) -> tuple[Callable, Callable]:
-        import splitsoftmax as ss
-        return (lambda t: ss.shard(t, dim, group=self.group, layout="zigzag"),
-                lambda t: ss.unshard(t, dim, group=self.group, layout="zigzag"))
+from .job import Job, uneven_lengths
 
 
 def softmax_rows(job: Job) -> list[Row]:
@@ -182,7 +151,6 @@ def cases(job: Job) -> list[tuple[str, Callable[[], list[Row]]]]:
                 out.append((f"attention {schedule} {layout}{' causal' if causal else ''}",
                             lambda s=schedule, l=layout, c=causal: attention_rows(job, s, l, c)))
     out += [(f"attention tree{' causal' if c else ''}", lambda c=c: tree_rows(job, c)) for c in (False, True)]
-    from . import variants as verify_variants  # it builds on Job: imported here, the dependency stays one way
     return out + verify_variants.cases(job)
 
 

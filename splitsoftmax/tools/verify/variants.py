@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ...core import reference as ref
 from .compare import Row, Sharding, compare
-from .sharded import Job, uneven_lengths
+from .job import Job, uneven_lengths
 
 
 def eager(causal: bool, kw: dict) -> Callable:

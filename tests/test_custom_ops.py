@@ -5,7 +5,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import splitsoftmax as ss
-from splitsoftmax.ops import _library as ops
+from splitsoftmax.ops import _registry as ops
 from splitsoftmax.core import reference as ref
 
 OPS = torch.ops.splitsoftmax

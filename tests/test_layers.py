@@ -57,39 +57,19 @@ MAY_IMPORT = {
 ALLOWED: dict = {
     ("splitsoftmax.distributed.ring", "splitsoftmax.ops._registry"):
         "the schedule calls the local attention ops: it belongs with the attention family",
-    ("splitsoftmax.distributed.sharded", "splitsoftmax.ops._autograd"):
-        "the sharded ops are the families' (softmax, attention), not the op-agnostic layer's",
     ("splitsoftmax.distributed.sharded", "splitsoftmax.ops._registry"):
         "the schedule calls the local attention ops: it belongs with the attention family",
-    ("splitsoftmax.distributed.sharded", "splitsoftmax.ops.functional"):
-        "the sharded ops are the families' (softmax, attention), not the op-agnostic layer's",
+    ("splitsoftmax.distributed.sharded", "splitsoftmax.ops.attention.op"):
+        "the sharded ops are the families (softmax, attention), not the op-agnostic layer",
+    ("splitsoftmax.distributed.sharded", "splitsoftmax.ops.softmax.api"):
+        "the sharded ops are the families (softmax, attention), not the op-agnostic layer",
     ("splitsoftmax.distributed.tree", "splitsoftmax.ops._registry"):
         "the schedule calls the local attention ops: it belongs with the attention family",
-    ("splitsoftmax.integrations.transformers", "splitsoftmax.ops.functional"):
-        "custom ops, autograd formulas and public functions of every family in one module: split per family",
-    ("splitsoftmax.ops._autograd", "splitsoftmax.ops._library"):
-        "custom ops, autograd formulas and public functions of every family in one module: split per family",
-    ("splitsoftmax.ops._library", "splitsoftmax.ops._autograd"):
-        "custom ops, autograd formulas and public functions of every family in one module: split per family",
-    ("splitsoftmax.ops._library", "splitsoftmax.ops._registry"):
-        "asks the dispatcher whether Triton interprets: that belongs in core/runtime.py",
-    ("splitsoftmax.ops.cross_entropy.api", "splitsoftmax.ops._library"):
-        "custom ops, autograd formulas and public functions of every family in one module: split per family",
-    ("splitsoftmax.ops.functional", "splitsoftmax.ops._library"):
-        "custom ops, autograd formulas and public functions of every family in one module: split per family",
-    ("splitsoftmax.ops.vocab.api", "splitsoftmax.ops._library"):
-        "custom ops, autograd formulas and public functions of every family in one module: split per family",
     ("splitsoftmax.ops.vocab.api", "splitsoftmax.ops.cross_entropy.api"):
         "the target check shared with cross-entropy belongs in core",
-    ("splitsoftmax.ops.vocab.op", "splitsoftmax.ops._autograd"):
-        "custom ops, autograd formulas and public functions of every family in one module: split per family",
-    ("splitsoftmax.ops.vocab.op", "splitsoftmax.ops._library"):
-        "custom ops, autograd formulas and public functions of every family in one module: split per family",
 }
 # modules of a circle (frozenset) -> why it is still there
 ALLOWED_CIRCLES: dict = {
-    frozenset(['splitsoftmax.ops._autograd', 'splitsoftmax.ops._library']):
-        "the autograd formulas import back the custom ops that register them",
 }
 
 

@@ -16,7 +16,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from splitsoftmax.ops import _registry as local, _library as ops  # noqa: E402
+from splitsoftmax.ops import _registry as local  # noqa: E402
+from splitsoftmax.ops.attention import op as attention_op  # noqa: E402
+from splitsoftmax.ops.cross_entropy import op as ce_op  # noqa: E402
 from splitsoftmax.tools import warmup  # noqa: E402
 from splitsoftmax.ops.attention import fwd as attention, bwd as attention_bwd, decode  # noqa: E402
 from splitsoftmax.ops._triton import device, launch  # noqa: E402
@@ -64,7 +66,8 @@ def variants(monkeypatch):
     rec = _Variants()
     use = lambda t: t.dtype != torch.float64  # noqa: E731
     monkeypatch.setattr(local, "use_triton", use)
-    monkeypatch.setattr(ops, "use_triton", use)
+    monkeypatch.setattr(attention_op, "use_triton", use)
+    monkeypatch.setattr(ce_op, "use_triton", use)
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kwargs: rec.record(self.fn, args, kwargs))
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: rec.record(self, args, kwargs))

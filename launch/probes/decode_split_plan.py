@@ -119,7 +119,7 @@ def sec_host():
     from splitsoftmax.ops._triton import launch as L
     from splitsoftmax.ops.merge import kernel as M
     from splitsoftmax.ops._registry import interpreting
-    from splitsoftmax.ops._library import IMPLS
+    from splitsoftmax.ops._registry import IMPLS
     q, k, v = decode_inputs(131072)
     scale = 128 ** -0.5
     with torch.no_grad():

@@ -14,8 +14,8 @@ from torch import Tensor
 
 from ..core import checks as _checks, state
 from ..core import keywords as vs
-from ..ops._autograd import backward_stats
-from ..ops.functional import _rows, _unrows
+from ..ops.attention.op import backward_stats
+from ..ops.softmax.api import _rows, _unrows
 from ..ops._registry import op
 from . import attn_meta, work
 from . import layout as lay

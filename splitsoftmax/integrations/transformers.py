@@ -38,7 +38,7 @@ from ..distributed.tree import allreduce_sum
 from ..distributed.handshake import handshake
 from ..distributed.layout import shard_lengths
 from ..distributed.sharded import _shard
-from ..ops.functional import attention
+from ..ops.attention.api import attention
 from . import _hf_docs as docs
 from ._hf_masks import Visibility, build
 

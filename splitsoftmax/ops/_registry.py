@@ -1,5 +1,12 @@
 """Dispatch of the local ops: Triton kernels for CUDA tensors (and for CPU tensors under
 ``TRITON_INTERPRET=1``), the blockwise torch path otherwise. Both sides share one signature per op.
+
+And the ``torch.library`` plumbing of the families' custom ops (namespace ``splitsoftmax``, each
+family's ``op.py``): :func:`custom_op` registers an implementation, :func:`register_formula` its
+autograd formula, and the public functions reach the ops through :func:`call`, which runs the
+implementation directly when no autograd, transform, mode or tracing needs the dispatcher (the same
+result, tens of microseconds less host time per call). Every output is a fresh dense tensor
+(:func:`dense`); Python scalars (``log``, ``scale``, ``causal``, ``diag``) are op arguments.
 """
 from __future__ import annotations
 
@@ -66,3 +73,96 @@ def masked_op(name: str, t: Tensor, mask: Mask):
         raise NotImplementedError(f"the Triton {name} kernel does not take attention variants yet (mask fields "
                                   f"{', '.join(fields)}); CPU tensors outside TRITON_INTERPRET=1 do")
     return partial(fn, mask=mask)
+
+
+# op name -> its implementation, the function the op's CPU/CUDA kernel runs
+IMPLS: dict = {}
+
+
+# forward op name -> (backward, setup_context) of its autograd formula
+AUTOGRAD: dict = {}
+
+
+def custom_op(name: str):
+    """Register the decorated function as ``torch.ops.splitsoftmax.<name>`` (no mutated arguments)
+    and keep it, undecorated, in ``IMPLS`` for :func:`call`."""
+    def register(fn):
+        torch.library.custom_op(f"splitsoftmax::{name}", fn, mutates_args=())
+        IMPLS[name] = fn
+        return fn
+    return register
+
+
+def plain_tensors(tensors) -> bool:
+    """Whether nothing but plain eager autograd can see ops on ``tensors``: plain ``torch.Tensor``
+    inputs, no forward-mode level, functorch transform, torch function or dispatch mode."""
+    return (all(type(t) is Tensor and not t.is_meta for t in tensors) and torch.autograd.forward_ad._current_level < 0
+            and not torch._C._are_functorch_transforms_active() and torch._C._len_torch_dispatch_stack() == 0
+            and torch._C._len_torch_function_stack() == 0)
+
+
+def plain_eager(*tensors: Tensor) -> bool:
+    """Whether running an op's implementation directly does exactly what the op would: no autograd
+    to record (reverse or forward mode), no functorch transform, no tracing or compiling, no torch
+    function or dispatch mode, and plain ``torch.Tensor`` inputs off the meta device (meta tensors,
+    as deferred initialisation makes them, take the op's fake implementation: shapes only)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return False  # (compiling first: Dynamo folds it, and traces none of the checks below)
+    return plain_tensors(tensors)
+
+
+class _Eager(torch.autograd.Function):
+    """An op with autograd in plain eager mode: its implementation and the same autograd formula
+    (``setup_context`` and ``backward`` of :data:`AUTOGRAD`), without the custom-op dispatch, which
+    costs about a hundred microseconds of host time per forward and backward."""
+
+    @staticmethod
+    def forward(ctx, name, *args):
+        output = IMPLS[name](*args)
+        ctx.name = name
+        AUTOGRAD[name][1](ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        g = AUTOGRAD[ctx.name][0](ctx, *grads)
+        return (None, *(g if isinstance(g, tuple) else (g,)))
+
+
+def call(name: str, *args):
+    """``torch.ops.splitsoftmax.<name>(*args)``, skipping the dispatcher's per-call cost (tens of
+    microseconds of host time) in plain eager mode: the implementation itself when no gradient is
+    recorded, else the same autograd formula in a plain ``autograd.Function``."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not torch.compiler.is_compiling() and plain_tensors(tensors):
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return IMPLS[name](*args)
+        if name in AUTOGRAD:
+            return _Eager.apply(name, *args)
+    return getattr(torch.ops.splitsoftmax, name)(*args)
+
+
+def dense(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` as a contiguous tensor of ``dtype`` (no copy when it already is one; nor a call of
+    ``Tensor.to``, whose argument parsing alone costs a microsecond or more per output)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def register_formula(name: str, backward, setup_context) -> None:
+    """Register the autograd formula of op ``name``, for the custom op and for :func:`call`."""
+    torch.library.register_autograd(f"splitsoftmax::{name}", backward, setup_context=setup_context)
+    AUTOGRAD[name] = backward, setup_context
+
+
+def once_differentiable(what: str, op: str) -> tuple:
+    """``(backward, setup_context)`` for a backward op ``op`` without a second derivative: a
+    backward through it (a double backward of ``what``) raises a NotImplementedError naming both."""
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"double backward through splitsoftmax {what} is not supported: its gradient (splitsoftmax::{op}) "
+            f"is not differentiable; take one derivative (create_graph=True works only where the result is "
+            f"not differentiated again through {what})")
+
+    def setup_context(ctx, inputs, output) -> None:
+        pass
+    return backward, setup_context

@@ -14,7 +14,7 @@ import torch
 
 from ..core import reference as ref
 from ..core import state
-from ..ops.functional import softmax
+from ..ops.softmax.api import softmax
 
 ROW = [1.0, 2.0, -3.0, 12.0, 11.0, 4.0]
 

@@ -19,7 +19,8 @@ from ...distributed import handshake as hs
 from ...distributed.comm import as_comm, eager
 from ...distributed.tree import allgather
 from .._registry import op, use_triton
-from .._library import call, ce_kernels
+from .._registry import call
+from .op import ce_kernels
 from ...core.state import stat_dtype
 
 

@@ -28,7 +28,7 @@ from ...distributed.tree import allgather
 from .torch import kl_coef, merge_kl_records, merge_records, stats_coefs
 from ...distributed.handshake import fingerprint
 from ..cross_entropy.api import _check_targets
-from .._library import call
+from .._registry import call
 from .op import impl
 
 

@@ -15,12 +15,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._autograd import once_differentiable
 from . import torch as vocab_cpu
 from .torch import kl_coef, stats_coefs
-from .._registry import use_triton
-from .._library import _op, register_autograd, register_fake
+from .._registry import custom_op, once_differentiable, use_triton
 from ...core.state import stat_dtype
+
+register_fake, register_autograd = torch.library.register_fake, torch.library.register_autograd
 
 
 def impl(name: str, *tensors: Tensor):
@@ -42,7 +42,7 @@ def _fresh(ts, dtype: torch.dtype) -> tuple:
     return tuple(t if t.dtype == dtype else t.to(dtype) for t in ts)
 
 
-@_op("vocab_fwd")
+@custom_op("vocab_fwd")
 def vocab_fwd(logits: Tensor, target: Optional[Tensor], inv_t: float, ignore_index: int,
               entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(logp (N,), entropy (N,), rows (N, 3))`` of ``logits (N, V)`` at ``1/T = inv_t``
@@ -58,7 +58,7 @@ def _vocab_fwd_fake(logits, target, inv_t, ignore_index, entropy):
     return logits.new_empty((n,), dtype=dt), logits.new_empty((n,), dtype=dt), logits.new_empty((n, 3), dtype=dt)
 
 
-@_op("vocab_bwd")
+@custom_op("vocab_bwd")
 def vocab_bwd(logits: Tensor, target: Optional[Tensor], rows: Tensor, gl: Optional[Tensor], gh: Optional[Tensor],
               inv_t: float, col0: int) -> Tensor:
     """``dlogits (N, V)`` in ``logits.dtype`` (``ops.vocab.torch.vocab_bwd``)."""
@@ -70,7 +70,7 @@ def _vocab_bwd_fake(logits, target, rows, gl, gh, inv_t, col0):
     return logits.new_empty(logits.shape)
 
 
-@_op("kl_fwd")
+@custom_op("kl_fwd")
 def kl_fwd(p: Tensor, q: Tensor, inv_t: float) -> tuple[Tensor, Tensor]:
     """``(kl (N,), rows (N, 5))`` of ``p, q (N, V)`` at ``1/T = inv_t`` (``ops.vocab.torch.kl_finish``)."""
     rec = impl("kl_records", p, q)(p, q, inv_t)
@@ -83,7 +83,7 @@ def _kl_fwd_fake(p, q, inv_t):
     return p.new_empty((n,), dtype=dt), p.new_empty((n, 5), dtype=dt)
 
 
-@_op("kl_bwd")
+@custom_op("kl_bwd")
 def kl_bwd(p: Tensor, q: Tensor, rows: Tensor, g: Tensor, inv_t: float) -> tuple[Tensor, Tensor]:
     """``(dp, dq)`` in the dtypes of ``p, q`` (``ops.vocab.torch.kl_bwd``)."""
     return impl("kl_bwd", p, q)(p, q, rows, g, inv_t)

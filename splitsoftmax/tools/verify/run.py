@@ -4,7 +4,7 @@ Each check computes splitsoftmax's result and gradient, the float64 reference, a
 quantity through torch in the same dtype; the tolerance is FlashAttention's rule (twice torch's
 own error, 4x for gradients, plus twice the rounding of the float64 truth to the result's dtype:
 relative to the result's size, :mod:`.compare`). The
-single-device rows are here, the sharded ones in :mod:`.verify_sharded`. One table, non-zero exit
+single-device rows are here, the sharded ones in :mod:`.sharded`. One table, non-zero exit
 on any mismatch.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ...ops import functional as F
+import splitsoftmax as ss
 from ...core import reference as ref
 from .compare import Row, compare, sdpa, table
 from .job import Job
@@ -28,15 +28,15 @@ def single_device_rows(device: str = "cpu", dtype: torch.dtype = torch.float32) 
     x = torch.randn(33, 1000, device=device, dtype=dtype) * 4
     x[3] = float("-inf")
     rows = []
-    rows += compare("softmax 33x1000", F.softmax, lambda t: torch.softmax(t, -1), ref.softmax, [x])
-    rows += compare("log_softmax 33x1000", F.log_softmax, lambda t: torch.log_softmax(t, -1), ref.log_softmax, [x])
-    rows += compare("logsumexp 33x1000", F.logsumexp, lambda t: torch.logsumexp(t, -1), ref.logsumexp, [x])
+    rows += compare("softmax 33x1000", ss.softmax, lambda t: torch.softmax(t, -1), ref.softmax, [x])
+    rows += compare("log_softmax 33x1000", ss.log_softmax, lambda t: torch.log_softmax(t, -1), ref.log_softmax, [x])
+    rows += compare("logsumexp 33x1000", ss.logsumexp, lambda t: torch.logsumexp(t, -1), ref.logsumexp, [x])
     for causal in (False, True):
         q = torch.randn(2, 4, 97, 64, device=device, dtype=dtype)
         k = torch.randn(2, 2, 129, 64, device=device, dtype=dtype)
         v = torch.randn(2, 2, 129, 64, device=device, dtype=dtype)
         rows += compare(f"attention GQA 4/2 97x129{' causal' if causal else ''}",
-                        lambda q, k, v, c=causal: F.attention(q, k, v, causal=c), sdpa(causal, 2),
+                        lambda q, k, v, c=causal: ss.attention(q, k, v, causal=c), sdpa(causal, 2),
                         lambda q, k, v, c=causal: ref.attention(q, k, v, causal=c)[0], [q, k, v])
     return rows
 

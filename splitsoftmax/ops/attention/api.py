@@ -1,63 +1,15 @@
-"""Public single-device ops (docs/API.md, "Single device"), over the custom ops of ``splitsoftmax.ops._library``."""
+"""Public single-device attention (docs/API.md, "Single device" and "Attention variants"), over the
+custom ops of ``op.py``."""
 from __future__ import annotations
 
-import math
 from typing import Optional
 
-import torch
 from torch import Tensor
 
-from ..core import checks as _checks, keywords as variants
-from ..core.autocast import like_sdpa
-from ._library import call
-
-
-def _rows(x: Tensor, dim: int) -> tuple[Tensor, Optional[tuple]]:
-    """``x`` as ``(R, N)`` rows along ``dim`` (a view where possible), and the shape of ``x`` with
-    ``dim`` moved last (``None``: ``x`` is those rows already)."""
-    n = x.dim()
-    if n == 2 and dim == 1:
-        return x, None
-    xm = x.reshape(1) if n == 0 else x if dim == n - 1 else x.movedim(dim, -1)
-    return xm.reshape(math.prod(xm.shape[:-1]), xm.shape[-1]), tuple(xm.shape)
-
-
-def _unrows(y: Tensor, x: Tensor, dim: int, shape: Optional[tuple]) -> Tensor:
-    """Rows ``y (R, N)`` from :func:`_rows` back in the layout of ``x``."""
-    if shape is None:
-        return y
-    y = y.reshape(shape)
-    n = x.dim()
-    return y.reshape(()) if n == 0 else y if dim == n - 1 else y.movedim(-1, dim)
-
-
-def _softmax(x: Tensor, dim: int, log: bool) -> Tensor:
-    _checks.tensor("x", x)
-    d = _checks.dim("dim", dim, x.dim())
-    x2, shape = _rows(x, d)
-    return _unrows(call("softmax_fwd", x2, log)[0], x, d, shape)
-
-
-def softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """Softmax of ``x`` along ``dim``, in ``x.dtype`` (float32 statistics).
-
-    A row of all ``-inf`` gives all zeros (and zero gradient), never NaN.
-    """
-    return _softmax(x, dim, log=False)
-
-
-def log_softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """Log-softmax of ``x`` along ``dim``, in ``x.dtype``; a row of all ``-inf`` gives ``-inf``."""
-    return _softmax(x, dim, log=True)
-
-
-def logsumexp(x: Tensor, dim: int = -1) -> Tensor:
-    """``log(sum(exp(x)))`` along ``dim`` (removed), float32; ``-inf`` for a row of all ``-inf``."""
-    _checks.tensor("x", x)
-    d = _checks.dim("dim", dim, x.dim())
-    x2, shape = _rows(x, d)
-    lse = call("logsumexp_fwd", x2).float()
-    return lse if shape is None else lse.reshape(shape[:-1])
+from ...core import checks as _checks, keywords as variants
+from ...core.autocast import like_sdpa
+from .._registry import call
+from . import op  # noqa: F401  (registers the custom ops)
 
 
 @like_sdpa
@@ -105,23 +57,3 @@ def _variant_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bo
     spec = variants.parse(batch=b, heads=h, sq=sq, sk=sk, device=q.device, causal=causal, **keywords)
     mask, band, diag = variants.local_mask(spec, 0, sq, 0, sk, q.device)
     return call("attn_fwd", q, k, v, scale, band, diag, *mask, spec.sinks)
-
-
-def merge_states(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
-    """Merge N partial results along dim 0.
-
-    Args:
-        outs: ``(N, *rows, Dv)`` normalised partial outputs, any float dtype.
-        lses: ``(N, *rows)`` their log-sum-exps (natural log). A partial with ``lse = -inf``
-            contributes nothing, whatever its ``out`` holds (NaN included).
-
-    Returns ``(out (*rows, Dv) in outs.dtype, lse (*rows) float32)``; associative and commutative.
-    """
-    _checks.merge_args(outs, lses)
-    if outs.shape[0] == 0:
-        rows = tuple(outs.shape[1:-1])
-        return outs.new_zeros(outs.shape[1:]), torch.full(rows, float("-inf"), device=outs.device)
-    out, lse = call("merge_fwd", outs, lses)
-    # (``Tensor.to`` costs host time even where it changes nothing)
-    return (out if out.dtype == outs.dtype else out.to(outs.dtype),
-            lse if lse.dtype == torch.float32 else lse.float())

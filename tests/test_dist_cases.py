@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from splitsoftmax.distributed import (LoopbackWorld, as_comm, shard, sharded_attention, sharded_log_softmax,
-                                      sharded_logsumexp, sharded_softmax, unshard)
+from splitsoftmax import sharded_attention, sharded_log_softmax, sharded_logsumexp, sharded_softmax
+from splitsoftmax.distributed import LoopbackWorld, as_comm, shard, unshard
 
 from splitsoftmax.core import reference as ref
 from splitsoftmax.distributed.handshake import REASON_BYTES, handshake

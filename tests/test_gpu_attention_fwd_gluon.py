@@ -217,7 +217,8 @@ def test_ring_steps_merge_on_the_gluon_forward(variant, monkeypatch):
     launches counted; a rank's first call, covering every row, writes the state on it without one),
     and the sharded output and lse are within 2x the error against float64 of the same ring merging
     on the Triton kernel."""
-    from splitsoftmax.distributed import LoopbackWorld, shard, sharded_attention, unshard
+    from splitsoftmax import sharded_attention
+    from splitsoftmax.distributed import LoopbackWorld, shard, unshard
     kw = dict(RING_VARIANTS[variant])
     docs = kw.pop("cu_seqlens", None)
     cu = None if docs is None else torch.tensor(docs, dtype=torch.int32, device="cuda")

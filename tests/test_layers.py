@@ -1,4 +1,4 @@
-"""The import contract of the package's folders (docs/ARCHITECTURE.md's layers), walked with ``ast``.
+"""The import contract of the package's folders (the layers of README.md's "Layout"), walked with ``ast``.
 
 Every ``import`` / ``from .. import`` of every module counts, at module level and inside functions
 alike (a late import is still a dependency). Each module belongs to one layer (:data:`LAYERS`, first
@@ -54,23 +54,9 @@ MAY_IMPORT = {
 }
 
 # (importer, imported) -> why it is still there; each entry must still be a violation
-ALLOWED: dict = {
-    ("splitsoftmax.distributed.ring", "splitsoftmax.ops._registry"):
-        "the schedule calls the local attention ops: it belongs with the attention family",
-    ("splitsoftmax.distributed.sharded", "splitsoftmax.ops._registry"):
-        "the schedule calls the local attention ops: it belongs with the attention family",
-    ("splitsoftmax.distributed.sharded", "splitsoftmax.ops.attention.op"):
-        "the sharded ops are the families (softmax, attention), not the op-agnostic layer",
-    ("splitsoftmax.distributed.sharded", "splitsoftmax.ops.softmax.api"):
-        "the sharded ops are the families (softmax, attention), not the op-agnostic layer",
-    ("splitsoftmax.distributed.tree", "splitsoftmax.ops._registry"):
-        "the schedule calls the local attention ops: it belongs with the attention family",
-    ("splitsoftmax.ops.vocab.api", "splitsoftmax.ops.cross_entropy.api"):
-        "the target check shared with cross-entropy belongs in core",
-}
+ALLOWED: dict = {}
 # modules of a circle (frozenset) -> why it is still there
-ALLOWED_CIRCLES: dict = {
-}
+ALLOWED_CIRCLES: dict = {}
 
 
 def layer(module: str) -> str:

@@ -131,3 +131,23 @@ def class_targets(target, logits: Tensor, ignore_index) -> None:
         raise ValueError(f"target is on {target.device} but logits is on {logits.device}")
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, numbers.Integral):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__} {ignore_index!r}")
+
+
+def target_values(target: Tensor, ignore_index: int, vocab: int, on_device: bool = False) -> None:
+    """Every target is a class id in ``[0, vocab)`` or ``ignore_index`` (skipped while compiling).
+
+    On the CPU a bad target raises ``ValueError`` naming it. On an accelerator the check does not
+    wait for the device: like torch's own cross-entropy there, a bad target fails a device-side
+    assertion (a host synchronisation per call would cost more than the loss itself), in the
+    Triton kernel that computes the row losses (``ce_loss``: ``on_device``), or here.
+    """
+    if torch.compiler.is_compiling() or target.numel() == 0 or (on_device and target.is_cuda):
+        return
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    if target.device.type != "cpu":
+        torch._assert_async(~bad.any(), f"target holds a class outside [0, {vocab}) that is not "
+                                        f"ignore_index={ignore_index}")
+        return
+    if bool(bad.any()):
+        value = int(target[bad][0])
+        raise ValueError(f"target holds class {value}, outside [0, {vocab}) and not ignore_index={ignore_index}")

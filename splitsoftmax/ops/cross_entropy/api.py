@@ -38,26 +38,6 @@ def _args(logits, target, ignore_index, reduction, label_smoothing) -> float:
     return float(label_smoothing)
 
 
-def _check_targets(target: Tensor, ignore_index: int, vocab: int, on_device: bool = False) -> None:
-    """Every target is a class id in ``[0, vocab)`` or ``ignore_index`` (skipped while compiling).
-
-    On the CPU a bad target raises ``ValueError`` naming it. On an accelerator the check does not
-    wait for the device: like torch's own cross-entropy there, a bad target fails a device-side
-    assertion (a host synchronisation per call would cost more than the loss itself), in the
-    Triton kernel that computes the row losses (``ce_loss``: ``on_device``), or here.
-    """
-    if torch.compiler.is_compiling() or target.numel() == 0 or (on_device and target.is_cuda):
-        return
-    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    if target.device.type != "cpu":
-        torch._assert_async(~bad.any(), f"target holds a class outside [0, {vocab}) that is not "
-                                        f"ignore_index={ignore_index}")
-        return
-    if bool(bad.any()):
-        value = int(target[bad][0])
-        raise ValueError(f"target holds class {value}, outside [0, {vocab}) and not ignore_index={ignore_index}")
-
-
 def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> Tensor:
     """Cross-entropy of ``logits (N, V)`` against class ids ``target (N,)``, like
@@ -71,7 +51,7 @@ def cross_entropy(logits: Tensor, target: Tensor, *, ignore_index: int = -100, r
     of more than 16384 rows), one backward.
     """
     eps, ignore_index = _args(logits, target, ignore_index, reduction, label_smoothing), int(ignore_index)
-    _check_targets(target, ignore_index, logits.shape[1], on_device=use_triton(logits))
+    _checks.target_values(target, ignore_index, logits.shape[1], on_device=use_triton(logits))
     return call("ce_fwd", logits, target, ignore_index, eps, reduction)[0]
 
 
@@ -121,5 +101,5 @@ def sharded_cross_entropy(logits: Tensor, target: Tensor, *, group=None, ignore_
     meta = hs.handshake(comm, "sharded_cross_entropy", agree, per, err)
     widths = meta["V_local"]
     vocab, col0 = sum(widths), sum(widths[:comm.rank])
-    _check_targets(target, ignore_index, vocab, on_device=use_triton(logits))
+    _checks.target_values(target, ignore_index, vocab, on_device=use_triton(logits))
     return ShardedCrossEntropyFn.apply(logits, target, comm, col0, vocab, ignore_index, eps, reduction)

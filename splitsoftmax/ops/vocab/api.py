@@ -27,7 +27,6 @@ from ...distributed.comm import as_comm, eager
 from ...distributed.tree import allgather
 from .torch import kl_coef, merge_kl_records, merge_records, stats_coefs
 from ...distributed.handshake import fingerprint
-from ..cross_entropy.api import _check_targets
 from .._registry import call
 from .op import impl
 
@@ -87,7 +86,7 @@ def logprobs(logits: Tensor, target: Tensor, *, temperature: float = 1.0, return
     raises ``ValueError`` on the CPU and fails a device-side assertion on a GPU (as cross-entropy).
     """
     inv_t = _logprob_args(logits, target, temperature, return_entropy, ignore_index)
-    _check_targets(target, int(ignore_index), logits.shape[1])
+    _checks.target_values(target, int(ignore_index), logits.shape[1])
     logp, ent, _ = call("vocab_fwd", logits, target, inv_t, int(ignore_index), return_entropy)
     return (logp.float(), ent.float()) if return_entropy else logp.float()
 
@@ -196,7 +195,7 @@ def sharded_logprobs(logits: Tensor, target: Tensor, *, temperature: float = 1.0
         return agree, {"V_local": logits.shape[1]}, inv_t
     inv_t, meta = _agree(comm, "sharded_logprobs", local)
     widths = meta["V_local"]
-    _check_targets(target, int(ignore_index), sum(widths))
+    _checks.target_values(target, int(ignore_index), sum(widths))
     logp, ent = ShardedStatsFn.apply(logits, target, comm, sum(widths[:comm.rank]), inv_t, int(ignore_index),
                                      return_entropy, "sharded_logprobs")
     return (logp, ent) if return_entropy else logp

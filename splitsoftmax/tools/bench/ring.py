@@ -179,7 +179,7 @@ class NoBulkTransfers(ss.distributed.Communicator):
         self.inner, self.rank, self.size, self.meta_device = inner, inner.rank, inner.size, inner.meta_device
 
     def post(self, sends, recvs, tag):
-        from splitsoftmax.distributed.ring import TAG_DKV, TAG_KV
+        from splitsoftmax.ops.attention.schedules.ring import TAG_DKV, TAG_KV
         return [] if tag in (TAG_KV, TAG_DKV) else self.inner.post(sends, recvs, tag)
 
     def wait(self, handles, step):

@@ -25,12 +25,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from ..core import checks as _checks
-from ..core.autocast import like_sdpa
-from . import layout as lay
-from .comm import Communicator, as_comm
-from .handshake import LOCAL_ERRORS, handshake
-from .sharded import shard, sharded_attention
+from ...core import checks as _checks
+from ...core.autocast import like_sdpa
+from ...distributed import layout as lay
+from ...distributed.comm import Communicator, as_comm
+from ...distributed.handshake import LOCAL_ERRORS, handshake
+from ...distributed.shard import shard
+from .sharded import sharded_attention
 
 SEQ_SCHEDULES = tuple(s for s in _checks.SCHEDULES if s != "tree")  # q sharded like k and v
 _SDPA = F.scaled_dot_product_attention

@@ -9,44 +9,16 @@ rows its queries see (nothing: no transfer), and returns only those rows' dK/dV.
 """
 from __future__ import annotations
 
-from typing import Callable
 
 import torch
 from torch import Tensor
 
-from ..core.log import LOG, nbytes
-from .comm import Communicator
+from ....distributed.comm import Communicator
+from ....distributed.tree import TAG_GATHER, TAG_SCATTER, allgather_var, reduce_scatter_var
 from .ring import attn_bwd_visit, attn_fwd_visit, by_origin, dq_of, state_of
-from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
-from ..core import state
+from ....distributed.work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
+from ....core import state
 
-TAG_GATHER, TAG_SCATTER = 31, 32
-
-
-def allgather_var(comm: Communicator, mine: Tensor, numel: Callable[[int], int], step: str) -> list:
-    """Every rank's flat buffer (sizes ``numel(rank)``), in rank order."""
-    r = comm.rank
-    bufs = [mine if q == r else mine.new_empty(numel(q)) for q in range(comm.size)]
-    peers = [q for q in range(comm.size) if q != r]
-    sends = [(mine, q) for q in peers if mine.numel()]
-    LOG.debug("%s: rank %d sends %d bytes to each of %d peer(s), receives %d bytes", step, r, nbytes(mine),
-              len(sends), sum(nbytes(bufs[q]) for q in peers))
-    handles = comm.post(sends, [(bufs[q], q) for q in peers if bufs[q].numel()], TAG_GATHER)
-    comm.wait(handles, step)
-    return bufs
-
-
-def reduce_scatter_var(comm: Communicator, parts: list, step: str) -> Tensor:
-    """Sum over ranks of ``parts[rank]`` (this rank's contribution to each owner), summed in rank order."""
-    r = comm.rank
-    got = [parts[r] if q == r else parts[r].new_empty(parts[r].numel()) for q in range(comm.size)]
-    peers = [q for q in range(comm.size) if q != r]
-    LOG.debug("%s: rank %d sends %d bytes, receives %d bytes", step, r, sum(nbytes(parts[q]) for q in peers),
-              sum(nbytes(got[q]) for q in peers))
-    handles = comm.post([(parts[q], q) for q in peers if parts[q].numel()],
-                        [(got[q], q) for q in peers if got[q].numel()], TAG_SCATTER)
-    comm.wait(handles, step)
-    return torch.stack(got).sum(dim=0)
 
 
 def gather_seen(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, step: str) -> list:

@@ -24,11 +24,11 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ..core import state
-from ..core.log import LOG, clock, nbytes
-from ..ops._registry import masked_op
-from .comm import Communicator
-from .work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
+from ....core import state
+from ....core.log import LOG, clock, nbytes
+from ..._registry import masked_op
+from ....distributed.comm import Communicator
+from ....distributed.work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
 
 TAG_KV, TAG_DKV = 21, 22
 

@@ -65,7 +65,7 @@ def worker(schedule: str) -> None:
 
 def launch(size: int, schedule: str, timeout: float) -> subprocess.Popen:
     """Start the ``size`` ranks of one launch; returns them with their log files."""
-    from splitsoftmax.launcher import free_port
+    from splitsoftmax.tools.launcher import free_port
     port = free_port()
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
                OMP_NUM_THREADS="1", WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),

@@ -32,7 +32,7 @@ try:
 except ModuleNotFoundError:  # not installed: use the checkout this script lives in
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import splitsoftmax as ss
-from splitsoftmax import launcher
+from splitsoftmax.tools import launcher
 
 
 class Block(torch.nn.Module):

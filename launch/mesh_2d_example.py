@@ -32,7 +32,7 @@ try:
     import splitsoftmax  # noqa: F401
 except ModuleNotFoundError:  # not installed: use the checkout this script lives in
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from splitsoftmax import launcher
+from splitsoftmax.tools import launcher
 from splitsoftmax.integrations import transformers as sst
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

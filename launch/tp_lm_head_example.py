@@ -32,7 +32,7 @@ try:
 except ModuleNotFoundError:  # not installed: use the checkout this script lives in
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import splitsoftmax as ss
-from splitsoftmax import launcher
+from splitsoftmax.tools import launcher
 
 CLIP, ENTROPY_BONUS, TEMPERATURE = 0.2, 0.01, 0.9
 DECODE = dict(temperature=0.8, top_k=50, top_p=0.9)

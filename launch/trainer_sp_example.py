@@ -37,7 +37,7 @@ except ModuleNotFoundError:  # not installed: use the checkout this script lives
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import transformers  # noqa: E402
 
-from splitsoftmax import launcher  # noqa: E402
+from splitsoftmax.tools import launcher  # noqa: E402
 from splitsoftmax.integrations import transformers as sst  # noqa: E402
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,

@@ -29,7 +29,7 @@ def poison_empty(monkeypatch):
 def verify_launches(request, monkeypatch):
     """GPU tests check every launch the kernels' launch caches make against Triton's own lookup."""
     if request.node.get_closest_marker("gpu"):
-        from splitsoftmax.kernels import configs
+        from splitsoftmax.ops._triton import configs
         monkeypatch.setattr(configs, "LAUNCH_VERIFY", True)
 
 

@@ -26,9 +26,9 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
 
 from _sm90 import ptxas_report, spill_stores  # noqa: E402
-from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
-from splitsoftmax.kernels import configs, launch  # noqa: E402
-from splitsoftmax.mask import Mask  # noqa: E402
+from splitsoftmax.ops.attention import bwd as AB  # noqa: E402
+from splitsoftmax.ops._triton import configs, launch  # noqa: E402
+from splitsoftmax.core.mask import Mask  # noqa: E402
 
 SM90_SMEM = 227 * 1024
 TY = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
@@ -62,7 +62,7 @@ def _signature(fn, args, kwargs):
 
 def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False, causal: bool = True,
               ds: bool = True):
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kw: captured.append((self.fn, args, kw)))
@@ -153,7 +153,7 @@ def _pieces_plan(monkeypatch, cap: int, hkv: int) -> tuple:
     """``(plan, ops)`` of the backward at B=2, 8 query heads over ``hkv``, 300 causal rows (bf16, D=128)
     on a Hopper of 5 SMs (each piece's 5 key blocks per kv head fill a wave), the dS buffer's bound
     ``cap`` bytes; ``ops``: ``(q, k, v, dout, lse, delta, dq, dk, dv)``."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     monkeypatch.setattr(configs, "ATTN_BWD_DS_MAX_BYTES", cap)
     monkeypatch.setattr(configs, "ATTN_BWD_DS_MIN_WAVES", 1)
     monkeypatch.setattr(ABP, "sm_count", lambda t: 5)
@@ -177,7 +177,7 @@ def test_backward_pieces_keep_the_ds_buffer_within_its_bound(cap_units, pieces, 
     pieces (whole batch elements while they fit, else kv heads of one) that cover every (batch, kv
     head) once, each piece's buffer within the bound; where not even one query head fits, the dQ
     kernel recomputes dS. B=2, 8/4 heads, 300 rows: one (batch, kv head) is 2 x 320 x 320 x 2 bytes."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     plan, ops = _pieces_plan(monkeypatch, cap_units * 2 * 320 * 320 * 2, 4)
     q, grads = ops[0], ops[6:]
     got = [p for p, _ in plan]
@@ -201,7 +201,7 @@ def test_backward_parts_of_a_kv_heads_query_heads(monkeypatch):
     pieces are parts of each kv head's query heads, in order, each within the bound, every query head
     once; their launches take float32 dK/dV buffers (the parts' sum, rounded once). B=2, 8/2 heads
     (4 query heads a kv head), 300 rows: one query head is 320 x 320 x 2 bytes."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     plan, ops = _pieces_plan(monkeypatch, 3 * 320 * 320 * 2, 2)
     q, grads = ops[0], ops[6:]
     assert [p for p, _ in plan] == [(i, i + 1, j, j + 1, a, min(a + 3, 4)) for i in range(2) for j in range(2)
@@ -222,7 +222,7 @@ def test_parts_sum_their_dk_dv_in_float32_into_the_kv_heads(monkeypatch):
     """Run in parts (the launches replaced by a record that writes each part's query-head count), a kv
     head's dK and dV are the float32 sum of its parts' buffers, written once into its bfloat16
     gradients after its last part; dQ goes straight to each part's query heads."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     plan, ops = _pieces_plan(monkeypatch, 3 * 320 * 320 * 2, 2)
     seen = []
 
@@ -256,9 +256,9 @@ def test_ds_buffer_columns_hold_every_visited_tile(causal, cu, window, sq, sk, f
     key block's from its first row in the band rounded down to the dQ kernel's tile, for masks made
     as ``ss.attention`` makes them (the documents' rows noted with their reach); fewer than ``Sq``
     under a causal window or short causal documents."""
-    from splitsoftmax import variants
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
-    from splitsoftmax.mask import visible
+    from splitsoftmax.core import keywords as variants
+    from splitsoftmax.ops.attention import bwd_plain as ABP
+    from splitsoftmax.core.mask import visible
     spec = variants.parse(batch=1, heads=1, sq=sq, sk=sk, device="cpu", causal=causal, cu_seqlens=cu,
                           window_size=window, q_offset=sk - sq)
     mask, band, diag = variants.local_mask(spec, 0, sq, 0, sk, "cpu")

@@ -1,4 +1,4 @@
-"""The Gluon forward (kernels/attention_fwd_gluon.py) as compiled for sm_90 (Hopper), no GPU needed.
+"""The Gluon forward (ops/attention/gluon/fwd.py) as compiled for sm_90 (Hopper), no GPU needed.
 
 A host call of the plain forward is made on CPU tensors with the launch captured (an sm_90 GPU of
 132 SMs assumed); the launch is compiled for sm_90 with the signature it would have. It must take
@@ -20,10 +20,12 @@ from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
 
 from _sm90 import ptxas_report, spill_stores  # noqa: E402
 from test_attention_bwd_compile import SM90_SMEM, _signature  # noqa: E402
-from splitsoftmax.kernels import attention as A  # noqa: E402
-from splitsoftmax.kernels import configs, decode, launch  # noqa: E402
-from splitsoftmax.kernels.attention_bwd_gluon import descriptor  # noqa: E402
-from splitsoftmax.mask import NO_MASK, Mask  # noqa: E402
+from splitsoftmax.ops.attention import fwd as A  # noqa: E402
+from splitsoftmax.ops._triton import configs, launch  # noqa: E402
+from splitsoftmax.ops.attention import decode  # noqa: E402
+from splitsoftmax.ops._triton import device  # noqa: E402
+from splitsoftmax.ops.attention.gluon.bwd import descriptor  # noqa: E402
+from splitsoftmax.core.mask import NO_MASK, Mask  # noqa: E402
 
 
 def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True, lengths=(0, 0), batch: int = 1,
@@ -39,7 +41,7 @@ def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True,
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", lengths)
     monkeypatch.setattr(A, "sm90", lambda t: True)
     monkeypatch.setattr(A, "hopper", lambda t: True)
-    monkeypatch.setattr(decode, "hopper", lambda t: True)
+    monkeypatch.setattr(device, "hopper", lambda t: True)
     monkeypatch.setattr(decode, "sm_count", lambda t: 132)
     monkeypatch.setattr(A, "sm_count", lambda t: 132)
     monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())
@@ -164,7 +166,7 @@ def test_exponent_bits_mark_exactly_the_nonfinite(dtype, name):
     """The forward's NaN/Inf check of a masked block takes the largest ``bits & EXP`` of its values:
     over every 2-byte pattern, ``bits & EXP == EXP`` exactly for the NaNs and infinities, and no
     finite value's field reaches it (so the largest field equals it iff one of them is there)."""
-    from splitsoftmax.kernels import attention_fwd_gluon as G
+    from splitsoftmax.ops.attention.gluon import fwd as G
     exp = getattr(G, name).value
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     field = bits & exp

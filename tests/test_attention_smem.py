@@ -19,8 +19,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from splitsoftmax.kernels import attention as A  # noqa: E402
-from splitsoftmax.kernels import configs, decode  # noqa: E402
+from splitsoftmax.ops.attention import fwd as A  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops.attention import decode  # noqa: E402
 
 SM90_SMEM = 228 * 1024      # shared memory per SM
 RESERVED = 1024             # per program, reserved by the driver

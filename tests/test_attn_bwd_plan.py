@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitsoftmax.kernels import attention_bwd as AB
-from splitsoftmax.kernels import configs
-from splitsoftmax.mask import Mask, visible
+from splitsoftmax.ops.attention import bwd as AB
+from splitsoftmax.ops._triton import configs
+from splitsoftmax.core.mask import Mask, visible
 
 
 def _docs(cu, s):
@@ -20,7 +20,7 @@ def _docs(cu, s):
                                    ([0, 40, 97], 128)])
 def test_row_blocks_match_the_rule(cu, bn):
     """For every key block: rows [r0, r1) are exactly those that see one of its keys, rows [f0, f1)
-    exactly those that see all of them (the rule of splitsoftmax.mask, documents only)."""
+    exactly those that see all of them (the rule of splitsoftmax.core.mask, documents only)."""
     s = cu[-1]
     rows = _docs(cu, s)
     rb = AB.row_blocks(rows, s, bn)

@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from splitsoftmax.bench import model as bm  # noqa: E402
+from splitsoftmax.tools.bench import model as bm  # noqa: E402
 from splitsoftmax.integrations.transformers import register  # noqa: E402
 
 S, B = 128, 2

@@ -109,7 +109,7 @@ def test_table_and_plots(bench):
 
 def test_derived_ratios_with_torch_cp_rows():
     """The GPU-only ratios, on made-up rows shaped like a GPU run's (no GPU needed)."""
-    from splitsoftmax.bench.ring import derived, render, without_nproc
+    from splitsoftmax.tools.bench.ring import derived, render, without_nproc
     base = {"S": 32768, "Hkv": 8, "variant": "plain", "causal": True, "mode": "fwd", "P": 2}
     rows = [base | {"method": "ss-ring", "ms": 6.0, "peak_gib": 1.0},
             base | {"method": "ss-ring-nocomm", "ms": 5.0, "peak_gib": 1.0},
@@ -142,8 +142,8 @@ def test_variant_peer_mask_is_the_rule(name, s, docs, window):
     splitsoftmax's keywords (``reference.variant_visible``), remainders and empty documents included."""
     import argparse
 
-    from splitsoftmax import reference as ref
-    from splitsoftmax.bench.ring import Variant
+    from splitsoftmax.core import reference as ref
+    from splitsoftmax.tools.bench.ring import Variant
     v = Variant(name, s, argparse.Namespace(docs=docs, window=window))
     i, j = torch.arange(s).view(s, 1), torch.arange(s).view(1, s)
     want = ref.variant_visible(1, s, s, causal=True, **v.kw)[0]
@@ -152,7 +152,7 @@ def test_variant_peer_mask_is_the_rule(name, s, docs, window):
 
 
 class _OneRank:
-    """A world of one rank for :func:`splitsoftmax.bench.ring.run` in this process (no collectives)."""
+    """A world of one rank for :func:`splitsoftmax.tools.bench.ring.run` in this process (no collectives)."""
     rank, size, kind, cuda, device = 0, 1, "test", False, torch.device("cpu")
 
     def say(self, msg):
@@ -165,7 +165,7 @@ class _OneRank:
 def test_a_stopped_run_keeps_the_shapes_it_measured(tmp_path, monkeypatch, capsys):
     """The JSON is written after every shape, ``complete`` false until the end: a run stopped in its
     second shape leaves the first shape's rows on disk, and printed."""
-    from splitsoftmax.bench import ring
+    from splitsoftmax.tools.bench import ring
     opts = ring.defaults(ring.parser().parse_args(["--out", str(tmp_path), "--seqs", "64", "--kv-heads", "4",
                                                    "--causal", "--fwd-only", "--variants", "window"]), False)
     shapes = []
@@ -191,7 +191,7 @@ def test_a_stopped_run_keeps_the_shapes_it_measured(tmp_path, monkeypatch, capsy
 
 def test_table_keeps_a_long_reason_whole():
     """A skip's or an error's reason is printed whole, whatever its length."""
-    from splitsoftmax.bench.ring import row_lines
+    from splitsoftmax.tools.bench.ring import row_lines
     reason = "RuntimeError: " + "a reason longer than any column width, " * 4 + "ending here"
     row = {"S": 64, "Hkv": 4, "variant": "plain", "causal": True, "mode": "fwd", "method": "torch-cp-flash-allgather"}
     lines = row_lines([row | {"error": reason}, row | {"skipped": reason}])
@@ -200,7 +200,7 @@ def test_table_keeps_a_long_reason_whole():
 
 def test_single_device_row_named_for_its_device():
     """``1gpu-ss`` on GPUs, ``1cpu-ss`` on CPU ranks; the efficiency is against whichever ran."""
-    from splitsoftmax.bench.ring import derived, single_ss
+    from splitsoftmax.tools.bench.ring import derived, single_ss
     assert single_ss(_OneRank()) == "1cpu-ss"
     assert single_ss(type("GpuRank", (_OneRank,), {"cuda": True})()) == "1gpu-ss"
     base = {"S": 64, "Hkv": 4, "variant": "plain", "causal": True, "mode": "fwd"}

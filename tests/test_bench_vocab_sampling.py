@@ -3,7 +3,7 @@ the table and targets read the timings they are given."""
 import torch
 
 from _sampling_util import filtered_probs
-from splitsoftmax.bench import vocab_sampling as vs
+from splitsoftmax.tools.bench import vocab_sampling as vs
 
 
 def test_peers_draw_inside_the_support():

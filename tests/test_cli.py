@@ -5,8 +5,8 @@ import sys
 import numpy as np
 import pytest
 
-from splitsoftmax import reference as ref
-from splitsoftmax import trace
+from splitsoftmax.core import reference as ref
+from splitsoftmax.tools import trace
 
 
 def run(*args, timeout=300):
@@ -63,7 +63,7 @@ def test_verify_default_runs_every_sharded_op_on_cpu_ranks():
 def test_bench_help_lists_the_benches():
     r = run("bench", "--help")
     assert r.returncode == 0, r.stderr
-    from splitsoftmax.cli import BENCH_HELP
+    from splitsoftmax.tools.cli import BENCH_HELP
     for name, what in BENCH_HELP.items():
         assert f"{name}  " in r.stdout and what in r.stdout.replace("\n", " ")
 
@@ -78,7 +78,7 @@ def test_env_without_cuda_lists_nccl_unavailable(monkeypatch):
     """torch built with NCCL on a machine without a GPU: NCCL is listed as unavailable, with why."""
     import torch
 
-    from splitsoftmax import env
+    from splitsoftmax.tools import env
     monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     line = next(x for x in env.report().splitlines() if x.startswith("torch.distributed"))
@@ -87,7 +87,7 @@ def test_env_without_cuda_lists_nccl_unavailable(monkeypatch):
 
 
 def test_verify_table_aligned_on_long_names():
-    from splitsoftmax.compare import Row, table
+    from splitsoftmax.tools.verify.compare import Row, table
     rows = [Row("short fwd", "ring", "zigzag", 1e-7, 2e-7, 0.5),
             Row("sharded_attention variants S=79 docs+window+cap+sinks+pad bwd", "tree", "contiguous", 3e-7, 2e-7,
                 None)]
@@ -105,8 +105,8 @@ def test_verify_bf16_tolerance_scales_with_the_result(monkeypatch):
 
     import torch
 
-    from splitsoftmax import functional as F
-    from splitsoftmax import verify
+    import splitsoftmax as F
+    from splitsoftmax.tools.verify import run as verify
     right = F.softmax
 
     def wrong(x, *a, **kw):

@@ -1,4 +1,4 @@
-"""The settings chosen by the Triton version (kernels/configs.py) read it from the Triton in use,
+"""The settings chosen by the Triton version (ops/_triton/configs.py) read it from the Triton in use,
 and the configuration imports where no Triton does (the torch path's platforms)."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _configs(block_triton: bool) -> str:
     """``(TRITON_VERSION, ATTN_FWD_GLUON_OWN_SCALARS)`` as a fresh interpreter imports them."""
     code = ("import sys\n" + ("sys.modules['triton'] = None\n" if block_triton else "") +
-            "from splitsoftmax.kernels import configs\n"
+            "from splitsoftmax.ops._triton import configs\n"
             "print(configs.TRITON_VERSION, configs.ATTN_FWD_GLUON_OWN_SCALARS)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + sys.path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)

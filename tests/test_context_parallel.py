@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import splitsoftmax as ss
 from splitsoftmax.distributed import LoopbackWorld, as_comm
-from splitsoftmax.distributed.context import mask_is_causal
+from splitsoftmax.ops.attention.context import mask_is_causal
 from splitsoftmax.distributed.layout import shard_lengths
 from splitsoftmax.distributed.tree import allreduce_sum
 

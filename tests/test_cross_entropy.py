@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from _ce_util import loss_and_grad as ours
 from splitsoftmax.distributed import LoopbackWorld, tree
-from splitsoftmax.losses import cross_entropy, sharded_cross_entropy
+from splitsoftmax.ops.cross_entropy.api import cross_entropy, sharded_cross_entropy
 
 NEG_INF = float("-inf")
 REDUCTIONS = ["mean", "sum", "none"]
@@ -28,7 +28,7 @@ def torch_ce(logits, target, **kw):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("n,v", [(1, 1), (7, 97), (33, 1000)])
 def test_float32_matches_torch_float64(reduction, smoothing, n, v, monkeypatch):
-    monkeypatch.setattr("splitsoftmax.kernels.cpu.CPU_BLOCK_COLS", 64)
+    monkeypatch.setattr("splitsoftmax.ops.cross_entropy.torch.CPU_BLOCK_COLS", 64)
     logits, target = make(n, v, torch.float32)
     kw = dict(reduction=reduction, label_smoothing=smoothing)
     want, gwant = torch_ce(logits.double(), target, **kw)
@@ -72,7 +72,7 @@ def test_ignore_index_and_edge_rows():
 
 def test_no_float32_copy_of_the_logits(monkeypatch):
     """bf16 logits are converted to float32 one column block at a time, never whole."""
-    monkeypatch.setattr("splitsoftmax.kernels.cpu.CPU_BLOCK_COLS", 128)
+    monkeypatch.setattr("splitsoftmax.ops.cross_entropy.torch.CPU_BLOCK_COLS", 128)
     n, v = 16, 1000
     widest = []
     real_to = torch.Tensor.to

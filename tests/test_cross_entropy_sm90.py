@@ -13,7 +13,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton  # noqa: E402
 from _sm90 import compile_sm90 as _compile, no_spills  # noqa: E402
 
-from splitsoftmax.kernels import cross_entropy as K  # noqa: E402
+from splitsoftmax.ops.cross_entropy import kernel as K  # noqa: E402
 
 FLOATS = {"one_minus", "smooth_v"}
 

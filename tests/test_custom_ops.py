@@ -5,8 +5,8 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import splitsoftmax as ss
-from splitsoftmax import ops
-from splitsoftmax import reference as ref
+from splitsoftmax.ops import _registry as ops
+from splitsoftmax.core import reference as ref
 
 OPS = torch.ops.splitsoftmax
 NEG_INF = float("-inf")

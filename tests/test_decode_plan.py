@@ -1,4 +1,4 @@
-"""CPU lane: the split-KV plan (``kernels.decode.plan``) on an H200's 132 SMs, from shapes alone.
+"""CPU lane: the split-KV plan (``ops.attention.decode.plan``) on an H200's 132 SMs, from shapes alone.
 
 Invariants: the splits cover exactly the visible keys in whole tiles; they fill at most one wave
 of ``ATTN_SPLIT_PROGRAMS_PER_SM`` programs per SM (a partial second wave ran batch-4 decode at 0.8x
@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitsoftmax.kernels import configs, decode
+from splitsoftmax.ops._triton import configs
+from splitsoftmax.ops.attention import decode
 
 SMS = 132
 
@@ -79,7 +80,7 @@ def test_gqa_at_batch_one_fills_the_sms(h, hkv, sq, sk):
 
 def test_window_splits_cover_only_the_window():
     """Decode with a window of 8192 at 1M keys: the splits start at the window's first tile."""
-    from splitsoftmax.mask import Mask
+    from splitsoftmax.core.mask import Mask
     sk = 1 << 20
     q = torch.empty(1, 32, 1, 128, dtype=torch.bfloat16, device="meta")
     k = torch.empty(1, 8, sk, 128, dtype=torch.bfloat16, device="meta")

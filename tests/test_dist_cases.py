@@ -13,12 +13,12 @@ import os
 import pytest
 import torch
 
-from splitsoftmax.distributed import (LoopbackWorld, as_comm, shard, sharded_attention, sharded_log_softmax,
-                                      sharded_logsumexp, sharded_softmax, unshard)
+from splitsoftmax import sharded_attention, sharded_log_softmax, sharded_logsumexp, sharded_softmax
+from splitsoftmax.distributed import LoopbackWorld, as_comm, shard, unshard
 
-from splitsoftmax import reference as ref
+from splitsoftmax.core import reference as ref
 from splitsoftmax.distributed.handshake import REASON_BYTES, handshake
-from splitsoftmax.local import use_triton
+from splitsoftmax.ops._registry import use_triton
 
 NEG_INF = float("-inf")
 F32 = dict(atol=3e-5, rtol=3e-5)

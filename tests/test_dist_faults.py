@@ -15,8 +15,9 @@ import torch
 
 from _dist_util import assert_ok, spawn
 from test_dist_cases import DEVICE
-from splitsoftmax.distributed import as_comm, sharded_attention
-from splitsoftmax.distributed import ring
+from splitsoftmax import sharded_attention
+from splitsoftmax.distributed import as_comm
+from splitsoftmax.ops.attention.schedules import ring
 
 pytestmark = pytest.mark.distributed
 TIMEOUT = 10  # SPLITSOFTMAX_TIMEOUT for the stall cases: as short as the checks allow
@@ -115,7 +116,7 @@ def test_peer_stalls(size, case):
 def test_failing_early_local_work_completes_the_started_handshake(monkeypatch):
     """A tree call whose local work raises after the handshake started still completes its
     transfers before raising: no message is left undelivered in the world."""
-    from splitsoftmax.distributed import sharded
+    from splitsoftmax.ops.attention import sharded
     from splitsoftmax.distributed.comm import LoopbackWorld
 
     def failing(*args, **kwargs):

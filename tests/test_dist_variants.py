@@ -13,8 +13,9 @@ import random
 import pytest
 import torch
 
-from splitsoftmax import reference as ref
-from splitsoftmax.distributed import LoopbackWorld, as_comm, shard, sharded_attention, unshard
+from splitsoftmax.core import reference as ref
+from splitsoftmax import sharded_attention
+from splitsoftmax.distributed import LoopbackWorld, as_comm, shard, unshard
 from _dist_util import assert_ok, spawn
 from test_dist_cases import DEVICE, F32, F64, _randn, uneven_lengths
 

@@ -110,7 +110,7 @@ def test_target_mismatch_names_ranks_not_checksums():
 
 def cli(capsys, *args) -> tuple:
     """``python -m splitsoftmax *args`` in this process: ``(exit code, stdout, stderr)``."""
-    from splitsoftmax.cli import main
+    from splitsoftmax.tools.cli import main
     try:
         rc = main(list(args))
     except SystemExit as e:

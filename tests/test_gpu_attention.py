@@ -15,8 +15,9 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.gpu
 
 import splitsoftmax as ss  # noqa: E402
-from splitsoftmax import reference as ref  # noqa: E402
-from splitsoftmax.kernels import configs, decode  # noqa: E402
+from splitsoftmax.core import reference as ref  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops.attention import decode  # noqa: E402
 
 NEG_INF = float("-inf")
 DEV = "cuda"
@@ -75,7 +76,7 @@ def test_forward_flash_rule(case, dtype, tma, monkeypatch):
     k = torch.randn(b, hkv, sk, d, device=DEV, dtype=dtype)
     v = torch.randn(b, hkv, sk, dv, device=DEV, dtype=dtype)
     scale = 1 / math.sqrt(d)
-    from splitsoftmax.kernels import attention as A
+    from splitsoftmax.ops.attention import fwd as A
     p = decode.plan(q, k, v, causal, diag)
     ops = A._tma_operands(q, k, v, torch.empty(b, h, sq, dv, device=DEV, dtype=dtype), p, store=True)
     assert (ops is not None) == (tma and dtype != torch.float32 and not d & (d - 1))
@@ -103,7 +104,7 @@ def test_backward_flash_rule(case, dtype):
     (ro * dout.double()).sum().backward()
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     (sdpa(*leaves, scale, causal, diag) * dout).sum().backward()
-    from splitsoftmax.kernels import attention_bwd as AB
+    from splitsoftmax.ops.attention import bwd as AB
     delta = (dout.double() * ro.detach()).sum(-1).float()
     grads = AB.attn_bwd(q, k, v, dout, rl.detach().float(), delta, scale, causal, diag)
     for got, peer, want in zip(grads, leaves, leaves64):
@@ -127,7 +128,7 @@ def test_public_attention_autograd():
 
 @pytest.mark.parametrize("sk,causal", [(65536, False), (40000, True)])
 def test_split_kv_decode(sk, causal):
-    from splitsoftmax.kernels import attention as A, decode
+    from splitsoftmax.ops.attention import fwd as A, decode
     q = torch.randn(2, 32, 1, 128, device=DEV, dtype=torch.bfloat16)
     k = torch.randn(2, 8, sk, 128, device=DEV, dtype=torch.bfloat16)
     v = torch.randn(2, 8, sk, 128, device=DEV, dtype=torch.bfloat16)
@@ -158,7 +159,7 @@ def test_launch_cache_serves_a_static_kv_cache(monkeypatch):
     """Decode over a growing prefix of a preallocated K/V cache: only the first call goes through
     ``kernel[grid]``; the rest launch the cached kernel (each checked against Triton's own lookup,
     conftest's ``LAUNCH_VERIFY``) and match the float64 reference. A misaligned query is a new key."""
-    from splitsoftmax.kernels import attention as A
+    from splitsoftmax.ops.attention import fwd as A
     grids = []
     monkeypatch.setattr(A._FWD, "fn", _Counting(A._FWD.fn, grids))
     monkeypatch.setattr(A._FWD, "kernels", {})
@@ -178,7 +179,7 @@ def test_launch_cache_serves_a_static_kv_cache(monkeypatch):
 
 
 def test_accumulate_ring_steps():
-    from splitsoftmax.kernels import attention as A
+    from splitsoftmax.ops.attention import fwd as A
     q, k, v = (torch.randn(1, 8, 1024, 128, device=DEV, dtype=torch.bfloat16) for _ in range(3))
     scale = 1 / math.sqrt(128)
     acc_out = torch.full((1, 8, 1024, 128), float("nan"), device=DEV)
@@ -192,13 +193,13 @@ def test_accumulate_ring_steps():
 
 @pytest.mark.parametrize("n", [1, 2, 8])
 def test_merge_fp32(n):
-    from splitsoftmax.kernels import merge
+    from splitsoftmax.ops.merge import kernel as merge
     outs = torch.randn(n, 2, 32, 1000, 128, device=DEV)
     lses = torch.randn(n, 2, 32, 1000, device=DEV) * 4
     lses[0, :, :, :10] = NEG_INF
     outs[0, :, :, :10] = float("nan")
     out, lse = merge.merge_out_lse(outs, lses)
-    from splitsoftmax import state
+    from splitsoftmax.core import state
     ro, rl = state.merge_out_lse(outs.double(), lses.double())
     assert err(out, ro) < 1e-5 * ro.abs().max().item()
     assert err(lse[rl > NEG_INF], rl[rl > NEG_INF]) < 1e-5

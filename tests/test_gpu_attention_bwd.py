@@ -17,9 +17,9 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.gpu
 
 import splitsoftmax as ss  # noqa: E402
-from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
-from splitsoftmax.kernels import configs  # noqa: E402
-from splitsoftmax.mask import NO_MASK, Mask, visible  # noqa: E402
+from splitsoftmax.ops.attention import bwd as AB  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.core.mask import NO_MASK, Mask, visible  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -154,7 +154,7 @@ def test_deterministic_is_bitwise_and_atomic_agrees(monkeypatch):
     with float64 by the rule of ``test_flash_rule``.) Batch 1, group 4 at 3000 rows: on 132 SMs the
     dK/dV work split 3 ways over the 4 heads, the last tiles crossing the end. (The Gluon kernels,
     which take masks on sm_90 with the plain pair's rounding, are off here.)"""
-    from splitsoftmax.kernels import attention as A
+    from splitsoftmax.ops.attention import fwd as A
     q, k, v, dout = inputs(1, 16, 4, 3000, 128)
     scale = 1 / math.sqrt(128)
     every_key = Mask(kv_range=torch.tensor([[0, 3000]], dtype=torch.int32, device=DEV))
@@ -178,8 +178,8 @@ def test_deterministic_algorithms_repeat_bit_for_bit():
     of ``ss.attention`` on the same (B, S, H, D) inputs give the same gradients bit for bit. (At this
     shape, 2k causal rows, 16 heads, batch 16, the dK/dV kernel with one barrier per Q/dO buffer gave
     other dK/dV in most calls.)"""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
-    from splitsoftmax.kernels.decode import sm90
+    from splitsoftmax.ops.attention import bwd_plain as ABP
+    from splitsoftmax.ops._triton.device import sm90
     b, s, h, d = 16, 2048, 16, 128
     leaves = [torch.randn(b, s, h, d, device=DEV, dtype=BF16, requires_grad=True) for _ in range(3)]
     q, k, v = (t.transpose(1, 2) for t in leaves)
@@ -205,9 +205,9 @@ def test_gluon_kernels_repeat_bit_for_bit(stages, monkeypatch):
     and 4 buffers. (With one barrier per buffer and 3 buffers a score warpgroup, which takes every
     other tile, could wait on a barrier two phases behind and pass at once: here about one call in
     five gave other dK/dV.)"""
-    from splitsoftmax.kernels import attention as A
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
-    from splitsoftmax.kernels.decode import sm90
+    from splitsoftmax.ops.attention import fwd as A
+    from splitsoftmax.ops.attention import bwd_plain as ABP
+    from splitsoftmax.ops._triton.device import sm90
     b, s, h, d = 32, 1024, 16, 128
     q, k, v, dout = inputs(b, h, h, s, d, BF16, True)
     if not sm90(q):
@@ -230,7 +230,7 @@ def _ds_read_and_recomputed(q, k, v, dout, lse, delta, scale, causal, mask, monk
     """float32 ``(dq, dk, dv)`` of the Gluon pair by ``configs.ATTN_BWD_DS`` (False: dS recomputed,
     True: the dS the dK/dV kernel wrote), each gradient buffer NaN before the call; asserts that the
     dS path was taken where asked and that its dK and dV are the recomputing pair's bit for bit."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     grads = {}
     for ds in (False, True):
         monkeypatch.setattr(configs, "ATTN_BWD_DS", ds)
@@ -249,7 +249,7 @@ def test_dq_from_the_written_ds(case, monkeypatch):
     """Where the dK/dV kernel writes each tile's dS for the dQ kernel (``configs.ATTN_BWD_DS``), dK and
     dV are those of the pair that recomputes dS bit for bit, and dQ meets the rule, each gradient
     buffer NaN before the call."""
-    from splitsoftmax.kernels.decode import sm90
+    from splitsoftmax.ops._triton.device import sm90
     b, h, hkv, s, d, causal, bshd, dtype = case
     q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
     if not sm90(q) or dtype != BF16:
@@ -273,8 +273,8 @@ def test_ds_pieces_equal_the_whole(name, make, monkeypatch):
     or kv heads of one) whose gradients equal the one-piece run's bit for bit, each batch element
     with its own key range and offset; in parts of a kv head's query heads, dQ bit for bit and dK, dV
     (the parts' float32 sum) within float32 rounding of it."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
-    from splitsoftmax.kernels.decode import sm90
+    from splitsoftmax.ops.attention import bwd_plain as ABP
+    from splitsoftmax.ops._triton.device import sm90
     q, k, v, dout = inputs(2, 8, 4, 1000, 128, BF16, True)
     if not sm90(q):
         pytest.skip("the Gluon dK/dV kernel writes dS on sm_90")
@@ -342,7 +342,7 @@ def test_public_autograd_bshd_views():
 def test_plain_pair_tma_reads_are_bitwise_the_pointer_reads(case, monkeypatch):
     """The plain pair with TMA reads of its streamed tiles gives the pointer path's gradients bit for
     bit, and both meet the rule."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     b, h, hkv, s, d, causal, bshd, dtype = case
     q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
     scale = 1 / math.sqrt(d)
@@ -366,8 +366,8 @@ def test_gluon_kernels(case, monkeypatch):
     meet the rule, as close to float64 as the Triton kernels', and a NaN/Inf in a row of Q or dO
     reaches exactly the gradient entries it reaches through the Triton kernels (hidden pairs give
     exact zeros)."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
-    from splitsoftmax.kernels.decode import sm90
+    from splitsoftmax.ops.attention import bwd_plain as ABP
+    from splitsoftmax.ops._triton.device import sm90
     b, h, hkv, s, d, causal, bshd, dtype = case
     q, k, v, dout = inputs(b, h, hkv, s, d, dtype, bshd)
     if not sm90(q):
@@ -416,8 +416,8 @@ def test_gluon_kernels_masks(name, causal, make, monkeypatch):
     the NaN/Inf of Q and dO in tiles that some pair does not see, seen pairs included, so which dK/dV
     entries a poisoned row reaches depends on their tiles; under a softcap an Inf score saturates
     likewise: Q and K get NaN there.)"""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
-    from splitsoftmax.kernels.decode import sm90
+    from splitsoftmax.ops.attention import bwd_plain as ABP
+    from splitsoftmax.ops._triton.device import sm90
     b, h, hkv, s, d = 2, 8, 2, 1800, 128
     q, k, v, dout = inputs(b, h, hkv, s, d, BF16, True)
     if not sm90(q):
@@ -459,7 +459,7 @@ def test_gluon_kernels_masks(name, causal, make, monkeypatch):
 def test_dq_from_the_written_ds_masks(name, causal, make, monkeypatch):
     """The variants' masks on the dS path: dK and dV those of the pair that recomputes dS bit for
     bit, dQ within the rule and as close to float64 as the recomputing kernel's."""
-    from splitsoftmax.kernels.decode import sm90
+    from splitsoftmax.ops._triton.device import sm90
     b, h, hkv, s, d = 2, 8, 2, 1800, 128
     q, k, v, dout = inputs(b, h, hkv, s, d, BF16, True)
     if not sm90(q):

@@ -1,4 +1,4 @@
-"""GPU lane: the Gluon forward (kernels/attention_fwd_gluon.py) on sm_90, against float64 and the Triton kernel.
+"""GPU lane: the Gluon forward (ops/attention/gluon/fwd.py) on sm_90, against float64 and the Triton kernel.
 
 FlashAttention's rule (error against float64 at most 2x torch's attention in bf16) for the output,
 the lse within the Triton kernel's error; odd lengths, GQA, (B, S, H, D) views, a diagonal
@@ -14,11 +14,11 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from splitsoftmax import reference as ref  # noqa: E402
-from splitsoftmax.kernels import attention as A  # noqa: E402
-from splitsoftmax.kernels import configs, launch  # noqa: E402
-from splitsoftmax.kernels.decode import sm90  # noqa: E402
-from splitsoftmax.mask import Mask  # noqa: E402
+from splitsoftmax.core import reference as ref  # noqa: E402
+from splitsoftmax.ops.attention import fwd as A  # noqa: E402
+from splitsoftmax.ops._triton import configs, launch  # noqa: E402
+from splitsoftmax.ops._triton.device import sm90  # noqa: E402
+from splitsoftmax.core.mask import Mask  # noqa: E402
 from test_gpu_attention import sdpa  # noqa: E402
 
 if not (torch.cuda.is_available() and sm90(torch.empty(0, device="cuda"))):
@@ -112,7 +112,7 @@ def test_merge_into_a_state(case, monkeypatch):
     float32 running state: against float64 (``state.merge_out_lse`` of the state and the float64
     attention) within 2x the Triton kernel's error for the output and the lse, rows empty in the
     state, in the block (a negative diagonal) or in both as the float64 merge has them."""
-    from splitsoftmax import state
+    from splitsoftmax.core import state
     b, h, hkv, sq, sk, views, causal, diag = case
     q, k, v = _inputs(b, h, hkv, sq, sk, views, seed=11)
     scale = q.shape[-1] ** -0.5
@@ -217,7 +217,8 @@ def test_ring_steps_merge_on_the_gluon_forward(variant, monkeypatch):
     launches counted; a rank's first call, covering every row, writes the state on it without one),
     and the sharded output and lse are within 2x the error against float64 of the same ring merging
     on the Triton kernel."""
-    from splitsoftmax.distributed import LoopbackWorld, shard, sharded_attention, unshard
+    from splitsoftmax import sharded_attention
+    from splitsoftmax.distributed import LoopbackWorld, shard, unshard
     kw = dict(RING_VARIANTS[variant])
     docs = kw.pop("cu_seqlens", None)
     cu = None if docs is None else torch.tensor(docs, dtype=torch.int32, device="cuda")

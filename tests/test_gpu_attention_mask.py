@@ -1,6 +1,6 @@
-"""GPU lane: the forward kernels under ``splitsoftmax.mask.Mask`` variants, FlashAttention's rule.
+"""GPU lane: the forward kernels under ``splitsoftmax.core.mask.Mask`` variants, FlashAttention's rule.
 
-Each test runs the Triton kernel and, in bf16 on sm_90, the Gluon one (kernels/attention_fwd_gluon.py,
+Each test runs the Triton kernel and, in bf16 on sm_90, the Gluon one (ops/attention/gluon/fwd.py,
 from any length).
 
 The kernel's error against a float64 oracle (built from ``mask.visible``) may be at most 2x that of
@@ -19,10 +19,12 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs CUDA (the cases hold CUDA tensors)", allow_module_level=True)
 
-from splitsoftmax import reference as ref  # noqa: E402
-from splitsoftmax.kernels import attention as A  # noqa: E402
-from splitsoftmax.kernels import configs, decode  # noqa: E402
-from splitsoftmax.mask import Mask, visible  # noqa: E402
+from splitsoftmax.core import reference as ref  # noqa: E402
+from splitsoftmax.ops.attention import fwd as A  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops._triton import device  # noqa: E402
+from splitsoftmax.ops.attention import decode  # noqa: E402
+from splitsoftmax.core.mask import Mask, visible  # noqa: E402
 
 NEG_INF = float("-inf")
 DEV = "cuda"
@@ -61,7 +63,7 @@ def peer(q, k, v, scale, causal, diag, mask):
 def gluon(request, monkeypatch):
     """Whether the variants run on the Gluon forward (on sm_90, from any length) or the Triton one."""
     on = request.param == "gluon"
-    if on and not decode.sm90(torch.empty(0, device=DEV)):
+    if on and not device.sm90(torch.empty(0, device=DEV)):
         pytest.skip("the Gluon forward runs on sm_90")
     monkeypatch.setattr(configs, "ATTN_FWD_GLUON_VARIANTS", on)
     if on:

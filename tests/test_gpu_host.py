@@ -1,6 +1,6 @@
 """GPU lane: no host synchronisation in any public op, CUDA graph capture and replay equal to eager,
 ``torch.compile(mode="reduce-overhead")`` over ``ss.attention``, and no compile at a new length of
-an already compiled bucket (``splitsoftmax.warmup``)."""
+an already compiled bucket (``splitsoftmax.tools.warmup``)."""
 from __future__ import annotations
 
 import pytest
@@ -114,7 +114,7 @@ def test_reduce_overhead_compile_matches_eager():
 
 
 def test_no_compile_at_a_new_length_of_a_compiled_bucket():
-    from splitsoftmax import warmup
+    from splitsoftmax.tools import warmup
     warmup.warm(64, torch.bfloat16, (True, False), heads=4, kv_heads=2)
     before = warmup.compiled_variants()
     # short partial (odd, multiple of 16, of 4), short whole, long partial, long whole, past the split

@@ -13,9 +13,9 @@ import splitsoftmax as ss
 from _sampling_cases import CONFIGS, rows_and_seeds, split_widths
 from _sampling_util import chi_square, chi_square_limit, filtered_probs
 from splitsoftmax.distributed import LoopbackWorld
-from splitsoftmax.kernels import sampling_config as sc
-from splitsoftmax.kernels import sampling_device
-from splitsoftmax.kernels import sampling_math as sm
+from splitsoftmax.ops.sampling import config as sc
+from splitsoftmax.ops.sampling import device as sampling_device
+from splitsoftmax.ops.sampling import numerics as sm
 
 pytestmark = pytest.mark.gpu
 # per dtype and vocabulary class (V and the row stride divisible by 16 or not compile apart), the

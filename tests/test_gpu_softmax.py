@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import splitsoftmax as ss
-from splitsoftmax.kernels import configs
+from splitsoftmax.ops._triton import configs
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ PERF_SHAPES = [(4096, 32768, torch.float32), (16384, 4096, torch.float32), (512,
 
 
 def _k():
-    from splitsoftmax.kernels import softmax
+    from splitsoftmax.ops.softmax import kernel as softmax
     return softmax
 
 

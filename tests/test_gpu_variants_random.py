@@ -76,7 +76,7 @@ def _err(x, want):
 def test_random_keyword_mixes_within_the_flash_rule(seed, gluon_any_length, monkeypatch):
     """A random mix (:func:`_mix`) within the rule, the forward on the kernel ``ss.attention`` picks
     for its length, or on the Gluon kernel at every length (sm_90)."""
-    from splitsoftmax.kernels import configs
+    from splitsoftmax.ops._triton import configs
     if gluon_any_length:
         monkeypatch.setattr(configs, "ATTN_FWD_GLUON_MIN_SQ", (0, 0))
     (b, h, hkv, sq, sk), kw = _mix(seed)

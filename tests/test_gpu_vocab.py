@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import splitsoftmax as ss
-from splitsoftmax import reference as ref
-from splitsoftmax.bench.vocab import torch_kl, torch_stats
+from splitsoftmax.core import reference as ref
+from splitsoftmax.tools.bench.vocab import torch_kl, torch_stats
 from splitsoftmax.distributed import LoopbackWorld
 
 import test_vocab_sharded as cases

@@ -18,11 +18,13 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter lane: set TRITON_INTERPRET=1 before importing triton", allow_module_level=True)
 
 import splitsoftmax as ss  # noqa: E402
-from splitsoftmax import reference as ref  # noqa: E402
-from splitsoftmax import state  # noqa: E402
-from splitsoftmax.kernels import attention as A  # noqa: E402
-from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
-from splitsoftmax.kernels import configs, decode, merge  # noqa: E402
+from splitsoftmax.core import reference as ref  # noqa: E402
+from splitsoftmax.core import state  # noqa: E402
+from splitsoftmax.ops.attention import fwd as A  # noqa: E402
+from splitsoftmax.ops.attention import bwd as AB  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops.attention import decode  # noqa: E402
+from splitsoftmax.ops.merge import kernel as merge  # noqa: E402
 
 NEG_INF = float("-inf")
 
@@ -291,7 +293,7 @@ def test_merge_noncontiguous_and_public(merge_kernel):
 
 def test_bwd_prep_kernel_matches_torch_path():
     """The fused (lse, delta) pass against the torch path: NaN in a zero-cotangent row drops out."""
-    from splitsoftmax.kernels import attn_prep, cpu
+    from splitsoftmax.ops.attention import prep as attn_prep, torch as cpu
     out, dout = torch.randn(2, 3, 17, 24), torch.randn(2, 3, 17, 24)
     lse, dlse = torch.randn(2, 3, 17), torch.randn(2, 3, 17)
     out[0, 1, 4] = float("nan")

@@ -25,9 +25,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter lane: set TRITON_INTERPRET=1 before importing triton", allow_module_level=True)
 
 import splitsoftmax as ss  # noqa: E402
-from splitsoftmax.kernels import attention_bwd as AB  # noqa: E402
-from splitsoftmax.kernels import configs  # noqa: E402
-from splitsoftmax.mask import NO_MASK, Mask, visible  # noqa: E402
+from splitsoftmax.ops.attention import bwd as AB  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.core.mask import NO_MASK, Mask, visible  # noqa: E402
 
 BF16 = torch.bfloat16
 
@@ -207,8 +207,8 @@ def test_launch_order_changes_nothing(waves, group, monkeypatch):
     the 5 kv heads, then all 5 in one) give the forward and both deterministic backward pairs
     bit for bit what the grid's own order gives: every program runs once, on the block and head
     it computed before."""
-    from splitsoftmax.kernels import attention as A
-    from splitsoftmax.kernels.decode import head_group
+    from splitsoftmax.ops.attention import fwd as A
+    from splitsoftmax.ops.attention.decode import head_group
     q, k, v, dout = inputs(1, 10, 5, 40, 40, 16)
     scale = 0.3
     _, lse, delta = oracle(q, k, v, dout, scale, True, 0, NO_MASK)
@@ -312,7 +312,7 @@ def test_plain_pair_tma_reads_match_pointer_reads(causal, bshd, monkeypatch):
     """The plain pair with its streamed tiles read through TMA descriptors gives the pointer path's
     gradients bit for bit (lengths not a multiple of the tiles: the descriptors' zero padding), and
     both meet the rule."""
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     b, s, h, hkv, d = 1, 37, 4, 2, 32
 
     def make(heads):
@@ -365,7 +365,7 @@ def test_dq_from_written_ds(name, causal, sq, sk):
     included, key ranges and offsets per batch element)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from splitsoftmax.kernels import attention_bwd_plain as ABP
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     b, h, hkv, d, bm, bn, bmq = 2, 4, 2, 32, 16, 16, 32
     g, diag, nan_key = h // hkv, sk - sq if causal else 0, sk - 13
     mask = DS_MASKS[name](sq, sk)

@@ -1,4 +1,4 @@
-"""Interpreter lane: the Triton forward under every field of ``splitsoftmax.mask.Mask``, alone and
+"""Interpreter lane: the Triton forward under every field of ``splitsoftmax.core.mask.Mask``, alone and
 combined, against a float64 oracle built from ``mask.visible``; NaN in hidden positions; empty
 rows; ``(B, S, H, D)`` views with no copy; split-KV decode and in-place accumulation.
 
@@ -17,17 +17,18 @@ pytestmark = pytest.mark.interpreter
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter lane: set TRITON_INTERPRET=1 before importing triton", allow_module_level=True)
 
-from splitsoftmax import reference as ref  # noqa: E402
-from splitsoftmax.kernels import attention as A  # noqa: E402
-from splitsoftmax.kernels import configs, decode  # noqa: E402
-from splitsoftmax.mask import NO_MASK, Mask, visible  # noqa: E402
+from splitsoftmax.core import reference as ref  # noqa: E402
+from splitsoftmax.ops.attention import fwd as A  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops.attention import decode  # noqa: E402
+from splitsoftmax.core.mask import NO_MASK, Mask, visible  # noqa: E402
 
 NEG_INF = float("-inf")
 TOL = {torch.float32: 2e-6, torch.bfloat16: 8e-3}
 
 
 def oracle(q, k, v, scale, causal, diag, mask):
-    """float64 ``(out, lse)`` of the rule in splitsoftmax.mask; empty rows ``(0, -inf)``; NaN/Inf in
+    """float64 ``(out, lse)`` of the rule in splitsoftmax.core.mask; empty rows ``(0, -inf)``; NaN/Inf in
     hidden positions never enter (hidden scores are replaced, hidden values multiplied by nothing)."""
     b, h, sq, _ = q.shape
     g = h // k.shape[1]

@@ -5,7 +5,7 @@ P rounded before its product with V), as the peers' own suites apply it (at most
 against float64, no rounding allowance), on one device and over 2 ranks (ring, allgather, tree).
 
 Triton's interpreter truncates float32 -> bfloat16 (every P, dS and result rounded toward zero),
-which took the gradients to 3x the peer's error; ``kernels._interpreter`` rounds to nearest even."""
+which took the gradients to 3x the peer's error; ``ops._triton._interpreter`` rounds to nearest even."""
 from __future__ import annotations
 
 import math
@@ -23,7 +23,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import splitsoftmax as ss  # noqa: E402
-from splitsoftmax.kernels import _interpreter  # noqa: E402,F401
+from splitsoftmax.ops._triton import _interpreter  # noqa: E402,F401
 from test_interp_attention_bwd import err  # noqa: E402
 from test_variants import _rule_written_out  # noqa: E402
 

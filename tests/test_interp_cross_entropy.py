@@ -12,10 +12,9 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from _ce_util import loss_and_grad as grad_of  # noqa: E402
 from splitsoftmax.distributed import LoopbackWorld  # noqa: E402
-from splitsoftmax.kernels import cpu  # noqa: E402
-from splitsoftmax.kernels import cross_entropy as tce  # noqa: E402
-from splitsoftmax.kernels import cross_entropy_cpu as ce_cpu  # noqa: E402
-from splitsoftmax.losses import cross_entropy, sharded_cross_entropy  # noqa: E402
+from splitsoftmax.ops.cross_entropy import kernel as tce  # noqa: E402
+from splitsoftmax.ops.cross_entropy import torch as ce_cpu  # noqa: E402
+from splitsoftmax.ops.cross_entropy.api import cross_entropy, sharded_cross_entropy  # noqa: E402
 
 NEG_INF = float("-inf")
 
@@ -42,8 +41,8 @@ def test_stats_match_torch_path(n, v, col0, with_sum):
     target = target.clamp(min=0) + max(col0, 0)
     logits[0, : v // 2] = NEG_INF
     got = tce.ce_stats(logits, target, col0, with_sum)
-    want = cpu.ce_stats(logits.double(), target, col0, with_sum)
-    ours = cpu.ce_stats(logits, target, col0, with_sum)
+    want = ce_cpu.ce_stats(logits.double(), target, col0, with_sum)
+    ours = ce_cpu.ce_stats(logits, target, col0, with_sum)
     if not with_sum:
         assert torch.equal(got[:, 3], torch.zeros(n)) and torch.equal(want[:, 3], torch.zeros(n, dtype=torch.float64))
     torch.testing.assert_close(got[:, 0].double(), want[:, 0])  # max: exact
@@ -68,7 +67,7 @@ def test_rows_kernel_merges_slices_into_losses(parts, n, smoothing):
     target = torch.randint(0, 50, (n,), generator=g)
     target[::4] = -100
     loss, lse = tce.ce_rows(stats.float(), target, -100, smoothing, 50)
-    want_loss, want_lse = cpu.ce_rows(stats, target, -100, smoothing, 50)
+    want_loss, want_lse = ce_cpu.ce_rows(stats, target, -100, smoothing, 50)
     assert loss.dtype == lse.dtype == torch.float32
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5, equal_nan=True)
     torch.testing.assert_close(loss.double(), want_loss, atol=1e-5, rtol=1e-5, equal_nan=True)

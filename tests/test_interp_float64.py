@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import splitsoftmax as ss
-from splitsoftmax.local import use_triton
+from splitsoftmax.ops._registry import use_triton
 
 pytestmark = pytest.mark.interpreter
 

@@ -11,8 +11,9 @@ pytestmark = pytest.mark.interpreter
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter lane: set TRITON_INTERPRET=1 before importing triton", allow_module_level=True)
 
-from splitsoftmax import state  # noqa: E402
-from splitsoftmax.kernels import configs, merge  # noqa: E402
+from splitsoftmax.core import state  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops.merge import kernel as merge  # noqa: E402
 
 
 def _partials(n, rows, dv, seed=0):

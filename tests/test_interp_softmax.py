@@ -6,11 +6,12 @@ import pytest
 import torch
 
 import splitsoftmax as ss
-from splitsoftmax.kernels import configs, cpu
+from splitsoftmax.ops._triton import configs
+from splitsoftmax.ops.softmax import torch as cpu
 
 pytestmark = pytest.mark.interpreter
 
-softmax_k = pytest.importorskip("splitsoftmax.kernels.softmax")
+softmax_k = pytest.importorskip("splitsoftmax.ops.softmax.kernel")
 
 # Config overrides that force each path at test sizes (loop tiles of 16 columns).
 PATHS = {

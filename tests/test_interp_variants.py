@@ -17,8 +17,8 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter lane: set TRITON_INTERPRET=1 before importing triton", allow_module_level=True)
 
 import splitsoftmax as ss  # noqa: E402
-from splitsoftmax import local  # noqa: E402
-from splitsoftmax import reference as ref  # noqa: E402
+from splitsoftmax.ops import _registry as local  # noqa: E402
+from splitsoftmax.core import reference as ref  # noqa: E402
 
 NEG_INF = float("-inf")
 

@@ -11,10 +11,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("interpreter lane: run with TRITON_INTERPRET=1", allow_module_level=True)
 
 import splitsoftmax as ss  # noqa: E402
-from splitsoftmax import reference as ref  # noqa: E402
+from splitsoftmax.core import reference as ref  # noqa: E402
 from splitsoftmax.distributed import LoopbackWorld  # noqa: E402
-from splitsoftmax.kernels import configs, vocab_cpu  # noqa: E402
-from splitsoftmax.kernels import vocab as tv  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops.vocab import torch as vocab_cpu  # noqa: E402
+from splitsoftmax.ops.vocab import kernel as tv  # noqa: E402
 
 import test_vocab_sharded as cases  # noqa: E402
 

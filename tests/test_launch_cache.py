@@ -1,4 +1,4 @@
-"""CPU lane: the launch cache's bookkeeping (``kernels.launch.Launcher``) around a stand-in kernel.
+"""CPU lane: the launch cache's bookkeeping (``ops._triton.launch.Launcher``) around a stand-in kernel.
 
 The GPU lane checks each cached launch of the real kernels against Triton's own lookup
 (``configs.LAUNCH_VERIFY``); here, which path each call takes and what reaches the launcher.
@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 from triton import knobs  # noqa: E402
 
-from splitsoftmax.kernels import configs, launch  # noqa: E402
+from splitsoftmax.ops._triton import configs, launch  # noqa: E402
 
 
 def _kernel(X, n, s, BLOCK: int, FLAG: bool = False):  # the stand-in's signature (two constexprs)

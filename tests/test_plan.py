@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from splitsoftmax import plan as pl
+from splitsoftmax.distributed import plan as pl
 from splitsoftmax.distributed import layout as lay
 from splitsoftmax.distributed.layout import Seg
 
@@ -245,7 +245,7 @@ def test_uploaded_rows_note_their_reach():
     """A piece's row bounds, uploaded, carry how far a row lies past its interval's first key (the
     longest document's last row: 266 past its start), for the backward's dS bound."""
     from splitsoftmax.distributed.work import uploaded_rows
-    from splitsoftmax.mask import row_reach
+    from splitsoftmax.core.mask import row_reach
     docs = (0, 30, 31, 200, 333, 600)
     lens = lay.shard_lengths(600, 1, "zigzag", docs)
     plan = pl.make_plan(0, lens, lens, "zigzag", True, docs, None, max_band=0)

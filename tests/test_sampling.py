@@ -20,7 +20,7 @@ import torch
 
 import splitsoftmax as ss
 from _sampling_util import NEG_INF, chi_square, chi_square_limit, edge_rows, filtered_probs
-from splitsoftmax.kernels import sampling_math as sm
+from splitsoftmax.ops.sampling import numerics as sm
 
 DRAWS = 20_000
 CONFIGS = [dict(), dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8), dict(min_p=0.2),

@@ -18,11 +18,11 @@ from triton.compiler import ASTSource  # noqa: E402
 import triton.language as tl  # noqa: E402
 from _sm90 import ptxas_report  # noqa: E402
 
-from splitsoftmax.kernels import sampling as ks  # noqa: E402
-from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
-from splitsoftmax.kernels import sampling_fused as kf  # noqa: E402
-from splitsoftmax.kernels import sampling_nucleus as kn  # noqa: E402
-from splitsoftmax.kernels.sampling_jit import _gumbel, _qmass  # noqa: E402
+from splitsoftmax.ops.sampling import kernel as ks  # noqa: E402
+from splitsoftmax.ops.sampling import config as sc  # noqa: E402
+from splitsoftmax.ops.sampling import fused as kf  # noqa: E402
+from splitsoftmax.ops.sampling import nucleus as kn  # noqa: E402
+from splitsoftmax.ops.sampling.jit import _gumbel, _qmass  # noqa: E402
 
 
 def _compile(kernel, types: dict, consts: dict, warps: int, options=None):
@@ -90,7 +90,7 @@ def test_sharded_records_finisher_compiles_without_spills(top_k):
     """The sharded draw's records finisher (four warps, as launched), with top-p and with a top-k
     beyond the records, shares its cut-offs with the one-device finisher: compiled for sm_90 it
     keeps everything in registers."""
-    from splitsoftmax.kernels import sampling_finish as kfin
+    from splitsoftmax.ops.sampling import finish as kfin
     types = dict(PART="*i64", TIES="*i64", SEED="*i64", OFFSET="*i64", XK="*fp32", MODE="*i64", TOKEN="*i64",
                  XTHR="*fp64", ZMAX="*fp32", DTHR="*fp32", NEED="*fp64", B1="*i64", ORNG="*i64", COUNT="*i64",
                  MERGED="*i64", c="fp32", cmin="fp32", top_p_bits="i64")

@@ -7,7 +7,8 @@ import splitsoftmax as ss
 from _dist_util import assert_ok, mpirun, mpirun_path, spawn
 from _sampling_cases import CONFIGS, check_all, check_disagreement, rows_and_seeds, split_widths
 from splitsoftmax.distributed import LoopbackWorld
-from splitsoftmax.kernels import configs, sampling_cpu
+from splitsoftmax.ops._triton import configs
+from splitsoftmax.ops.sampling import torch as sampling_cpu
 
 TAG_META, TAG_TREE = 11, 41
 

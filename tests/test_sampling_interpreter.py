@@ -1,7 +1,7 @@
 """The Triton sampling passes under TRITON_INTERPRET=1 against the torch path: the same records,
 masses and tokens bit for bit (tiny records, tiles and lists, so that every path runs in seconds).
 
-The one-device draw (``kernels.sampling_device``) is checked on each of its paths, and each test
+The one-device draw (``ops.sampling.device``) is checked on each of its paths, and each test
 asserts that its path ran (the row modes between the passes): the records alone, an approximate
 bracket listed by the draw, a bracket the exact masses refute, rows the approximate rounds leave
 to the exact ones, the records' slow path, keys too close for the draw's bound, and top-p alone by
@@ -19,16 +19,17 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import splitsoftmax as ss  # noqa: E402
-import splitsoftmax.sampling_flow as flow  # noqa: E402
-from splitsoftmax import sampling  # noqa: E402
-from splitsoftmax import sampling_rows as rows  # noqa: E402
+import splitsoftmax.ops.sampling.flow as flow  # noqa: E402
+from splitsoftmax.ops.sampling import api as sampling  # noqa: E402
+from splitsoftmax.ops.sampling import rows  # noqa: E402
 from _sampling_cases import rows_and_seeds, split_widths  # noqa: E402
 from splitsoftmax.distributed import LoopbackWorld  # noqa: E402
-from splitsoftmax.kernels import configs, sampling_cpu, sampling_device  # noqa: E402
-from splitsoftmax.kernels import sampling as tk  # noqa: E402
-from splitsoftmax.kernels import sampling_config as sc  # noqa: E402
-from splitsoftmax.kernels import sampling_math as sm  # noqa: E402
-from splitsoftmax.kernels.sampling_span import _row_seed  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops.sampling import torch as sampling_cpu, device as sampling_device  # noqa: E402
+from splitsoftmax.ops.sampling import kernel as tk  # noqa: E402
+from splitsoftmax.ops.sampling import config as sc  # noqa: E402
+from splitsoftmax.ops.sampling import numerics as sm  # noqa: E402
+from splitsoftmax.ops.sampling.span import _row_seed  # noqa: E402
 
 CONFIGS = [dict(temperature=0.0), dict(), dict(top_k=3, top_p=0.8, min_p=0.05), dict(top_p=0.7),
            dict(top_p=0.95, temperature=2.0), dict(min_p=0.1), dict(top_k=12), dict(top_k=12, top_p=0.6)]
@@ -208,7 +209,7 @@ def test_records_rescan_only_where_a_top_key_was_dropped(monkeypatch, fifth):
     them, keeps its four and drops nothing the records need: no second pass over the span. With
     that fifth column among the top keys too, it dropped one: the second pass runs. Records as the
     torch path finds them either way."""
-    from splitsoftmax.kernels import sampling_span
+    from splitsoftmax.ops.sampling import span as sampling_span
     monkeypatch.setattr(sc, "INTERPRET_SMS", 1)          # two spans of five tiles
     x = torch.randn(1, 160, generator=torch.Generator().manual_seed(3)) * 0.1
     x[0, [5, 21, 37, 53]] = torch.tensor([9.0, 8.0, 7.0, 6.0])

@@ -15,7 +15,7 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from splitsoftmax.kernels.sampling_jit import _top  # noqa: E402
+from splitsoftmax.ops.sampling.jit import _top  # noqa: E402
 
 
 @triton.jit

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import splitsoftmax as ss
-from splitsoftmax import reference as ref
-from splitsoftmax.kernels import configs
+from splitsoftmax.core import reference as ref
+from splitsoftmax.ops._triton import configs
 
 NEG_INF = float("-inf")
 # (dtype, atol, rtol) of an output against the float64 oracle
@@ -33,7 +33,7 @@ def test_softmax_family_forward(n, dtype):
 
 
 def test_long_rows_cross_many_blocks(monkeypatch):
-    monkeypatch.setattr("splitsoftmax.kernels.cpu.CPU_BLOCK_COLS", 64)
+    monkeypatch.setattr("splitsoftmax.ops.softmax.torch.CPU_BLOCK_COLS", 64)
     x = torch.randn(5, 1000) * 10
     x[1, 900] = 80.0  # the maximum arrives late: earlier blocks must be rescaled
     check(ss.softmax(x), ref.softmax(x))
@@ -132,7 +132,7 @@ def sdpa64(q, k, v, causal, scale=None):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2), (6, 1)])
 def test_attention_forward(sq, sk, causal, heads, monkeypatch):
-    monkeypatch.setattr("splitsoftmax.kernels.cpu.CPU_BLOCK_KEYS", 32)
+    monkeypatch.setattr("splitsoftmax.ops.attention.torch.CPU_BLOCK_KEYS", 32)
     h, hkv = heads
     q, k, v = torch.randn(2, h, sq, 32), torch.randn(2, hkv, sk, 32), torch.randn(2, hkv, sk, 24)
     out, lse = ss.attention(q, k, v, causal=causal, return_lse=True)
@@ -192,7 +192,7 @@ def test_attention_causal_rows_that_see_nothing():
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
 def test_attention_gradients_against_float64(causal, heads, monkeypatch):
-    monkeypatch.setattr("splitsoftmax.kernels.cpu.CPU_BLOCK_KEYS", 16)
+    monkeypatch.setattr("splitsoftmax.ops.attention.torch.CPU_BLOCK_KEYS", 16)
     h, hkv = heads
     shapes = [(2, h, 37, 16), (2, hkv, 53, 16), (2, hkv, 53, 8)]
     xs = [torch.randn(s) for s in shapes]
@@ -271,7 +271,8 @@ def test_numpy_scalars_are_accepted_like_torch():
 
 def test_forward_tiles_follow_the_configs():
     """Causal forwards over few queries take their own tile; head dims beyond its entries fall back to "fwd"."""
-    from splitsoftmax.kernels import configs, decode
+    from splitsoftmax.ops._triton import configs
+    from splitsoftmax.ops.attention import decode
 
     def tile(s, causal, d=128):
         q = torch.empty(32, 16, s, d, dtype=torch.bfloat16, device="meta")

@@ -1,4 +1,4 @@
-"""CPU lane: the softmax family's host path (``kernels/softmax.py``) with its launches recorded,
+"""CPU lane: the softmax family's host path (``ops/softmax/kernel.py``) with its launches recorded,
 not run. Its launcher keys are built by hand: each key, with the constexprs beside it, must fix
 what Triton specialises every argument on; its plans are worked out once per shape and forgotten
 when ``configs.SOFTMAX`` changes."""
@@ -12,9 +12,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitsoftmax.kernels import configs, launch  # noqa: E402
+from splitsoftmax.ops._triton import configs, launch  # noqa: E402
 
-K = pytest.importorskip("splitsoftmax.kernels.softmax")
+K = pytest.importorskip("splitsoftmax.ops.softmax.kernel")
 
 # config overrides that reach the looped paths at these sizes (as in test_interp_softmax.py)
 PATHS = {

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import splitsoftmax as ss
-from splitsoftmax import reference as ref
-from splitsoftmax import state
+from splitsoftmax.core import reference as ref
+from splitsoftmax.core import state
 
 NEG_INF = float("-inf")
 

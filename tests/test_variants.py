@@ -9,9 +9,11 @@ import pytest
 import torch
 
 import splitsoftmax as ss
-from splitsoftmax import functional, local, variants
-from splitsoftmax import reference as ref
-from splitsoftmax.mask import NO_MASK, Mask, visible
+from splitsoftmax.ops import _registry as local
+from splitsoftmax.ops.attention import api as attention_api
+from splitsoftmax.core import keywords as variants
+from splitsoftmax.core import reference as ref
+from splitsoftmax.core.mask import NO_MASK, Mask, visible
 
 NEG_INF = float("-inf")
 CPU = torch.device("cpu")
@@ -105,7 +107,7 @@ def _oracle(q, k, v, **kw):
 @pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("s,d", [(1, 32), (17, 80), (97, 128), (129, 32)])
 def test_float64_rule_against_the_oracle(name, s, d, monkeypatch):
-    monkeypatch.setattr("splitsoftmax.kernels.cpu.CPU_BLOCK_KEYS", 32)
+    monkeypatch.setattr("splitsoftmax.ops.attention.torch.CPU_BLOCK_KEYS", 32)
     b, h, hkv = 2, 4, 2
     sk, kw = _case(name, b, s, h)
     q, k, v, dout = _inputs(b, h, hkv, s, sk, d, torch.float64)
@@ -174,7 +176,7 @@ def test_gradcheck_float64(kw):
     scale = 1 / math.sqrt(q.shape[-1])
     kw = dict(kw)
     causal = kw.pop("causal", False)
-    lse = lambda q, k, v, s: functional._variant_attention(q, k, v, scale, causal, sinks=s, **kw)[1]  # noqa: E731
+    lse = lambda q, k, v, s: attention_api._variant_attention(q, k, v, scale, causal, sinks=s, **kw)[1]  # noqa: E731
     assert lse(q, k, v, sinks_var).dtype == torch.float64
     assert torch.autograd.gradcheck(lse, (q, k, v, sinks_var))
 
@@ -340,7 +342,7 @@ def test_defaults_are_todays_contract():
 
 def test_key_blocks_no_row_sees_are_skipped(monkeypatch):
     """Documents of 32 keys with blocks of 32: each block of rows reads its own key block only."""
-    monkeypatch.setattr("splitsoftmax.kernels.cpu.CPU_BLOCK_KEYS", 32)
+    monkeypatch.setattr("splitsoftmax.ops.attention.torch.CPU_BLOCK_KEYS", 32)
     seen = []
     real = torch.Tensor.__matmul__
 

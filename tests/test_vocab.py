@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import splitsoftmax as ss
-from splitsoftmax import reference as ref
+from splitsoftmax.core import reference as ref
 
 NEG_INF = float("-inf")
 # (statistics, gradient) tolerances against float64 on the same rounded inputs: float32 statistics;
@@ -39,7 +39,7 @@ def grads(fn, tensors, w):
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    monkeypatch.setattr("splitsoftmax.kernels.vocab_cpu.CPU_BLOCK_COLS", 16)
+    monkeypatch.setattr("splitsoftmax.ops.vocab.torch.CPU_BLOCK_COLS", 16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
@@ -144,7 +144,7 @@ def test_strided_inputs_and_logits_untouched():
 
 def test_no_float32_copy_of_the_logits(monkeypatch):
     """bf16 logits are converted to float32 one column block at a time, never whole."""
-    monkeypatch.setattr("splitsoftmax.kernels.vocab_cpu.CPU_BLOCK_COLS", 128)
+    monkeypatch.setattr("splitsoftmax.ops.vocab.torch.CPU_BLOCK_COLS", 128)
     n, v = 16, 1000
     widest = []
     real_to = torch.Tensor.to
@@ -215,7 +215,7 @@ def test_opcheck_and_compile():
 def test_bench_gate_and_peers_on_cpu():
     """``bench vocab``'s correctness gate on small CPU shapes: its torch peers agree with the oracles
     and ss passes the 2x rule (the harness the GPU run relies on)."""
-    from splitsoftmax.bench import vocab as bench
+    from splitsoftmax.tools.bench import vocab as bench
     rows = bench.gate_stats([(3, 500, torch.float32, 1.0), (16, 300, torch.bfloat16, 0.7)], device="cpu")
     assert len(rows) == 4 and all(r["ok"] for r in rows), rows
     assert all(r["torch_err"] < 1e-2 for r in rows), rows

@@ -2,7 +2,7 @@
 
 Each ``case_*(group)`` builds the full logits from a fixed seed on every rank, takes this rank's
 slice of the vocabulary (odd widths, an empty slice when P > 2) and asserts every statistic and
-its gradient slice against ``splitsoftmax.reference`` in float64, with results identical on every
+its gradient slice against ``splitsoftmax.core.reference`` in float64, with results identical on every
 rank. Here they run on the loopback world (P = 1, 2, 3, 5); the same functions run in 2 and 3 Gloo
 processes and under mpirun (and in NCCL workers from the gpu lane).
 """
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import splitsoftmax as ss
-from splitsoftmax import reference as ref
+from splitsoftmax.core import reference as ref
 from splitsoftmax.distributed import LoopbackWorld, as_comm, handshake, tree, unshard
-from splitsoftmax.kernels import vocab_cpu
+from splitsoftmax.ops.vocab import torch as vocab_cpu
 
 from _dist_util import assert_ok, mpirun, mpirun_path, spawn
 

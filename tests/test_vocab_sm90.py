@@ -12,8 +12,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from _sm90 import compile_sm90 as _compile  # noqa: E402
 
-from splitsoftmax.kernels import configs  # noqa: E402
-from splitsoftmax.kernels import vocab as V  # noqa: E402
+from splitsoftmax.ops._triton import configs  # noqa: E402
+from splitsoftmax.ops.vocab import kernel as V  # noqa: E402
 
 SM90_SMEM = 228 * 1024  # shared memory per SM
 RESERVED = 1024         # per program, reserved by the driver

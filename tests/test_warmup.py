@@ -1,4 +1,4 @@
-"""CPU lane: ``splitsoftmax.warmup`` compiles every kernel variant that attention at a new length of a
+"""CPU lane: ``splitsoftmax.tools.warmup`` compiles every kernel variant that attention at a new length of a
 warmed bucket launches. The Triton path runs on CPU tensors with every launch recorded instead of
 run, as on a Hopper GPU of 132 SMs: each launch's constexprs and launch options, and the
 specialisation Triton would compile it for (argument types, 16-byte alignment, integers divisible by
@@ -16,8 +16,13 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from splitsoftmax import local, ops, warmup  # noqa: E402
-from splitsoftmax.kernels import attention, attention_bwd, decode, launch, merge  # noqa: E402
+from splitsoftmax.ops import _registry as local  # noqa: E402
+from splitsoftmax.ops.attention import op as attention_op  # noqa: E402
+from splitsoftmax.ops.cross_entropy import op as ce_op  # noqa: E402
+from splitsoftmax.tools import warmup  # noqa: E402
+from splitsoftmax.ops.attention import fwd as attention, bwd as attention_bwd, decode  # noqa: E402
+from splitsoftmax.ops._triton import device, launch  # noqa: E402
+from splitsoftmax.ops.merge import kernel as merge  # noqa: E402
 
 SMS = 132
 
@@ -61,11 +66,13 @@ def variants(monkeypatch):
     rec = _Variants()
     use = lambda t: t.dtype != torch.float64  # noqa: E731
     monkeypatch.setattr(local, "use_triton", use)
-    monkeypatch.setattr(ops, "use_triton", use)
+    monkeypatch.setattr(attention_op, "use_triton", use)
+    monkeypatch.setattr(ce_op, "use_triton", use)
     monkeypatch.setattr(launch.Launcher, "__call__",
                         lambda self, grid, key, args, kwargs: rec.record(self.fn, args, kwargs))
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kwargs: rec.record(self, args, kwargs))
-    for mod in (decode, attention, attention_bwd, merge):
+    monkeypatch.setattr(decode, "sm_count", lambda t: SMS)
+    for mod in (device, attention, attention_bwd, merge):
         if hasattr(mod, "sm_count"):
             monkeypatch.setattr(mod, "sm_count", lambda t: SMS)
         monkeypatch.setattr(mod, "hopper", lambda t: True)
@@ -115,7 +122,7 @@ def test_lengths_of_every_residue_need_no_new_variant(variants, head_dim, heads,
 def test_merge_parts_tile_rounds_the_part_count_up():
     """The all-parts merge holds ``next_pow2(N)`` parts, at least ``MERGE_PARTS_MIN_BLOCK``: any few
     splits share one compiled merge."""
-    from splitsoftmax.kernels import configs
+    from splitsoftmax.ops._triton import configs
     blocks = {n: merge.merge_plan(n, 32, 128, SMS, True) for n in (1, 2, 3, 9, 16, 17, 33)}
     assert {n: (kind, kw["BLOCK_P"]) for n, (kind, _, kw) in blocks.items()} == {
         1: ("parts", 16), 2: ("parts", 16), 3: ("parts", 16), 9: ("parts", 16), 16: ("parts", 16),

@@ -11,7 +11,7 @@ import torch
 from triton.testing import do_bench
 
 import splitsoftmax as ss
-from splitsoftmax.kernels import configs
+from splitsoftmax.ops._triton import configs
 
 for b, s in ((1, 8192), (4, 2048)):
     def view(heads):

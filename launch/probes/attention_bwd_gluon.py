@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import splitsoftmax as ss
-from splitsoftmax.kernels import attention_bwd_plain as ABP
-from splitsoftmax.kernels import configs
+from splitsoftmax.ops.attention import bwd_plain as ABP
+from splitsoftmax.ops._triton import configs
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "."
 os.makedirs(OUT, exist_ok=True)

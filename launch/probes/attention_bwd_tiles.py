@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 launch/probes/attention_bwd_tiles.py
 
-One tile changes at a time (dK/dV, then dQ) from the defaults in ``kernels/configs.py``, at
+One tile changes at a time (dK/dV, then dQ) from the defaults in ``ops/_triton/configs.py``, at
 S = 1k, 2k, 8k (B*S = 32k, H=16, D=128, bf16), causal and not. Backs
 ``configs.ATTN_TILES[("bwd_kv", 2, 128)]`` (32x64, 4 warps, 3 stages) and
 ``ATTN_TILES[("bwd_q", 2, 128)]`` (128x64, 8 warps, 4 stages); numbers in BENCHMARKS.md,
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import splitsoftmax as ss
-from splitsoftmax.kernels import configs
+from splitsoftmax.ops._triton import configs
 
 KV = [(32, 64, 4, 3), (32, 64, 4, 2), (32, 64, 4, 4), (64, 64, 8, 3), (16, 64, 4, 3), (32, 32, 4, 3), (32, 128, 8, 3),
       (64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 4, 3), (16, 128, 8, 3), (64, 64, 4, 3)]

@@ -17,7 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import splitsoftmax as ss
-from splitsoftmax.kernels import configs
+from splitsoftmax.ops._triton import configs
 
 KV = [(32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)]
 Q = [(128, 64, 8, 4), (64, 64, 4, 3)]

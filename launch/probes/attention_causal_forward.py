@@ -6,14 +6,14 @@ Backs these choices (numbers: BENCHMARKS.md, "Attention" and its history):
 ``configs.ATTN_TMA`` (Q/K/V tiles through TMA descriptors), ``ATTN_TMA_STORE`` and
 ``ATTN_TMA_ROWS`` (the output store and the descriptors' shape), the short-causal tile
 ``ATTN_TILES[("fwd_causal_short", 2, 128)]`` up to ``ATTN_SHORT_CAUSAL_SQ`` queries, and the NaN
-guard of the diagonal tiles in ``kernels/attention.py`` (masked tiles run unguarded, and re-run
+guard of the diagonal tiles in ``ops/attention/fwd.py`` (masked tiles run unguarded, and re-run
 with the guard only when their sum is not finite).
 
 SECTIONS (comma-separated, default all): tma, store, tiles, guard (each function's docstring says
-what it times). ``guard`` also times ``kernels/_probe_prev.py`` where present: an earlier form of
-``kernels/attention.py`` (``git show COMMIT:splitsoftmax/kernels/attention.py > ...``, git-ignored,
+what it times). ``guard`` also times ``ops/attention/_probe_prev.py`` where present: an earlier form of
+``ops/attention/fwd.py`` (``git show COMMIT:splitsoftmax/ops/attention/fwd.py > ...``, git-ignored,
 so copy it to the GPU machine beside the tree). Patched copies are written beside it as
-``kernels/_probe_*.py``. Writes OUTDIR/probe.json.
+``ops/attention/_probe_*.py``. Writes OUTDIR/probe.json.
 """
 import importlib
 import os
@@ -25,21 +25,21 @@ from helpers import bench, causal_case, guard, rec, rec_flash_causal, run_sectio
 
 SEQS = (1024, 2048, 4096)
 LAYOUTS = {"store rows": (True, True), "pointer-store heads": (False, False)}
-# name -> (old, new) text patches of kernels/attention.py
+# name -> (old, new) text patches of ops/attention/fwd.py
 PATCHES = {"noguard": [("    if CAUSAL:  # a NaN/Inf value", "    if CAUSAL and False:  # a NaN/Inf value")]}
 
 
 def _patched(*names):
     """A copy of the attention module with the named text patches (timing only)."""
-    src = open("splitsoftmax/kernels/attention.py").read()
+    src = open("splitsoftmax/ops/attention/fwd.py").read()
     for name in names:
         for old, new in PATCHES[name]:
             assert src.count(old) == 1, (name, old)
             src = src.replace(old, new)
     mod = "_probe_" + "_".join(names)
-    with open(f"splitsoftmax/kernels/{mod}.py", "w") as f:
+    with open(f"splitsoftmax/ops/attention/{mod}.py", "w") as f:
         f.write(src)
-    return importlib.import_module(f"splitsoftmax.kernels.{mod}")
+    return importlib.import_module(f"splitsoftmax.ops.attention.{mod}")
 
 
 def _noguard():
@@ -50,7 +50,7 @@ def sec_tma():
     """S = 1k..8k: Q/K/V through TMA descriptors or pointer loads, under the short-causal tile (64x64)
     or the long one (128x128), through the public call."""
     import splitsoftmax as ss
-    from splitsoftmax.kernels import configs
+    from splitsoftmax.ops._triton import configs
     saved = (configs.ATTN_TMA, configs.ATTN_SHORT_CAUSAL_SQ)
     for S in (1024, 2048, 4096, 8192):
         q, k, v, flops = causal_case(S)
@@ -72,9 +72,9 @@ def sec_store():
     """S = 1k / 2k / 4k: the output stored through a TMA descriptor or pointers, row-view or per-head
     descriptors; the same call replayed from a graph, the launcher, the launcher without the guard."""
     import splitsoftmax as ss
-    from splitsoftmax.bench import graph_ms
-    from splitsoftmax.kernels import attention as A
-    from splitsoftmax.kernels import configs
+    from splitsoftmax.tools.bench import graph_ms
+    from splitsoftmax.ops.attention import fwd as A
+    from splitsoftmax.ops._triton import configs
     ng = _noguard()
     saved = (configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS)
     for S in SEQS:
@@ -104,7 +104,7 @@ def sec_store():
 def sec_tiles():
     """S = 4k / 8k / 1k: short-causal tiles given to every causal S up to that one, public call."""
     import splitsoftmax as ss
-    from splitsoftmax.kernels import configs
+    from splitsoftmax.ops._triton import configs
     saved = configs.ATTN_SHORT_CAUSAL_SQ, dict(configs.ATTN_TILES)
     key = ("fwd_causal_short", 2, 128)
     for S in (4096, 8192, 1024):
@@ -122,16 +122,16 @@ def sec_tiles():
                     rec(grp, f"ss {tile}", bench(lambda: ss.attention(q, k, v, causal=True)), flops=flops, diff=diff)
                 guard(grp, str(tile), run)
             configs.ATTN_SHORT_CAUSAL_SQ = saved[0]
-            configs.ATTN_TILES.update(saved[1])  # the same dict: kernels.decode holds it too
+            configs.ATTN_TILES.update(saved[1])  # the same dict: ops.attention.decode holds it too
 
 
 def sec_guard():
     """S = 1k / 2k / 4k through the launcher, two rounds: as it is, without the NaN guard (timing only),
-    and an earlier form of the module where ``kernels/_probe_prev.py`` is present."""
-    from splitsoftmax.kernels import attention as A
+    and an earlier form of the module where ``ops/attention/_probe_prev.py`` is present."""
+    from splitsoftmax.ops.attention import fwd as A
     mods = {"as is": A, "noguard": _noguard()}
-    if os.path.exists("splitsoftmax/kernels/_probe_prev.py"):
-        mods["previous"] = importlib.import_module("splitsoftmax.kernels._probe_prev")
+    if os.path.exists("splitsoftmax/ops/attention/_probe_prev.py"):
+        mods["previous"] = importlib.import_module("splitsoftmax.ops.attention._probe_prev")
     for S in (1024, 2048, 4096):
         q, k, v, flops = causal_case(S)
         grp = f"guard causal S={S}"

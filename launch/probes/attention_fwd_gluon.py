@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 launch/probes/attention_fwd_gluon.py OUTDIR [SECTIONS]
 
-bf16, D=128, the forward through ``kernels.attention.attn_fwd`` (bf16 out, float32 lse).
+bf16, D=128, the forward through ``ops.attention.fwd.attn_fwd`` (bf16 out, float32 lse).
 SECTIONS (comma-separated, default all): ``check`` (each Gluon tile's output and lse against the
 Triton kernel's and float64, at odd lengths, GQA and (B, S, H, D) views), ``time`` (TFLOP/s of
 the Triton kernel, each Gluon tile and SDPA cuDNN on the bench's MHA grid and the model's GQA
@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from helpers import ROWS, bench, guard, rec, run_sections  # beside this file
-from splitsoftmax import reference as ref
-from splitsoftmax.kernels import attention as A
-from splitsoftmax.kernels import configs
+from splitsoftmax.core import reference as ref
+from splitsoftmax.ops.attention import fwd as A
+from splitsoftmax.ops._triton import configs
 
 # each consumer's tile and whether the launch is persistent (1: one program per SM), as
 # BLOCK_MxBLOCK_NxWARPSxSTAGESxPERSISTENT in $TILES (comma-separated)

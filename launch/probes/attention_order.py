@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import splitsoftmax as ss
-from splitsoftmax.kernels import configs
+from splitsoftmax.ops._triton import configs
 
 SHAPES = [  # B, S, H, Hkv, views, causal
     (1, 8192, 16, 4, True, True), (4, 2048, 16, 4, True, True), (1, 8192, 32, 8, True, True),

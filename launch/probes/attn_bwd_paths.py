@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 launch/probes/attn_bwd_paths.py OUT_DIR [PREV_MODULE]
 
-``PREV_MODULE`` (e.g. ``splitsoftmax.kernels._prev_attention``): a copy of the module that held the
+``PREV_MODULE`` (e.g. ``splitsoftmax.ops.attention._prev_fwd``): a copy of the module that held the
 backward before, timed beside. One GPU, bf16, D=128. First a few tiles of the five-product kernel
 (with and without the Q/dO guard of its masked tiles) at two shapes, the best kept; then per shape:
 backward alone (``attn_bwd`` given ``lse``, ``delta``; ms) of the old pair, the new atomic path and
@@ -22,9 +22,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 
 import splitsoftmax as ss
-from splitsoftmax.kernels import attention as A
-from splitsoftmax.kernels import attention_bwd as AB
-from splitsoftmax.kernels import configs
+from splitsoftmax.ops.attention import fwd as A
+from splitsoftmax.ops.attention import bwd as AB
+from splitsoftmax.ops._triton import configs
 
 T0 = time.time()
 BUDGET_S = 250

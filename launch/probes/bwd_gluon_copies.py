@@ -2,12 +2,12 @@
 
 ``PYTHONPATH=. python3 launch/probes/bwd_gluon_copies.py OUTDIR [fb,fbv,prof]``: ``fb``, forward+backward TFLOP/s of
 ``ss.attention`` (bf16, D=128) at short causal rows (B * S = 32k tokens, H=16), GQA layers at
-batch 1 and 4 and the variant rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``;
+batch 1 and 4 and the variant rows of ``bench attention`` (``splitsoftmax.tools.bench.attention_variants``;
 ``fbv``: those alone; ``pieces``: :func:`pieces`),
 with this tree's kernels (``tree``), with a setting of theirs changed (``_SETTINGS``) and with each copy
 beside them: ``dq-<tag>`` runs the dQ kernel of
-``splitsoftmax/kernels/_probe_<tag>_bwd_gluon.py``, ``kv-<tag>`` the dK/dV kernel of
-``_probe_<tag>_bwd_kv_ws.py`` (copies of ``attention_bwd_gluon.py`` / ``attention_bwd_kv_ws.py``,
+``splitsoftmax/ops/attention/gluon/_probe_<tag>_bwd.py``, ``kv-<tag>`` the dK/dV kernel of
+``_probe_<tag>_bwd_kv.py`` beside it (copies of ``gluon/bwd.py`` / ``gluon/bwd_kv.py``,
 ignored by git; carry them to the GPU machine), or those of the environment's ``CHOICES``
 (comma-separated); the gradients of each compared with this tree's; ``prof``, the device time per
 kernel of one forward+backward with each.
@@ -19,14 +19,14 @@ import sys
 import torch
 
 from helpers import bench, copy_tags, kernel_times, rec, run_sections
-from splitsoftmax.bench import attention_variants as V
-from splitsoftmax.kernels import attention_bwd_plain as P
-from splitsoftmax.kernels import configs
+from splitsoftmax.tools.bench import attention_variants as V
+from splitsoftmax.ops.attention import bwd_plain as P
+from splitsoftmax.ops._triton import configs
 
 D = 128
 
 
-_COPIES = {"dq": ("_attn_bwd_q_gluon", "bwd_gluon"), "kv": ("_attn_bwd_kv_ws", "bwd_kv_ws")}
+_COPIES = {"dq": ("_attn_bwd_q_gluon", "bwd"), "kv": ("_attn_bwd_kv_ws", "bwd_kv")}
 # this tree's kernels with settings of theirs changed: name -> ((configs attribute, value), ..)
 _SETTINGS = {"triton-pair": (("ATTN_BWD_GLUON", False), ), "ds-recomputed": (("ATTN_BWD_DS", False), ),
              "ds-one-piece": (("ATTN_BWD_DS_MAX_BYTES", 40 << 30), ), "ds-4g": (("ATTN_BWD_DS_MAX_BYTES", 4 << 30), )}
@@ -43,7 +43,7 @@ def _kernels():
     """``tree`` (this tree's kernels), the settings of ``_SETTINGS``, the dQ tiles ``dsq-..`` named in
     ``CHOICES``, then ``dq-<tag>`` / ``kv-<tag>`` for each copy beside them."""
     every = ("tree", *_SETTINGS, *(c for c in CHOICES or () if c.startswith("dsq-")),
-             *(f"{k}-{t}" for k, (_, module) in _COPIES.items() for t in copy_tags(module)))
+             *(f"{k}-{t}" for k, (_, module) in _COPIES.items() for t in copy_tags("splitsoftmax.ops.attention.gluon", module)))
     return tuple(c for c in every if c in CHOICES) if CHOICES else every
 
 
@@ -62,7 +62,7 @@ def kernel(name):
     elif name != "tree":
         which, tag = name.split("-", 1)
         fn, module = _COPIES[which]
-        P._GLUON_MODULES[fn] = f"_probe_{tag}_{module}"
+        P._GLUON_MODULES[fn] = f"gluon._probe_{tag}_{module}"
     P._gluon_launcher.cache_clear()
     try:
         yield

@@ -17,8 +17,8 @@ import sys
 import torch
 
 from helpers import ROWS, bench, rec, run_sections  # beside this file
-from splitsoftmax.kernels import attention_bwd_plain as P
-from splitsoftmax.kernels import configs
+from splitsoftmax.ops.attention import bwd_plain as P
+from splitsoftmax.ops._triton import configs
 
 D = 128
 BN = configs.ATTN_TILES[("bwd_kv_ws", 2, D)][1]  # keys per program

@@ -20,9 +20,9 @@ import torch
 
 from bwd_gluon_copies import _kernels, kernel
 from helpers import bench, copy_tags, rec, run_sections
-from splitsoftmax.kernels import attention as A
-from splitsoftmax.kernels import attention_bwd_plain as P
-from splitsoftmax.kernels import configs
+from splitsoftmax.ops.attention import fwd as A
+from splitsoftmax.ops.attention import bwd_plain as P
+from splitsoftmax.ops._triton import configs
 
 D = 128
 CALLS = 200

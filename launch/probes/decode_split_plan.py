@@ -6,12 +6,12 @@ Backs these choices (numbers: BENCHMARKS.md, "Decode and merge"):
 ``configs.ATTN_TILES[("decode", 2, 128)]`` and ``ATTN_SPLIT_PROGRAMS_PER_SM`` (the split plan),
 ``ATTN_SHORT_SPLIT_TILES`` / ``ATTN_SHORT_SPLIT_STAGES`` (short splits pipeline 3 stages),
 ``ATTN_SPLIT_TRIGGER`` and ``MERGE_PDL`` (the merge launched early), the launch cache
-(``kernels/launch.py``), and the few-row merge that loads every partial at once
+(``ops/_triton/launch.py``), and the few-row merge that loads every partial at once
 (``MERGE_PARTS_*``).
 
 SECTIONS (comma-separated, default all):
 - host: host time per 128k-key decode call of each layer: the public call and the launcher with
-  the launch cache (``kernels.launch``) and through Triton's own launch path, SDPA cuDNN, a
+  the launch cache (``ops._triton.launch``) and through Triton's own launch path, SDPA cuDNN, a
   cProfile of the public call; and of each step of Triton's launch of the split kernel and the
   merge kernel: the whole ``kernel[grid](...)``, its argument binder, its cache key, the compiled
   kernel's own ``run`` with the bound arguments, a key built over the arguments in Python;
@@ -114,10 +114,12 @@ def _launch_steps(label, jit_fn, grid, args, kwargs):
 
 def sec_host():
     import splitsoftmax as ss
-    from splitsoftmax import _checks
-    from splitsoftmax.kernels import attention as A, decode as P, launch as L, merge as M
-    from splitsoftmax.local import interpreting
-    from splitsoftmax.ops import IMPLS
+    from splitsoftmax.core import checks as _checks
+    from splitsoftmax.ops.attention import fwd as A, decode as P
+    from splitsoftmax.ops._triton import launch as L
+    from splitsoftmax.ops.merge import kernel as M
+    from splitsoftmax.ops._registry import interpreting
+    from splitsoftmax.ops._registry import IMPLS
     q, k, v = decode_inputs(131072)
     scale = 128 ** -0.5
     with torch.no_grad():
@@ -126,7 +128,7 @@ def sec_host():
         for cached in (True, False):
             L.interpreting = (lambda: False) if cached else (lambda: True)  # False: Triton's own launch path
             rec_host(f"ss.attention (launch cache {cached})", lambda: ss.attention(q, k, v))
-            rec_host(f"kernels.attention.attn_fwd (launch cache {cached})",
+            rec_host(f"ops.attention.fwd.attn_fwd (launch cache {cached})",
                      lambda: A.attn_fwd(q, k, v, scale, False, out_dtype=torch.bfloat16))
         L.interpreting = interpreting
         p = P.plan(q, k, v, False, 0)
@@ -162,8 +164,8 @@ def sec_host():
 
 def sec_tiles():
     import splitsoftmax as ss
-    from splitsoftmax.bench import graph_ms
-    from splitsoftmax.kernels import configs
+    from splitsoftmax.tools.bench import graph_ms
+    from splitsoftmax.ops._triton import configs
     names = ("ATTN_SPLIT_PROGRAMS_PER_SM", "ATTN_SPLIT_TRIGGER", "ATTN_SHORT_SPLIT_STAGES")
     key = ("decode", 2, 128)
     saved = configs.ATTN_TILES[key], [getattr(configs, n) for n in names]
@@ -209,8 +211,8 @@ def sec_eager():
     PDL or not; and the host time per iteration of a do_bench-like loop, GPU busy."""
     import triton
     import splitsoftmax as ss
-    from splitsoftmax.kernels import configs, launch as L
-    from splitsoftmax.local import interpreting
+    from splitsoftmax.ops._triton import configs, launch as L
+    from splitsoftmax.ops._registry import interpreting
     q, k, v = decode_inputs(131072)
     nb = 2 * k.numel() * 2
     saved = configs.ATTN_SPLIT_TRIGGER, configs.MERGE_PDL

@@ -3,7 +3,7 @@
 ``PYTHONPATH=. python3 launch/probes/fwd_gluon_variants.py OUTDIR [SECTIONS]``, sections:
 
 - ``fwd``: forward TFLOP/s over visible pairs at the variant rows of ``bench attention`` (32k, B=1,
-  H=16, D=128, bf16; ``splitsoftmax.bench.attention_variants``), through ``ss.attention``, with the
+  H=16, D=128, bf16; ``splitsoftmax.tools.bench.attention_variants``), through ``ss.attention``, with the
   variants on the Gluon forward (``configs.ATTN_FWD_GLUON_VARIANTS``) and on the Triton one; each
   result checked against float64 on 64 rows (at most 2x torch's bf16 error), an earlier Gluon
   kernel's also against this tree's bit for bit;
@@ -13,7 +13,7 @@
 - ``short``: the plain causal forward at 1k-4k (B * S = 32k tokens) on the Triton kernel and the
   Gluon one.
 
-Earlier Gluon kernels, where a section names them: ``splitsoftmax/kernels/_probe_<tag>_fwd_gluon.py``
+Earlier Gluon kernels, where a section names them: ``splitsoftmax/ops/attention/gluon/_probe_<tag>_fwd.py``
 (copies of an earlier ``attention_fwd_gluon.py`` with this one's arguments, ignored by git; carry
 them to the GPU machine), each launched as ``gluon-<tag>`` exactly as this tree launches its own.
 """
@@ -24,17 +24,17 @@ import sys
 import torch
 
 from helpers import bench, copy_tags, rec, run_sections
-from splitsoftmax.bench import attention_variants as V
-from splitsoftmax.kernels import attention as A
-from splitsoftmax.kernels import configs
-from splitsoftmax.kernels.launch import Launcher
+from splitsoftmax.tools.bench import attention_variants as V
+from splitsoftmax.ops.attention import fwd as A
+from splitsoftmax.ops._triton import configs
+from splitsoftmax.ops._triton.launch import Launcher
 
 D = 128
 
 
 def _gluon_kernels():
     """``gluon`` (this tree's Gluon kernel) and ``gluon-<tag>`` for each earlier copy beside it."""
-    return ("gluon", *(f"gluon-{t}" for t in copy_tags("fwd_gluon")))
+    return ("gluon", *(f"gluon-{t}" for t in copy_tags("splitsoftmax.ops.attention.gluon", "fwd")))
 
 
 _LAUNCHERS = {}
@@ -51,7 +51,7 @@ def kernel(name):
         configs.ATTN_FWD_GLUON_VARIANTS = False
     elif name != "gluon":
         if name not in _LAUNCHERS:
-            module = importlib.import_module(f"splitsoftmax.kernels._probe_{name[len('gluon-'):]}_fwd_gluon")
+            module = importlib.import_module(f"splitsoftmax.ops.attention.gluon._probe_{name[len('gluon-'):]}_fwd")
             _LAUNCHERS[name] = Launcher(module._attn_fwd_gluon)
         A._gluon_fwd_launcher = lambda: _LAUNCHERS[name]
     try:

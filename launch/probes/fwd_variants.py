@@ -3,11 +3,11 @@
 MODE ``warm``: compile every kernel the timing mode runs (splitsoftmax's, FlexAttention's), so that
 it can run beside the test suite first. MODE ``bench``:
 
-1. the forward before the mask variants (``splitsoftmax/kernels/_probe_prev.py``, a copy of the
-   previous ``kernels/attention.py``) against the current one: results bit for bit, and TFLOP/s;
+1. the forward before the mask variants (``splitsoftmax/ops/attention/_probe_prev.py``, a copy of the
+   previous ``ops/attention/fwd.py``) against the current one: results bit for bit, and TFLOP/s;
 2. (B, S, H, D) views read as ``(B * S, H * D)`` row descriptors against ``(B, H, S, D)`` ones;
    softcap through ``tanh.approx`` against the exact form;
-3. the variant and GQA-layout rows of ``bench attention`` (``splitsoftmax.bench.attention_variants``).
+3. the variant and GQA-layout rows of ``bench attention`` (``splitsoftmax.tools.bench.attention_variants``).
 
 Writes ``fwd_variants.json`` to ``$OUT`` (or the working directory) and prints a table last.
 """
@@ -19,18 +19,18 @@ import sys
 
 import torch
 
-from splitsoftmax.bench import attention_variants as V
-from splitsoftmax.bench import best_ms
-from splitsoftmax.kernels import attention as A
-from splitsoftmax.kernels import configs
-from splitsoftmax.mask import Mask
+from splitsoftmax.tools.bench import attention_variants as V
+from splitsoftmax.tools.bench import best_ms
+from splitsoftmax.ops.attention import fwd as A
+from splitsoftmax.ops._triton import configs
+from splitsoftmax.core.mask import Mask
 
 D = 128
 SC = D ** -0.5
 
 
 def _prev():
-    from splitsoftmax.kernels import _probe_prev
+    from splitsoftmax.ops.attention import _probe_prev
     return _probe_prev
 
 

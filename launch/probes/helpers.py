@@ -3,6 +3,7 @@
 Each probe runs ``SECTIONS`` named on its command line through :func:`run_sections`, prints one
 line per timing and writes every row to ``OUTDIR/probe.json``, even when a section fails.
 """
+import importlib
 import json
 import os
 
@@ -102,9 +103,8 @@ def run_sections(sections, argv):
             json.dump(ROWS, f, indent=1)
 
 
-def copy_tags(module: str) -> list:
-    """The tags of the earlier copies of kernel module ``module`` (``splitsoftmax/kernels/_probe_<tag>_
-    <module>.py``, ignored by git) beside it, sorted."""
-    import splitsoftmax.kernels
-    here, end = os.path.dirname(splitsoftmax.kernels.__file__), f"_{module}.py"
+def copy_tags(package: str, module: str) -> list:
+    """The tags of the earlier copies of kernel module ``package.module`` (``_probe_<tag>_<module>.py`` in
+    the package's folder, ignored by git) beside it, sorted."""
+    here, end = os.path.dirname(importlib.import_module(package).__file__), f"_{module}.py"
     return sorted(f[len("_probe_"):-len(end)] for f in os.listdir(here) if f.startswith("_probe_") and f.endswith(end))

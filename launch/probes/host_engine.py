@@ -12,7 +12,8 @@ called directly (no engine); then ``ss.attention`` forward+backward both ways. P
 """
 import time, io, cProfile, pstats
 import torch
-from splitsoftmax import autograd as sag, ops
+from splitsoftmax.ops import _registry
+from splitsoftmax.ops.attention import op as ops
 
 dev = "cuda"
 def per_call(fn, n=300):
@@ -33,9 +34,9 @@ prof = {"p": None}
 
 def body(q, k, v, o, l, do_):
     t0 = time.perf_counter()
-    lse, delta = sag.backward_stats(o, l, do_, None)
+    lse, delta = ops.backward_stats(o, l, do_, None)
     t1 = time.perf_counter()
-    g = sag._ops().attn_bwd(q, k, v, do_, lse, delta, scale, True, 0, None, 0.0, None, None, None, None, None)
+    g = _registry.call("attn_bwd", q, k, v, do_, lse, delta, scale, True, 0, None, 0.0, None, None, None, None, None)
     t2 = time.perf_counter()
     acc["stats"] += t1 - t0; acc["kern"] += t2 - t1; acc["body"] += t2 - t0; acc["n"] += 1
     return g

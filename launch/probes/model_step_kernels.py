@@ -15,7 +15,7 @@ import types
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from splitsoftmax.bench import model as bm
+from splitsoftmax.tools.bench import model as bm
 
 STEPS = 3
 

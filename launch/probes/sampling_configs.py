@@ -20,8 +20,8 @@ import sys
 import torch
 
 import splitsoftmax as ss
-from splitsoftmax.bench import best_ms, graph_ms
-from splitsoftmax.kernels import sampling_config as sc
+from splitsoftmax.tools.bench import best_ms, graph_ms
+from splitsoftmax.ops.sampling import config as sc
 
 V = 128256
 BATCHES = (1, 256)

@@ -19,8 +19,8 @@ import sys
 import torch
 
 import splitsoftmax as ss
-from splitsoftmax.bench import best_ms
-from splitsoftmax.bench.host import per_call_us
+from splitsoftmax.tools.bench import best_ms
+from splitsoftmax.tools.bench.host import per_call_us
 
 V = 128256
 FILTERS = {"plain": {}, "top_k=50": dict(top_k=50), "top_p=0.9": dict(top_p=0.9),

@@ -12,8 +12,8 @@ Numbers in BENCHMARKS.md, "Vocabulary statistics and sampling" (what the 64-reco
 import re
 
 import test_sampling_compile as t
-from splitsoftmax.kernels import sampling_config as sc
-from splitsoftmax.kernels import sampling_fused as kf
+from splitsoftmax.ops.sampling import config as sc
+from splitsoftmax.ops.sampling import fused as kf
 
 CASES = [("greedy, 1 record", 1, dict(GREEDY=True, TOP_P=False, MOMENTS=False)),
          ("min-p, 64 records", 64, dict(GREEDY=False, TOP_P=False, MOMENTS=False)),

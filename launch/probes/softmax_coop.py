@@ -10,10 +10,10 @@ Backs these choices (numbers: BENCHMARKS.md, "Softmax family" and its history): 
 
 SECTIONS (comma-separated, default all):
 - coop: 512x262144, 2048x65536, 128x1M, 8x262144 bf16 and 256x131072, 64x1M fp32, softmax and
-  log-softmax; where ``kernels/_probe_old_softmax.py`` is present (an earlier
-  ``git show COMMIT:splitsoftmax/kernels/softmax.py``, git-ignored, so copy it to the GPU machine
+  log-softmax; where ``ops/softmax/_probe_old_softmax.py`` is present (an earlier
+  ``git show COMMIT:splitsoftmax/ops/softmax/kernel.py``, git-ignored, so copy it to the GPU machine
   beside the tree), also that kernel;
-- keepx: the kernel as it is against a copy (``kernels/_probe_keepx.py``) whose softmax holds ``x``.
+- keepx: the kernel as it is against a copy (``ops/softmax/_probe_keepx.py``) whose softmax holds ``x``.
 Writes OUTDIR/probe.json.
 """
 import importlib
@@ -41,11 +41,11 @@ def _variants():
 def sec_coop():
     """Long rows on the coop path under chunk sizes, warps and programs per SM, against the two-pass /
     split paths (coop off) and torch; the kernel as it was where ``_probe_old_softmax.py`` is present."""
-    from splitsoftmax.kernels import configs
-    from splitsoftmax.kernels import softmax as K
+    from splitsoftmax.ops._triton import configs
+    from splitsoftmax.ops.softmax import kernel as K
     old = None
-    if os.path.exists("splitsoftmax/kernels/_probe_old_softmax.py"):
-        old = importlib.import_module("splitsoftmax.kernels._probe_old_softmax")
+    if os.path.exists("splitsoftmax/ops/softmax/_probe_old_softmax.py"):
+        old = importlib.import_module("splitsoftmax.ops.softmax._probe_old_softmax")
     cfg = configs.SOFTMAX
     saved = dict(vars(cfg))
     for R, N, dt in ((512, 262144, torch.bfloat16), (2048, 65536, torch.bfloat16), (128, 1 << 20, torch.bfloat16),
@@ -93,14 +93,14 @@ KEEP_X = ("return x, m, tl.sum(p, axis=1)", """    y = _norm_tile(t, lse, m, inv
 def sec_keepx():
     """The coop kernel as it is (softmax holds exp(x - m_chunk)) against a copy whose softmax holds ``x``
     and takes a second exp per element at the output, as log-softmax does."""
-    from splitsoftmax.kernels import softmax as K
-    src = open("splitsoftmax/kernels/softmax.py").read()
+    from splitsoftmax.ops.softmax import kernel as K
+    src = open("splitsoftmax/ops/softmax/kernel.py").read()
     for a, b in zip(KEEP_P, KEEP_X):
         assert src.count(a) == 1, a
         src = src.replace(a, b)
-    with open("splitsoftmax/kernels/_probe_keepx.py", "w") as f:
+    with open("splitsoftmax/ops/softmax/_probe_keepx.py", "w") as f:
         f.write(src)
-    kx = importlib.import_module("splitsoftmax.kernels._probe_keepx")
+    kx = importlib.import_module("splitsoftmax.ops.softmax._probe_keepx")
     for R, N, dt in ((512, 262144, torch.bfloat16), (2048, 65536, torch.bfloat16), (256, 131072, torch.float32)):
         x = torch.randn(R, N, device="cuda", dtype=dt) * 3
         nb = 2 * x.numel() * x.element_size()

@@ -17,7 +17,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from splitsoftmax.kernels import softmax as K
+from splitsoftmax.ops.softmax import kernel as K
 
 PTXAS = get_ptxas(90).path  # the ptxas Triton itself runs for sm_90 (its bundled CUDA 12 or 13 one)
 ALIGNED = (0, 1, 3, 5, 7, 8)  # pointers and ints divisible by 16, as a launch would specialise them

@@ -5,7 +5,7 @@
 Backs these choices (numbers: BENCHMARKS.md, "Softmax family" and its history):
 ``configs.SoftmaxConfig.loop_tile_bytes``, ``loop_elems_per_warp`` and ``loop_stages`` (the looped
 passes: 16 KB tiles, 4 warps for an 8192-wide bf16 tile, 3 tiles in flight), the looped loads'
-``evict_last`` in ``kernels/softmax.py``, and ``one_pass_tile_elems`` / ``elems_per_warp`` (the
+``evict_last`` in ``ops/softmax/kernel.py``, and ``one_pass_tile_elems`` / ``elems_per_warp`` (the
 one-pass tile of short rows).
 
 SECTIONS (comma-separated, default all):
@@ -24,19 +24,19 @@ from helpers import bench, guard, rec, run_sections  # beside this file
 
 
 def _evict_first_copy():
-    """A copy of kernels/softmax.py whose loop loads use ``evict_first`` (``kernels/_probe_evict.py``)."""
-    src = open("splitsoftmax/kernels/softmax.py").read()
+    """A copy of ops/softmax/kernel.py whose loop loads use ``evict_first`` (``kernels/_probe_evict.py``)."""
+    src = open("splitsoftmax/ops/softmax/kernel.py").read()
     assert src.count('eviction_policy="evict_last"') == 1
-    with open("splitsoftmax/kernels/_probe_evict.py", "w") as f:
+    with open("splitsoftmax/ops/softmax/_probe_evict.py", "w") as f:
         f.write(src.replace('eviction_policy="evict_last"', 'eviction_policy="evict_first"'))
-    return importlib.import_module("splitsoftmax.kernels._probe_evict")
+    return importlib.import_module("splitsoftmax.ops.softmax._probe_evict")
 
 
 def sec_loop():
     """512x262144 bf16 logsumexp (the statistics pass) under loop tiles, warps and stages, with the
     loads asking L2 to keep the row (``evict_last``, as configured) or not (``evict_first``)."""
-    from splitsoftmax.kernels import configs
-    from splitsoftmax.kernels import softmax as K
+    from splitsoftmax.ops._triton import configs
+    from splitsoftmax.ops.softmax import kernel as K
     ev = _evict_first_copy()
     cfg = configs.SOFTMAX
     saved = dict(vars(cfg))
@@ -65,8 +65,8 @@ def sec_loop():
 
 def sec_short():
     """Short rows (fp32, R*N = 2^27): the one-pass tile size and warps against torch, (log-)softmax."""
-    from splitsoftmax.kernels import configs
-    from splitsoftmax.kernels import softmax as K
+    from splitsoftmax.ops._triton import configs
+    from splitsoftmax.ops.softmax import kernel as K
     cfg = configs.SOFTMAX
     saved = dict(vars(cfg))
     for n in (128, 512, 2048):

@@ -5,8 +5,8 @@
 Times (host wall clock, synchronised, median of 30) the whole call and its parts on every rank:
 the handshake alone, the local split-KV attention, the packed all-gather, the merge in torch eager
 ops, a small all-reduce; then a torch.profiler table of the whole call on rank 0 (and its trace in
-``$OUT/tree_decode_trace.json``). Backs the tree decode's order in ``distributed/tree.py`` and
-``distributed/sharded.py`` (the handshake started, the local attention launched, then the
+``$OUT/tree_decode_trace.json``). Backs the tree decode's order in ``ops/attention/schedules/tree.py`` and
+``ops/attention/sharded.py`` (the handshake started, the local attention launched, then the
 handshake waited on), the fused merge kernel for the gathered states, and NCCL's one
 ``all_gather_into_tensor``; numbers in BENCHMARKS.md, "Ring attention across GPUs".
 """
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import splitsoftmax as ss
-from splitsoftmax import state
+from splitsoftmax.core import state
 from splitsoftmax.distributed.comm import as_comm
 from splitsoftmax.distributed.handshake import handshake
 from splitsoftmax.distributed.tree import allgather

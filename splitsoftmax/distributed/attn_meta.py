@@ -14,8 +14,8 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import Tensor
 
-from .. import _checks
-from .. import variants as vs
+from ..core import checks as _checks
+from ..core import keywords as vs
 from . import layout as lay
 from .handshake import LOCAL_ERRORS, _BITS, encode_dtype, encode_float, encode_sinks, encode_window, start_handshake
 

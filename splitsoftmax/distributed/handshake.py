@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import _checks
+from ..core import checks as _checks
 from .comm import Communicator
 
 META_LEN = 32

@@ -1,7 +1,7 @@
 """The local-op calls of one sharded attention: the agreed spec, each step's calls with their
 masks, and K/V buffers packed by rows.
 
-A plan (``splitsoftmax.plan``) is pure host integers; :class:`Planned` keeps one with the small
+A plan (``splitsoftmax.distributed.plan``) is pure host integers; :class:`Planned` keeps one with the small
 device tensors it needs (per-row key intervals of the pieces by rows, the global positions of a
 key buffer), built once and shared by every call with the same lengths, documents and window
 (the layers of a step, forward and backward). Per call, only what depends on the call's tensors
@@ -16,8 +16,8 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from .. import plan as pl
-from ..mask import NO_MASK, Mask, note_reach
+from . import plan as pl
+from ..core.mask import NO_MASK, Mask, note_reach
 from .attn_meta import Keywords
 
 
@@ -34,7 +34,7 @@ class Call(NamedTuple):
 
 
 class Planned:
-    """A :class:`~splitsoftmax.plan.Plan` and its device tensors, each built on first use."""
+    """A :class:`~splitsoftmax.distributed.plan.Plan` and its device tensors, each built on first use."""
 
     def __init__(self, plan: pl.Plan):
         self.plan = plan
@@ -61,7 +61,7 @@ class Planned:
 
 def uploaded_rows(rows: Tensor, device) -> Tensor:
     """Host ``Mask.rows`` ``(2, n)`` on ``device``, with how far a row lies past its interval's first
-    key noted (:func:`splitsoftmax.mask.note_reach`: the backward bounds its dS buffer by it)."""
+    key noted (:func:`splitsoftmax.core.mask.note_reach`: the backward bounds its dS buffer by it)."""
     out = rows.to(device)
     note_reach(out, int((torch.arange(rows.shape[1]) - rows[0].long()).max()) if rows.shape[1] else 0)
     return out

@@ -31,14 +31,15 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._autocast import like_sdpa
-from ..distributed import attn_meta, sharded_attention
+from ..core.autocast import like_sdpa
+from ..distributed import attn_meta
 from ..distributed.comm import as_comm
-from ..distributed.tree import allreduce_sum
 from ..distributed.handshake import handshake
 from ..distributed.layout import shard_lengths
-from ..distributed.sharded import _shard
-from ..functional import attention
+from ..distributed.shard import shard_as
+from ..distributed.tree import allreduce_sum
+from ..ops.attention.api import attention
+from ..ops.attention.sharded import sharded_attention
 from . import _hf_docs as docs
 from ._hf_masks import Visibility, build
 
@@ -291,16 +292,16 @@ def shard_inputs(input_ids: Tensor, position_ids: Optional[Tensor] = None, label
             position_ids = docs.positions(cu, input_ids.shape[1], input_ids.device).expand(input_ids.shape[0], -1)
     except ValueError as e:
         _refuse_everywhere(group, "shard", e)
-    out = ShardedInputs(input_ids=_shard(input_ids, 1, group, "zigzag", cu, "input_ids"))
+    out = ShardedInputs(input_ids=shard_as(input_ids, 1, group, "zigzag", cu, "input_ids"))
     _refuse_empty(input_ids.shape[1], group, cu)
-    out["position_ids"] = _shard(position_ids.contiguous(), 1, group, "zigzag", cu, "position_ids")
+    out["position_ids"] = shard_as(position_ids.contiguous(), 1, group, "zigzag", cu, "position_ids")
     if cu is not None:
         out.update(docs.flash_kwargs(cu, input_ids.device))
     dp = None if dp_group is None else as_comm(dp_group)
     out.loss_scale = as_comm(group).size * (1 if dp is None else dp.size)
     if labels is not None:
         shifted = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=ignore_index)
-        out["shift_labels"] = out["labels"] = _shard(shifted, 1, group, "zigzag", cu, "labels")
+        out["shift_labels"] = out["labels"] = shard_as(shifted, 1, group, "zigzag", cu, "labels")
         count = (shifted != ignore_index).sum().reshape(1)
         if dp is not None and dp.size > 1:
             count = allreduce_sum(dp, count, "shard_inputs: num_items_in_batch over dp_group")

@@ -1,0 +1,179 @@
+"""The attention custom ops (``splitsoftmax::attn_fwd / attn_bwd / attn_bwd_prep``): implementations
+through the dispatcher, fake implementations and the autograd formula of the forward (the backward
+ops have none: a second derivative raises)."""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ...core import state
+from ...core.mask import Mask
+from ...core.state import stat_dtype
+from .._registry import call, custom_op, dense, masked_op, once_differentiable, op, register_formula, use_triton
+
+register_fake = torch.library.register_fake
+
+
+@custom_op("attn_fwd")
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int, lo: Optional[int] = None,
+             softcap: float = 0.0, kv_range: Optional[Tensor] = None, q_offset: Optional[Tensor] = None,
+             rows: Optional[Tensor] = None, sinks: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Attention of ``q (B,H,Sq,D)`` over ``k (B,Hkv,Sk,D)``, ``v (B,Hkv,Sk,Dv)``.
+
+    Returns ``(out (B,H,Sq,Dv) q.dtype, lse (B,H,Sq))``; causal: query ``i`` sees key ``j <= i + diag``.
+    ``lo, softcap, kv_range, q_offset, rows`` are the fields of :class:`splitsoftmax.core.mask.Mask`;
+    ``sinks (H,)``: one more partial ``(0, sinks[h])`` merged into every row after the keys.
+    """
+    fn = masked_op("attn_fwd", q, Mask(lo, softcap, kv_range, q_offset, rows))
+    if sinks is None:
+        out, lse = fn(q, k, v, scale, causal, diag, out_dtype=q.dtype)
+    elif use_triton(q):
+        out, lse = state.add_sinks(*fn(q, k, v, scale, causal, diag), sinks)
+    else:  # the torch path merges the sinks before rounding its float64 result
+        out, lse = fn(q, k, v, scale, causal, diag, out_dtype=q.dtype, sinks=sinks)
+    return _out_like_q(out, q), dense(lse, stat_dtype(q.dtype))
+
+
+def _heads_inner(q: Tensor) -> bool:
+    """Whether ``q (B, H, S, D)`` is a view of a ``(B, S, H, D)`` tensor (Hugging Face's layout)."""
+    return q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
+
+
+def _out_like_q(out: Tensor, q: Tensor) -> Tensor:
+    """The attention output in ``q.dtype``: a ``(B, H, S, Dv)`` view of a ``(B, S, H, Dv)`` tensor when
+    ``q`` is one (so that the caller's ``out.transpose(1, 2).contiguous()`` copies nothing), else
+    contiguous; no copy when the kernel wrote it so (the Triton forward does)."""
+    if _heads_inner(q):
+        t = out.transpose(1, 2)
+        return out if out.dtype == q.dtype and t.is_contiguous() else t.to(q.dtype).contiguous().transpose(1, 2)
+    return dense(out, q.dtype)
+
+
+@register_fake("splitsoftmax::attn_fwd")
+def _attn_fwd_fake(q, k, v, scale, causal, diag, lo=None, softcap=0.0, kv_range=None, q_offset=None, rows=None,
+                   sinks=None):
+    b, h, sq, _ = q.shape
+    lse = q.new_empty((b, h, sq), dtype=stat_dtype(q.dtype))
+    if _heads_inner(q):
+        return q.new_empty((b, sq, h, v.shape[-1])).transpose(1, 2), lse
+    return q.new_empty((b, h, sq, v.shape[-1])), lse
+
+
+def _grad(g: Tensor, like: Tensor) -> Tensor:
+    """``g`` in ``like``'s dtype and ``torch.empty_like(like)``'s strides (a ``(B, H, S, D)`` view of
+    ``(B, S, H, D)`` gets its gradient as one), with no copy when it already is that."""
+    if g.dtype == like.dtype and g.stride() == like.stride():
+        return g
+    return torch.empty_like(like).copy_(g)
+
+
+@custom_op("attn_bwd")
+def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float, causal: bool,
+             diag: int, lo: Optional[int] = None, softcap: float = 0.0, kv_range: Optional[Tensor] = None,
+             q_offset: Optional[Tensor] = None, rows: Optional[Tensor] = None, sinks: Optional[Tensor] = None,
+             dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dsinks)``: the first three like ``q, k, v`` (dtype, and strides where dense); ``lse``,
+    ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``; the mask fields as in ``attn_fwd``.
+
+    ``dsinks (H,)`` in ``sinks.dtype`` (``(0,)`` without sinks) is ``-sum_rows p_sink * delta``; the
+    torch path forms ``delta`` from its own ``P`` and ``dout . v_j`` (and ``dlse``) rather than from
+    the rounded ``out``.
+    """
+    mask = Mask(lo, softcap, kv_range, q_offset, rows)
+    fn = masked_op("attn_bwd", q, mask)
+    if sinks is None:
+        return (*_bwd_outs(fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype), q, k, v),
+                q.new_empty((0,)))
+    if use_triton(q):
+        dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype)
+    else:
+        sums = torch.zeros((2, *lse.shape), dtype=torch.float64, device=q.device)
+        dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, rowsum=sums)
+        lse, delta = _exact_row_stats(lse, sums, sinks, dlse)
+    return (*_bwd_outs((dq, dk, dv), q, k, v), state.sink_grad(lse, delta, sinks))
+
+
+def _exact_row_stats(lse: Tensor, sums: Tensor, sinks: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """float64 ``(lse, delta)`` of rows that the torch path's backward saw whole: ``sums`` holds each
+    row's ``sum_j P_ij dout . v_j`` and ``sum_j P_ij`` under the rounded ``lse``; the row's mass with its
+    sink renormalises both (the rounding of ``lse`` and of ``out`` cancel out)."""
+    lse64 = lse.to(torch.float64)
+    exact = state.sink_lse(lse64, sums[1], sinks)
+    rowsum = sums[0] * torch.exp(lse64 - state.safe_max(exact))
+    return exact, rowsum if dlse is None else rowsum - dlse.to(torch.float64)
+
+
+def _bwd_outs(grads, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    dq, dk, dv = grads
+    return _grad(dq, q), _grad(dk, k), _grad(dv, v)
+
+
+@register_fake("splitsoftmax::attn_bwd")
+def _attn_bwd_fake(q, k, v, dout, lse, delta, scale, causal, diag, lo=None, softcap=0.0, kv_range=None, q_offset=None,
+                   rows=None, sinks=None, dlse=None):
+    dsinks = q.new_empty((0,)) if sinks is None else sinks.new_empty(sinks.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+
+
+@custom_op("attn_bwd_prep")
+def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(lse, delta)`` rows ``(B,H,Sq)`` for ``attn_bwd``: ``delta = rowsum(dout*out) - dlse``;
+    rows with all-zero cotangents get ``lse = -inf`` (they contribute nothing)."""
+    lse2, delta = op("attn_bwd_prep", out)(out, lse, dout, dlse)
+    return dense(lse2, lse.dtype), dense(delta, lse.dtype)
+
+
+@register_fake("splitsoftmax::attn_bwd_prep")
+def _attn_bwd_prep_fake(out, lse, dout, dlse):
+    return lse.new_empty(lse.shape), lse.new_empty(lse.shape)
+
+
+def backward_stats(out: Tensor, lse: Tensor, dout: Tensor, dlse) -> tuple[Tensor, Tensor]:
+    """``(lse, delta)`` rows ``(B, H, Sq)`` for the attention backward kernels (see
+    ``ops.attention.torch.attn_bwd_prep``: rows with all-zero cotangents drop out with ``lse = -inf``)."""
+    return call("attn_bwd_prep", out, lse, dout, dlse)
+
+
+def attention_grads(q, k, v, out, lse, dout, dlse, scale: float, causal: bool, diag: int, *mask_args, sinks=None):
+    """``(dq, dk, dv, dsinks)`` from the saved ``out (B,H,Sq,Dv)``, ``lse (B,H,Sq)``; ``dout`` or ``dlse``
+    may be ``None`` (no gradient through that output); ``mask_args``: the op's mask fields; ``dsinks``
+    is ``(0,)`` without ``sinks``."""
+    if dout is None:
+        dout = torch.zeros_like(out)
+    lse, delta = backward_stats(out, lse, dout, dlse)
+    return tuple(call("attn_bwd", q, k, v, dout, lse, delta, scale, causal, diag, *mask_args, sinks,
+                                 dlse))
+
+
+def setup_attention(ctx, inputs, output) -> None:
+    """``attn_fwd(q, k, v, scale, causal, diag, lo, softcap, kv_range, q_offset, rows, sinks) -> (out, lse)``:
+    saves tensors and scalars."""
+    q, k, v, scale, causal, diag, lo, softcap, kv_range, q_offset, rows, sinks = _attn_inputs(inputs)
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, kv_range, q_offset, rows, sinks)
+    ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros made and read
+    ctx.args = (scale, causal, diag, lo, softcap)
+    ctx.sinks_grad = sinks is not None and sinks.requires_grad  # (not needs_input_grad: call() shifts it)
+
+
+def _attn_inputs(inputs) -> tuple:
+    """The ``attn_fwd`` arguments with the trailing defaults filled in."""
+    return (*inputs, None, 0.0, None, None, None, None)[:12]
+
+
+def attention_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+    """``(dq, dk, dv)``, no gradient for the scalars and the mask, and the sinks' gradient
+    ``-sum_rows p_sink * delta`` (``attn_bwd``, :func:`splitsoftmax.core.state.sink_grad`)."""
+    q, k, v, out, lse, kv_range, q_offset, rows, sinks = ctx.saved_tensors
+    scale, causal, diag, lo, softcap = ctx.args
+    sinks = sinks if ctx.sinks_grad else None
+    dq, dk, dv, dsinks = attention_grads(q, k, v, out, lse, dout, dlse, scale, causal, diag, lo, softcap, kv_range,
+                                         q_offset, rows, sinks=sinks)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None if sinks is None else dsinks
+
+
+register_formula("attn_fwd", attention_backward, setup_attention)
+for _name in ("attn_bwd", "attn_bwd_prep"):
+    register_formula(_name, *once_differentiable("attention", _name))

@@ -1,0 +1,102 @@
+"""Public sharded attention (docs/API.md, "Across ranks") and its autograd Function.
+
+Every call: local argument checks, then the metadata handshake (``distributed/handshake.py``) so
+that a mismatch raises on every rank before any bulk transfer, then the schedule
+(``schedules/``). The gradient of each rank's local input is that rank's slice of the
+single-device gradient.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ...core import state
+from ...distributed import attn_meta, work
+from ...distributed.comm import as_comm, eager
+from ...distributed.work import AttnSpec
+from .op import backward_stats
+from .schedules.allgather import allgather_attention_bwd, allgather_attention_fwd
+from .schedules.ring import ring_attention_bwd, ring_attention_fwd
+from .schedules.tree import early_local, tree_attention_bwd, tree_attention_fwd
+
+_FWD = {"ring": ring_attention_fwd, "allgather": allgather_attention_fwd, "tree": tree_attention_fwd}
+_BWD = {"ring": ring_attention_bwd, "allgather": allgather_attention_bwd, "tree": tree_attention_bwd}
+
+
+class ShardedAttentionFn(torch.autograd.Function):
+    """Attention over a sharded sequence by ``schedule``: ``(out, lse)`` of this rank. ``sinks``
+    (``(H,)`` or None) are merged once per row after every key partial."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, comm, spec: AttnSpec, schedule: str, local):
+        out, lse = _FWD[schedule](comm, spec, q, k, v, *([local] if local is not None else []))
+        if sinks is not None:
+            out, lse = state.add_sinks(out, lse, sinks)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.comm, ctx.spec, ctx.schedule = comm, spec, schedule
+        return out, lse.float()
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dout = dout.contiguous()
+        lse, delta = backward_stats(out, lse, dout, dlse)
+        dq, dk, dv = _BWD[ctx.schedule](ctx.comm, ctx.spec, q, k, v, dout, lse, delta)
+        dsinks = state.sink_grad(lse, delta, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
+
+
+def _spec(comm, q, k, v, s: float, causal: bool, layout: str, schedule: str, kw, lens: tuple) -> AttnSpec:
+    """The agreed spec; ring / allgather with their plan (kept for the next calls alike)."""
+    (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
+    q_lens, k_lens = lens
+    planned = None
+    if schedule != "tree":
+        planned = work.planned(comm.rank, tuple(q_lens), tuple(k_lens), layout, causal, kw.docs, kw.window)
+    return AttnSpec(b, h, hkv, d, dv, s, causal, layout, q_lens, k_lens, comm.rank, kw, planned)
+
+
+@eager
+def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: Optional[float] = None,
+                      group=None, schedule: str = "ring", layout: str = "contiguous", return_lse: bool = False,
+                      cu_seqlens=None, window_size=None, softcap=None, sinks=None, kv_range=None, q_offset=None):
+    """Exact attention over a sequence sharded across the ranks of ``group`` (collective).
+
+    ``"ring"``/``"allgather"``: ``q (B,H,Sq_r,D)``, ``k (B,Hkv,Sk_r,D)``, ``v (B,Hkv,Sk_r,Dv)`` are
+    this rank's shards (``layout`` ``"contiguous"``: any lengths; ``"zigzag"``: chunks r, 2P-1-r,
+    of every document with ``cu_seqlens``); returns this rank's shard of the output (and
+    ``lse (B,H,Sq_r)`` float32). ``"tree"``: ``q`` is the same on every rank, k/v contiguous
+    shards; the result is identical on every rank and the queries sit at key positions
+    ``q_offset + i`` (default ``Sk - Sq``: ``causal`` is bottom-right). Causal everywhere means a
+    query at global position ``i`` sees keys at ``j <= i``.
+
+    The variant keywords (docs/API.md, "Attention variants") are in global positions:
+    ``cu_seqlens (N+1,)`` packed documents (ring / allgather), ``window_size=(left, right)``,
+    ``softcap``, ``sinks (H,)`` (merged once per row; under ring / allgather each rank's gradient
+    is its rows' share, under tree the full one), ``kv_range (B, 2)``, ``q_offset`` (0 on ring /
+    allgather). All must agree across ranks. Steps with nothing visible transfer and launch
+    nothing; under a window only the halo of keys travels.
+    """
+    comm = as_comm(group)
+    keywords = dict(cu_seqlens=cu_seqlens, window_size=window_size, softcap=softcap, sinks=sinks,
+                    kv_range=kv_range, q_offset=q_offset)
+    finish, s, kw = attn_meta.start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords)
+    try:
+        local = early_local(q, k, v, s, causal, kw) if schedule == "tree" and s is not None else None
+    except Exception:  # the handshake's transfers are posted: complete them (bounded) before raising
+        _complete(finish)
+        raise
+    spec = _spec(comm, q, k, v, s, causal, layout, schedule, kw, finish())
+    out, lse = ShardedAttentionFn.apply(q, k, v, kw.sinks, comm, spec, schedule, local)
+    return (out, lse) if return_lse else out
+
+
+def _complete(finish) -> None:
+    """Wait for a started handshake whose call is already failing; its own errors give way to that one."""
+    try:
+        finish()
+    except Exception:
+        pass

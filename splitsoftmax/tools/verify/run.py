@@ -1,0 +1,85 @@
+"""``python -m splitsoftmax verify``: every op, forward and backward, against float64.
+
+Each check computes splitsoftmax's result and gradient, the float64 reference, and the same
+quantity through torch in the same dtype; the tolerance is FlashAttention's rule (twice torch's
+own error, 4x for gradients, plus twice the rounding of the float64 truth to the result's dtype:
+relative to the result's size, :mod:`.compare`). The
+single-device rows are here, the sharded ones in :mod:`.sharded`. One table, non-zero exit
+on any mismatch.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional, Sequence
+
+import torch
+
+import splitsoftmax as ss
+from ...core import reference as ref
+from .compare import Row, compare, sdpa, table
+from .job import Job
+from .sharded import sharded_rows
+
+
+def single_device_rows(device: str = "cpu", dtype: torch.dtype = torch.float32) -> list[Row]:
+    """The single-device table of docs/API.md on odd sizes, with an all ``-inf`` row."""
+    x = torch.randn(33, 1000, device=device, dtype=dtype) * 4
+    x[3] = float("-inf")
+    rows = []
+    rows += compare("softmax 33x1000", ss.softmax, lambda t: torch.softmax(t, -1), ref.softmax, [x])
+    rows += compare("log_softmax 33x1000", ss.log_softmax, lambda t: torch.log_softmax(t, -1), ref.log_softmax, [x])
+    rows += compare("logsumexp 33x1000", ss.logsumexp, lambda t: torch.logsumexp(t, -1), ref.logsumexp, [x])
+    for causal in (False, True):
+        q = torch.randn(2, 4, 97, 64, device=device, dtype=dtype)
+        k = torch.randn(2, 2, 129, 64, device=device, dtype=dtype)
+        v = torch.randn(2, 2, 129, 64, device=device, dtype=dtype)
+        rows += compare(f"attention GQA 4/2 97x129{' causal' if causal else ''}",
+                        lambda q, k, v, c=causal: ss.attention(q, k, v, causal=c), sdpa(causal, 2),
+                        lambda q, k, v, c=causal: ref.attention(q, k, v, causal=c)[0], [q, k, v])
+    return rows
+
+
+def run_table(rows_fn: Callable[[], list[Row]], stream=sys.stdout) -> int:
+    rows = rows_fn()
+    print(table(rows), file=stream)
+    bad = [r for r in rows if not r.ok]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} checks passed", file=stream)
+    return 1 if bad else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="splitsoftmax verify", description=__doc__)
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="launch this many local ranks (Gloo on CPU, NCCL with a GPU per rank); default: "
+                             "one per GPU when there are several, else 4 CPU ranks")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--deadline", type=float, default=1800.0, help="seconds before --nproc ranks are stopped")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="cpu: CPU ranks (Gloo) even with GPUs; cuda: ranks on GPUs (under mpirun even when "
+                             "they share one); default: cuda when every rank has its own GPU, else cpu")
+    ns = parser.parse_args(argv)
+    if ns.nproc is not None and ns.nproc < 1:
+        parser.error(f"--nproc must be at least 1, got {ns.nproc}")
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible here (torch.cuda.is_available() is False)")
+    from .. import launcher
+    kind = launcher.launched_by()
+    if kind is None:
+        device = ["--device", ns.device] if ns.device else []
+        return launcher.spawn(ns.nproc or launcher.default_nproc(), ["verify", "--dtype", ns.dtype, *device],
+                              ns.deadline)
+    return _verify_ranks(kind, getattr(torch, ns.dtype), ns.device)
+
+
+def _verify_ranks(kind: str, dtype: torch.dtype, device: Optional[str]) -> int:
+    """One rank of a job: single-device rows on its device, then the sharded rows; rank 0 prints."""
+    from .. import launcher
+    group, device, rank, world = launcher.init_ranks(kind, device)
+    job = Job(group, device, rank, world, dtype)
+    quiet = open(os.devnull, "w") if rank else sys.stdout
+    try:
+        return run_table(lambda: single_device_rows(str(device), dtype) + sharded_rows(job), stream=quiet)
+    finally:
+        launcher.finish_ranks(kind)

@@ -1,0 +1,232 @@
+"""The import contract of the package's folders (the layers of README.md's "Layout"), walked with ``ast``.
+
+Every ``import`` / ``from .. import`` of every module counts, at module level and inside functions
+alike (a late import is still a dependency). Each module belongs to one layer (:data:`LAYERS`, first
+match wins); :data:`MAY_IMPORT` says which layers a layer may import; no module may take part in an
+import circle.
+"""
+from __future__ import annotations
+
+import ast
+import fnmatch
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = "splitsoftmax"
+
+# the host files of a family: what users call (api), its custom ops and autograd (op), the sharded
+# functions and their schedules; every other module of a family folder is one of its kernel files
+# (Triton kernels and launchers, the torch twin, the device math)
+HOST_FILES = ("api", "op", "sharded", "schedules", "schedules.*", "context", "flow")
+ALGEBRA_FAMILIES = ("merge", "softmax")
+
+# (layer, module patterns): the first layer with a matching pattern is the module's
+LAYERS = (
+    ("root", ("splitsoftmax",)),
+    ("tools", ("splitsoftmax.__main__", "splitsoftmax.tools", "splitsoftmax.tools.*")),
+    ("core", ("splitsoftmax.core", "splitsoftmax.core.*")),
+    ("distributed", ("splitsoftmax.distributed", "splitsoftmax.distributed.*")),
+    ("settings", ("splitsoftmax.ops._triton.configs",)),
+    ("triton", ("splitsoftmax.ops._triton", "splitsoftmax.ops._triton.*")),
+    ("registry", ("splitsoftmax.ops", "splitsoftmax.ops._registry")),
+    ("host", tuple(f"splitsoftmax.ops.*.{name}" for name in HOST_FILES)),
+    ("kernel", ("splitsoftmax.ops.*",)),
+    ("integrations", ("splitsoftmax.integrations", "splitsoftmax.integrations.*")),
+)
+
+# layer -> the layers it may import ("own family": any module of the importer's family folder, "own
+# family kernels": its kernel files, "algebra families": any module of merge/ and softmax/). The
+# settings (configs.py: tile sizes and algorithm sizes as data) are read by host and kernel files alike.
+MAY_IMPORT = {
+    "root": {"core", "distributed", "registry", "host", "kernel", "integrations"},
+    "tools": {"root", "tools", "core", "distributed", "settings", "triton", "registry", "host", "kernel",
+              "integrations"},
+    "core": {"core"},
+    "distributed": {"distributed", "core"},
+    "settings": {"core"},
+    "triton": {"settings", "triton", "core"},
+    "registry": {"registry", "core"},
+    "host": {"own family", "algebra families", "registry", "distributed", "settings", "core"},
+    "kernel": {"own family kernels", "algebra families", "settings", "triton", "core"},
+    "integrations": {"integrations", "root", "host", "distributed", "core"},
+}
+
+# (importer, imported) -> why it is still there; each entry must still be a violation
+ALLOWED: dict = {}
+# modules of a circle (frozenset) -> why it is still there
+ALLOWED_CIRCLES: dict = {}
+
+
+def layer(module: str) -> str:
+    for name, patterns in LAYERS:
+        if any(fnmatch.fnmatchcase(module, p) for p in patterns):
+            return name
+    raise AssertionError(f"module {module} belongs to no layer of LAYERS")
+
+
+def family(module: str):
+    """The family folder of a module of ``splitsoftmax.ops.<family>``, else None."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[1] == "ops" and not parts[2].startswith("_") else None
+
+
+def allowed(src: str, dst: str) -> bool:
+    """Whether module ``src`` may import module ``dst`` under :data:`MAY_IMPORT`."""
+    rules, kind = MAY_IMPORT[layer(src)], layer(dst)
+    if kind in rules:
+        return True
+    same = family(src) is not None and family(src) == family(dst)
+    if same and ("own family" in rules or ("own family kernels" in rules and kind == "kernel")):
+        return True
+    return "algebra families" in rules and family(dst) in ALGEBRA_FAMILIES and kind in ("host", "kernel")
+
+
+def modules(root: pathlib.Path = ROOT) -> dict:
+    """Module name -> (path, is a package) of every module of the package."""
+    out = {}
+    for path in sorted((root / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+def _targets(module: str, is_pkg: bool, node, known) -> list:
+    """The package's modules an import node names (a name imported from a package that is a module
+    of it counts as that module)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = module.split(".") if is_pkg else module.split(".")[:-1]
+    if node.level:
+        base = base[:len(base) - node.level + 1]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    return [f"{target}.{a.name}" if f"{target}.{a.name}" in known else target for a in node.names]
+
+
+def import_graph(root: pathlib.Path = ROOT) -> dict:
+    """Module -> {imported module of the package: first line importing it}, late imports included."""
+    known = modules(root)
+    graph = {}
+    for module, (path, is_pkg) in known.items():
+        edges = graph.setdefault(module, {})
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for t in _targets(module, is_pkg, node, known):
+                    if t != module and (t == PACKAGE or t.startswith(PACKAGE + ".")):
+                        assert t in known, f"{module}:{node.lineno} imports {t}, which is no module of the package"
+                        edges.setdefault(t, node.lineno)
+    return graph
+
+
+def violations(graph: dict) -> dict:
+    """(importer, imported) -> line, for each import :data:`MAY_IMPORT` does not allow."""
+    return {(src, dst): line for src, edges in graph.items() for dst, line in edges.items() if not allowed(src, dst)}
+
+
+def circles(graph: dict) -> list:
+    """The import circles: strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _report(found: dict) -> str:
+    return "\n".join(f"  {s} ({layer(s)}) imports {d} ({layer(d)}) at line {line}"
+                     for (s, d), line in sorted(found.items()))
+
+
+def test_every_import_follows_the_layers():
+    found = violations(import_graph())
+    new = {k: v for k, v in found.items() if k not in ALLOWED}
+    assert not new, "imports against the layers:\n" + _report(new)
+
+
+def test_no_import_circle():
+    new = [sorted(c) for c in circles(import_graph()) if c not in ALLOWED_CIRCLES]
+    assert not new, "import circles:\n" + "\n".join(f"  {' <-> '.join(c)}" for c in new)
+
+
+def test_allow_lists_hold_only_what_is_still_there():
+    found, found_circles = violations(import_graph()), set(circles(import_graph()))
+    stale = [k for k in ALLOWED if k not in found] + [sorted(c) for c in ALLOWED_CIRCLES if c not in found_circles]
+    assert not stale, f"allowed but gone (take them off the list): {stale}"
+
+
+def test_every_module_has_a_layer():
+    for module in modules():
+        assert layer(module) in MAY_IMPORT, module
+
+
+FAKE = {
+    "splitsoftmax.core.state": {"splitsoftmax.ops._registry": 3},  # core reaching up
+    "splitsoftmax.ops._registry": {"splitsoftmax.core.state": 1},
+    "splitsoftmax.ops.attention.fwd": {"splitsoftmax.ops._triton.configs": 1, "splitsoftmax.ops.merge.kernel": 2,
+                                       "splitsoftmax.ops.attention.api": 3},  # kernel -> host
+    "splitsoftmax.ops.attention.api": {"splitsoftmax.ops.vocab.api": 5, "splitsoftmax.ops.softmax.api": 6,
+                                       "splitsoftmax.distributed.comm": 7, "splitsoftmax.ops.attention.fwd": 8},
+    "splitsoftmax.ops.vocab.api": {"splitsoftmax.tools.cli": 9},
+    "splitsoftmax.distributed.comm": {"splitsoftmax.core.state": 1, "splitsoftmax.ops.attention.fwd": 4},
+    "splitsoftmax.tools.cli": {"splitsoftmax.ops.vocab.api": 1},
+    "splitsoftmax.integrations.transformers": {"splitsoftmax.ops.attention.fwd": 2},
+}
+
+
+def test_the_check_finds_a_violating_graph():
+    """The checks themselves: a made-up graph with one break of each kind is caught, and nothing else."""
+    assert set(violations(FAKE)) == {
+        ("splitsoftmax.core.state", "splitsoftmax.ops._registry"),
+        ("splitsoftmax.ops.attention.fwd", "splitsoftmax.ops.attention.api"),
+        ("splitsoftmax.ops.attention.api", "splitsoftmax.ops.vocab.api"),
+        ("splitsoftmax.ops.vocab.api", "splitsoftmax.tools.cli"),
+        ("splitsoftmax.distributed.comm", "splitsoftmax.ops.attention.fwd"),
+        ("splitsoftmax.integrations.transformers", "splitsoftmax.ops.attention.fwd"),
+    }
+    assert set(circles(FAKE)) == {
+        frozenset({"splitsoftmax.core.state", "splitsoftmax.ops._registry"}),
+        frozenset({"splitsoftmax.ops.attention.fwd", "splitsoftmax.ops.attention.api",
+                   "splitsoftmax.distributed.comm"}),
+        frozenset({"splitsoftmax.ops.vocab.api", "splitsoftmax.tools.cli"}),
+    }
+
+
+@pytest.mark.parametrize("source, late", [("from ..ops import _registry\n", False),
+                                          ("def f():\n    from ..ops._registry import op\n", True)])
+def test_the_walk_sees_module_and_late_imports(tmp_path, source, late):
+    pkg = tmp_path / PACKAGE
+    for sub in ("core", "ops"):
+        (pkg / sub).mkdir(parents=True)
+        (pkg / sub / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "ops" / "_registry.py").write_text("")
+    (pkg / "core" / "state.py").write_text(source)
+    graph = import_graph(tmp_path)
+    assert graph["splitsoftmax.core.state"] == {"splitsoftmax.ops._registry": 2 if late else 1}
+    assert set(violations(graph)) == {("splitsoftmax.core.state", "splitsoftmax.ops._registry")}

@@ -22,6 +22,7 @@ from . import layout as lay
 from .allgather import allgather_attention_bwd, allgather_attention_fwd, allgather_var
 from .comm import as_comm, eager
 from .handshake import LOCAL_ERRORS, encode_dtype, handshake
+from .heads import heads_attention
 from .ring import ring_attention_bwd, ring_attention_fwd
 from .tree import allreduce_sum, early_local, merge_lse, tree_attention_bwd, tree_attention_fwd
 from .work import AttnSpec
@@ -161,7 +162,10 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     ``lse (B,H,Sq_r)`` float32). ``"tree"``: ``q`` is the same on every rank, k/v contiguous
     shards; the result is identical on every rank and the queries sit at key positions
     ``q_offset + i`` (default ``Sk - Sq``: ``causal`` is bottom-right). Causal everywhere means a
-    query at global position ``i`` sees keys at ``j <= i``.
+    query at global position ``i`` sees keys at ``j <= i``. ``"heads"`` takes and returns what the ring
+    does: an all-to-all gives each rank the whole sequence of its share of the heads
+    (``torch.tensor_split`` of ``H``; the kv heads they read, ``Hkv < P`` too), runs the local op
+    there and sends the output back (``heads.py``).
 
     The variant keywords (docs/API.md, "Attention variants") are in global positions:
     ``cu_seqlens (N+1,)`` packed documents (ring / allgather), ``window_size=(left, right)``,
@@ -179,8 +183,12 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     except Exception:  # the handshake's transfers are posted: complete them (bounded) before raising
         _complete(finish)
         raise
-    spec = _spec(comm, q, k, v, s, causal, layout, schedule, kw, finish())
-    out, lse = ShardedAttentionFn.apply(q, k, v, kw.sinks, comm, spec, schedule, local)
+    lens = finish()
+    if schedule == "heads":
+        out, lse = heads_attention(comm, q, k, v, s, causal, layout, kw, lens)
+    else:
+        spec = _spec(comm, q, k, v, s, causal, layout, schedule, kw, lens)
+        out, lse = ShardedAttentionFn.apply(q, k, v, kw.sinks, comm, spec, schedule, local)
     return (out, lse) if return_lse else out
 
 

@@ -49,6 +49,12 @@ def case_exchange(group):
     """Every rank's pieces arrive intact; on torch.distributed by one ``all_to_all_single``, then
     again over the point-to-point pairs."""
     c = as_comm(group)
+    if type(c).__name__ == "MpiComm":  # Ialltoallv: no point-to-point pair
+        pairs, alltoall._pairs = alltoall._pairs, None
+        try:
+            _exchange_once(group, "Ialltoallv")
+        finally:
+            alltoall._pairs = pairs
     if type(c).__name__ != "TorchComm":
         _exchange_once(group, "all-to-all")
         return

@@ -46,8 +46,8 @@ def _exchange_once(group, step: str):
 
 
 def case_exchange(group):
-    """Every rank's pieces arrive intact; on torch.distributed by one ``all_to_all_single``, then
-    again over the point-to-point pairs."""
+    """Every rank's pieces arrive intact; on torch.distributed over the point-to-point pairs (Gloo's
+    default) and by one ``all_to_all_single`` (NCCL's; here forced on Gloo)."""
     c = as_comm(group)
     if type(c).__name__ == "MpiComm":  # Ialltoallv: no point-to-point pair
         pairs, alltoall._pairs = alltoall._pairs, None
@@ -62,13 +62,14 @@ def case_exchange(group):
     c.dist.all_to_all_single = lambda *a, **kw: (calls.append(a[2:4]), native(*a, **kw))[1]
     backend = c.dist.get_backend(c.group)
     try:
-        _exchange_once(group, "native all-to-all")
-        assert len(calls) == 1, calls
-        alltoall._NO_NATIVE.add(backend)
         _exchange_once(group, "pairs")
-        assert len(calls) == 1, calls
+        assert calls == [] or backend in alltoall.NATIVE_BACKENDS, calls
+        alltoall.NATIVE_BACKENDS.add(backend)
+        _exchange_once(group, "native all-to-all")
+        assert len(calls) == 1 + (backend == "nccl"), calls
     finally:
-        alltoall._NO_NATIVE.discard(backend)
+        if backend != "nccl":
+            alltoall.NATIVE_BACKENDS.discard(backend)
         c.dist.all_to_all_single = native
 
 

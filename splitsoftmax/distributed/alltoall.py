@@ -5,8 +5,10 @@ tensors each peer gets into one byte message (pieces at 16-byte offsets, so ever
 as a view of its own dtype), and :func:`alltoall_bytes` moves the messages, any sizes per pair
 (zero included), over the transport's own collective where it has one:
 
-- ``torch.distributed``: ``all_to_all_single`` with split sizes (NCCL and Gloo; where a backend
-  lacks it, the exchange falls back to point-to-point pairs from then on);
+- ``torch.distributed``: ``all_to_all_single`` with split sizes on the backends of
+  ``NATIVE_BACKENDS`` (NCCL; where one lacks it, the exchange falls back to point-to-point pairs
+  from then on). Gloo runs the pairs: its own all-to-all is pairwise too, and a timeout of one
+  collective can only name every peer, where the pairs name the one that did not answer;
 - MPI: ``Ialltoallv`` on host byte buffers (CUDA tensors are staged through the host);
 - any other :class:`~splitsoftmax.distributed.comm.Communicator` (the loopback world): one
   non-blocking send and receive per pair with a non-empty message, tagged ``tag``.
@@ -27,7 +29,8 @@ from .._log import LOG
 from .comm import Communicator, Handle, MpiComm, TorchComm, _log2_bytes
 
 ALIGN = 16
-_NO_NATIVE: set = set()  # torch.distributed backends found to lack all_to_all_single
+NATIVE_BACKENDS = {"nccl"}  # torch.distributed backends whose all_to_all_single the exchange uses
+_NO_NATIVE: set = set()  # those found to lack it
 
 
 class Piece(NamedTuple):
@@ -117,7 +120,8 @@ def _pairs(comm: Communicator, send: Tensor, send_sizes: list, recv_sizes: list,
 
 
 def _native(comm: TorchComm) -> bool:
-    return comm.dist.get_backend(comm.group) not in _NO_NATIVE
+    backend = comm.dist.get_backend(comm.group)
+    return backend in NATIVE_BACKENDS and backend not in _NO_NATIVE
 
 
 def _torch_alltoall(comm: TorchComm, send: Tensor, send_sizes: list, recv_sizes: list, step: str):

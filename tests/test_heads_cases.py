@@ -215,3 +215,15 @@ def test_message_layout():
     """Pieces of a message start at 16-byte offsets (each read back as a view of its dtype)."""
     pieces, n = message([((2, 3), torch.float16), ((5,), torch.float64), ((0, 4), torch.float32), ((1,), torch.int8)])
     assert [pc.offset for pc in pieces] == [0, 16, 64, 64] and n == 80
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_context_parallel_heads(p):
+    """``ss.context_parallel(..., schedule="heads")``: a training step's loss, gradients and logits
+    equal one process's, zigzag and contiguous."""
+    from test_context_parallel import check_training
+
+    def case(group):
+        check_training(group, 16, "zigzag", "heads")
+        check_training(group, 13, "contiguous", "heads")
+    LoopbackWorld(p).run(case)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -178,7 +178,7 @@ def _fold(dk: Tensor, runs: Optional[tuple]) -> Tensor:
 def _to_heads(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int) -> list:
     """Sequence shards -> heads: each ``(tensor, kv?)`` of ``tensors`` (dims ``(B, heads, S_r, ...)``)
     sent by query or kv heads, assembled along dim 2 by ``places``."""
-    p, r, me = hs.comm.size, hs.comm.rank, hs.mine
+    p, me = hs.comm.size, hs.mine
     sends = [[t[:, s.k0:s.k1] if kv else t[:, s.q0:s.q1] for t, kv in tensors] for s in hs.split]
     specs = [[((t.shape[0], me.nkv if kv else me.nq, pl.lens[o], *t.shape[3:]), t.dtype)
               for (t, kv), pl in zip(tensors, places)] for o in range(p)]

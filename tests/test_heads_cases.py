@@ -9,6 +9,8 @@ test_heads_gloo.py and test_heads_mpi.py run the same functions in worker proces
 """
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from splitsoftmax.distributed import LoopbackWorld, as_comm, shard, sharded_atte
 from splitsoftmax.distributed.alltoall import message
 from splitsoftmax.distributed.heads import head_split
 from test_dist_cases import DEVICE, F32, F64, _randn, uneven_lengths
-from test_dist_variants import _loss, _oracle, documents
+from test_dist_variants import _loss, _oracle, documents, random_keywords
 
 NEG_INF = float("-inf")
 B, D, DV = 2, 8, 6
@@ -99,7 +101,8 @@ def configs(p: int, s: int, h: int) -> list:
             (True, dict(window_size=(s // p + 2, 0))), (False, dict(window_size=(2, 3), softcap=1.5)),
             (True, dict(cu_seqlens=docs, window_size=(2, 0), softcap=1.5, sinks=sinks_of(h))),
             (True, dict(kv_range=kv, sinks=sinks_of(h))), (False, dict(kv_range=kv, softcap=0.8)),
-            (True, dict(cu_seqlens=docs, kv_range=kv, window_size=(s // p + 2, 0)))]
+            (True, dict(cu_seqlens=docs, kv_range=kv, window_size=(s // p + 2, 0))),
+            (False, dict(scale=0.3, softcap=2.0, q_offset=0))]
 
 
 def case_variants(group):
@@ -142,14 +145,35 @@ def case_hidden_nan(group):
     assert not torch.isnan(full[~nan]).any(), "the NaN key reached a row that does not see it"
 
 
+def case_random_mixes(group):
+    """Random head counts, lengths per rank (0 included), layouts and keyword mixes (documents of
+    any length, a window, softcap, sinks, key ranges), each against the oracle."""
+    p = as_comm(group).size
+    for seed in range(10):
+        r = random.Random(100 * p + seed)
+        hkv = r.choice([1, 2, 3])
+        h = hkv * r.choice([1, 2, 3])
+        lens = [r.choice([0, 1, 2, 5]) for _ in range(p)]
+        s = sum(lens) or 1
+        lens[-1] += s - sum(lens)
+        kw = random_keywords(r, s)
+        kw = {**kw, "sinks": sinks_of(h)} if "sinks" in kw else kw
+        if r.random() < 0.5:
+            kw["cu_seqlens"] = (0, *sorted(r.randint(0, s) for _ in range(r.randint(0, 3))), s)
+        layout = r.choice(["zigzag", "contiguous"])
+        check(group, layout, r.random() < 0.6, kw, h, hkv, s=s, lens=lens if layout == "contiguous" else None,
+              seed=seed)
+
+
 def case_all(group):
     """Every case above, in one worker start (process groups are slow to start)."""
-    for case in (case_shapes, case_variants, case_hidden_nan):
+    for case in (case_shapes, case_variants, case_hidden_nan, case_random_mixes):
         case(group)
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("case", [case_shapes, case_variants, case_hidden_nan], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("case", [case_shapes, case_variants, case_hidden_nan, case_random_mixes],
+                         ids=lambda f: f.__name__)
 def test_loopback(size, case):
     LoopbackWorld(size).run(case)
 

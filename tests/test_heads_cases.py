@@ -17,7 +17,7 @@ import torch
 from splitsoftmax import reference as ref
 from splitsoftmax.distributed import LoopbackWorld, as_comm, shard, sharded_attention, unshard
 from splitsoftmax.distributed.alltoall import message
-from splitsoftmax.distributed.heads import head_split
+from splitsoftmax.distributed.heads import head_split, kv_runs
 from test_dist_cases import DEVICE, F32, F64, _randn, uneven_lengths
 from test_dist_variants import _loss, _oracle, documents, random_keywords
 
@@ -27,8 +27,19 @@ B, D, DV = 2, 8, 6
 
 def head_shapes(p: int) -> list:
     """``(H, Hkv)``: MHA with ``H = P + 1``; GQA with ``Hkv < P`` where P > 2 and ``H`` not a multiple
-    of ``P``; fewer query heads than ranks (ranks with none); MQA."""
-    return [(p + 1, p + 1), (6, 2), (max(p - 2, 1), 1), (4, 4 if p < 4 else 2)]
+    of ``P``; fewer query heads than ranks (ranks with none); MQA; a split where some rank's query
+    heads read its kv heads unevenly (:func:`uneven_grouping`)."""
+    return [(p + 1, p + 1), (6, 2), (max(p - 2, 1), 1), (4, 4 if p < 4 else 2), uneven_grouping(p)]
+
+
+def uneven_grouping(p: int) -> tuple:
+    """The first ``(H, Hkv)`` (by ``H``) for which some rank's query heads read their kv heads in
+    runs of unequal lengths (e.g. 3 heads over 2 kv heads), where one exists; else ``(8, 2)``."""
+    for h in range(2, 16):
+        for hkv in range(1, h):
+            if h % hkv == 0 and any(kv_runs(s, h // hkv) for s in head_split(h, hkv, p)):
+                return h, hkv
+    return 8, 2
 
 
 def sinks_of(h: int) -> torch.Tensor:
@@ -233,6 +244,18 @@ def test_alltoall_count(size):
         meta = {"meta": size * (size - 1)} if size > 1 else {}
         assert got_sends == {**want_sends, **meta}, (size, h, hkv, lens, got_sends, want_sends)
         assert got_bytes == want_bytes, (size, h, hkv, lens, got_bytes, want_bytes)
+
+
+def test_head_split():
+    """Query heads as tensor_split, each rank's kv heads those its query heads read; the local
+    grouping named where it is uneven."""
+    split = head_split(8, 2, 3)  # query heads [0, 3) [3, 6) [6, 8); kv head = h // 4
+    assert [(s.q0, s.q1, s.k0, s.k1) for s in split] == [(0, 3, 0, 1), (3, 6, 0, 2), (6, 8, 1, 2)]
+    assert [kv_runs(s, 4) for s in split] == [None, ((0, 1), (1, 3)), None]
+    assert [(s.q0, s.q1, s.k0, s.k1) for s in head_split(2, 1, 4)] == [(0, 1, 0, 1), (1, 2, 0, 1), (2, 2, 0, 0),
+                                                                      (2, 2, 0, 0)]
+    assert [kv_runs(s, 2) for s in head_split(6, 3, 2)] == [((0, 2), (2, 3)), ((0, 1), (1, 3))]
+    assert [kv_runs(s, 2) for s in head_split(8, 4, 2)] == [None, None]  # 2 query heads per kv head
 
 
 def test_message_layout():

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-SCHEDULES = ("ring", "allgather", "tree")
+SCHEDULES = ("ring", "allgather", "tree", "heads")
 LAYOUTS = ("contiguous", "zigzag")
 REDUCTIONS = ("mean", "sum", "none")
 

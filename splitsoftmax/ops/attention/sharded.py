@@ -18,6 +18,7 @@ from ...distributed.comm import as_comm, eager
 from ...distributed.work import AttnSpec
 from .op import backward_stats
 from .schedules.allgather import allgather_attention_bwd, allgather_attention_fwd
+from .schedules.heads import heads_attention
 from .schedules.ring import ring_attention_bwd, ring_attention_fwd
 from .schedules.tree import early_local, tree_attention_bwd, tree_attention_fwd
 
@@ -71,7 +72,10 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     ``lse (B,H,Sq_r)`` float32). ``"tree"``: ``q`` is the same on every rank, k/v contiguous
     shards; the result is identical on every rank and the queries sit at key positions
     ``q_offset + i`` (default ``Sk - Sq``: ``causal`` is bottom-right). Causal everywhere means a
-    query at global position ``i`` sees keys at ``j <= i``.
+    query at global position ``i`` sees keys at ``j <= i``. ``"heads"`` takes and returns what the ring
+    does: an all-to-all gives each rank the whole sequence of its share of the heads
+    (``torch.tensor_split`` of ``H``; the kv heads they read, ``Hkv < P`` too), runs the local op
+    there and sends the output back (``schedules/heads.py``).
 
     The variant keywords (docs/API.md, "Attention variants") are in global positions:
     ``cu_seqlens (N+1,)`` packed documents (ring / allgather), ``window_size=(left, right)``,
@@ -89,8 +93,12 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     except Exception:  # the handshake's transfers are posted: complete them (bounded) before raising
         _complete(finish)
         raise
-    spec = _spec(comm, q, k, v, s, causal, layout, schedule, kw, finish())
-    out, lse = ShardedAttentionFn.apply(q, k, v, kw.sinks, comm, spec, schedule, local)
+    lens = finish()
+    if schedule == "heads":
+        out, lse = heads_attention(comm, q, k, v, s, causal, layout, kw, lens)
+    else:
+        spec = _spec(comm, q, k, v, s, causal, layout, schedule, kw, lens)
+        out, lse = ShardedAttentionFn.apply(q, k, v, kw.sinks, comm, spec, schedule, local)
     return (out, lse) if return_lse else out
 
 

@@ -1,0 +1,272 @@
+"""The heads schedule (all-to-all; DeepSpeed calls it Ulysses): whole sequences for a subset of heads.
+
+``q``, ``k``, ``v`` arrive as this rank's sequence shards with every head, in any layout the ring
+takes. Query heads are split over the ranks as ``torch.tensor_split`` splits them (uneven, zero
+heads allowed); a rank receives the kv heads its query heads read (a kv head read by several ranks
+goes to each of them). Four all-to-alls per call, two each way (:mod:`.alltoall`):
+
+1. q, k, v: sequence shards -> heads; the receiver assembles the full sequence of its heads in the
+   order of :class:`Placement` (1-D: global positions, the layout undone);
+2. ``(out, lse)`` of the local op: heads -> sequence shards;
+3. backward: ``dout`` and the rows' ``(lse, delta)``: sequence shards -> heads;
+4. ``(dq, dk, dv)``: heads -> sequence shards; the dK/dV of a kv head that several ranks read
+   travel in float32 and are summed in rank order, then cast once.
+
+Between the exchanges runs the inner op on the heads' tensors, a pair ``(fwd, bwd)`` with the
+ring's signatures. In one dimension it is the ring's visit of a one-rank plan over the whole
+sequence (:func:`local_op`): the single-device op, every keyword in its global meaning. A 2-D mesh
+will run the ring (or all-gather) over the sequence group there instead, with ``Placement`` the
+contiguous split of each sequence shard over the heads group. ``sinks`` follow their heads: each
+rank merges the sinks of its heads into its final rows before rounding; the sinks' gradient is each
+rank's rows' share (as under ``"ring"``), from the ``(lse, delta)`` of its sequence shard.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from ....core import state
+from ....distributed import layout as lay
+from ....distributed import work
+from ....distributed.alltoall import exchange
+from ....distributed.attn_meta import Keywords
+from ....distributed.comm import Communicator
+from ....distributed.work import AttnSpec
+from ..op import backward_stats
+from .ring import ring_attention_bwd, ring_attention_fwd
+
+TAG_QKV, TAG_OUT, TAG_DOUT, TAG_GRAD = 51, 52, 53, 54
+
+
+class Heads(NamedTuple):
+    """A rank's query heads ``[q0, q1)`` and the kv heads ``[k0, k1)`` they read."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+    @property
+    def nq(self) -> int:
+        return self.q1 - self.q0
+
+    @property
+    def nkv(self) -> int:
+        return self.k1 - self.k0
+
+
+@lru_cache(maxsize=64)
+def head_split(h: int, hkv: int, p: int) -> tuple:
+    """Every rank's :class:`Heads`: query heads as ``torch.tensor_split(range(H), P)``, query head
+    ``i`` reading kv head ``i // (H // Hkv)``."""
+    g = h // hkv
+    sizes = lay.split_sizes(h, p)
+    return tuple(Heads(a, a + n, a // g, (a + n - 1) // g + 1) if n else Heads(a, a, 0, 0)
+                 for a, n in zip(lay.starts(sizes), sizes))
+
+
+def kv_shared(split: tuple, hkv: int) -> bool:
+    """Whether some kv head is read by more than one rank."""
+    return sum(s.nkv for s in split) > hkv
+
+
+def kv_runs(hd: Heads, g: int) -> Optional[tuple]:
+    """``((start, end), ...)``: the local query heads of each local kv head, None where the local
+    op's own grouping (query head ``i`` reads kv head ``i // (nq // nkv)``) already says so."""
+    runs = tuple((max(hd.q0, j * g) - hd.q0, min(hd.q1, (j + 1) * g) - hd.q0) for j in range(hd.k0, hd.k1))
+    return None if len({e - s for s, e in runs}) <= 1 else runs
+
+
+class Placement:
+    """Where each rank's rows go when the heads' tensors are assembled along dim 2: rank ``r``'s
+    local row ``i`` at ``positions[r][i]`` (None: rank order, shards back to back)."""
+
+    def __init__(self, lens: tuple, positions: Optional[tuple]):
+        self.lens, self.positions = lens, positions
+        self.total = sum(lens)
+        self._index: dict = {}
+
+    def index(self, r: int, device) -> Tensor:
+        key = (r, str(device))
+        if key not in self._index:
+            self._index[key] = torch.tensor(self.positions[r], dtype=torch.long, device=device)
+        return self._index[key]
+
+    def assemble(self, parts: list) -> Tensor:
+        """``(B, n, total, ...)`` from every rank's ``(B, n, lens[r], ...)``."""
+        if self.positions is None:
+            return torch.cat(parts, 2)
+        p0 = parts[0]
+        full = p0.new_empty((*p0.shape[:2], self.total, *p0.shape[3:]))
+        for r, part in enumerate(parts):
+            if self.lens[r]:
+                full.index_copy_(2, self.index(r, full.device), part)
+        return full
+
+    def split(self, full: Tensor) -> list:
+        """Inverse of :meth:`assemble`: each rank's rows of ``full``."""
+        if self.positions is None:
+            return list(full.split(list(self.lens), 2))
+        return [full.index_select(2, self.index(r, full.device)) for r in range(len(self.lens))]
+
+
+@lru_cache(maxsize=32)
+def sequence_placement(layout: str, lens: tuple, docs: Optional[tuple]) -> Placement:
+    """The global order of a sequence sharded by ``layout`` (per document with ``docs``)."""
+    if layout == "contiguous":
+        return Placement(lens, None)
+    segs = [lay.segments(layout, list(lens), r, docs) for r in range(len(lens))]
+    return Placement(lens, tuple(tuple(i for s in ss for i in range(s.glob, s.glob + s.n)) for ss in segs))
+
+
+class _Solo(Communicator):
+    """The communicator of a one-rank plan: nothing is ever sent."""
+
+    rank, size = 0, 1
+
+
+@dataclass
+class HeadsSpec:
+    """What the ranks agreed on, as the heads schedule uses it."""
+
+    comm: Communicator
+    b: int
+    h: int
+    hkv: int
+    d: int
+    dv: int
+    split: tuple
+    q_place: Placement
+    k_place: Placement
+    inner: tuple  # (fwd(q, k, v) -> (out, lse), bwd(q, k, v, dout, lse, delta) -> (dq, dk, dv)), accumulation dtype
+
+    @property
+    def mine(self) -> Heads:
+        return self.split[self.comm.rank]
+
+
+def local_op(b: int, hd: Heads, d: int, dv: int, scale: float, causal: bool, kw: Keywords, sq: int, sk: int,
+             local_kv: int) -> tuple:
+    """The single-device op over the whole sequence for ``hd``'s heads (``local_kv`` kv heads after
+    any expansion), every keyword in its global meaning (``sinks`` apart): the ring's one-rank plan."""
+    inner_kw = kw._replace(sinks=None, q_offset=None)
+    planned = work.planned(0, (sq,), (sk,), "contiguous", causal, kw.docs, kw.window)
+    spec = AttnSpec(b, hd.nq, local_kv, d, dv, scale, causal, "contiguous", [sq], [sk], 0, inner_kw, planned)
+    solo = _Solo()
+    return (lambda q, k, v: ring_attention_fwd(solo, spec, q, k, v),
+            lambda q, k, v, dout, lse, delta: ring_attention_bwd(solo, spec, q, k, v, dout, lse, delta))
+
+
+def _expand(kh: Tensor, runs: Optional[tuple]) -> Tensor:
+    """``kh (B, nkv, S, D)`` with one kv head per local query head where ``runs`` say so."""
+    if runs is None:
+        return kh
+    return torch.cat([kh[:, j:j + 1].expand(-1, e - s, -1, -1) for j, (s, e) in enumerate(runs)], 1)
+
+
+def _fold(dk: Tensor, runs: Optional[tuple]) -> Tensor:
+    """Inverse of :func:`_expand` for gradients: each kv head's query heads summed (accumulation dtype)."""
+    if runs is None:
+        return dk
+    return torch.stack([dk[:, s:e].sum(1) for s, e in runs], 1)
+
+
+def _to_heads(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int) -> list:
+    """Sequence shards -> heads: each ``(tensor, kv?)`` of ``tensors`` (dims ``(B, heads, S_r, ...)``)
+    sent by query or kv heads, assembled along dim 2 by ``places``."""
+    p, me = hs.comm.size, hs.mine
+    sends = [[t[:, s.k0:s.k1] if kv else t[:, s.q0:s.q1] for t, kv in tensors] for s in hs.split]
+    specs = [[((t.shape[0], me.nkv if kv else me.nq, pl.lens[o], *t.shape[3:]), t.dtype)
+              for (t, kv), pl in zip(tensors, places)] for o in range(p)]
+    got = exchange(hs.comm, sends, specs, step, tag, tensors[0][0].device)
+    return [pl.assemble([g[i] for g in got]) for i, pl in enumerate(places)]
+
+
+def _to_seq(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int) -> list:
+    """Heads -> sequence shards: ``tensors`` ``(t, kv?, dtype)`` of this rank's heads, split along
+    dim 2 by ``places``; returns, per tensor, every rank's part ``[from rank 0, ...]``."""
+    p, r = hs.comm.size, hs.comm.rank
+    parts = [pl.split(t.to(dt)) for (t, kv, dt), pl in zip(tensors, places)]
+    sends = [[pt[o] for pt in parts] for o in range(p)]
+    specs = [[((t.shape[0], hs.split[o].nkv if kv else hs.split[o].nq, pl.lens[r], *t.shape[3:]), dt)
+              for (t, kv, dt), pl in zip(tensors, places)] for o in range(p)]
+    got = exchange(hs.comm, sends, specs, step, tag, tensors[0][0].device)
+    return [[g[i] for g in got] for i in range(len(tensors))]
+
+
+def _summed(parts: list, split: tuple, hkv: int, shared: bool, dtype: torch.dtype) -> Tensor:
+    """dK or dV ``(B, Hkv, S_r, D)`` from each rank's kv heads: summed in rank order in the
+    accumulation dtype where heads are shared (then cast once), else concatenated."""
+    if not shared:
+        return torch.cat(parts, 1).to(dtype)
+    p0 = parts[0]
+    total = p0.new_zeros((p0.shape[0], hkv, *p0.shape[2:]))
+    for s, part in zip(split, parts):
+        total[:, s.k0:s.k1] += part
+    return total.to(dtype)
+
+
+class HeadsAttentionFn(torch.autograd.Function):
+    """``(out (B,H,Sq_r,Dv), lse (B,H,Sq_r))`` of this rank's sequence shard; saves the heads'
+    q, k, v for the backward (its exchanges carry only gradients and row statistics)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, sinks, hs: HeadsSpec):
+        me, acc = hs.mine, state.stat_dtype(q.dtype)
+        qh, kh, vh = _to_heads(hs, [(q, False), (k, True), (v, True)], [hs.q_place, hs.k_place, hs.k_place],
+                               "heads forward: q, k, v to heads", TAG_QKV)
+        runs = kv_runs(me, hs.h // hs.hkv)
+        if me.nq:
+            outh, lseh = hs.inner[0](qh, _expand(kh, runs), _expand(vh, runs))
+            if sinks is not None:
+                outh, lseh = state.add_sinks(outh, lseh, sinks[me.q0:me.q1])
+        else:
+            outh, lseh = qh.new_empty((hs.b, 0, hs.q_place.total, hs.dv)), qh.new_empty((hs.b, 0, hs.q_place.total))
+        outs, lses = _to_seq(hs, [(outh, False, q.dtype), (lseh, False, acc)], [hs.q_place, hs.q_place],
+                             "heads forward: out to sequence shards", TAG_OUT)
+        out, lse = torch.cat(outs, 1), torch.cat(lses, 1)
+        ctx.save_for_backward(qh, kh, vh, out, lse, sinks)
+        ctx.hs, ctx.dtypes = hs, (q.dtype, k.dtype, v.dtype)
+        return out, lse.float()
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        qh, kh, vh, out, lse, sinks = ctx.saved_tensors
+        hs, me = ctx.hs, ctx.hs.mine
+        lse, delta = backward_stats(out, lse, dout.contiguous(), dlse)
+        dsinks = state.sink_grad(lse, delta, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        douth, lseh, deltah = _to_heads(hs, [(dout, False), (lse, False), (delta, False)], [hs.q_place] * 3,
+                                        "heads backward: dout to heads", TAG_DOUT)
+        runs, shared = kv_runs(me, hs.h // hs.hkv), kv_shared(hs.split, hs.hkv)
+        if me.nq:
+            dqh, dkh, dvh = hs.inner[1](qh, _expand(kh, runs), _expand(vh, runs), douth, lseh, deltah)
+            dkh, dvh = _fold(dkh, runs), _fold(dvh, runs)
+        else:
+            dqh, dkh, dvh = qh, kh, vh  # (empty)
+        qdt, kdt, vdt = ctx.dtypes
+        acc = state.stat_dtype(qdt)
+        dqs, dks, dvs = _to_seq(hs, [(dqh, False, qdt), (dkh, True, acc if shared else kdt),
+                                     (dvh, True, acc if shared else vdt)], [hs.q_place, hs.k_place, hs.k_place],
+                                "heads backward: gradients to sequence shards", TAG_GRAD)
+        dk, dv = (_summed(parts, hs.split, hs.hkv, shared, dt) for parts, dt in ((dks, kdt), (dvs, vdt)))
+        return torch.cat(dqs, 1), dk, dv, dsinks, None
+
+
+def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, layout: str,
+                    kw: Keywords, lens: tuple) -> tuple[Tensor, Tensor]:
+    """``schedule="heads"`` after the handshake: ``(out (B,H,Sq_r,Dv) in q.dtype, lse (B,H,Sq_r)
+    float32)`` of this rank's sequence shard. ``lens``: every rank's ``(q lengths, k lengths)``."""
+    (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
+    docs = kw.docs if layout == "zigzag" else None
+    q_lens, k_lens = tuple(lens[0]), tuple(lens[1])
+    split = head_split(h, hkv, comm.size)
+    me = split[comm.rank]
+    runs = kv_runs(me, h // hkv)
+    inner = local_op(b, me, d, dv, scale, causal, kw, sum(q_lens), sum(k_lens), me.nkv if runs is None else me.nq)
+    hs = HeadsSpec(comm, b, h, hkv, d, dv, split, sequence_placement(layout, q_lens, docs),
+                   sequence_placement(layout, k_lens, docs), inner)
+    return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)

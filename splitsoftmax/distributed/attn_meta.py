@@ -117,6 +117,13 @@ def _fields(kw: Keywords, b: int) -> tuple[dict, dict]:
     return agree, per
 
 
+def split_name(layout: str, docs: Optional[tuple]) -> str:
+    """What ``layout`` makes of a sequence, for the message of a length that is not it."""
+    if layout == "balanced":
+        return "the balanced placement of the documents of cu_seqlens"
+    return "a per-document zigzag split of cu_seqlens" if docs is not None else "a zigzag split"
+
+
 def _ranks(values: list, bad) -> list:
     return [r for r, v in enumerate(values) if bad(v)]
 
@@ -129,13 +136,11 @@ def check_global(meta: dict, kw: Keywords, layout: str, schedule: str) -> None:
             raise ValueError(f"cu_seqlens needs q and k sharded alike (self-attention), got q lengths {q_lens}, "
                              f"k lengths {k_lens}")
         vs.check_cu_seqlens(kw.docs, sum(q_lens), sum(k_lens), 0)
-    if layout == "zigzag":
-        for name, lens in (("Sq_local", q_lens), ("Sk_local", k_lens)):
-            bad = lay.zigzag_mismatch(lens, kw.docs)
-            if bad:
-                what = "a per-document zigzag split of cu_seqlens" if kw.docs else "a zigzag split"
-                raise ValueError(f"sharded_attention: layout='zigzag' but rank(s) {bad} hold {name} not of {what} "
-                                 f"of {sum(lens)} positions (lengths {lens})")
+    for name, lens in (("Sq_local", q_lens), ("Sk_local", k_lens)):
+        bad = lay.layout_mismatch(layout, lens, kw.docs)
+        if bad:
+            raise ValueError(f"sharded_attention: layout={layout!r} but rank(s) {bad} hold {name} not of "
+                             f"{split_name(layout, kw.docs)} of {sum(lens)} positions (lengths {lens})")
     sk = sum(k_lens)
     bad = sorted(set(_ranks(meta["kv_range ok"], lambda v: v != 1) + _ranks(meta["kv_range max"], lambda v: v > sk)))
     if bad:
@@ -155,7 +160,7 @@ def start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords: 
         s = _checks.attention_args(q, k, v, scale, causal)
         _checks.flag("return_lse", return_lse)
         _checks.choice("schedule", schedule, _checks.SCHEDULES)
-        _checks.choice("layout", layout, _checks.LAYOUTS)
+        _checks.layout(layout, keywords["cu_seqlens"])
         if schedule == "tree" and layout != "contiguous":
             raise ValueError(f"layout={layout!r}: the tree schedule takes contiguous k/v shards")
         kw = check_keywords(q, schedule, **keywords)

@@ -78,7 +78,7 @@ def _seq_meta(name: str, x, dim, group, layout, cu_seqlens, arg: str = "x"):
         if x.dim() == 0:
             raise ValueError(f"x must have at least one dimension to {name}, got a 0-d tensor")
         d = _checks.dim("dim", dim, x.dim())
-        _checks.choice("layout", layout, _checks.LAYOUTS)
+        _checks.layout(layout, cu_seqlens)
         docs = attn_meta.doc_values(cu_seqlens)
         if name == "shard" and docs is not None:
             vs.check_cu_seqlens(docs, x.shape[d], x.shape[d], 0)
@@ -98,7 +98,9 @@ def shard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", cu
 
     ``"contiguous"`` splits like ``torch.tensor_split``; ``"zigzag"`` cuts ``2P`` chunks the same
     way and keeps chunks ``r`` and ``2P-1-r``; with ``cu_seqlens`` (documents, ``cu[-1]`` the
-    length along ``dim``) ``"zigzag"`` does so to every document, in document order (any lengths).
+    length along ``dim``) ``"zigzag"`` does so to every document, in document order (any lengths),
+    and ``"balanced"`` (which needs them) keeps short documents whole on one rank each and zigzags
+    the long ones (``distributed.layout.balanced``), a rank's positions in global order.
     Backward gathers the full gradient on every rank. Ranks whose ``x`` differ (in shape or values:
     a fingerprint travels with the handshake) raise ``ValueError`` on every rank, naming them.
     """
@@ -108,7 +110,7 @@ def shard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", cu
 def shard_as(x: Tensor, dim, group, layout: str, cu_seqlens, arg: str) -> Tensor:
     """:func:`shard`, naming ``x`` as ``arg`` where its values differ across ranks."""
     comm, d, meta, docs = _seq_meta("shard", x, dim, group, layout, cu_seqlens, arg)
-    docs = docs if layout == "zigzag" else None  # contiguous slices ignore documents
+    docs = docs if layout != "contiguous" else None  # contiguous slices ignore documents
     lengths = lay.shard_lengths(x.shape[d], comm.size, layout, docs)
     return ShardFn.apply(x, d, lengths, layout, comm, docs)
 
@@ -117,18 +119,18 @@ def shard_as(x: Tensor, dim, group, layout: str, cu_seqlens, arg: str) -> Tensor
 def unshard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", cu_seqlens=None) -> Tensor:
     """The full tensor, on every rank, from each rank's shard along ``dim`` (collective).
 
-    ``"contiguous"``: shards in rank order, any lengths; ``"zigzag"``: as :func:`shard` makes them
-    (per document with ``cu_seqlens``, whose last entry is the full length). Backward returns this
+    ``"contiguous"``: shards in rank order, any lengths; ``"zigzag"`` and ``"balanced"``: as
+    :func:`shard` makes them (per document with ``cu_seqlens``, whose last entry is the full length;
+    ``"balanced"`` needs it). Backward returns this
     rank's slice of the gradient.
     """
     comm, d, meta, docs = _seq_meta("unshard", x, dim, group, layout, cu_seqlens)
     lengths = meta["length"]
     if docs is not None:
         vs.check_cu_seqlens(docs, sum(lengths), sum(lengths), 0)  # the same on every rank: docs agree
-        docs = docs if layout == "zigzag" else None
-    bad = lay.zigzag_mismatch(lengths, docs) if layout == "zigzag" else []
+        docs = docs if layout != "contiguous" else None
+    bad = lay.layout_mismatch(layout, lengths, docs)
     if bad:
-        what = "a per-document zigzag split of cu_seqlens" if docs is not None else "a zigzag split"
-        raise ValueError(f"unshard: layout='zigzag' but rank(s) {bad} hold lengths not of {what} of "
-                         f"{sum(lengths)} (lengths {lengths})")
+        raise ValueError(f"unshard: layout={layout!r} but rank(s) {bad} hold lengths not of "
+                         f"{attn_meta.split_name(layout, docs)} of {sum(lengths)} (lengths {lengths})")
     return UnshardFn.apply(x, d, lengths, layout, comm, docs)

@@ -164,6 +164,9 @@ def _check_block(buffers, dims, layout: str, schedule: str) -> tuple[list, list,
         raise ValueError("context_parallel: this thread is already inside an ss.context_parallel block; blocks do "
                          "not nest (shard every buffer in one block)")
     _checks.choice("layout", layout, _checks.LAYOUTS)
+    if layout == "balanced":
+        raise ValueError("context_parallel: layout='balanced' places packed documents (cu_seqlens), which "
+                         "scaled_dot_product_attention calls do not carry; use layout='zigzag' or 'contiguous'")
     _checks.choice("schedule", schedule, SEQ_SCHEDULES)
     buffers, dims = list(buffers), list(dims)
     if len(buffers) != len(dims):

@@ -261,7 +261,7 @@ def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: 
     """``schedule="heads"`` after the handshake: ``(out (B,H,Sq_r,Dv) in q.dtype, lse (B,H,Sq_r)
     float32)`` of this rank's sequence shard. ``lens``: every rank's ``(q lengths, k lengths)``."""
     (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
-    docs = kw.docs if layout == "zigzag" else None
+    docs = kw.docs if layout != "contiguous" else None
     q_lens, k_lens = tuple(lens[0]), tuple(lens[1])
     split = head_split(h, hkv, comm.size)
     me = split[comm.rank]

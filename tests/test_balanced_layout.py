@@ -84,7 +84,7 @@ def test_placement_random_mixes(seed):
     whole = [d for d in range(len(n)) if d not in split and n[d]]
     if split and whole:
         smallest = min(split, key=lambda d: (size[d], -d))
-        assert all((size[d], -d) <= (size[smallest], -smallest) for d in whole), "a whole document larger than a split one"
+        assert all((size[d], -d) <= (size[smallest], -smallest) for d in whole), "a whole one above a split one"
     loads, total = work(pos, cu), sum(size)
     zig = max(work(rank_positions("zigzag", None, p, cu), cu))
     assert max(loads) * p * SLACK <= total * (SLACK + 1) or max(loads) <= zig, (cu, p, loads, zig)

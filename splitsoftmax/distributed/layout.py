@@ -125,26 +125,31 @@ def balanced_owners(docs: tuple, size: int) -> tuple:
     n = len(docs) - 1
     work = [causal_work(docs[d + 1] - docs[d]) for d in range(n)]
     order = sorted((d for d in range(n) if work[d]), key=lambda d: (-work[d], d))
-    total = sum(work)
-    fits = lambda load: load * size * BALANCE_SLACK <= total * (BALANCE_SLACK + 1)  # noqa: E731
-    must = sum(1 for d in order if not fits(work[d]))  # alone above the bound: never whole
-    tried = {}
+    tried: dict = {}
 
-    def attempt(k: int) -> tuple:
+    def busiest(k: int) -> int:
         if k not in tried:
             tried[k] = _placed(docs, order, k, size)
-        return tried[k]
-    if fits(max(attempt(must)[1])):
-        return tuple(attempt(must)[0])
-    enough = sum(1 for d in order if work[d] * size * BALANCE_SLACK > total)  # the rest below mean / 8
-    if not fits(max(attempt(enough)[1])):
-        best = min((must, enough, len(order)), key=lambda k: (max(attempt(k)[1]), k))
-        return tuple(attempt(best)[0])
-    lo, hi = must, enough  # lo misses the bound, hi meets it
-    while hi - lo > 1:
+        return max(tried[k][1])
+    k = _split_count([work[d] for d in order], sum(work), size, busiest)
+    busiest(k)
+    return tuple(tried[k][0])
+
+
+def _split_count(works: list, total: int, size: int, busiest) -> int:
+    """How many of the largest documents to zigzag (``works``: the documents' work, largest first;
+    ``busiest(k)``: the busiest rank's work when the first ``k`` are zigzagged)."""
+    fits = lambda load: load * size * BALANCE_SLACK <= total * (BALANCE_SLACK + 1)  # noqa: E731
+    lo = sum(1 for w in works if not fits(w))  # alone above the bound: never whole
+    if fits(busiest(lo)):
+        return lo
+    hi = sum(1 for w in works if w * size * BALANCE_SLACK > total)  # the rest at most mean / SLACK
+    if not fits(busiest(hi)):
+        return min((lo, hi, len(works)), key=lambda k: (busiest(k), k))
+    while hi - lo > 1:  # lo misses the bound, hi meets it
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(max(attempt(mid)[1])) else (mid, hi)
-    return tuple(attempt(hi)[0])
+        lo, hi = (lo, mid) if fits(busiest(mid)) else (mid, hi)
+    return hi
 
 
 @lru_cache(maxsize=16)
@@ -172,7 +177,7 @@ def balanced(docs, size: int, rank: int) -> list[Seg]:
     ``torch.tensor_split(doc, 2P)``); the others stay whole, each on one rank. The documents split are
     the largest by causal work ``n(n+1)/2`` (ties: the earlier document first), as few as a bisection
     finds such that the busiest rank's work is at most ``(1 + 1/BALANCE_SLACK)`` times the mean: those
-    alone above that bound always, those below ``mean / BALANCE_SLACK`` only where even splitting
+    alone above that bound always, those of at most ``mean / BALANCE_SLACK`` only where even splitting
     every larger one misses it. The whole ones are placed largest first onto the rank of least work so
     far (ties: the lowest rank), after the zigzagged ones' work (longest-processing-time first). Where
     the bound is out of reach (sequences short next to ``2P``) the busiest rank does no worse than

@@ -68,8 +68,9 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
 
     ``"ring"``/``"allgather"``: ``q (B,H,Sq_r,D)``, ``k (B,Hkv,Sk_r,D)``, ``v (B,Hkv,Sk_r,Dv)`` are
     this rank's shards (``layout`` ``"contiguous"``: any lengths; ``"zigzag"``: chunks r, 2P-1-r,
-    of every document with ``cu_seqlens``); returns this rank's shard of the output (and
-    ``lse (B,H,Sq_r)`` float32). ``"tree"``: ``q`` is the same on every rank, k/v contiguous
+    of every document with ``cu_seqlens``; ``"balanced"``, which needs ``cu_seqlens``: short
+    documents whole on one rank each, long ones zigzagged, ``distributed.layout.balanced``); returns
+    this rank's shard of the output (and ``lse (B,H,Sq_r)`` float32). ``"tree"``: ``q`` is the same on every rank, k/v contiguous
     shards; the result is identical on every rank and the queries sit at key positions
     ``q_offset + i`` (default ``Sk - Sq``: ``causal`` is bottom-right). Causal everywhere means a
     query at global position ``i`` sees keys at ``j <= i``. ``"heads"`` takes and returns what the ring

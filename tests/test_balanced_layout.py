@@ -17,6 +17,7 @@ import torch
 from splitsoftmax import sharded_attention
 from splitsoftmax.distributed import LoopbackWorld, as_comm, shard, unshard
 from splitsoftmax.distributed import layout as lay
+from _dist_util import assert_ok, spawn
 from test_dist_cases import DEVICE, F32
 from test_dist_variants import check, rank_positions, sinks_of
 
@@ -140,7 +141,7 @@ def case_shard_roundtrip(group):
     c = as_comm(group)
     for cu in (cu_of([0, 1, 3, 17, 5, 0, 2, 9, 4]), cu_of([2 * c.size - 1]), cu_of([40, 3, 3, 3]), (0,)):
         s = cu[-1]
-        x = torch.randn(2, 3, s, 4, generator=torch.Generator().manual_seed(s), dtype=torch.float64)
+        x = torch.randn(2, 3, s, 4, generator=torch.Generator().manual_seed(s), dtype=torch.float64).to(DEVICE)
         xl = x.clone().requires_grad_()
         mine = shard(xl, 2, group=group, layout="balanced", cu_seqlens=torch.tensor(cu))
         assert torch.equal(mine, x[:, :, positions(cu, c.size)[c.rank]]), f"shard cu={cu} rank {c.rank}"
@@ -196,10 +197,22 @@ def case_refusals(group):
         unshard(y, 2, group=group, layout="balanced", cu_seqlens=cu)
 
 
+def case_all(group):
+    """Every distributed case, for the Gloo lane here and the NCCL one (test_gpu_dist.py)."""
+    for case in (case_shard_roundtrip, case_attention, case_refusals):
+        case(group)
+
+
 @pytest.mark.parametrize("size", [2, 3, 4])
 @pytest.mark.parametrize("case", [case_shard_roundtrip, case_attention, case_refusals], ids=lambda f: f.__name__)
 def test_loopback(size, case):
     LoopbackWorld(size).run(case)
+
+
+def test_gloo():
+    """The same cases in Gloo processes: each rank computes the placement alone, and they agree."""
+    assert_ok(spawn(3, "tests/test_balanced_layout.py:case_all", timeout=240, env={"SPLITSOFTMAX_TIMEOUT": "60"}),
+              "gloo world of 3, balanced")
 
 
 def test_context_parallel_refuses_balanced():

@@ -209,6 +209,11 @@ def test_loopback(size, case):
     LoopbackWorld(size).run(case)
 
 
+def test_loopback_one_rank():
+    """One rank holds everything, in global order."""
+    LoopbackWorld(1).run(case_shard_roundtrip)
+
+
 def test_gloo():
     """The same cases in Gloo processes: each rank computes the placement alone, and they agree."""
     assert_ok(spawn(3, "tests/test_balanced_layout.py:case_all", timeout=240, env={"SPLITSOFTMAX_TIMEOUT": "60"}),

@@ -117,13 +117,6 @@ def _fields(kw: Keywords, b: int) -> tuple[dict, dict]:
     return agree, per
 
 
-def split_name(layout: str, docs: Optional[tuple]) -> str:
-    """What ``layout`` makes of a sequence, for the message of a length that is not it."""
-    if layout == "balanced":
-        return "the balanced placement of the documents of cu_seqlens"
-    return "a per-document zigzag split of cu_seqlens" if docs is not None else "a zigzag split"
-
-
 def _ranks(values: list, bad) -> list:
     return [r for r, v in enumerate(values) if bad(v)]
 
@@ -140,7 +133,7 @@ def check_global(meta: dict, kw: Keywords, layout: str, schedule: str) -> None:
         bad = lay.layout_mismatch(layout, lens, kw.docs)
         if bad:
             raise ValueError(f"sharded_attention: layout={layout!r} but rank(s) {bad} hold {name} not of "
-                             f"{split_name(layout, kw.docs)} of {sum(lens)} positions (lengths {lens})")
+                             f"{lay.split_name(layout, kw.docs)} of {sum(lens)} positions (lengths {lens})")
     sk = sum(k_lens)
     bad = sorted(set(_ranks(meta["kv_range ok"], lambda v: v != 1) + _ranks(meta["kv_range max"], lambda v: v > sk)))
     if bad:

@@ -188,8 +188,7 @@ def balanced(docs, size: int, rank: int) -> list[Seg]:
 
 def segments(layout: str, lengths: list[int], rank: int, docs=None) -> list[Seg]:
     """The segments of ``rank`` given every rank's shard length (rank order); ``docs`` (a tuple
-    of document boundaries) makes ``"zigzag"`` per document;
-    ``"balanced"`` needs them."""
+    of document boundaries) makes ``"zigzag"`` per document; ``"balanced"`` needs them."""
     if layout == "contiguous":
         return [Seg(0, sum(lengths[:rank]), lengths[rank])]
     p = len(lengths)
@@ -213,6 +212,13 @@ def layout_mismatch(layout: str, lengths: list[int], docs=None) -> list[int]:
         return []
     want = shard_lengths(sum(lengths), len(lengths), layout, docs)
     return [r for r, (n, w) in enumerate(zip(lengths, want)) if n != w]
+
+
+def split_name(layout: str, docs) -> str:
+    """What ``layout`` makes of a sequence, for the message of a shard length that is not it."""
+    if layout == "balanced":
+        return "the balanced placement of the documents of cu_seqlens"
+    return "a per-document zigzag split of cu_seqlens" if docs is not None else "a zigzag split"
 
 
 def global_pieces(layout: str, lengths: list[int], docs=None) -> list[tuple[int, int, int]]:

@@ -121,8 +121,7 @@ def unshard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", 
 
     ``"contiguous"``: shards in rank order, any lengths; ``"zigzag"`` and ``"balanced"``: as
     :func:`shard` makes them (per document with ``cu_seqlens``, whose last entry is the full length;
-    ``"balanced"`` needs it). Backward returns this
-    rank's slice of the gradient.
+    ``"balanced"`` needs it). Backward returns this rank's slice of the gradient.
     """
     comm, d, meta, docs = _seq_meta("unshard", x, dim, group, layout, cu_seqlens)
     lengths = meta["length"]
@@ -132,5 +131,5 @@ def unshard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", 
     bad = lay.layout_mismatch(layout, lengths, docs)
     if bad:
         raise ValueError(f"unshard: layout={layout!r} but rank(s) {bad} hold lengths not of "
-                         f"{attn_meta.split_name(layout, docs)} of {sum(lengths)} (lengths {lengths})")
+                         f"{lay.split_name(layout, docs)} of {sum(lengths)} (lengths {lengths})")
     return UnshardFn.apply(x, d, lengths, layout, comm, docs)

@@ -228,3 +228,13 @@ def test_context_parallel_refuses_balanced():
             with ss.context_parallel(c, layout="balanced"):
                 pass
     LoopbackWorld(2).run(case)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("schedule", ["ring", "heads"])
+def test_interpreter(schedule):
+    """Over the Triton kernels (TRITON_INTERPRET=1): whole documents and a zigzagged one, windowed,
+    capped, with sinks, float32."""
+    kw = dict(cu_seqlens=cu_of(DOCS), window_size=(3, 0), softcap=1.5, sinks=sinks_of())
+    LoopbackWorld(2).run(lambda g: check(g, schedule, "balanced", True, kw, s=cu_of(DOCS)[-1],
+                                         dtype=torch.float32, tol=F32))

@@ -197,6 +197,22 @@ def case_refusals(group):
         unshard(y, 2, group=group, layout="balanced", cu_seqlens=cu)
 
 
+@pytest.mark.parametrize("layout,moved", [("balanced", False), ("zigzag", True)])
+def test_whole_documents_need_no_transfer(layout, moved):
+    """Eight documents of 6 over 4 ranks: two whole ones a rank, so the ring sends no K/V forward
+    and no dK/dV backward (per-document zigzag sends both)."""
+    from splitsoftmax.ops.attention.schedules.ring import TAG_DKV, TAG_KV
+    cu = cu_of([6] * 8)
+    world = LoopbackWorld(4)
+
+    def run(c):
+        x = torch.randn(1, 2, cu[-1], 4, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        q, k, v = (shard(x, 2, group=c, layout=layout, cu_seqlens=cu).requires_grad_() for _ in range(3))
+        sharded_attention(q, k, v, causal=True, group=c, layout=layout, cu_seqlens=cu).sum().backward()
+    world.run(run)
+    assert (world.sends.get(TAG_KV, 0) > 0, world.sends.get(TAG_DKV, 0) > 0) == (moved, moved), dict(world.sends)
+
+
 def case_all(group):
     """Every distributed case, for the Gloo lane here and the NCCL one (test_gpu_dist.py)."""
     for case in (case_shard_roundtrip, case_attention, case_refusals):

@@ -23,7 +23,7 @@ import torch
 
 from ..core import checks as _checks
 from .comm import Communicator
-from .mesh import Mesh, post_gather
+from .mesh import Mesh, mesh_order, mesh_shape, post_gather
 
 META_LEN = 32
 TAG_META = 11
@@ -192,6 +192,8 @@ def start_handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank
     """:func:`handshake` in two halves: the exchange starts now; the returned ``finish()`` waits
     for it and checks (raising as :func:`handshake` does), so local work can run in between."""
     agree, per_rank = dict(agree or {}), dict(per_rank or {})
+    if isinstance(comm, Mesh) and comm.whole is not None:
+        return _on_whole(comm, op, agree, per_rank, error)
     names = list(agree) + list(per_rank)
     if len(names) + 2 > META_LEN:
         raise ValueError(f"{op}: too many handshake fields")
@@ -203,6 +205,19 @@ def start_handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank
     def finish() -> dict:
         table = torch.stack(gathered()).cpu().tolist()
         return _check(op, table, agree, names, error, _reasons(comm, op, table, error))
+    return finish
+
+
+def _on_whole(mesh: Mesh, op: str, agree: dict, per_rank: dict, error) -> Callable[[], dict]:
+    """The handshake of a mesh over its ``whole`` communicator (ranks named as its ranks), the mesh
+    itself checked alike on every rank; the fields come back in mesh rank order."""
+    agree["mesh shape"] = mesh_shape(mesh)
+    pending = start_handshake(mesh.whole, op, agree, {**per_rank, **mesh.fields()}, error)
+
+    def finish() -> dict:
+        meta = pending()
+        order = mesh_order(op, mesh.shape, meta.pop("mesh coordinates"), meta.pop("mesh groups"))
+        return {name: [values[r] for r in order] for name, values in meta.items()}
     return finish
 
 

@@ -120,7 +120,9 @@ def shard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", cu
     ``"contiguous"`` splits like ``torch.tensor_split``; ``"zigzag"`` cuts ``2P`` chunks the same
     way and keeps chunks ``r`` and ``2P-1-r``; with ``cu_seqlens`` (documents, ``cu[-1]`` the
     length along ``dim``) ``"zigzag"`` does so to every document, in document order (any lengths).
-    Backward gathers the full gradient on every rank. Ranks whose ``x`` differ (in shape or values:
+    On a 2-D mesh (a 2-D DeviceMesh or a tuple ``(seq_group, heads_group)``) that is the sequence
+    shard over the sequence group, split again like ``torch.tensor_split`` over the heads group:
+    this rank gets its heads rank's piece. Backward gathers the full gradient on every rank. Ranks whose ``x`` differ (in shape or values:
     a fingerprint travels with the handshake) raise ``ValueError`` on every rank, naming them.
     """
     return shard_as(x, dim, group, layout, cu_seqlens, "x")
@@ -141,8 +143,9 @@ def unshard(x: Tensor, dim: int = 2, *, group=None, layout: str = "contiguous", 
     """The full tensor, on every rank, from each rank's shard along ``dim`` (collective).
 
     ``"contiguous"``: shards in rank order, any lengths; ``"zigzag"``: as :func:`shard` makes them
-    (per document with ``cu_seqlens``, whose last entry is the full length). Backward returns this
-    rank's slice of the gradient.
+    (per document with ``cu_seqlens``, whose last entry is the full length); on a 2-D mesh, the
+    pieces of every sequence shard in heads-rank order (any lengths). Backward returns this rank's
+    slice of the gradient.
     """
     comm, d, meta, docs = _seq_meta("unshard", x, dim, group, layout, cu_seqlens)
     lengths, heads_lens = meta["length"], None

@@ -175,3 +175,10 @@ def test_transfer_count(shape):
         ring = (ph - 1) * ps * (ps - 1)
         assert world.sends[TAG_KV] == (ring if schedule == "heads+ring" else 0), (schedule, dict(world.sends))
         assert (world.sends[TAG_GATHER] > 0) == (schedule == "heads+allgather"), (schedule, dict(world.sends))
+
+
+@pytest.mark.parametrize("shape", [(1, 3), (3, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_degenerate_meshes(shape):
+    """A mesh of one sequence rank (the all-to-all alone) or one heads rank (the ring alone)."""
+    on_mesh(shape, lambda m: (check(m, "heads+ring", "zigzag", True, dict(window_size=(4, 0)), 4, 2, s=10),
+                              check(m, "heads+allgather", "contiguous", False, {}, 5, 1, lens=[4, 0, 3])))

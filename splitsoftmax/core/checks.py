@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-SCHEDULES = ("ring", "allgather", "tree", "heads")
+SCHEDULES = ("ring", "allgather", "tree", "heads", "heads+ring", "heads+allgather")
+MESH_SCHEDULES = ("heads+ring", "heads+allgather")  # those of a 2-D group (sequence x heads)
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 REDUCTIONS = ("mean", "sum", "none")
 

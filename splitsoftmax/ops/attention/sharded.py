@@ -14,11 +14,13 @@ from torch import Tensor
 
 from ...core import state
 from ...distributed import attn_meta, work
-from ...distributed.comm import as_comm, eager
+from ...core.checks import MESH_SCHEDULES
+from ...distributed.comm import eager
+from ...distributed.mesh import as_group
 from ...distributed.work import AttnSpec
 from .op import backward_stats
 from .schedules.allgather import allgather_attention_bwd, allgather_attention_fwd
-from .schedules.heads import heads_attention
+from .schedules.heads import heads_attention, mesh_attention
 from .schedules.ring import ring_attention_bwd, ring_attention_fwd
 from .schedules.tree import early_local, tree_attention_bwd, tree_attention_fwd
 
@@ -78,6 +80,13 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     (``torch.tensor_split`` of ``H``; the kv heads they read, ``Hkv < P`` too), runs the local op
     there and sends the output back (``schedules/heads.py``).
 
+    ``group`` may be a 2-D mesh: a 2-D ``DeviceMesh`` (dim 0 sequence, dim 1 heads) or a tuple
+    ``(seq_group, heads_group)``, with ``schedule="heads+ring"`` or ``"heads+allgather"`` (and only
+    those). The sequence is sharded over the sequence dim by ``layout``, each shard split like
+    ``torch.tensor_split`` over the heads dim (``ss.shard(x, 2, group=mesh, ...)`` makes exactly this);
+    ``q (B,H,n,D)`` is this rank's piece, all heads. The all-to-all runs in the heads group, the ring (or
+    all-gather) over the sequence group on its heads; the result is this rank's piece of the output.
+
     The variant keywords (docs/API.md, "Attention variants") are in global positions:
     ``cu_seqlens (N+1,)`` packed documents (ring / allgather), ``window_size=(left, right)``,
     ``softcap``, ``sinks (H,)`` (merged once per row; under ring / allgather each rank's gradient
@@ -85,7 +94,7 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     allgather). All must agree across ranks. Steps with nothing visible transfer and launch
     nothing; under a window only the halo of keys travels.
     """
-    comm = as_comm(group)
+    comm = as_group(group)
     keywords = dict(cu_seqlens=cu_seqlens, window_size=window_size, softcap=softcap, sinks=sinks,
                     kv_range=kv_range, q_offset=q_offset)
     finish, s, kw = attn_meta.start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords)
@@ -97,6 +106,8 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     lens = finish()
     if schedule == "heads":
         out, lse = heads_attention(comm, q, k, v, s, causal, layout, kw, lens)
+    elif schedule in MESH_SCHEDULES:
+        out, lse = mesh_attention(comm, q, k, v, s, causal, layout, kw, lens, schedule)
     else:
         spec = _spec(comm, q, k, v, s, causal, layout, schedule, kw, lens)
         out, lse = ShardedAttentionFn.apply(q, k, v, kw.sinks, comm, spec, schedule, local)

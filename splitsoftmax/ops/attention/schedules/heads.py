@@ -13,10 +13,12 @@ goes to each of them). Four all-to-alls per call, two each way (:mod:`.alltoall`
    travel in float32 and are summed in rank order, then cast once.
 
 Between the exchanges runs the inner op on the heads' tensors, a pair ``(fwd, bwd)`` with the
-ring's signatures. In one dimension it is the ring's visit of a one-rank plan over the whole
-sequence (:func:`local_op`): the single-device op, every keyword in its global meaning. A 2-D mesh
-will run the ring (or all-gather) over the sequence group there instead, with ``Placement`` the
-contiguous split of each sequence shard over the heads group. ``sinks`` follow their heads: each
+ring's signatures (:func:`sequence_op`). In one dimension it is the ring's visit of a one-rank plan
+over the whole sequence: the single-device op, every keyword in its global meaning. On a 2-D mesh
+(:func:`mesh_attention`, ``"heads+ring"`` / ``"heads+allgather"``) the all-to-all runs within the
+heads group, ``Placement`` being the contiguous split of the group's sequence shard over its ranks,
+and the ring (or all-gather) runs over the sequence group on the heads' sequence shards: the ranks
+of a sequence group hold the same heads, so they skip or run it together. ``sinks`` follow their heads: each
 rank merges the sinks of its heads into its final rows before rounding; the sinks' gradient is each
 rank's rows' share (as under ``"ring"``), from the ``(lse, delta)`` of its sequence shard.
 """
@@ -35,11 +37,15 @@ from ....distributed import work
 from ....distributed.alltoall import exchange
 from ....distributed.attn_meta import Keywords
 from ....distributed.comm import Communicator
+from ....distributed.mesh import seq_lengths
 from ....distributed.work import AttnSpec
 from ..op import backward_stats
+from .allgather import allgather_attention_bwd, allgather_attention_fwd
 from .ring import ring_attention_bwd, ring_attention_fwd
 
 TAG_QKV, TAG_OUT, TAG_DOUT, TAG_GRAD = 51, 52, 53, 54
+_SEQUENCE = {"ring": (ring_attention_fwd, ring_attention_bwd),
+             "allgather": (allgather_attention_fwd, allgather_attention_bwd)}
 
 
 class Heads(NamedTuple):
@@ -149,16 +155,19 @@ class HeadsSpec:
         return self.split[self.comm.rank]
 
 
-def local_op(b: int, hd: Heads, d: int, dv: int, scale: float, causal: bool, kw: Keywords, sq: int, sk: int,
-             local_kv: int) -> tuple:
-    """The single-device op over the whole sequence for ``hd``'s heads (``local_kv`` kv heads after
-    any expansion), every keyword in its global meaning (``sinks`` apart): the ring's one-rank plan."""
+def sequence_op(comm: Communicator, schedule: str, b: int, hd: Heads, d: int, dv: int, scale: float,
+                causal: bool, layout: str, kw: Keywords, q_lens: tuple, k_lens: tuple, local_kv: int) -> tuple:
+    """The inner op for ``hd``'s heads (``local_kv`` kv heads after any expansion): ``schedule``
+    (``"ring"`` or ``"allgather"``) over the sequence group ``comm``, whose ranks hold the shards
+    ``q_lens`` / ``k_lens`` of ``layout``; every keyword in its global meaning (``sinks`` apart). On a
+    one-rank group it is the single-device op over the whole sequence."""
     inner_kw = kw._replace(sinks=None, q_offset=None)
-    planned = work.planned(0, (sq,), (sk,), "contiguous", causal, kw.docs, kw.window)
-    spec = AttnSpec(b, hd.nq, local_kv, d, dv, scale, causal, "contiguous", [sq], [sk], 0, inner_kw, planned)
-    solo = _Solo()
-    return (lambda q, k, v: ring_attention_fwd(solo, spec, q, k, v),
-            lambda q, k, v, dout, lse, delta: ring_attention_bwd(solo, spec, q, k, v, dout, lse, delta))
+    planned = work.planned(comm.rank, q_lens, k_lens, layout, causal, kw.docs, kw.window)
+    spec = AttnSpec(b, hd.nq, local_kv, d, dv, scale, causal, layout, list(q_lens), list(k_lens), comm.rank,
+                    inner_kw, planned)
+    fwd, bwd = _SEQUENCE[schedule]
+    return (lambda q, k, v: fwd(comm, spec, q, k, v),
+            lambda q, k, v, dout, lse, delta: bwd(comm, spec, q, k, v, dout, lse, delta))
 
 
 def _expand(kh: Tensor, runs: Optional[tuple]) -> Tensor:
@@ -266,7 +275,26 @@ def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: 
     split = head_split(h, hkv, comm.size)
     me = split[comm.rank]
     runs = kv_runs(me, h // hkv)
-    inner = local_op(b, me, d, dv, scale, causal, kw, sum(q_lens), sum(k_lens), me.nkv if runs is None else me.nq)
+    inner = sequence_op(_Solo(), "ring", b, me, d, dv, scale, causal, "contiguous", kw, (sum(q_lens),),
+                        (sum(k_lens),), me.nkv if runs is None else me.nq)
     hs = HeadsSpec(comm, b, h, hkv, d, dv, split, sequence_placement(layout, q_lens, docs),
                    sequence_placement(layout, k_lens, docs), inner)
+    return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)
+
+
+def mesh_attention(mesh, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, layout: str, kw: Keywords,
+                   lens: tuple, schedule: str) -> tuple[Tensor, Tensor]:
+    """``schedule="heads+ring"`` / ``"heads+allgather"`` on a :class:`~splitsoftmax.distributed.mesh.Mesh`
+    after the handshake: ``(out (B,H,n,Dv), lse (B,H,n) float32)`` of this rank's rows, ``n`` its piece of
+    its sequence shard. ``lens``: every mesh rank's ``(q lengths, k lengths)``, mesh rank order."""
+    (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
+    (ps, ph), s = mesh.shape, mesh.seq.rank
+    q_mine, k_mine = (tuple(x[s * ph:(s + 1) * ph]) for x in lens)
+    q_seq, k_seq = (tuple(seq_lengths(x, mesh.shape)) for x in lens)
+    split = head_split(h, hkv, ph)
+    me = split[mesh.heads.rank]
+    runs = kv_runs(me, h // hkv)
+    inner = sequence_op(mesh.seq, schedule.split("+")[1], b, me, d, dv, scale, causal, layout, kw, q_seq, k_seq,
+                        me.nkv if runs is None else me.nq)
+    hs = HeadsSpec(mesh.heads, b, h, hkv, d, dv, split, Placement(q_mine, None), Placement(k_mine, None), inner)
     return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)

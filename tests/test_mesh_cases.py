@@ -101,8 +101,7 @@ def configs(ps: int, s: int, h: int) -> list:
 
 def case_variants(group):
     """Every keyword in its global meaning, zigzag (per document), balanced (documents) and
-    contiguous, both schedules,
-    over head splits that share kv heads and leave ranks without heads."""
+    contiguous, both schedules, over head splits that share kv heads and leave ranks without heads."""
     shape = as_group(group).shape
     s = 3 * shape[0] * shape[1] + 1
     hs = head_shapes(shape[1])

@@ -70,21 +70,24 @@ def candidates(world: int) -> list[tuple[str, tuple[int, int]]]:
 
 def load_config(spec: str):
     """The transformers config of a built-in name or of a ``config.json`` path (``ValueError``
-    naming ``--model`` when it is neither, or the file has no ``model_type``)."""
-    from transformers import AutoConfig
+    naming ``--model`` when it is neither, has no ``model_type``, or this transformers lacks it)."""
+    from transformers import AutoConfig, __version__
     if spec in CONFIGS:
         model_type, kw = CONFIGS[spec]
-        return AutoConfig.for_model(model_type, **{**SMALL, **kw})
-    if not os.path.isfile(spec):
+        kw = {**SMALL, **kw}
+    elif os.path.isfile(spec):
+        with open(spec) as f:
+            kw = json.load(f)
+        if not isinstance(kw, dict) or "model_type" not in kw:
+            raise ValueError(f"--model {spec!r}: a config.json needs a \"model_type\" (e.g. \"llama\")")
+        model_type = kw.pop("model_type")
+    else:
         raise ValueError(f"--model {spec!r} is neither a built-in config ({', '.join(CONFIGS)}) nor a config.json file")
-    with open(spec) as f:
-        d = json.load(f)
-    if not isinstance(d, dict) or "model_type" not in d:
-        raise ValueError(f"--model {spec!r}: a config.json needs a \"model_type\" (e.g. \"llama\")")
     try:
-        return AutoConfig.for_model(d.pop("model_type"), **d)
+        return AutoConfig.for_model(model_type, **kw)
     except (KeyError, ValueError) as e:
-        raise ValueError(f"--model {spec!r}: {e}") from None
+        raise ValueError(f"--model {spec!r}: transformers {__version__} cannot build model_type {model_type!r}: "
+                         f"{e}") from None
 
 
 def describe(config) -> str:

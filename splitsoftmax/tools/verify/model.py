@@ -8,7 +8,9 @@ each candidate of :func:`candidates` (schedule and mesh shape) and each batch (p
 documents whose ``position_ids`` restart), its zigzag shard through ``shard_inputs`` and
 ``attn_implementation="splitsoftmax_sp"`` with that schedule; the ranks' losses and gradients are
 summed (``shard_inputs`` makes them shares of the one-rank ones). Rank 0 then runs the one-rank
-model (transformers' ``eager`` attention, same dtype) and its float64 copy, the truth.
+model (transformers' ``eager`` attention, each packed document alone) and its float64 copy, the
+truth. ``SPLITSOFTMAX_VERIFY_PERTURB=RANK:SIZE`` (a test hook) makes that rank add SIZE to its
+embeddings: a wrong sharded run, which must be reported as a mismatch.
 
 Tolerance, per quantity (the loss, and each parameter's gradient), in :func:`compare.rel_err`'s
 measure (max abs difference over ``max(1, max |one-rank|)``): the sharded run must meet verify's
@@ -56,8 +58,8 @@ MESHES = {
     "heads": lambda p: [(1, p)],  # any head counts: tensor_split of the heads, Hkv < P allowed
 }
 TOLERANCE = ("rel = max |sharded - one rank| / max(1, max |one rank|), per quantity (the loss; each parameter's "
-             "gradient, the row showing the one nearest its tolerance); tolerance = (1 + log2 P) * (k * e + floor) + e, "
-             "with e the one-rank float32 run's own rel error against its float64 copy, k = 2 (loss) or 4 "
+             "gradient, the row showing the one nearest its tolerance);\ntolerance = (1 + log2 P) * (k * e + floor) "
+             "+ e, with e the one-rank float32 run's own rel error against its float64 copy, k = 2 (loss) or 4 "
              "(gradients), floor = twice the float32 rounding of the float64 result + 4 float32 ulps")
 PERTURB = "SPLITSOFTMAX_VERIFY_PERTURB"  # "RANK:SIZE": that rank adds SIZE to its embeddings (a wrong run)
 

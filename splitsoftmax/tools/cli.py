@@ -22,7 +22,8 @@ CUDA_BENCHES = ("softmax", "attention", "cross_entropy", "host", "model", "vocab
 HELP = {
     "trace": "the online-softmax state trace of a small row, against a two-pass softmax and the wrong "
              "no-rescale variant (no options)",
-    "verify": "every sharded op, forward and backward, against one device (see verify --help)",
+    "verify": "every sharded op, forward and backward, against one device; --model CONFIG: a transformers model "
+              "sequence-parallel under every schedule against one rank (see verify --help)",
     "bench": "benchmarks against the peers: bench {" + ",".join(BENCHES) + "} --help",
     "env": "versions, devices, backends, launchers and settings (no options)",
     "warmup": "compile the attention kernels of every length bucket ahead (see warmup --help)",

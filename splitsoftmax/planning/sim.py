@@ -1,0 +1,247 @@
+"""An event simulator of one attention layer's forward and backward under a schedule and placement.
+
+The mesh is ``heads_degree x seq_degree`` ranks; a heads group is ``heads_degree`` contiguous ranks
+(inside a host when it fits), a sequence group the ranks ``s * heads_degree + j``. Each rank has a
+compute stream and a transfer stream:
+
+- all-to-all (heads groups): q, k, v from sequence shards to head subsets before, the output back
+  after; backward dO before, dq and dk/dv after (dk/dv in float32 where a kv head is read by several
+  ranks: their sums). Query heads are split like ``torch.tensor_split``, a rank receiving the kv
+  heads its query heads read.
+- ring (sequence groups): step 0 computes a rank's own keys; a step's K/V block travels to the next
+  rank while the step computes (two receive buffers: a block may arrive only once the step two
+  before has finished); backward, K/V travel the same way and each block's float32 dK/dV follow it
+  once the sender has added its share, and go home after the last step. Steps empty on every rank
+  are skipped. Every rank of a sequence group is simulated (numpy over ranks); the heads group's
+  rank with the most heads stands for the others (they wait for it at the all-to-all).
+- all-gather: K/V gathered (ring all-gather over the group's slowest link), one launch over every
+  key; backward one launch, then a reduce-scatter of float32 dK/dV.
+
+Times are seconds. The slowest rank sets a pass's time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .model import Profile, Work
+from .work import full_sequence, split
+
+SCHEDULES = ("ring", "allgather", "heads", "heads+ring", "heads+allgather")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention layer: ``docs`` (document lengths; one when nothing is packed), heads, dtype bytes."""
+    docs: tuple
+    causal: bool
+    heads: int
+    kv_heads: int
+    head_dim: int
+    elem: int = 2
+
+    @property
+    def seq(self) -> int:
+        return sum(self.docs)
+
+    def flops(self, tile: int) -> float:
+        """Forward FLOPs of the visible pairs, ``4 * D * pairs * H``."""
+        return 4.0 * self.head_dim * self.heads * float(np.sum(full_sequence(self.docs, self.causal, tile).visible))
+
+
+@dataclass(frozen=True)
+class Candidate:
+    schedule: str
+    layout: str
+    heads_degree: int
+    seq_degree: int
+
+    @property
+    def world(self) -> int:
+        return self.heads_degree * self.seq_degree
+
+    def label(self) -> str:
+        return f"{self.schedule} {self.heads_degree}x{self.seq_degree} {self.layout}"
+
+
+@dataclass
+class Result:
+    """Predicted times (s), bytes sent per rank by link class, peak memory per rank (bytes)."""
+    candidate: Candidate
+    fwd_s: float
+    bwd_s: float
+    bytes: dict
+    peak_bytes: float
+    compute_s: float
+    alltoall_s: float
+    tile_efficiency: float
+    efficiency: float = 0.0
+    tflops_per_gpu: float = 0.0
+    why: str = ""
+    parts: dict = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+def head_split(heads: int, kv_heads: int, degree: int) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Query heads and kv heads per rank of a heads group (``torch.tensor_split`` of the query heads),
+    and whether some kv head is read by more than one rank."""
+    sizes = np.array([heads // degree + (1 if j < heads % degree else 0) for j in range(degree)])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    group = heads // kv_heads
+    first, last = starts // group, (starts + sizes - 1) // group
+    kv = np.where(sizes > 0, last - first + 1, 0)
+    return sizes, kv, bool(kv.sum() > kv_heads)
+
+
+def _hop_inter(cand: Candidate, gpus_per_host: int) -> np.ndarray:
+    """Per sequence rank: whether the ring hop into it crosses hosts (heads rank 0's group)."""
+    s = np.arange(cand.seq_degree)
+    host = s * cand.heads_degree // gpus_per_host
+    return host != np.roll(host, 1)
+
+
+def _ring(c: list, x: np.ndarray, dx=None) -> np.ndarray:
+    """Finish time per rank of a ring whose step ``i`` computes ``c[i]`` (array over ranks) and whose
+    block reaches rank ``r`` in ``x[r]``; with ``dx`` (backward) float32 dK/dV follow each block once
+    the sender's step is done, and go home after the last step."""
+    cend = c[0].copy()
+    cend2 = np.zeros_like(cend)
+    recv = np.zeros_like(cend)
+    avail = np.zeros_like(cend)
+    drecv = np.zeros_like(cend)
+    for ct in c[1:]:
+        recv = np.maximum(np.maximum(np.roll(avail, 1), cend2), recv) + x
+        done = np.maximum(cend, recv) + ct
+        if dx is not None:
+            drecv = np.maximum(np.roll(cend, 1), drecv) + dx
+            done = np.maximum(done, drecv)
+        cend2, cend, avail = cend, done, recv
+    if dx is not None and len(c) > 1:
+        cend = np.maximum(np.roll(cend, 1) + dx, cend)
+    return cend
+
+
+class Simulator:
+    """Simulates candidates of one problem on one profile (work splits are cached per layout and degree)."""
+
+    def __init__(self, problem: Problem, profile: Profile, gpus_per_host: int = 8):
+        self.pb, self.prof, self.g = problem, profile, int(gpus_per_host)
+        self._splits: dict = {}
+
+    def split(self, layout: str, p: int):
+        key = (layout, p)
+        if key not in self._splits:
+            self._splits[key] = split(layout, p, self.pb.docs, self.pb.causal, self.prof.tile)
+        return self._splits[key]
+
+    def one_gpu_s(self) -> float:
+        """One GPU's forward + backward of the whole layer (the reference of the efficiency)."""
+        w = full_sequence(self.pb.docs, self.pb.causal, self.prof.tile)
+        k = self.prof
+        return float(k.kernel_s(w, self.pb.heads, self.pb.head_dim, "fwd") + k.kernel_s(w, self.pb.heads, self.pb.head_dim, "bwd")
+                     + k.overhead_s("call_us", "fwd") + k.overhead_s("call_us", "bwd"))
+
+    def run(self, cand: Candidate) -> Result:
+        pb, prof = self.pb, self.prof
+        sizes, kv, replicated = head_split(pb.heads, pb.kv_heads, cand.heads_degree)
+        h, k = float(sizes.max()), float(kv.max())
+        sp = self.split(cand.layout, cand.seq_degree)
+        kv_row = 2 * k * pb.head_dim
+        a2a, a2a_bytes = self._alltoall(cand, sp, sizes, kv, replicated)
+        if cand.schedule in ("ring", "heads+ring", "heads"):
+            fwd, bwd, comp, seq_bytes = self._ring_pass(cand, sp, h, kv_row)
+        else:
+            fwd, bwd, comp, seq_bytes = self._allgather_pass(cand, sp, h, kv_row)
+        call = prof.overhead_s("call_us", "fwd"), prof.overhead_s("call_us", "bwd")
+        nbytes = {c: a2a_bytes[c] + seq_bytes[c] for c in ("intra", "inter")}
+        w = sp.all_keys()
+        eff = float(np.sum(w.visible) / max(np.sum(w.touched) * prof.tile ** 2, 1e-9))
+        return Result(cand, a2a[0] + fwd + call[0], a2a[1] + bwd + call[1], nbytes,
+                      self._memory(cand, sp, h, k), comp, a2a[0] + a2a[1], eff,
+                      parts={"alltoall_fwd_s": a2a[0], "alltoall_bwd_s": a2a[1], "seq_fwd_s": fwd, "seq_bwd_s": bwd})
+
+    def _kernel(self, w: Work, h: float, pas: str) -> np.ndarray:
+        return self.prof.kernel_s(w, h, self.pb.head_dim, pas)
+
+    def _ring_pass(self, cand, sp, h, kv_row):
+        prof, e = self.prof, self.pb.elem
+        steps = [sp.own] + [sp.at(t) for t in sp.active]
+        cf = [self._kernel(w, h, "fwd") + prof.overhead_s("step_us", "fwd") for w in steps]
+        cb = [self._kernel(w, h, "bwd") + prof.overhead_s("step_us", "bwd") for w in steps]
+        inter = _hop_inter(cand, self.g)
+        sent = np.roll(sp.send_rows, 1) * kv_row
+        xf = np.where(inter, prof.transfer_s(sent * e, "inter", "p2p"), prof.transfer_s(sent * e, "intra", "p2p"))
+        xd = np.where(inter, prof.transfer_s(sent * 4, "inter", "p2p"), prof.transfer_s(sent * 4, "intra", "p2p"))
+        fwd = float(_ring(cf, xf).max())
+        bwd = float(_ring(cb, xf, xd).max())
+        comp = float(max(np.sum(cf, axis=0).max(), 0) + np.sum(cb, axis=0).max())
+        hops = len(steps) - 1
+        per_rank = float(sp.send_rows.max()) * kv_row * (2 * e + 4) * hops + float(sp.send_rows.max()) * kv_row * 4 * (hops > 0)
+        cls = "inter" if inter.any() else "intra"
+        return fwd, bwd, comp, {"intra": per_rank if cls == "intra" else 0.0, "inter": per_rank if cls == "inter" else 0.0}
+
+    def _allgather_pass(self, cand, sp, h, kv_row):
+        prof, e, p = self.prof, self.pb.elem, cand.seq_degree
+        w = sp.all_keys()
+        cls = "inter" if _hop_inter(cand, self.g).any() else "intra"
+        shard = float(sp.send_rows.max()) * kv_row
+        bw, lat = prof.link(cls, "allgather")
+        gather = (p - 1) * (lat + shard * e / bw) if p > 1 else 0.0
+        scatter = (p - 1) * (lat + shard * 4 / bw) if p > 1 else 0.0
+        cf, cb = self._kernel(w, h, "fwd").max(), self._kernel(w, h, "bwd").max()
+        per_rank = (p - 1) * shard * (e + 4)
+        return (gather + float(cf), float(cb) + scatter, float(cf + cb),
+                {"intra": per_rank if cls == "intra" else 0.0, "inter": per_rank if cls == "inter" else 0.0})
+
+    def _alltoall(self, cand, sp, sizes, kv, replicated):
+        """(forward s, backward s) of the heads group's all-to-alls and the bytes a rank sends by class."""
+        hd, pb, e = cand.heads_degree, self.pb, self.pb.elem
+        if hd == 1:
+            return (0.0, 0.0), {"intra": 0.0, "inter": 0.0}
+        d = pb.head_dim
+        n = float(sp.rows.max())
+        nj = n / hd
+        j = int(np.argmax(sizes))
+        others_h, others_kv = float(sizes.sum() - sizes[j]), float(kv.sum() - kv[j])
+        gkv = 4 if replicated else e
+        q_in = nj * (others_h + 2 * others_kv) * d * e
+        out_back = (n - nj) * sizes[j] * (d * e + 4)
+        do_in = nj * others_h * d * e
+        grads_back = (n - nj) * (sizes[j] * d * e + kv[j] * 2 * d * gkv)
+        recv_in = (n - nj) * (sizes[j] + 2 * kv[j]) * d * e
+        fwd_b = [max(q_in, recv_in), max(out_back, nj * others_h * d * e)]
+        bwd_b = [max(do_in, (n - nj) * sizes[j] * d * e), max(grads_back, nj * (others_h * d * e + others_kv * 2 * d * gkv))]
+        peers_in_host = min(hd, self.g) - 1
+        share_intra = peers_in_host / (hd - 1)
+        times = []
+        for group in (fwd_b, bwd_b):
+            t = 0.0
+            for b in group:
+                ti = self.prof.transfer_s(b * share_intra, "intra", "alltoall")
+                tx = self.prof.transfer_s(b * (1 - share_intra), "inter", "alltoall")
+                t += float(max(ti, tx))
+            times.append(t)
+        sent = q_in + out_back + do_in + grads_back
+        return (times[0], times[1]), {"intra": sent * share_intra, "inter": sent * (1 - share_intra)}
+
+    def _memory(self, cand, sp, h, k) -> float:
+        """Peak bytes per rank: the layer's inputs, outputs and saved tensors, plus the larger of the
+        forward's and the backward's working buffers."""
+        pb, e, d = self.pb, self.pb.elem, self.pb.head_dim
+        n = float(sp.rows.max())
+        n_in = n / cand.heads_degree
+        base = n_in * (3 * pb.heads + 2 * pb.kv_heads) * d * e + n_in * pb.heads * 4
+        if cand.heads_degree > 1:
+            base += n * (2 * h + 2 * k) * d * e + n * h * 4
+        kvb = n * 2 * k * d
+        if cand.schedule in ("allgather", "heads+allgather") and cand.seq_degree > 1:
+            fwd = cand.seq_degree * kvb * e
+            bwd = cand.seq_degree * kvb * (e + 4) + n * h * d * 4
+        else:
+            fwd = 2 * kvb * e + n * h * d * 4 * (cand.seq_degree > 1)
+            bwd = 2 * kvb * (e + 4) + n * h * d * (4 + e)
+        return base + max(fwd, bwd)

@@ -1,0 +1,205 @@
+"""What each rank of a sequence group computes, step by step, under each layout (modelled from the
+layouts' definitions in the contract, not imported from their code).
+
+A :class:`Split` is the work of ``P`` ranks that share the sequence: ``own`` (step 0, a rank's queries
+against its own keys) and ``at(t)`` (step ``t`` of the ring: rank ``r`` holds the keys of rank
+``(r - t) mod P``), each a :class:`~.model.Work` whose fields are arrays over the ranks; ``rows`` and
+``send_rows`` are each rank's query rows and the key rows it passes on per step. The sequence is a
+tuple of document lengths (one document when nothing is packed).
+
+- ``"zigzag"``: every document cut like ``torch.tensor_split(doc, 2P)``, rank ``r`` holding chunks ``r``
+  and ``2P-1-r`` (chunk sizes taken as ``L / 2P``, exact up to one row a chunk). Causal: the own step
+  is one causal piece of ``2c`` rows a document; any other step one full piece a document, ``2c x c``
+  where the keys come from a lower rank, ``c x 2c`` from a higher one.
+- ``"contiguous"``: rank ``r`` holds one slice (``torch.tensor_split`` of the sequence); a document
+  spanning several slices gives full pieces between them.
+- ``"balanced"``: documents no longer than a rank's share (``ceil(S / P)``) stay whole on the rank
+  that keeps the causal work most even (largest first onto the least loaded rank); longer ones are
+  zigzagged as above, and only their rows travel.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter
+
+import numpy as np
+
+from .model import Work, piece
+
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+
+
+def keys_join(a: Work, b: Work) -> Work:
+    """The work of one launch whose rows see the keys of ``a`` and then those of ``b`` (same rows)."""
+    return Work(a.visible + b.visible, a.touched + b.touched, np.maximum(a.rowtiles, b.rowtiles),
+                a.chain + b.chain, np.maximum(a.launches, b.launches))
+
+
+def full_sequence(docs: tuple, causal: bool, tile: int) -> Work:
+    """One launch over the whole sequence (documents packed side by side): one GPU, or ``"heads"``."""
+    out = Work()
+    for length, m in Counter(docs).items():
+        out = out + piece(length, length, causal, tile, m)
+    return out
+
+
+def _broadcast(w: Work, p: int) -> Work:
+    return Work(*(np.full(p, float(np.asarray(f))) for f in (w.visible, w.touched, w.rowtiles, w.chain, w.launches)))
+
+
+class Split:
+    """The per-step work of ``p`` ranks sharing one sequence (see the module's docstring)."""
+
+    def __init__(self, p: int, own: Work, rows, send_rows, active: list[int]):
+        self.p, self.own, self.active = p, own, active
+        self.rows, self.send_rows = np.asarray(rows, dtype=float), np.asarray(send_rows, dtype=float)
+        self.rank = np.arange(p)
+
+    def at(self, t: int) -> Work:
+        raise NotImplementedError
+
+    def all_keys(self) -> Work:
+        """Every step's work as one launch per rank (the all-gather's)."""
+        out = self.own
+        for t in self.active:
+            out = keys_join(out, self.at(t))
+        return out
+
+
+class ZigzagSplit(Split):
+    """Per-document zigzag (``docs``: the documents it cuts), ``lower``/``higher``: a document's piece
+    at a step whose keys come from a lower / higher rank."""
+
+    def __init__(self, p, docs, causal, tile, own_extra=None, rows_extra=0.0):
+        c_work, lower, higher, zig_rows = Work(), Work(), Work(), 0.0
+        for length, m in Counter(docs).items():
+            c = length / (2 * p)
+            zig_rows += 2 * c * m
+            if causal:
+                c_work = c_work + piece(2 * c, 2 * c, True, tile, m)
+                lower, higher = lower + piece(2 * c, c, False, tile, m), higher + piece(c, 2 * c, False, tile, m)
+            else:
+                c_work = c_work + piece(2 * c, 2 * c, False, tile, m)
+                lower, higher = lower + piece(2 * c, 2 * c, False, tile, m), higher + piece(2 * c, 2 * c, False, tile, m)
+        own = _broadcast(c_work, p) if own_extra is None else own_extra + _broadcast(c_work, p)
+        active = list(range(1, p)) if docs and p > 1 else []
+        super().__init__(p, own, np.full(p, zig_rows) + rows_extra, np.full(p, zig_rows), active)
+        self.lower, self.higher = lower, higher
+
+    def at(self, t: int) -> Work:
+        low = t <= self.rank
+        return self.lower.scaled(low.astype(float)) + self.higher.scaled((~low).astype(float))
+
+    def all_keys(self) -> Work:
+        below = self.rank.astype(float)
+        return keys_join(keys_join(self.own, _keys_scaled(self.lower, below)),
+                         _keys_scaled(self.higher, self.p - 1 - below))
+
+
+def _keys_scaled(w: Work, k) -> Work:
+    """``k`` copies of ``w`` one after another in keys (same rows)."""
+    some = np.asarray(k) > 0
+    return Work(w.visible * k, w.touched * k, np.where(some, w.rowtiles, 0.0), w.chain * k,
+                np.where(some, w.launches, 0.0))
+
+
+class ContiguousSplit(Split):
+    """One slice a rank; documents that span slices make full pieces between them."""
+
+    def __init__(self, p, docs, causal, tile):
+        total = sum(docs)
+        self.bounds = _split_bounds(total, p)
+        self.causal, self.tile, self.long = causal, tile, []
+        own = Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
+        start = 0
+        for length in docs:
+            lo, hi = start, start + length
+            start = hi
+            if length == 0:
+                continue
+            r0, r1 = self._shard(lo), self._shard(hi - 1)
+            ranks = np.arange(r0, r1 + 1)
+            rows = np.minimum(self.bounds[ranks + 1], hi) - np.maximum(self.bounds[ranks], lo)
+            own = _add_at(own, ranks, piece(rows, rows, causal, tile), p)
+            if r1 > r0:
+                self.long.append((lo, hi, r0, r1))
+        span = max([r1 - r0 + 1 for _, _, r0, r1 in self.long], default=1)
+        active = [t for t in range(1, p) if t < span or (not causal and p - t < span)]
+        lengths = np.diff(self.bounds)
+        super().__init__(p, own, lengths, lengths, active)
+
+    def _shard(self, pos: int) -> int:
+        return int(np.searchsorted(self.bounds, pos, side="right") - 1)
+
+    def at(self, t: int) -> Work:
+        p = self.p
+        out = Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
+        for lo, hi, r0, r1 in self.long:
+            ranks = np.arange(r0, r1 + 1)
+            u = ranks - t
+            if not self.causal:
+                u = np.where(u < r0, u + p, u)
+            keep = (u >= r0) & (u <= r1)
+            r, u = ranks[keep], u[keep]
+            if r.size == 0:
+                continue
+            rows = np.minimum(self.bounds[r + 1], hi) - np.maximum(self.bounds[r], lo)
+            keys = np.minimum(self.bounds[u + 1], hi) - np.maximum(self.bounds[u], lo)
+            out = _add_at(out, r, piece(rows, keys, False, self.tile), p)
+        return out
+
+
+def _split_bounds(total: int, p: int) -> np.ndarray:
+    sizes = [total // p + (1 if i < total % p else 0) for i in range(p)]
+    return np.concatenate([[0.0], np.cumsum(sizes, dtype=float)])
+
+
+def _add_at(acc: Work, ranks, w: Work, p: int) -> Work:
+    """``acc`` plus ``w`` (arrays aligned with ``ranks``) at those ranks, as pieces of one launch."""
+    fields = []
+    for name in ("visible", "touched", "rowtiles"):
+        a = np.array(getattr(acc, name), dtype=float)
+        np.add.at(a, ranks, np.broadcast_to(getattr(w, name), np.shape(ranks)))
+        fields.append(a)
+    for name in ("chain", "launches"):
+        a = np.array(getattr(acc, name), dtype=float)
+        np.maximum.at(a, ranks, np.broadcast_to(getattr(w, name), np.shape(ranks)))
+        fields.append(a)
+    return Work(*fields)
+
+
+def balanced(p: int, docs: tuple, causal: bool, tile: int) -> ZigzagSplit:
+    """The balanced layout: short documents whole on the least loaded rank, long ones zigzagged."""
+    share = math.ceil(sum(docs) / p)
+    split = tuple(d for d in docs if d > share)
+    whole = sorted((d for d in docs if 0 < d <= share), reverse=True)
+    heap = [(0.0, r) for r in range(p)]
+    acc = Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
+    rows = np.zeros(p)
+    for length, ranks in _place(whole, heap, causal).items():
+        for r, m in Counter(ranks).items():
+            acc = _add_at(acc, np.array([r]), piece(length, length, causal, tile, m), p)
+            rows[r] += length * m
+    return ZigzagSplit(p, split, causal, tile, own_extra=acc, rows_extra=rows)
+
+
+def _place(whole: list, heap: list, causal: bool) -> dict:
+    """Largest first onto the rank with the least causal work: length -> the ranks of its documents."""
+    out: dict = {}
+    for length in whole:
+        load, r = heapq.heappop(heap)
+        heapq.heappush(heap, (load + (length * (length + 1) / 2 if causal else length * length), r))
+        out.setdefault(length, []).append(r)
+    return out
+
+
+def split(layout: str, p: int, docs: tuple, causal: bool, tile: int) -> Split:
+    """The :class:`Split` of ``docs`` (document lengths) over ``p`` ranks under ``layout``."""
+    if layout == "zigzag":
+        return ZigzagSplit(p, docs, causal, tile)
+    if layout == "contiguous":
+        return ContiguousSplit(p, docs, causal, tile)
+    if layout == "balanced":
+        return balanced(p, docs, causal, tile)
+    raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

@@ -124,24 +124,32 @@ def _why(r: Result, best: Result, memory: float) -> str:
         return "chosen"
     if r.peak_bytes > memory:
         return f"does not fit: {r.peak_bytes / GIB:.1f} GiB a rank"
+    if r.bound:
+        return f"not simulated: its lower bound is {r.total_s / best.total_s:.2f}x the plan's time"
     ratio = r.total_s / best.total_s
     exposed = r.total_s - r.compute_s - r.alltoall_s
     terms = {"all-to-all": r.alltoall_s, "transfers not hidden": exposed,
-             f"compute (tile efficiency {r.tile_efficiency:.0%})": r.compute_s - best.compute_s}
+             "slowest rank's compute" + (f" (tiles {r.tile_efficiency:.0%} used)" if r.tile_efficiency < 0.8 else ""):
+             r.compute_s - best.compute_s}
     name, value = max(terms.items(), key=lambda kv: kv[1])
     return f"{ratio:.2f}x the plan's time; most of the gap: {name} {max(value, 0) * 1e3:.2f} ms"
 
 
 def rank(sim: Simulator, cands: list, world: int) -> tuple[list, float]:
-    """Simulate ``cands``, fill efficiency and TFLOP/s, sort best first (what fits before what does not)."""
+    """Simulate ``cands`` and sort them best first (what fits before what does not), filling efficiency,
+    TFLOP/s and why each lost. Every candidate is bounded first (no ring simulated); only those whose
+    lower bound is below the best upper bound are simulated event by event, the rest stay bounds."""
     one = sim.one_gpu_s()
     flops = 3.5 * sim.pb.flops(sim.prof.tile)
-    results = [sim.run(c) for c in cands]
+    memory = sim.prof.memory
+    bounds = [sim.run(c, exact=False) for c in cands]
+    fits = [b for b in bounds if b.peak_bytes <= memory] or bounds
+    ceiling = min(b.upper_s for b in fits)
+    results = [sim.run(b.candidate) if b.total_s <= ceiling * (1 + 1e-9) else b for b in bounds]
     for r in results:
         r.efficiency = one / (world * r.total_s)
         r.tflops_per_gpu = flops / (world * r.total_s) / 1e12
-    memory = sim.prof.memory
-    results.sort(key=lambda r: (r.peak_bytes > memory, r.total_s))
+    results.sort(key=lambda r: (r.peak_bytes > memory, r.total_s, r.bound))
     for r in results:
         r.why = _why(r, results[0], memory)
     return results, one

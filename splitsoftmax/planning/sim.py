@@ -79,6 +79,8 @@ class Result:
     efficiency: float = 0.0
     tflops_per_gpu: float = 0.0
     why: str = ""
+    bound: bool = False
+    upper_s: float = 0.0
     parts: dict = field(default_factory=dict)
 
     @property
@@ -104,23 +106,21 @@ def _hop_inter(cand: Candidate, gpus_per_host: int) -> np.ndarray:
     return host != np.roll(host, 1)
 
 
-def _ring(c: list, x: np.ndarray, dx=None) -> np.ndarray:
-    """Finish time per rank of a ring whose step ``i`` computes ``c[i]`` (array over ranks) and whose
-    block reaches rank ``r`` in ``x[r]``; with ``dx`` (backward) float32 dK/dV follow each block once
-    the sender's step is done, and go home after the last step."""
-    cend = c[0].copy()
-    cend2 = np.zeros_like(cend)
-    recv = np.zeros_like(cend)
-    avail = np.zeros_like(cend)
-    drecv = np.zeros_like(cend)
-    for ct in c[1:]:
-        recv = np.maximum(np.maximum(np.roll(avail, 1), cend2), recv) + x
-        done = np.maximum(cend, recv) + ct
+def _ring(c0: np.ndarray, steps: list, at, x: np.ndarray, dx=None) -> np.ndarray:
+    """Finish time per rank of a ring: own step ``c0``, then for each ``t`` of ``steps`` the step time
+    ``at(t)`` (arrays over ranks), a block reaching rank ``r`` in ``x[r]``. With ``dx`` (backward) each
+    block's float32 dK/dV follow it on the same link once the sender's step is done, and go home
+    after the last step."""
+    cend, cend2 = c0.copy(), np.zeros_like(c0)
+    recv, avail, drecv = np.zeros_like(c0), np.zeros_like(c0), np.zeros_like(c0)
+    for t in steps:
+        recv = np.maximum(np.maximum(np.roll(avail, 1), cend2), np.maximum(recv, drecv)) + x
+        done = np.maximum(cend, recv) + at(t)
         if dx is not None:
-            drecv = np.maximum(np.roll(cend, 1), drecv) + dx
+            drecv = np.maximum(np.roll(cend, 1), recv) + dx
             done = np.maximum(done, drecv)
         cend2, cend, avail = cend, done, recv
-    if dx is not None and len(c) > 1:
+    if dx is not None and steps:
         cend = np.maximum(np.roll(cend, 1) + dx, cend)
     return cend
 
@@ -138,51 +138,87 @@ class Simulator:
             self._splits[key] = split(layout, p, self.pb.docs, self.pb.causal, self.prof.tile)
         return self._splits[key]
 
+    def one_gpu_parts(self) -> tuple[float, float]:
+        """One GPU's (forward, backward) seconds of the whole layer, host time of a call included."""
+        w = full_sequence(self.pb.docs, self.pb.causal, self.prof.tile)
+        k, pb = self.prof, self.pb
+        return (float(k.kernel_s(w, pb.heads, pb.head_dim, "fwd")) + k.overhead_s("call_us", "fwd"),
+                float(k.kernel_s(w, pb.heads, pb.head_dim, "bwd")) + k.overhead_s("call_us", "bwd"))
+
     def one_gpu_s(self) -> float:
         """One GPU's forward + backward of the whole layer (the reference of the efficiency)."""
-        w = full_sequence(self.pb.docs, self.pb.causal, self.prof.tile)
-        k = self.prof
-        return float(k.kernel_s(w, self.pb.heads, self.pb.head_dim, "fwd") + k.kernel_s(w, self.pb.heads, self.pb.head_dim, "bwd")
-                     + k.overhead_s("call_us", "fwd") + k.overhead_s("call_us", "bwd"))
+        return sum(self.one_gpu_parts())
 
-    def run(self, cand: Candidate) -> Result:
+    def run(self, cand: Candidate, exact: bool = True) -> Result:
+        """Simulate ``cand``. With ``exact=False`` the ring is bounded instead of simulated: the Result's
+        times are lower bounds (``bound`` set) and ``upper_s`` an upper bound of their sum."""
         pb, prof = self.pb, self.prof
         sizes, kv, replicated = head_split(pb.heads, pb.kv_heads, cand.heads_degree)
         h, k = float(sizes.max()), float(kv.max())
         sp = self.split(cand.layout, cand.seq_degree)
         kv_row = 2 * k * pb.head_dim
         a2a, a2a_bytes = self._alltoall(cand, sp, sizes, kv, replicated)
+        bound = not exact and cand.schedule in ("ring", "heads+ring")
         if cand.schedule in ("ring", "heads+ring", "heads"):
-            fwd, bwd, comp, seq_bytes = self._ring_pass(cand, sp, h, kv_row)
+            fwd, bwd, comp, seq_bytes = self._ring_pass(cand, sp, h, kv_row, not bound)
         else:
             fwd, bwd, comp, seq_bytes = self._allgather_pass(cand, sp, h, kv_row)
+        (fl, fu), (bl, bu) = (fwd, bwd) if bound else ((fwd, fwd), (bwd, bwd))
         call = prof.overhead_s("call_us", "fwd"), prof.overhead_s("call_us", "bwd")
         nbytes = {c: a2a_bytes[c] + seq_bytes[c] for c in ("intra", "inter")}
-        w = sp.all_keys()
-        eff = float(np.sum(w.visible) / max(np.sum(w.touched) * prof.tile ** 2, 1e-9))
-        return Result(cand, a2a[0] + fwd + call[0], a2a[1] + bwd + call[1], nbytes,
-                      self._memory(cand, sp, h, k), comp, a2a[0] + a2a[1], eff,
-                      parts={"alltoall_fwd_s": a2a[0], "alltoall_bwd_s": a2a[1], "seq_fwd_s": fwd, "seq_bwd_s": bwd})
+        vis = sp.costed(lambda w: np.asarray(w.visible, dtype=float))
+        tiles = sp.costed(lambda w: np.asarray(w.touched, dtype=float))
+        eff = float((vis.c0 + vis.total).sum() / max((tiles.c0 + tiles.total).sum() * prof.tile ** 2, 1e-9))
+        fixed = a2a[0] + a2a[1] + call[0] + call[1]
+        return Result(cand, a2a[0] + fl + call[0], a2a[1] + bl + call[1], nbytes,
+                      self._memory(cand, sp, h, k), comp, a2a[0] + a2a[1], eff, bound=bound, upper_s=fixed + fu + bu,
+                      parts={"alltoall_fwd_s": a2a[0], "alltoall_bwd_s": a2a[1], "seq_fwd_s": fl, "seq_bwd_s": bl})
 
     def _kernel(self, w: Work, h: float, pas: str) -> np.ndarray:
         return self.prof.kernel_s(w, h, self.pb.head_dim, pas)
 
-    def _ring_pass(self, cand, sp, h, kv_row):
-        prof, e = self.prof, self.pb.elem
-        steps = [sp.own] + [sp.at(t) for t in sp.active]
-        cf = [self._kernel(w, h, "fwd") + prof.overhead_s("step_us", "fwd") for w in steps]
-        cb = [self._kernel(w, h, "bwd") + prof.overhead_s("step_us", "bwd") for w in steps]
+    def _costed(self, sp, h: float):
+        """(forward, backward) :class:`~.work.Costed` of a split for ``h`` heads, step overheads included."""
+        out = []
+        for pas in ("fwd", "bwd"):
+            ovh = self.prof.overhead_s("step_us", pas)
+            out.append(sp.costed(lambda w, pas=pas: self._kernel(w, h, pas) + ovh * (np.asarray(w.launches) > 0)))
+        return out
+
+    def _links(self, cand, sp, kv_row):
+        """Per rank: seconds of a K/V block and of its float32 dK/dV on the hop into it, and whether it crosses hosts."""
         inter = _hop_inter(cand, self.g)
         sent = np.roll(sp.send_rows, 1) * kv_row
-        xf = np.where(inter, prof.transfer_s(sent * e, "inter", "p2p"), prof.transfer_s(sent * e, "intra", "p2p"))
-        xd = np.where(inter, prof.transfer_s(sent * 4, "inter", "p2p"), prof.transfer_s(sent * 4, "intra", "p2p"))
-        fwd = float(_ring(cf, xf).max())
-        bwd = float(_ring(cb, xf, xd).max())
-        comp = float(max(np.sum(cf, axis=0).max(), 0) + np.sum(cb, axis=0).max())
-        hops = len(steps) - 1
-        per_rank = float(sp.send_rows.max()) * kv_row * (2 * e + 4) * hops + float(sp.send_rows.max()) * kv_row * 4 * (hops > 0)
+        prof = self.prof
+
+        def hop(nbytes):
+            return np.where(inter, prof.transfer_s(nbytes, "inter", "p2p"), prof.transfer_s(nbytes, "intra", "p2p"))
+        return hop(sent * self.pb.elem), hop(sent * 4), inter
+
+    def _ring_pass(self, cand, sp, h, kv_row, exact=True):
+        cf, cb = self._costed(sp, h)
+        xf, xd, inter = self._links(cand, sp, kv_row)
+        comp = float((cf.c0 + cf.total).max() + (cb.c0 + cb.total).max())
+        if exact:
+            fwd = float(_ring(cf.c0, cf.steps, cf.at, xf).max())
+            bwd = float(_ring(cb.c0, cb.steps, cb.at, xf, xd).max())
+        else:
+            fwd, bwd = self._ring_bounds(cf, cb, xf, xd)
+        hops = len(cf.steps)
+        per_rank = float(sp.send_rows.max()) * kv_row * ((2 * self.pb.elem + 4) * hops + 4 * (hops > 0))
         cls = "inter" if inter.any() else "intra"
-        return fwd, bwd, comp, {"intra": per_rank if cls == "intra" else 0.0, "inter": per_rank if cls == "inter" else 0.0}
+        return fwd, bwd, comp, {"intra": per_rank * (cls == "intra"), "inter": per_rank * (cls == "inter")}
+
+    @staticmethod
+    def _ring_bounds(cf, cb, xf, xd):
+        """(lower, upper) bounds of the forward and backward rings: no rank finishes before its own
+        compute or its own transfers; none after the steps run in lockstep (a barrier a step)."""
+        n = len(cf.steps)
+        low_f = max(float((cf.c0 + cf.total).max()), n * float(xf.max()))
+        low_b = max(float((cb.c0 + cb.total).max()), n * float((xf + xd).max()))
+        up_f = float(cf.c0.max()) + float(np.maximum(cf.step_max, xf.max()).sum())
+        up_b = float(cb.c0.max()) + float(np.maximum(cb.step_max, (xf + xd).max()).sum()) + float(xd.max()) * (n > 0)
+        return (low_f, up_f), (low_b, up_b)
 
     def _allgather_pass(self, cand, sp, h, kv_row):
         prof, e, p = self.prof, self.pb.elem, cand.seq_degree

@@ -23,6 +23,9 @@ import heapq
 import math
 from collections import Counter
 
+from dataclasses import dataclass
+from typing import Callable
+
 import numpy as np
 
 from .model import Work, piece
@@ -48,6 +51,18 @@ def _broadcast(w: Work, p: int) -> Work:
     return Work(*(np.full(p, float(np.asarray(f))) for f in (w.visible, w.touched, w.rowtiles, w.chain, w.launches)))
 
 
+@dataclass
+class Costed:
+    """Step times of a :class:`Split`: ``c0`` (own step, per rank), ``steps`` (the active ``t``),
+    ``total`` (per rank, the active steps summed), ``step_max`` (per active step, the slowest rank's)
+    and ``at(t)`` (per rank)."""
+    c0: np.ndarray
+    steps: list
+    total: np.ndarray
+    step_max: np.ndarray
+    at: Callable
+
+
 class Split:
     """The per-step work of ``p`` ranks sharing one sequence (see the module's docstring)."""
 
@@ -58,6 +73,13 @@ class Split:
 
     def at(self, t: int) -> Work:
         raise NotImplementedError
+
+    def costed(self, cost) -> "Costed":
+        """The seconds of every step per rank under ``cost`` (a :class:`Work` -> seconds per rank)."""
+        c0 = np.broadcast_to(cost(self.own), (self.p,)).astype(float)
+        table = {t: np.broadcast_to(cost(self.at(t)), (self.p,)).astype(float) for t in self.active}
+        total = np.sum(list(table.values()), axis=0) if table else np.zeros(self.p)
+        return Costed(c0, self.active, total, np.array([v.max() for v in table.values()]), table.__getitem__)
 
     def all_keys(self) -> Work:
         """Every step's work as one launch per rank (the all-gather's)."""
@@ -91,6 +113,15 @@ class ZigzagSplit(Split):
         low = t <= self.rank
         return self.lower.scaled(low.astype(float)) + self.higher.scaled((~low).astype(float))
 
+    def costed(self, cost) -> Costed:
+        c0 = np.broadcast_to(cost(self.own), (self.p,)).astype(float)
+        a, b = float(np.asarray(cost(self.lower))), float(np.asarray(cost(self.higher)))
+        r = self.rank
+        if not self.active:
+            return Costed(c0, [], np.zeros(self.p), np.zeros(0), None)
+        return Costed(c0, self.active, r * a + (self.p - 1 - r) * b, np.full(len(self.active), max(a, b)),
+                      lambda t: np.where(t <= r, a, b))
+
     def all_keys(self) -> Work:
         below = self.rank.astype(float)
         return keys_join(keys_join(self.own, _keys_scaled(self.lower, below)),
@@ -110,7 +141,7 @@ class ContiguousSplit(Split):
     def __init__(self, p, docs, causal, tile):
         total = sum(docs)
         self.bounds = _split_bounds(total, p)
-        self.causal, self.tile, self.long = causal, tile, []
+        self.causal, self.tile, self.long, self.docs = causal, tile, [], tuple(d for d in docs if d)
         own = Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
         start = 0
         for length in docs:
@@ -128,6 +159,26 @@ class ContiguousSplit(Split):
         active = [t for t in range(1, p) if t < span or (not causal and p - t < span)]
         lengths = np.diff(self.bounds)
         super().__init__(p, own, lengths, lengths, active)
+
+    def costed(self, cost) -> Costed:
+        if len(self.docs) != 1 or self.p == 1:
+            return super().costed(cost)
+        # one document over every slice: slices differ by at most a row, each step's pieces are alike
+        n = float(self.bounds[-1]) / self.p
+        f = float(np.asarray(cost(piece(n, n, False, self.tile))))
+        c0 = np.broadcast_to(cost(self.own), (self.p,)).astype(float)
+        r = self.rank
+        if self.causal:
+            return Costed(c0, self.active, r * f, np.full(len(self.active), f), lambda t: np.where(r >= t, f, 0.0))
+        return Costed(c0, self.active, np.full(self.p, f * (self.p - 1)), np.full(len(self.active), f),
+                      lambda t: np.full(self.p, f))
+
+    def all_keys(self) -> Work:
+        if len(self.docs) != 1 or self.p == 1:
+            return super().all_keys()
+        n = float(self.bounds[-1]) / self.p
+        keys = n * (self.rank if self.causal else np.full(self.p, self.p - 1))
+        return keys_join(self.own, piece(np.full(self.p, n), keys, False, self.tile))
 
     def _shard(self, pos: int) -> int:
         return int(np.searchsorted(self.bounds, pos, side="right") - 1)

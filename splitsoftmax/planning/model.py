@@ -20,6 +20,7 @@ import json
 import math
 import pathlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -53,15 +54,24 @@ class Work:
                     np.where(some, self.launches, 0.0))
 
 
-def piece(rows, keys, causal: bool, tile: int, count=1.0) -> Work:
-    """``count`` pieces of ``rows`` x ``keys`` (``causal``: square diagonal pieces, ``keys`` ignored),
-    packed one after another in one launch. Pieces shorter than a row tile share it, and the tile
-    walks the keys of every piece it holds (their key ranges lie side by side). Scalars or numpy
-    arrays (one entry per rank)."""
+class Tiles(NamedTuple):
+    """The kernel's tile (rows = keys) and whether pieces of different documents share a tile
+    (``packed``: this package's kernels, whose row bounds let a tile hold several documents) or each
+    document's piece has tiles of its own (varlen kernels that walk one document at a time)."""
+    size: int
+    packed: bool = True
+
+
+def piece(rows, keys, causal: bool, tiles: Tiles, count=1.0) -> Work:
+    """``count`` pieces of ``rows`` x ``keys`` (``causal``: square diagonal pieces, ``keys`` ignored)
+    in one launch. Packed, pieces shorter than a row tile share it, and the tile walks the keys of
+    every piece it holds (their key ranges lie side by side); unpacked, each piece rounds up to whole
+    tiles. Scalars or numpy arrays (one entry per rank)."""
+    tile = tiles.size
     rows = np.asarray(rows, dtype=float)
     keys = rows if causal else np.asarray(keys, dtype=float)
     count = np.where((rows > 0) & (keys > 0), np.asarray(count, dtype=float), 0.0)
-    big = rows >= tile
+    big = (rows >= tile) | (not tiles.packed)
     rt = np.where(big, np.ceil(rows / tile), rows / tile)
     if causal:
         visible = rows * (rows + 1) / 2
@@ -83,6 +93,7 @@ class Profile:
         k = data["kernel"]
         self.name = data["name"]
         self.tile = int(k["tile_rows"])
+        self.tiles = Tiles(self.tile, bool(k.get("packs_documents", True)))
         self.sms = int(data["sms"])
         self.memory = float(data["memory_gib"]) * 2 ** 30
         self.scale = {p: 1.0 for p in PASSES}
@@ -131,10 +142,19 @@ class Profile:
         nbytes = np.asarray(nbytes, dtype=float)
         return np.where(nbytes > 0, lat + nbytes / bw, 0.0)
 
+    def with_tiles(self, packed: bool) -> "Profile":
+        """A copy whose kernel packs documents into shared tiles (``True``) or gives each its own."""
+        data = copy.deepcopy(self.data)
+        data["kernel"]["packs_documents"] = bool(packed)
+        out = Profile(data)
+        out.scale = dict(self.scale)
+        return out
+
     def with_kernel_scale(self, **scale: float) -> "Profile":
-        """A copy whose kernel rates are multiplied per pass (``fwd=..., fwd_bwd=...``): a profile
+        """A copy whose kernel rates are multiplied per pass (``fwd=..., fwd_bwd=...``; the others kept): a profile
         brought to one GPU's time measured in another run (the machine of a run being checked)."""
         out = Profile(copy.deepcopy(self.data))
+        out.scale = dict(self.scale)
         for p, v in scale.items():
             if p not in PASSES:
                 raise ValueError(f"with_kernel_scale: unknown pass {p!r}, expected one of {PASSES}")

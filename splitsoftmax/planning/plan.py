@@ -61,7 +61,7 @@ def _positive(name: str, value) -> int:
     return int(value)
 
 
-def _elem(dtype) -> int:
+def element_bytes(dtype) -> int:
     size = getattr(dtype, "itemsize", None)
     if isinstance(size, int) and size > 0:
         return size
@@ -140,7 +140,7 @@ def rank(sim: Simulator, cands: list, world: int) -> tuple[list, float]:
     TFLOP/s and why each lost. Every candidate is bounded first (no ring simulated); only those whose
     lower bound is below the best upper bound are simulated event by event, the rest stay bounds."""
     one = sim.one_gpu_s()
-    flops = 3.5 * sim.pb.flops(sim.prof.tile)
+    flops = 3.5 * sim.pb.flops()
     memory = sim.prof.memory
     bounds = [sim.run(c, exact=False) for c in cands]
     fits = [b for b in bounds if b.peak_bytes <= memory] or bounds
@@ -177,7 +177,7 @@ def plan_attention(world, *, seq_len=None, cu_seqlens=None, heads, kv_heads, hea
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     docs = documents(seq_len, cu_seqlens, window_size, bool(causal))
     prof = load_profile(profile)
-    pb = Problem(docs, bool(causal), heads, kv_heads, head_dim, 2 if dtype is None else _elem(dtype))
+    pb = Problem(docs, bool(causal), heads, kv_heads, head_dim, 2 if dtype is None else element_bytes(dtype))
     sim = Simulator(pb, prof, gpus_per_host)
     results, one = rank(sim, candidates(world, heads, docs, bool(causal)), world)
     b = results[0].candidate

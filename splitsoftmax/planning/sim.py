@@ -45,9 +45,10 @@ class Problem:
     def seq(self) -> int:
         return sum(self.docs)
 
-    def flops(self, tile: int) -> float:
+    def flops(self) -> float:
         """Forward FLOPs of the visible pairs, ``4 * D * pairs * H``."""
-        return 4.0 * self.head_dim * self.heads * float(np.sum(full_sequence(self.docs, self.causal, tile).visible))
+        pairs = sum(d * (d + 1) / 2 if self.causal else d * d for d in self.docs)
+        return 4.0 * self.head_dim * self.heads * pairs
 
 
 @dataclass(frozen=True)
@@ -135,12 +136,12 @@ class Simulator:
     def split(self, layout: str, p: int):
         key = (layout, p)
         if key not in self._splits:
-            self._splits[key] = split(layout, p, self.pb.docs, self.pb.causal, self.prof.tile)
+            self._splits[key] = split(layout, p, self.pb.docs, self.pb.causal, self.prof.tiles)
         return self._splits[key]
 
     def one_gpu_parts(self) -> tuple[float, float]:
         """One GPU's (forward, backward) seconds of the whole layer, host time of a call included."""
-        w = full_sequence(self.pb.docs, self.pb.causal, self.prof.tile)
+        w = full_sequence(self.pb.docs, self.pb.causal, self.prof.tiles)
         k, pb = self.prof, self.pb
         return (float(k.kernel_s(w, pb.heads, pb.head_dim, "fwd")) + k.overhead_s("call_us", "fwd"),
                 float(k.kernel_s(w, pb.heads, pb.head_dim, "bwd")) + k.overhead_s("call_us", "bwd"))

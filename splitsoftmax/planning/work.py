@@ -39,11 +39,11 @@ def keys_join(a: Work, b: Work) -> Work:
                 a.chain + b.chain, np.maximum(a.launches, b.launches))
 
 
-def full_sequence(docs: tuple, causal: bool, tile: int) -> Work:
+def full_sequence(docs: tuple, causal: bool, tiles) -> Work:
     """One launch over the whole sequence (documents packed side by side): one GPU, or ``"heads"``."""
     out = Work()
     for length, m in Counter(docs).items():
-        out = out + piece(length, length, causal, tile, m)
+        out = out + piece(length, length, causal, tiles, m)
     return out
 
 
@@ -93,17 +93,17 @@ class ZigzagSplit(Split):
     """Per-document zigzag (``docs``: the documents it cuts), ``lower``/``higher``: a document's piece
     at a step whose keys come from a lower / higher rank."""
 
-    def __init__(self, p, docs, causal, tile, own_extra=None, rows_extra=0.0):
+    def __init__(self, p, docs, causal, tiles, own_extra=None, rows_extra=0.0):
         c_work, lower, higher, zig_rows = Work(), Work(), Work(), 0.0
         for length, m in Counter(docs).items():
             c = length / (2 * p)
             zig_rows += 2 * c * m
             if causal:
-                c_work = c_work + piece(2 * c, 2 * c, True, tile, m)
-                lower, higher = lower + piece(2 * c, c, False, tile, m), higher + piece(c, 2 * c, False, tile, m)
+                c_work = c_work + piece(2 * c, 2 * c, True, tiles, m)
+                lower, higher = lower + piece(2 * c, c, False, tiles, m), higher + piece(c, 2 * c, False, tiles, m)
             else:
-                c_work = c_work + piece(2 * c, 2 * c, False, tile, m)
-                lower, higher = lower + piece(2 * c, 2 * c, False, tile, m), higher + piece(2 * c, 2 * c, False, tile, m)
+                c_work = c_work + piece(2 * c, 2 * c, False, tiles, m)
+                lower, higher = lower + piece(2 * c, 2 * c, False, tiles, m), higher + piece(2 * c, 2 * c, False, tiles, m)
         own = _broadcast(c_work, p) if own_extra is None else own_extra + _broadcast(c_work, p)
         active = list(range(1, p)) if docs and p > 1 else []
         super().__init__(p, own, np.full(p, zig_rows) + rows_extra, np.full(p, zig_rows), active)
@@ -138,10 +138,10 @@ def _keys_scaled(w: Work, k) -> Work:
 class ContiguousSplit(Split):
     """One slice a rank; documents that span slices make full pieces between them."""
 
-    def __init__(self, p, docs, causal, tile):
+    def __init__(self, p, docs, causal, tiles):
         total = sum(docs)
         self.bounds = _split_bounds(total, p)
-        self.causal, self.tile, self.long, self.docs = causal, tile, [], tuple(d for d in docs if d)
+        self.causal, self.tiles, self.long, self.docs = causal, tiles, [], tuple(d for d in docs if d)
         own = Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
         start = 0
         for length in docs:
@@ -152,7 +152,7 @@ class ContiguousSplit(Split):
             r0, r1 = self._shard(lo), self._shard(hi - 1)
             ranks = np.arange(r0, r1 + 1)
             rows = np.minimum(self.bounds[ranks + 1], hi) - np.maximum(self.bounds[ranks], lo)
-            own = _add_at(own, ranks, piece(rows, rows, causal, tile), p)
+            own = _add_at(own, ranks, piece(rows, rows, causal, tiles), p)
             if r1 > r0:
                 self.long.append((lo, hi, r0, r1))
         span = max([r1 - r0 + 1 for _, _, r0, r1 in self.long], default=1)
@@ -165,7 +165,7 @@ class ContiguousSplit(Split):
             return super().costed(cost)
         # one document over every slice: slices differ by at most a row, each step's pieces are alike
         n = float(self.bounds[-1]) / self.p
-        f = float(np.asarray(cost(piece(n, n, False, self.tile))))
+        f = float(np.asarray(cost(piece(n, n, False, self.tiles))))
         c0 = np.broadcast_to(cost(self.own), (self.p,)).astype(float)
         r = self.rank
         if self.causal:
@@ -178,7 +178,7 @@ class ContiguousSplit(Split):
             return super().all_keys()
         n = float(self.bounds[-1]) / self.p
         keys = n * (self.rank if self.causal else np.full(self.p, self.p - 1))
-        return keys_join(self.own, piece(np.full(self.p, n), keys, False, self.tile))
+        return keys_join(self.own, piece(np.full(self.p, n), keys, False, self.tiles))
 
     def _shard(self, pos: int) -> int:
         return int(np.searchsorted(self.bounds, pos, side="right") - 1)
@@ -197,7 +197,7 @@ class ContiguousSplit(Split):
                 continue
             rows = np.minimum(self.bounds[r + 1], hi) - np.maximum(self.bounds[r], lo)
             keys = np.minimum(self.bounds[u + 1], hi) - np.maximum(self.bounds[u], lo)
-            out = _add_at(out, r, piece(rows, keys, False, self.tile), p)
+            out = _add_at(out, r, piece(rows, keys, False, self.tiles), p)
         return out
 
 
@@ -220,7 +220,7 @@ def _add_at(acc: Work, ranks, w: Work, p: int) -> Work:
     return Work(*fields)
 
 
-def balanced(p: int, docs: tuple, causal: bool, tile: int) -> ZigzagSplit:
+def balanced(p: int, docs: tuple, causal: bool, tiles) -> ZigzagSplit:
     """The balanced layout: short documents whole on the least loaded rank, long ones zigzagged."""
     share = math.ceil(sum(docs) / p)
     split = tuple(d for d in docs if d > share)
@@ -230,9 +230,9 @@ def balanced(p: int, docs: tuple, causal: bool, tile: int) -> ZigzagSplit:
     rows = np.zeros(p)
     for length, ranks in _place(whole, heap, causal).items():
         for r, m in Counter(ranks).items():
-            acc = _add_at(acc, np.array([r]), piece(length, length, causal, tile, m), p)
+            acc = _add_at(acc, np.array([r]), piece(length, length, causal, tiles, m), p)
             rows[r] += length * m
-    return ZigzagSplit(p, split, causal, tile, own_extra=acc, rows_extra=rows)
+    return ZigzagSplit(p, split, causal, tiles, own_extra=acc, rows_extra=rows)
 
 
 def _place(whole: list, heap: list, causal: bool) -> dict:
@@ -245,12 +245,12 @@ def _place(whole: list, heap: list, causal: bool) -> dict:
     return out
 
 
-def split(layout: str, p: int, docs: tuple, causal: bool, tile: int) -> Split:
+def split(layout: str, p: int, docs: tuple, causal: bool, tiles) -> Split:
     """The :class:`Split` of ``docs`` (document lengths) over ``p`` ranks under ``layout``."""
     if layout == "zigzag":
-        return ZigzagSplit(p, docs, causal, tile)
+        return ZigzagSplit(p, docs, causal, tiles)
     if layout == "contiguous":
-        return ContiguousSplit(p, docs, causal, tile)
+        return ContiguousSplit(p, docs, causal, tiles)
     if layout == "balanced":
-        return balanced(p, docs, causal, tile)
+        return balanced(p, docs, causal, tiles)
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

@@ -182,7 +182,7 @@ class Simulator:
         """(forward, backward) :class:`~.work.Costed` of a split for ``h`` heads, step overheads included."""
         out = []
         for pas in ("fwd", "bwd"):
-            ovh = self.prof.overhead_s("step_us", pas)
+            ovh = self.prof.overhead_s("step_us", pas) if sp.p > 1 else 0.0  # one rank: the local op alone
             out.append(sp.costed(lambda w, pas=pas: self._kernel(w, h, pas) + ovh * (np.asarray(w.launches) > 0)))
         return out
 

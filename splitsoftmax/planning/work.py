@@ -13,14 +13,14 @@ tuple of document lengths (one document when nothing is packed).
   where the keys come from a lower rank, ``c x 2c`` from a higher one.
 - ``"contiguous"``: rank ``r`` holds one slice (``torch.tensor_split`` of the sequence); a document
   spanning several slices gives full pieces between them.
-- ``"balanced"``: documents no longer than a rank's share (``ceil(S / P)``) stay whole on the rank
-  that keeps the causal work most even (largest first onto the least loaded rank); longer ones are
-  zigzagged as above, and only their rows travel.
+- ``"balanced"``: documents whose work is at most ``1 / WHOLE_SHARE`` of a rank's mean share stay
+  whole on the rank that keeps the causal work most even (largest first onto the least loaded rank,
+  so no rank exceeds the mean by more than that fraction); longer ones are zigzagged as above, and
+  only their rows travel.
 """
 from __future__ import annotations
 
 import heapq
-import math
 from collections import Counter
 
 from dataclasses import dataclass
@@ -31,6 +31,7 @@ import numpy as np
 from .model import Work, piece
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
+WHOLE_SHARE = 4
 
 
 def keys_join(a: Work, b: Work) -> Work:
@@ -222,9 +223,10 @@ def _add_at(acc: Work, ranks, w: Work, p: int) -> Work:
 
 def balanced(p: int, docs: tuple, causal: bool, tiles) -> ZigzagSplit:
     """The balanced layout: short documents whole on the least loaded rank, long ones zigzagged."""
-    share = math.ceil(sum(docs) / p)
-    split = tuple(d for d in docs if d > share)
-    whole = sorted((d for d in docs if 0 < d <= share), reverse=True)
+    work = [_work(d, causal) for d in docs]
+    cap = sum(work) / (WHOLE_SHARE * p)
+    split = tuple(d for d, w in zip(docs, work) if w > cap)
+    whole = sorted((d for d, w in zip(docs, work) if 0 < w <= cap), reverse=True)
     heap = [(0.0, r) for r in range(p)]
     acc = Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
     rows = np.zeros(p)
@@ -235,12 +237,16 @@ def balanced(p: int, docs: tuple, causal: bool, tiles) -> ZigzagSplit:
     return ZigzagSplit(p, split, causal, tiles, own_extra=acc, rows_extra=rows)
 
 
+def _work(length: int, causal: bool) -> float:
+    return length * (length + 1) / 2 if causal else float(length * length)
+
+
 def _place(whole: list, heap: list, causal: bool) -> dict:
     """Largest first onto the rank with the least causal work: length -> the ranks of its documents."""
     out: dict = {}
     for length in whole:
         load, r = heapq.heappop(heap)
-        heapq.heappush(heap, (load + (length * (length + 1) / 2 if causal else length * length), r))
+        heapq.heappush(heap, (load + _work(length, causal), r))
         out.setdefault(length, []).append(r)
     return out
 

@@ -151,11 +151,12 @@ def profile_from(measured: dict, template: str, device: torch.device, world: int
         props = torch.cuda.get_device_properties(device)
         prof["sms"] = props.multi_processor_count
         prof["memory_gib"] = round(props.total_memory / 2 ** 30, 1)
-    k = prof["kernel"]
-    k.update(measured["kernel"])
-    k["source"] = f"measured by calibrate, {when}, {where}, ss.attention at the lengths listed"
-    if device.type != "cuda":
-        k["head_dim"] = CPU_SIZES["head_dim"]
+    if measured["kernel"]:
+        k = prof["kernel"]
+        k.update(measured["kernel"])
+        k["source"] = f"measured by calibrate, {when}, {where}, ss.attention at the lengths listed"
+        if device.type != "cuda":
+            k["head_dim"] = CPU_SIZES["head_dim"]
     for cls, kinds in measured["links"].items():
         for kind, (gbs, lat) in kinds.items():
             prof["links"][cls][kind] = {"gbs": round(gbs, 3), "latency_us": round(lat * 1e6, 2),

@@ -85,3 +85,14 @@ def test_memory_grows_with_the_gathered_keys():
     ring = sim.run(Candidate("ring", "zigzag", 1, 64)).peak_bytes
     gather = sim.run(Candidate("allgather", "zigzag", 1, 64)).peak_bytes
     assert gather > 4 * ring
+
+
+def test_kernel_share_counts_idle_ranks_and_exposed_transfers():
+    sim = Simulator(Problem((1 << 20,), True, 32, 8, 128), load_profile("h100"))
+    one = sim.one_gpu_s()
+    idle = sim.score(sim.run(Candidate("heads", "contiguous", 64, 1)), one)  # 32 heads on 64 ranks
+    assert 0.45 < idle.kernel_share < 0.52
+    busy = sim.score(sim.run(Candidate("ring", "zigzag", 1, 8)), one)   # compute-bound, transfers hidden
+    assert busy.kernel_share > 0.97 and busy.efficiency > 0.97
+    starved = sim.score(sim.run(Candidate("ring", "zigzag", 1, 512)), one)  # 2k tokens a rank over IB
+    assert starved.kernel_share < 0.8

@@ -32,14 +32,15 @@ class Plan:
     def table(self) -> str:
         """The ranking as text, one candidate a line."""
         head = (f"plan for {self.world} GPUs on profile {self.profile} (predictions of the model; one GPU's "
-                f"fwd+bwd of the whole layer: {self.one_gpu_s * 1e3:.3f} ms)")
+                f"fwd+bwd of the whole layer: {self.one_gpu_s * 1e3:.3f} ms; eff: its time over GPUs x time; "
+                f"kshare: TFLOP/s per GPU over one GPU's kernel rate at the plan's per-GPU shapes)")
         cols = f"{'schedule':<16}{'mesh':>10} {'layout':<11}{'fwd ms':>10}{'bwd ms':>10}{'eff':>7}{'TF/GPU':>8}" \
-               f"{'intra GB':>10}{'inter GB':>10}{'peak GiB':>9}  why it lost"
+               f"{'kshare':>7}{'intra GB':>10}{'inter GB':>10}{'peak GiB':>9}  why it lost"
         lines = [head, cols]
         for r in self.candidates:
             c = r.candidate
             lines.append(f"{c.schedule:<16}{c.heads_degree:>5}x{c.seq_degree:<4} {c.layout:<11}{r.fwd_s * 1e3:>10.3f}"
-                         f"{r.bwd_s * 1e3:>10.3f}{r.efficiency:>7.1%}{r.tflops_per_gpu:>8.0f}"
+                         f"{r.bwd_s * 1e3:>10.3f}{r.efficiency:>7.1%}{r.tflops_per_gpu:>8.0f}{r.kernel_share:>7.1%}"
                          f"{r.bytes['intra'] / 1e9:>10.3f}{r.bytes['inter'] / 1e9:>10.3f}{r.peak_bytes / GIB:>9.2f}  {r.why}")
         return "\n".join(lines)
 
@@ -48,7 +49,7 @@ class Plan:
             c = r.candidate
             return {"schedule": c.schedule, "mesh": [c.heads_degree, c.seq_degree], "layout": c.layout,
                     "fwd_ms": r.fwd_s * 1e3, "bwd_ms": r.bwd_s * 1e3, "efficiency": r.efficiency,
-                    "tflops_per_gpu": r.tflops_per_gpu, "bytes_intra": r.bytes["intra"], "bytes_inter": r.bytes["inter"],
+                    "tflops_per_gpu": r.tflops_per_gpu, "kernel_share": r.kernel_share, "bytes_intra": r.bytes["intra"], "bytes_inter": r.bytes["inter"],
                     "peak_gib": r.peak_bytes / GIB, "tile_efficiency": r.tile_efficiency, "why": r.why}
         return {"world": self.world, "profile": self.profile, "schedule": self.schedule, "mesh": list(self.mesh),
                 "layout": self.layout, "one_gpu_ms": self.one_gpu_s * 1e3, "prediction": True,
@@ -135,20 +136,18 @@ def _why(r: Result, best: Result, memory: float) -> str:
     return f"{ratio:.2f}x the plan's time; most of the gap: {name} {max(value, 0) * 1e3:.2f} ms"
 
 
-def rank(sim: Simulator, cands: list, world: int) -> tuple[list, float]:
+def rank(sim: Simulator, cands: list) -> tuple[list, float]:
     """Simulate ``cands`` and sort them best first (what fits before what does not), filling efficiency,
     TFLOP/s and why each lost. Every candidate is bounded first (no ring simulated); only those whose
     lower bound is below the best upper bound are simulated event by event, the rest stay bounds."""
     one = sim.one_gpu_s()
-    flops = 3.5 * sim.pb.flops()
     memory = sim.prof.memory
     bounds = [sim.run(c, exact=False) for c in cands]
     fits = [b for b in bounds if b.peak_bytes <= memory] or bounds
     ceiling = min(b.upper_s for b in fits)
     results = [sim.run(b.candidate) if b.total_s <= ceiling * (1 + 1e-9) else b for b in bounds]
     for r in results:
-        r.efficiency = one / (world * r.total_s)
-        r.tflops_per_gpu = flops / (world * r.total_s) / 1e12
+        sim.score(r, one)
     results.sort(key=lambda r: (r.peak_bytes > memory, r.total_s, r.bound))
     for r in results:
         r.why = _why(r, results[0], memory)
@@ -179,7 +178,7 @@ def plan_attention(world, *, seq_len=None, cu_seqlens=None, heads, kv_heads, hea
     prof = load_profile(profile)
     pb = Problem(docs, bool(causal), heads, kv_heads, head_dim, 2 if dtype is None else element_bytes(dtype))
     sim = Simulator(pb, prof, gpus_per_host)
-    results, one = rank(sim, candidates(world, heads, docs, bool(causal)), world)
+    results, one = rank(sim, candidates(world, heads, docs, bool(causal)))
     b = results[0].candidate
     return Plan(b.schedule, (b.heads_degree, b.seq_degree), b.layout, results, one, prof.name, world)
 

@@ -82,11 +82,18 @@ class Result:
     why: str = ""
     bound: bool = False
     upper_s: float = 0.0
+    rank_flops: float = 0.0
     parts: dict = field(default_factory=dict)
 
     @property
     def total_s(self) -> float:
         return self.fwd_s + self.bwd_s
+
+    @property
+    def kernel_share(self) -> float:
+        """TFLOP/s per GPU over one GPU's kernel rate at this plan's per-GPU shapes (the busiest rank's
+        pieces, its launches back to back): what transfers, imbalance and idle ranks leave of it."""
+        return self.tflops_per_gpu * 1e12 * self.compute_s / (3.5 * self.rank_flops) if self.rank_flops else 0.0
 
 
 def head_split(heads: int, kv_heads: int, degree: int) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -150,6 +157,13 @@ class Simulator:
         """One GPU's forward + backward of the whole layer (the reference of the efficiency)."""
         return sum(self.one_gpu_parts())
 
+    def score(self, r: Result, one_gpu_s: float) -> Result:
+        """Fill ``r``'s efficiency (one GPU's time over ``world`` x its time) and TFLOP/s per GPU."""
+        world = r.candidate.world
+        r.efficiency = one_gpu_s / (world * r.total_s)
+        r.tflops_per_gpu = 3.5 * self.pb.flops() / (world * r.total_s) / 1e12
+        return r
+
     def run(self, cand: Candidate, exact: bool = True) -> Result:
         """Simulate ``cand``. With ``exact=False`` the ring is bounded instead of simulated: the Result's
         times are lower bounds (``bound`` set) and ``upper_s`` an upper bound of their sum."""
@@ -173,6 +187,7 @@ class Simulator:
         fixed = a2a[0] + a2a[1] + call[0] + call[1]
         return Result(cand, a2a[0] + fl + call[0], a2a[1] + bl + call[1], nbytes,
                       self._memory(cand, sp, h, k), comp, a2a[0] + a2a[1], eff, bound=bound, upper_s=fixed + fu + bu,
+                      rank_flops=4.0 * pb.head_dim * h * float((vis.c0 + vis.total).max()),
                       parts={"alltoall_fwd_s": a2a[0], "alltoall_bwd_s": a2a[1], "seq_fwd_s": fl, "seq_bwd_s": bl})
 
     def _kernel(self, w: Work, h: float, pas: str) -> np.ndarray:

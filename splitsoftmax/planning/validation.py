@@ -199,3 +199,24 @@ def table(rows: list) -> str:
         out.append(f"| {c.system} | {c.case} | {c.measured:g} | {c.predicted:.3g} | {c.unit} | {c.error:+.1%} | "
                    f"{c.note if abs(c.error) > 0.20 else ''} |")
     return "\n".join(out)
+
+
+def predictions(worlds=(8, 64, 512), tokens: int = 1 << 20, profile: str = "h100") -> list:
+    """For the record (predictions, not measurements): Llama-3-8B attention (H 32, Hkv 8, D 128) on
+    ``tokens`` tokens, one causal sequence and :func:`packed` documents, the plan on each world and
+    the best pure ring and pure heads beside it."""
+    from .plan import plan_attention
+    cu = [0]
+    for n in packed(tokens, "octaves"):
+        cu.append(cu[-1] + n)
+    rows = []
+    for mask, kw in (("causal", dict(seq_len=tokens)), ("documents", dict(cu_seqlens=cu))):
+        for world in worlds:
+            plan = plan_attention(world, heads=32, kv_heads=8, head_dim=128, profile=profile, **kw)
+            sim = Simulator(Problem(tuple(cu[i + 1] - cu[i] for i in range(len(cu) - 1)) if "cu_seqlens" in kw
+                                    else (tokens,), True, 32, 8, 128), load_profile(profile))
+            ring = min((r for r in plan.candidates if r.candidate.schedule == "ring"), key=lambda r: r.total_s)
+            heads = next(r for r in plan.candidates if r.candidate.schedule == "heads")
+            exact = [r if not r.bound else sim.score(sim.run(r.candidate), plan.one_gpu_s) for r in (plan.best, ring, heads)]
+            rows.append({"mask": mask, "gpus": world, "plan": exact[0], "ring": exact[1], "heads": exact[2]})
+    return rows

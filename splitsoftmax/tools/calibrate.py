@@ -169,7 +169,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, required=True, help="the profile JSON to write")
     parser.add_argument("--nproc", type=int, default=None, help="launch this many local ranks (default: one per "
-                        "GPU when there are several, else 2 CPU ranks)")
+                        "GPU, else 2 CPU ranks); one rank measures the kernel alone")
     parser.add_argument("--template", default="h100", choices=shipped(), help="profile whose unmeasured figures are kept")
     parser.add_argument("--deadline", type=float, default=1200.0, help="seconds before --nproc ranks are stopped")
     ns = parser.parse_args(argv)
@@ -178,7 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from . import launcher
     kind = launcher.launched_by()
     if kind is None:
-        n = ns.nproc or (torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2)
+        n = ns.nproc or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
         return launcher.spawn(n, ["calibrate", "--out", str(ns.out), "--template", ns.template], ns.deadline)
     if kind != "torchrun":
         parser.error("calibrate runs under torchrun or with --nproc (torch.distributed), not under mpirun")

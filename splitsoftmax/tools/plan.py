@@ -86,20 +86,17 @@ def sweep(kwargs: dict, gpus: Sequence[int]) -> list:
     rows = []
     for world in gpus:
         sim = Simulator(pb, prof, kw["gpus_per_host"])
-        results, one = rank(sim, candidates(world, pb.heads, docs, pb.causal), world)
+        results, one = rank(sim, candidates(world, pb.heads, docs, pb.causal))
         best = {}
         for r in results:
             best.setdefault(r.candidate.schedule, r)
         for sched, r in best.items():
             if r.bound:
-                exact = sim.run(r.candidate)
-                exact.efficiency = one / (world * exact.total_s)
-                exact.tflops_per_gpu = r.tflops_per_gpu * r.total_s / exact.total_s
-                r = exact
+                r = sim.score(sim.run(r.candidate), one)
             rows.append({"gpus": world, "schedule": sched, "chosen": r.candidate == results[0].candidate,
                          "mesh": f"{r.candidate.heads_degree}x{r.candidate.seq_degree}", "layout": r.candidate.layout,
                          "fwd_ms": r.fwd_s * 1e3, "bwd_ms": r.bwd_s * 1e3, "efficiency": r.efficiency,
-                         "tflops_per_gpu": r.tflops_per_gpu, "peak_gib": r.peak_bytes / 2 ** 30,
+                         "tflops_per_gpu": r.tflops_per_gpu, "kernel_share": r.kernel_share, "peak_gib": r.peak_bytes / 2 ** 30,
                          "one_gpu_ms": one * 1e3})
     return rows
 

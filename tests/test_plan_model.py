@@ -10,7 +10,7 @@ import pytest
 
 from splitsoftmax.planning.model import Tiles, Work, load_profile, piece, shipped
 from splitsoftmax.planning.sim import head_split
-from splitsoftmax.planning.work import Split, full_sequence, split
+from splitsoftmax.planning.work import full_sequence, split
 
 T = Tiles(128)
 
@@ -147,7 +147,7 @@ def test_rank_class_shortcuts_equal_the_per_step_sums(layout, docs):
 
     def cost(w):
         return prof.kernel_s(w, 4, 128, "fwd")
-    fast, slow = sp.costed(cost), Split.costed(sp, cost)
+    fast, slow = sp.costed(cost), sp.walk([cost])[0]
     assert fast.steps == slow.steps
     assert np.allclose(fast.c0, slow.c0) and np.allclose(fast.total, slow.total)
     assert np.allclose(fast.step_max, slow.step_max)

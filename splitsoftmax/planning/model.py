@@ -27,6 +27,7 @@ import numpy as np
 PROFILES = pathlib.Path(__file__).resolve().parent / "profiles"
 PASSES = ("fwd", "fwd_bwd")
 LINKS = ("intra", "inter")
+FIELDS = ("visible", "touched", "rowtiles", "chain", "launches")
 COLLECTIVES = ("p2p", "alltoall", "allgather")
 
 
@@ -116,6 +117,17 @@ class Profile:
 
     def kernel_s(self, work: Work, heads: float, head_dim: int, pas: str) -> np.ndarray:
         """Seconds of the forward (``pas="fwd"``) or the backward (``"bwd"``) of ``work`` for ``heads`` heads."""
+        touched = np.asarray(work.touched, dtype=float)
+        if touched.size > 256:  # many ranks (and steps), most of them idle: time only those with work
+            out = np.zeros(touched.shape)
+            some = np.nonzero(touched > 0)
+            out[some] = self._kernel_s(Work(*(np.broadcast_to(np.asarray(getattr(work, f), dtype=float),
+                                                               touched.shape)[some] for f in FIELDS)),
+                                       heads, head_dim, pas)
+            return out
+        return self._kernel_s(work, heads, head_dim, pas)
+
+    def _kernel_s(self, work: Work, heads: float, head_dim: int, pas: str) -> np.ndarray:
         tile_flops = 4.0 * head_dim * self.tile * self.tile
         touched = np.asarray(work.touched, dtype=float)
         kbar = self.tile * touched / np.maximum(np.asarray(work.rowtiles, dtype=float), 1e-9)

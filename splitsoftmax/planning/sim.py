@@ -139,6 +139,7 @@ class Simulator:
     def __init__(self, problem: Problem, profile: Profile, gpus_per_host: int = 8):
         self.pb, self.prof, self.g = problem, profile, int(gpus_per_host)
         self._splits: dict = {}
+        self._costs: dict = {}
 
     def split(self, layout: str, p: int):
         key = (layout, p)
@@ -181,8 +182,7 @@ class Simulator:
         (fl, fu), (bl, bu) = (fwd, bwd) if bound else ((fwd, fwd), (bwd, bwd))
         call = prof.overhead_s("call_us", "fwd"), prof.overhead_s("call_us", "bwd")
         nbytes = {c: a2a_bytes[c] + seq_bytes[c] for c in ("intra", "inter")}
-        vis = sp.costed(lambda w: np.asarray(w.visible, dtype=float))
-        tiles = sp.costed(lambda w: np.asarray(w.touched, dtype=float))
+        _, _, vis, tiles = self._costed(cand.layout, cand.seq_degree, h)
         eff = float((vis.c0 + vis.total).sum() / max((tiles.c0 + tiles.total).sum() * prof.tile ** 2, 1e-9))
         fixed = a2a[0] + a2a[1] + call[0] + call[1]
         return Result(cand, a2a[0] + fl + call[0], a2a[1] + bl + call[1], nbytes,
@@ -193,13 +193,20 @@ class Simulator:
     def _kernel(self, w: Work, h: float, pas: str) -> np.ndarray:
         return self.prof.kernel_s(w, h, self.pb.head_dim, pas)
 
-    def _costed(self, sp, h: float):
-        """(forward, backward) :class:`~.work.Costed` of a split for ``h`` heads, step overheads included."""
-        out = []
-        for pas in ("fwd", "bwd"):
-            ovh = self.prof.overhead_s("step_us", pas) if sp.p > 1 else 0.0  # one rank: the local op alone
-            out.append(sp.costed(lambda w, pas=pas: self._kernel(w, h, pas) + ovh * (np.asarray(w.launches) > 0)))
-        return out
+    def _costed(self, layout: str, p: int, h: float) -> tuple:
+        """:class:`~.work.Costed` forward and backward seconds (step overheads included), visible pairs and
+        tiles touched of a split for ``h`` heads, in one walk over its steps (cached: the schedules of
+        one split share them)."""
+        key = (layout, p, h)
+        if key not in self._costs:
+            sp = self.split(layout, p)
+            costs = []
+            for pas in ("fwd", "bwd"):
+                ovh = self.prof.overhead_s("step_us", pas) if p > 1 else 0.0  # one rank: the local op alone
+                costs.append(lambda w, pas=pas, ovh=ovh: self._kernel(w, h, pas) + ovh * (np.asarray(w.launches) > 0))
+            costs += [lambda w: np.asarray(w.visible, dtype=float), lambda w: np.asarray(w.touched, dtype=float)]
+            self._costs[key] = sp.costed_many(costs)
+        return self._costs[key]
 
     def _links(self, cand, sp, kv_row):
         """Per rank: seconds of a K/V block and of its float32 dK/dV on the hop into it, and whether it crosses hosts."""
@@ -212,7 +219,7 @@ class Simulator:
         return hop(sent * self.pb.elem), hop(sent * 4), inter
 
     def _ring_pass(self, cand, sp, h, kv_row, exact=True):
-        cf, cb = self._costed(sp, h)
+        cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
         xf, xd, inter = self._links(cand, sp, kv_row)
         comp = float((cf.c0 + cf.total).max() + (cb.c0 + cb.total).max())
         if exact:

@@ -28,7 +28,7 @@ from typing import Callable
 
 import numpy as np
 
-from .model import Work, piece
+from .model import FIELDS, Work, piece
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 WHOLE_SHARE = 4
@@ -77,16 +77,45 @@ class Split:
 
     def costed(self, cost) -> "Costed":
         """The seconds of every step per rank under ``cost`` (a :class:`Work` -> seconds per rank)."""
-        c0 = np.broadcast_to(cost(self.own), (self.p,)).astype(float)
-        table = {t: np.broadcast_to(cost(self.at(t)), (self.p,)).astype(float) for t in self.active}
-        total = np.sum(list(table.values()), axis=0) if table else np.zeros(self.p)
-        return Costed(c0, self.active, total, np.array([v.max() for v in table.values()]), table.__getitem__)
+        return self.costed_many([cost])[0]
+
+    def costed_many(self, costs: list) -> list:
+        """:meth:`costed` for each of ``costs`` (layouts with rank classes answer in closed form)."""
+        return self.walk(costs)
+
+    def at_block(self, ts: list) -> Work:
+        """The work of steps ``ts`` at once: fields of shape ``(len(ts), P)``."""
+        ws = [self.at(t) for t in ts]
+        return Work(*(np.stack([np.broadcast_to(getattr(w, f), (self.p,)) for w in ws]) for f in FIELDS))
+
+    def walk(self, costs: list, block: int = 64) -> list:
+        """:meth:`costed` for each of ``costs`` by walking every step of every rank once (``block``
+        steps at a time; a cost is elementwise, so it takes the block's 2-D fields as they are)."""
+        tables = [{} for _ in costs]
+        for i in range(0, len(self.active), block):
+            ts = self.active[i:i + block]
+            w = self.at_block(ts)
+            for table, cost in zip(tables, costs):
+                table.update(zip(ts, np.broadcast_to(cost(w), (len(ts), self.p)).astype(float)))
+        out = []
+        for table, cost in zip(tables, costs):
+            c0 = np.broadcast_to(cost(self.own), (self.p,)).astype(float)
+            total = np.sum(list(table.values()), axis=0) if table else np.zeros(self.p)
+            out.append(Costed(c0, self.active, total, np.array([v.max() for v in table.values()]), table.__getitem__))
+        return out
 
     def all_keys(self) -> Work:
         """Every step's work as one launch per rank (the all-gather's)."""
+        if getattr(self, "_all_keys", None) is None:
+            self._all_keys = self._join_steps()
+        return self._all_keys
+
+    def _join_steps(self) -> Work:
         out = self.own
-        for t in self.active:
-            out = keys_join(out, self.at(t))
+        for i in range(0, len(self.active), 64):
+            w = self.at_block(self.active[i:i + 64])
+            out = keys_join(out, Work(w.visible.sum(0), w.touched.sum(0), w.rowtiles.max(0), w.chain.sum(0),
+                                      w.launches.max(0)))
         return out
 
 
@@ -114,7 +143,10 @@ class ZigzagSplit(Split):
         low = t <= self.rank
         return self.lower.scaled(low.astype(float)) + self.higher.scaled((~low).astype(float))
 
-    def costed(self, cost) -> Costed:
+    def costed_many(self, costs: list) -> list:
+        return [self._costed(c) for c in costs]
+
+    def _costed(self, cost) -> Costed:
         c0 = np.broadcast_to(cost(self.own), (self.p,)).astype(float)
         a, b = float(np.asarray(cost(self.lower))), float(np.asarray(cost(self.higher)))
         r = self.rank
@@ -140,30 +172,31 @@ class ContiguousSplit(Split):
     """One slice a rank; documents that span slices make full pieces between them."""
 
     def __init__(self, p, docs, causal, tiles):
-        total = sum(docs)
-        self.bounds = _split_bounds(total, p)
-        self.causal, self.tiles, self.long, self.docs = causal, tiles, [], tuple(d for d in docs if d)
-        own = Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
-        start = 0
-        for length in docs:
-            lo, hi = start, start + length
-            start = hi
-            if length == 0:
-                continue
-            r0, r1 = self._shard(lo), self._shard(hi - 1)
-            ranks = np.arange(r0, r1 + 1)
-            rows = np.minimum(self.bounds[ranks + 1], hi) - np.maximum(self.bounds[ranks], lo)
-            own = _add_at(own, ranks, piece(rows, rows, causal, tiles), p)
-            if r1 > r0:
-                self.long.append((lo, hi, r0, r1))
-        span = max([r1 - r0 + 1 for _, _, r0, r1 in self.long], default=1)
-        active = [t for t in range(1, p) if t < span or (not causal and p - t < span)]
+        self.bounds = _split_bounds(sum(docs), p)
+        self.causal, self.tiles, self.docs = causal, tiles, tuple(d for d in docs if d)
+        # every (document, slice) meeting, flattened: its rank, its rows, its index within the document
+        hi = np.cumsum(self.docs, dtype=float)
+        lo = hi - np.array(self.docs, dtype=float)
+        r0 = np.searchsorted(self.bounds, lo, side="right") - 1
+        span = np.searchsorted(self.bounds, hi - 1, side="right") - r0
+        first = np.repeat(np.cumsum(span) - span, span)
+        self.m_index = np.arange(int(span.sum())) - first
+        self.m_ranks = np.repeat(r0, span) + self.m_index
+        self.m_span = np.repeat(span, span)
+        self.m_rows = (np.minimum(self.bounds[self.m_ranks + 1], np.repeat(hi, span))
+                     - np.maximum(self.bounds[self.m_ranks], np.repeat(lo, span)))
+        own = _add_at(_zeros(p), self.m_ranks, piece(self.m_rows, self.m_rows, causal, tiles), p)
+        longest = int(span.max(initial=1))
+        active = [t for t in range(1, p) if t < longest or (not causal and p - t < longest)]
         lengths = np.diff(self.bounds)
         super().__init__(p, own, lengths, lengths, active)
 
-    def costed(self, cost) -> Costed:
+    def costed_many(self, costs: list) -> list:
         if len(self.docs) != 1 or self.p == 1:
-            return super().costed(cost)
+            return self.walk(costs)
+        return [self._one_document(c) for c in costs]
+
+    def _one_document(self, cost) -> Costed:
         # one document over every slice: slices differ by at most a row, each step's pieces are alike
         n = float(self.bounds[-1]) / self.p
         f = float(np.asarray(cost(piece(n, n, False, self.tiles))))
@@ -181,25 +214,34 @@ class ContiguousSplit(Split):
         keys = n * (self.rank if self.causal else np.full(self.p, self.p - 1))
         return keys_join(self.own, piece(np.full(self.p, n), keys, False, self.tiles))
 
-    def _shard(self, pos: int) -> int:
-        return int(np.searchsorted(self.bounds, pos, side="right") - 1)
-
     def at(self, t: int) -> Work:
-        p = self.p
-        out = Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
-        for lo, hi, r0, r1 in self.long:
-            ranks = np.arange(r0, r1 + 1)
-            u = ranks - t
-            if not self.causal:
-                u = np.where(u < r0, u + p, u)
-            keep = (u >= r0) & (u <= r1)
-            r, u = ranks[keep], u[keep]
-            if r.size == 0:
-                continue
-            rows = np.minimum(self.bounds[r + 1], hi) - np.maximum(self.bounds[r], lo)
-            keys = np.minimum(self.bounds[u + 1], hi) - np.maximum(self.bounds[u], lo)
-            out = _add_at(out, r, piece(rows, keys, False, self.tiles), p)
-        return out
+        """Rank ``r`` against the keys of rank ``r - t`` (mod P)."""
+        w = self.at_block([t])
+        return Work(*(getattr(w, f)[0] for f in FIELDS))
+
+    def at_block(self, ts: list) -> Work:
+        """Rank ``r`` at step ``t`` against the keys of rank ``r - t`` (mod P): the meetings of one
+        document ``t`` slices apart (and, not causal, ``P - t`` slices ahead), for every ``t`` of ``ts``."""
+        t = np.asarray(ts)[:, None]
+        pairs = [np.nonzero(self.m_index >= t)]
+        shifts = [t]
+        if not self.causal:
+            pairs.append(np.nonzero(self.m_index + self.p - t < self.m_span))
+            shifts.append(t - self.p)
+        shape = (len(ts), self.p)
+        out = {f: np.zeros(shape) for f in FIELDS}
+        for (row, i), shift in zip(pairs, shifts):
+            w = piece(self.m_rows[i], self.m_rows[i - shift[row, 0]], False, self.tiles)
+            flat = row * self.p + self.m_ranks[i]
+            for f in ("visible", "touched", "rowtiles"):
+                out[f] += np.bincount(flat, weights=getattr(w, f), minlength=shape[0] * shape[1]).reshape(shape)
+            np.maximum.at(out["chain"].reshape(-1), flat, w.chain)
+            out["launches"] = np.maximum(out["launches"], out["touched"] > 0)
+        return Work(*(out[f] for f in FIELDS))
+
+
+def _zeros(p: int) -> Work:
+    return Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
 
 
 def _split_bounds(total: int, p: int) -> np.ndarray:
@@ -228,12 +270,11 @@ def balanced(p: int, docs: tuple, causal: bool, tiles) -> ZigzagSplit:
     split = tuple(d for d, w in zip(docs, work) if w > cap)
     whole = sorted((d for d, w in zip(docs, work) if 0 < w <= cap), reverse=True)
     heap = [(0.0, r) for r in range(p)]
-    acc = Work(np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p), np.zeros(p))
-    rows = np.zeros(p)
-    for length, ranks in _place(whole, heap, causal).items():
-        for r, m in Counter(ranks).items():
-            acc = _add_at(acc, np.array([r]), piece(length, length, causal, tiles, m), p)
-            rows[r] += length * m
+    placed = Counter((length, r) for length, ranks in _place(whole, heap, causal).items() for r in ranks)
+    length, rank, count = (np.array([key[0] for key in placed], dtype=float), np.array([key[1] for key in placed], dtype=int),
+                           np.array(list(placed.values()), dtype=float))
+    acc = _add_at(_zeros(p), rank, piece(length, length, causal, tiles, count), p)
+    rows = np.bincount(rank, weights=length * count, minlength=p).astype(float)
     return ZigzagSplit(p, split, causal, tiles, own_extra=acc, rows_extra=rows)
 
 

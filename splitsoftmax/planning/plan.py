@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from .model import Profile, load_profile
 from .sim import SCHEDULES, Candidate, Problem, Result, Simulator
@@ -155,12 +156,12 @@ def rank(sim: Simulator, cands: list) -> tuple[list, float]:
 
 
 def plan_attention(world, *, seq_len=None, cu_seqlens=None, heads, kv_heads, head_dim, causal=True,
-                   window_size=None, dtype=None, gpus_per_host=8, profile=None) -> Plan:
+                   window_size=None, dtype=torch.bfloat16, gpus_per_host=8, profile=None) -> Plan:
     """Choose how to shard one attention layer over ``world`` GPUs, by predicted time.
 
     ``seq_len`` (one sequence) or ``cu_seqlens`` (packed documents, ``(N+1,)``: a sequence or a
     tensor); ``heads``, ``kv_heads``, ``head_dim`` the layer's shapes (``heads % kv_heads == 0``);
-    ``window_size`` as in ``ss.attention``; ``dtype`` of q/k/v (default bfloat16); ``gpus_per_host``
+    ``window_size`` as in ``ss.attention``; ``dtype`` of q/k/v; ``gpus_per_host``
     the GPUs joined by NVLink; ``profile`` a shipped name (``"h100"`` default, ``"h200"``), a JSON path
     (``python -m splitsoftmax calibrate --out FILE``), a dict or a :class:`Profile`.
 
@@ -176,7 +177,7 @@ def plan_attention(world, *, seq_len=None, cu_seqlens=None, heads, kv_heads, hea
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
     docs = documents(seq_len, cu_seqlens, window_size, bool(causal))
     prof = load_profile(profile)
-    pb = Problem(docs, bool(causal), heads, kv_heads, head_dim, 2 if dtype is None else element_bytes(dtype))
+    pb = Problem(docs, bool(causal), heads, kv_heads, head_dim, element_bytes(dtype))
     sim = Simulator(pb, prof, gpus_per_host)
     results, one = rank(sim, candidates(world, heads, docs, bool(causal)))
     b = results[0].candidate

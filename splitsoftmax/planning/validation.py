@@ -220,3 +220,24 @@ def predictions(worlds=(8, 64, 512), tokens: int = 1 << 20, profile: str = "h100
             exact = [r if not r.bound else sim.score(sim.run(r.candidate), plan.one_gpu_s) for r in (plan.best, ring, heads)]
             rows.append({"mask": mask, "gpus": world, "plan": exact[0], "ring": exact[1], "heads": exact[2]})
     return rows
+
+
+def predictions_table(rows: list) -> str:
+    """:func:`predictions` as a markdown table."""
+    out = ["| mask | H100s | plan (heads x sequence, layout) | fwd + bwd ms | TFLOP/s a GPU | eff | kshare | peak GiB | "
+           "best pure ring: eff / kshare | pure heads: eff / kshare |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        p, ring, heads = row["plan"], row["ring"], row["heads"]
+        c = p.candidate
+        out.append(f"| {row['mask']} | {row['gpus']} | {c.schedule} {c.heads_degree}x{c.seq_degree} {c.layout} | "
+                   f"{p.fwd_s * 1e3:.1f} + {p.bwd_s * 1e3:.1f} | {p.tflops_per_gpu:.0f} | {p.efficiency:.0%} | "
+                   f"{p.kernel_share:.0%} | {p.peak_bytes / 2 ** 30:.2f} | {ring.candidate.layout}: "
+                   f"{ring.efficiency:.0%} / {ring.kernel_share:.0%} | {heads.efficiency:.0%} / {heads.kernel_share:.0%} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(table(all_checks()))
+    print()
+    print(predictions_table(predictions()))

@@ -106,10 +106,8 @@ class Profile:
     def rate(self, pas: str, keys) -> np.ndarray:
         """TFLOP/s of a full tile whose row tile walks ``keys`` keys (interpolated in log keys)."""
         t = self._tables[pas]
-        xs = np.log([s for s, _ in t])
-        rs = np.array([r for _, r in t])
         keys = np.maximum(np.asarray(keys, dtype=float), 1.0)
-        out = np.interp(np.log(keys), xs, rs)
+        out = interp_rate(t, keys)
         (k1, r1), (k2, r2) = t[0], t[1]
         k0 = max((r2 - r1) / (r1 / k1 - r2 / k2), 0.0) if r1 / k1 > r2 / k2 else 0.0
         low = r1 * (keys / (keys + k0)) / (k1 / (k1 + k0))
@@ -195,3 +193,10 @@ def shipped() -> list[str]:
     """Names of the profiles shipped with the package."""
     return sorted(p.stem for p in PROFILES.glob("*.json"))
 
+
+
+def interp_rate(table, length):
+    """A profile table's rate at ``length`` (``[[length, TFLOP/s], ...]``; scalar or array), linear in
+    log length, clamped at its ends."""
+    xs = np.log([float(a) for a, _ in table])
+    return np.interp(np.log(np.maximum(np.asarray(length, dtype=float), 1.0)), xs, [float(b) for _, b in table])

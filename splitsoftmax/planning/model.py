@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import pathlib
 from dataclasses import dataclass
 from typing import NamedTuple

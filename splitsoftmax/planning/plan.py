@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .model import Profile, load_profile
-from .sim import SCHEDULES, Candidate, Problem, Result, Simulator
+from .model import load_profile
+from .sim import Candidate, Problem, Result, Simulator
 
 GIB = 2.0 ** 30
 
@@ -34,14 +34,17 @@ class Plan:
         """The ranking as text, one candidate a line."""
         head = (f"plan for {self.world} GPUs on profile {self.profile} (predictions of the model; one GPU's "
                 f"fwd+bwd of the whole layer: {self.one_gpu_s * 1e3:.3f} ms; eff: its time over GPUs x time; "
-                f"kshare: TFLOP/s per GPU over one GPU's kernel rate at the plan's per-GPU shapes)")
+                f"kshare: TFLOP/s per GPU over one GPU's kernel rate at the plan's per-GPU shapes; "
+                f"'>': a lower bound)")
         cols = f"{'schedule':<16}{'mesh':>10} {'layout':<11}{'fwd ms':>10}{'bwd ms':>10}{'eff':>7}{'TF/GPU':>8}" \
                f"{'kshare':>7}{'intra GB':>10}{'inter GB':>10}{'peak GiB':>9}  why it lost"
         lines = [head, cols]
         for r in self.candidates:
             c = r.candidate
-            lines.append(f"{c.schedule:<16}{c.heads_degree:>5}x{c.seq_degree:<4} {c.layout:<11}{r.fwd_s * 1e3:>10.3f}"
-                         f"{r.bwd_s * 1e3:>10.3f}{r.efficiency:>7.1%}{r.tflops_per_gpu:>8.0f}{r.kernel_share:>7.1%}"
+            at_least = ">" if r.bound else " "  # a lower bound: not simulated (it cannot win)
+            lines.append(f"{c.schedule:<16}{c.heads_degree:>5}x{c.seq_degree:<4} {c.layout:<11}"
+                         f"{at_least}{r.fwd_s * 1e3:>9.3f}{at_least}{r.bwd_s * 1e3:>9.3f}{r.efficiency:>7.1%}"
+                         f"{r.tflops_per_gpu:>8.0f}{r.kernel_share:>7.1%}"
                          f"{r.bytes['intra'] / 1e9:>10.3f}{r.bytes['inter'] / 1e9:>10.3f}{r.peak_bytes / GIB:>9.2f}  {r.why}")
         return "\n".join(lines)
 
@@ -51,7 +54,8 @@ class Plan:
             return {"schedule": c.schedule, "mesh": [c.heads_degree, c.seq_degree], "layout": c.layout,
                     "fwd_ms": r.fwd_s * 1e3, "bwd_ms": r.bwd_s * 1e3, "efficiency": r.efficiency,
                     "tflops_per_gpu": r.tflops_per_gpu, "kernel_share": r.kernel_share, "bytes_intra": r.bytes["intra"], "bytes_inter": r.bytes["inter"],
-                    "peak_gib": r.peak_bytes / GIB, "tile_efficiency": r.tile_efficiency, "why": r.why}
+                    "peak_gib": r.peak_bytes / GIB, "tile_efficiency": r.tile_efficiency, "lower_bound": r.bound,
+                    "why": r.why}
         return {"world": self.world, "profile": self.profile, "schedule": self.schedule, "mesh": list(self.mesh),
                 "layout": self.layout, "one_gpu_ms": self.one_gpu_s * 1e3, "prediction": True,
                 "candidates": [row(r) for r in self.candidates]}
@@ -163,7 +167,7 @@ def plan_attention(world, *, seq_len=None, cu_seqlens=None, heads, kv_heads, hea
     tensor); ``heads``, ``kv_heads``, ``head_dim`` the layer's shapes (``heads % kv_heads == 0``);
     ``window_size`` as in ``ss.attention``; ``dtype`` of q/k/v; ``gpus_per_host``
     the GPUs joined by NVLink; ``profile`` a shipped name (``"h100"`` default, ``"h200"``), a JSON path
-    (``python -m splitsoftmax calibrate --out FILE``), a dict or a :class:`Profile`.
+    (``python -m splitsoftmax calibrate --out FILE``), a dict or a :class:`~.model.Profile`.
 
     Returns a :class:`Plan`: ``schedule``, ``mesh`` ``(heads_degree, seq_degree)``, ``layout``, and
     ``candidates`` (best first), each with its predicted forward and backward time per layer, bytes
@@ -183,5 +187,3 @@ def plan_attention(world, *, seq_len=None, cu_seqlens=None, heads, kv_heads, hea
     b = results[0].candidate
     return Plan(b.schedule, (b.heads_degree, b.seq_degree), b.layout, results, one, prof.name, world)
 
-
-__all__ = ["Plan", "plan_attention", "Profile", "SCHEDULES"]

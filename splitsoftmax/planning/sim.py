@@ -258,34 +258,33 @@ class Simulator:
 
     def _alltoall(self, cand, sp, sizes, kv, replicated):
         """(forward s, backward s) of the heads group's all-to-alls and the bytes a rank sends by class."""
-        hd, pb, e = cand.heads_degree, self.pb, self.pb.elem
+        hd = cand.heads_degree
         if hd == 1:
             return (0.0, 0.0), {"intra": 0.0, "inter": 0.0}
-        d = pb.head_dim
-        n = float(sp.rows.max())
-        nj = n / hd
+        fwd, bwd = self._alltoall_messages(float(sp.rows.max()), hd, sizes, kv, replicated)
+        share_intra = (min(hd, self.g) - 1) / (hd - 1)  # of a rank's peers, those in its host
+
+        def seconds(messages):
+            return sum(float(max(self.prof.transfer_s(b * share_intra, "intra", "alltoall"),
+                                 self.prof.transfer_s(b * (1 - share_intra), "inter", "alltoall")))
+                       for b in (max(send, recv) for send, recv in messages))
+        sent = sum(send for send, _ in fwd + bwd)
+        return (seconds(fwd), seconds(bwd)), {"intra": sent * share_intra, "inter": sent * (1 - share_intra)}
+
+    def _alltoall_messages(self, n: float, hd: int, sizes, kv, replicated) -> tuple:
+        """(bytes sent, bytes received) by the heads rank with the most heads, for each all-to-all:
+        forward q/k/v in and out back; backward dO in, dq/dk/dv back (dk/dv in float32 where a kv
+        head has several readers). ``n``: rows of the sequence shard the group shares."""
+        d, e = self.pb.head_dim, self.pb.elem
         j = int(np.argmax(sizes))
-        others_h, others_kv = float(sizes.sum() - sizes[j]), float(kv.sum() - kv[j])
-        gkv = 4 if replicated else e
-        q_in = nj * (others_h + 2 * others_kv) * d * e
-        out_back = (n - nj) * sizes[j] * (d * e + 4)
-        do_in = nj * others_h * d * e
-        grads_back = (n - nj) * (sizes[j] * d * e + kv[j] * 2 * d * gkv)
-        recv_in = (n - nj) * (sizes[j] + 2 * kv[j]) * d * e
-        fwd_b = [max(q_in, recv_in), max(out_back, nj * others_h * d * e)]
-        bwd_b = [max(do_in, (n - nj) * sizes[j] * d * e), max(grads_back, nj * (others_h * d * e + others_kv * 2 * d * gkv))]
-        peers_in_host = min(hd, self.g) - 1
-        share_intra = peers_in_host / (hd - 1)
-        times = []
-        for group in (fwd_b, bwd_b):
-            t = 0.0
-            for b in group:
-                ti = self.prof.transfer_s(b * share_intra, "intra", "alltoall")
-                tx = self.prof.transfer_s(b * (1 - share_intra), "inter", "alltoall")
-                t += float(max(ti, tx))
-            times.append(t)
-        sent = q_in + out_back + do_in + grads_back
-        return (times[0], times[1]), {"intra": sent * share_intra, "inter": sent * (1 - share_intra)}
+        h, k = float(sizes[j]), float(kv[j])
+        others_h, others_kv = float(sizes.sum()) - h, float(kv.sum()) - k
+        g = 4 if replicated else e
+        mine, rest = n / hd, n - n / hd
+        return ([(mine * (others_h + 2 * others_kv) * d * e, rest * (h + 2 * k) * d * e),
+                 (rest * h * (d * e + 4), mine * others_h * (d * e + 4))],
+                [(mine * others_h * d * e, rest * h * d * e),
+                 (rest * (h * d * e + 2 * k * d * g), mine * (others_h * d * e + 2 * others_kv * d * g))])
 
     def _memory(self, cand, sp, h, k) -> float:
         """Peak bytes per rank: the layer's inputs, outputs and saved tensors, plus the larger of the

@@ -41,9 +41,10 @@ class Plan:
         lines = [head, cols]
         for r in self.candidates:
             c = r.candidate
-            at_least = ">" if r.bound else " "  # a lower bound: not simulated (it cannot win)
+            at_least = ">" if r.bound else ""  # a lower bound: not simulated (it cannot win)
+            fwd, bwd = (f"{at_least}{t * 1e3:.3f}" for t in (r.fwd_s, r.bwd_s))
             lines.append(f"{c.schedule:<16}{c.heads_degree:>5}x{c.seq_degree:<4} {c.layout:<11}"
-                         f"{at_least}{r.fwd_s * 1e3:>9.3f}{at_least}{r.bwd_s * 1e3:>9.3f}{r.efficiency:>7.1%}"
+                         f"{fwd:>10}{bwd:>10}{r.efficiency:>7.1%}"
                          f"{r.tflops_per_gpu:>8.0f}{r.kernel_share:>7.1%}"
                          f"{r.bytes['intra'] / 1e9:>10.3f}{r.bytes['inter'] / 1e9:>10.3f}{r.peak_bytes / GIB:>9.2f}  {r.why}")
         return "\n".join(lines)

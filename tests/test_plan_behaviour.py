@@ -159,3 +159,12 @@ def test_windows_and_documents_plan_and_4096_gpus_answer_within_a_second():
     big = ss.plan_attention(4096, seq_len=1 << 22, **LLAMA)
     assert time.perf_counter() - start < 1.0
     assert big.mesh[0] * big.mesh[1] == 4096
+
+
+def test_rank_groups_lay_heads_groups_on_contiguous_ranks():
+    plan = ss.plan_attention(64, seq_len=1 << 20, **LLAMA)
+    hd, sd = plan.mesh
+    seq_groups, heads_groups = plan.rank_groups()
+    assert len(heads_groups) == sd and all(g == list(range(g[0], g[0] + hd)) for g in heads_groups)
+    assert sorted(r for g in seq_groups for r in g) == list(range(64)) == sorted(r for g in heads_groups for r in g)
+    assert all(len(set(g) & set(h)) == 1 for g in seq_groups for h in heads_groups)

@@ -78,3 +78,10 @@ def test_calibrate_rates_from_link_measures():
     assert prof["links"]["intra"]["p2p"]["gbs"] == 123.4 and prof["links"]["intra"]["p2p"]["latency_us"] == 5.0
     assert prof["links"]["intra"]["p2p"]["source"].startswith("measured")
     assert prof["links"]["intra"]["alltoall"] == load_profile("h200").data["links"]["intra"]["alltoall"]
+
+
+def test_calibrate_pairs_ranks_by_host():
+    hosts = ["a", "a", "b", "b", "a"]
+    assert calibrate._pairs(hosts, same=True) == [(0, 1), (2, 3)]
+    assert calibrate._pairs(hosts, same=False) == [(0, 2), (1, 3)]
+    assert calibrate._pairs(["a"], same=True) == []

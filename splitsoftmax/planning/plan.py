@@ -30,6 +30,15 @@ class Plan:
     def best(self) -> Result:
         return self.candidates[0]
 
+    def rank_groups(self) -> tuple[list, list]:
+        """``(sequence_groups, heads_groups)``: the ranks of each group of the chosen mesh, as the
+        contract lays a 2-D mesh out (dimension 0 sequence, dimension 1 heads: rank ``s * H + j``), so
+        that a heads group is contiguous ranks. Build process groups (or a ``DeviceMesh`` of shape
+        ``(seq_degree, heads_degree)``) from them."""
+        hd, sd = self.mesh
+        return ([[s * hd + j for s in range(sd)] for j in range(hd)],
+                [[s * hd + j for j in range(hd)] for s in range(sd)])
+
     def table(self) -> str:
         """The ranking as text, one candidate a line."""
         head = (f"plan for {self.world} GPUs on profile {self.profile} (predictions of the model; one GPU's "

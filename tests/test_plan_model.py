@@ -84,6 +84,10 @@ def test_profiles_load_by_name_path_and_dict(tmp_path):
     bad["kernel"]["fwd"]["full"] = [[1024, 0]]
     with pytest.raises(ValueError, match="kernel table 'fwd'"):
         load_profile(bad)
+    bad = json.loads(json.dumps(data))
+    del bad["links"]["inter"]["alltoall"]
+    with pytest.raises(ValueError, match="links.inter.alltoall needs gbs > 0"):
+        load_profile(bad)
 
 
 def test_scaled_profile_scales_the_kernel_time():

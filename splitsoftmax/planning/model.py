@@ -101,6 +101,12 @@ class Profile:
         for p, t in self._tables.items():
             if len(t) < 2 or any(r <= 0 for _, r in t):
                 raise ValueError(f"profile {self.name!r}: kernel table {p!r} needs >= 2 positive points, got {t}")
+        for cls in LINKS:
+            for kind in COLLECTIVES:
+                e = data.get("links", {}).get(cls, {}).get(kind)
+                if not e or not e.get("gbs", 0) > 0 or not e.get("latency_us", -1) >= 0:
+                    raise ValueError(f"profile {self.name!r}: links.{cls}.{kind} needs gbs > 0 and latency_us >= 0, "
+                                     f"got {e!r}")
 
     def rate(self, pas: str, keys) -> np.ndarray:
         """TFLOP/s of a full tile whose row tile walks ``keys`` keys (interpolated in log keys)."""

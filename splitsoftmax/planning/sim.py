@@ -7,7 +7,8 @@ compute stream and a transfer stream:
 - all-to-all (heads groups): q, k, v from sequence shards to head subsets before, the output back
   after; backward dO before, dq and dk/dv after (dk/dv in float32 where a kv head is read by several
   ranks: their sums). Query heads are split like ``torch.tensor_split``, a rank receiving the kv
-  heads its query heads read.
+  heads its query heads read. The all-to-alls do not overlap the ring (an implementation that starts
+  the first ring step before the whole all-to-all is done is faster than predicted).
 - ring (sequence groups): step 0 computes a rank's own keys; a step's K/V block travels to the next
   rank while the step computes (two receive buffers: a block may arrive only once the step two
   before has finished); backward, K/V travel the same way and each block's float32 dK/dV follow it

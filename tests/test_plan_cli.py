@@ -40,7 +40,7 @@ def test_plan_rejects_bad_arguments(capsys):
 
 def test_simulate_writes_csv_json_and_a_plot(tmp_path, capsys):
     assert cli.main(["simulate", "--seq-len", "262144", "--heads", "32", "--kv-heads", "8",
-                     "--gpus", "8,64,512", "--out", str(tmp_path)]) == 0
+                     "--gpus", "8,64,512", "--out", str(tmp_path), "--timeline", "64"]) == 0
     with open(tmp_path / "simulate.csv") as f:
         rows = list(csv.DictReader(f))
     assert {int(r["gpus"]) for r in rows} == {8, 64, 512}
@@ -52,6 +52,12 @@ def test_simulate_writes_csv_json_and_a_plot(tmp_path, capsys):
                    for r in mine)
         assert {"ring", "heads"} <= {r["schedule"] for r in mine}
     assert json.loads((tmp_path / "simulate.json").read_text())["prediction"] is True
+    with open(tmp_path / "timeline.csv") as f:
+        events = list(csv.DictReader(f))
+    chosen = next(r for r in rows if int(r["gpus"]) == 64 and r["chosen"] == "True")
+    total = float(chosen["fwd_ms"]) + float(chosen["bwd_ms"])
+    assert max(float(e["end_ms"]) for e in events) == pytest.approx(total, rel=1e-9)
+    assert {e["event"] for e in events} >= {"host", "compute"}
     has_mpl = importlib.util.find_spec("matplotlib") is not None
     assert (tmp_path / "simulate.png").exists() == has_mpl
     if not has_mpl:

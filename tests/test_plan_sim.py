@@ -96,3 +96,20 @@ def test_kernel_share_counts_idle_ranks_and_exposed_transfers():
     assert busy.kernel_share > 0.97 and busy.efficiency > 0.97
     starved = sim.score(sim.run(Candidate("ring", "zigzag", 1, 512)), one)  # 2k tokens a rank over IB
     assert starved.kernel_share < 0.8
+
+
+@pytest.mark.parametrize("cand", [Candidate("heads+ring", "zigzag", 4, 4), Candidate("ring", "contiguous", 1, 8),
+                                  Candidate("heads+allgather", "zigzag", 2, 4), Candidate("heads", "contiguous", 8, 1)])
+def test_timeline_is_the_simulated_layer(cand):
+    """The slowest rank's events end when the layer does; its compute runs one step at a time; a
+    step starts only once its K/V block has arrived."""
+    sim = Simulator(Problem((65536,), True, 32, 8, 128), load_profile("h100"))
+    events = sim.timeline(cand)
+    r = sim.run(cand)
+    assert max(e["end_ms"] for e in events) == pytest.approx(r.total_s * 1e3, rel=1e-9)
+    compute = [e for e in events if e["event"] == "compute"]
+    assert all(a["end_ms"] <= b["start_ms"] + 1e-9 for a, b in zip(compute, compute[1:]))
+    arrive = {(e["pass"], e["step"]): e["end_ms"] for e in events if e["event"] == "kv block"}
+    for e in compute:
+        if (e["pass"], e["step"]) in arrive:
+            assert e["start_ms"] >= arrive[(e["pass"], e["step"])] - 1e-9

@@ -115,23 +115,32 @@ def _hop_inter(cand: Candidate, gpus_per_host: int) -> np.ndarray:
     return host != np.roll(host, 1)
 
 
-def _ring(c0: np.ndarray, steps: list, at, x: np.ndarray, dx=None) -> np.ndarray:
+def _ring(c0: np.ndarray, steps: list, at, x: np.ndarray, dx=None, log=None) -> np.ndarray:
     """Finish time per rank of a ring: own step ``c0``, then for each ``t`` of ``steps`` the step time
     ``at(t)`` (arrays over ranks), a block reaching rank ``r`` in ``x[r]``. With ``dx`` (backward) each
     block's float32 dK/dV follow it on the same link once the sender's step is done, and go home
-    after the last step."""
+    after the last step. ``log`` (a list) receives ``(t, block arrives, step starts, step ends, dK/dV
+    arrive)`` per step, arrays over ranks."""
     cend, cend2 = c0.copy(), np.zeros_like(c0)
     recv, avail, drecv = np.zeros_like(c0), np.zeros_like(c0), np.zeros_like(c0)
     for t in steps:
         recv = np.maximum(np.maximum(np.roll(avail, 1), cend2), np.maximum(recv, drecv)) + x
-        done = np.maximum(cend, recv) + at(t)
+        start = np.maximum(cend, recv)
+        done = start + at(t)
         if dx is not None:
             drecv = np.maximum(np.roll(cend, 1), recv) + dx
             done = np.maximum(done, drecv)
+        if log is not None:
+            log.append((t, recv, start, done, drecv if dx is not None else None))
         cend2, cend, avail = cend, done, recv
     if dx is not None and steps:
         cend = np.maximum(np.roll(cend, 1) + dx, cend)
     return cend
+
+
+def _event(events: list, pas: str, what: str, step, start: float, end: float) -> float:
+    events.append({"pass": pas, "event": what, "step": step, "start_ms": 1e3 * float(start), "end_ms": 1e3 * float(end)})
+    return float(end)
 
 
 class Simulator:
@@ -191,6 +200,49 @@ class Simulator:
                       rank_flops=4.0 * pb.head_dim * h * float((vis.c0 + vis.total).max()),
                       parts={"alltoall_fwd_s": a2a[0], "alltoall_bwd_s": a2a[1], "seq_fwd_s": fl, "seq_bwd_s": bl})
 
+    def timeline(self, cand: Candidate) -> list:
+        """The events of one layer (forward, then backward) on its slowest rank, as dicts of ``pass``,
+        ``event`` (``host``: a call's host time, ``alltoall``, ``compute``, ``kv block``, ``dK/dV``,
+        ``dK/dV home``, ``gather``, ``reduce-scatter``),
+        ``step`` and ``start_ms`` / ``end_ms``: where the transfers hide behind compute and where not."""
+        sizes, kv, replicated = head_split(self.pb.heads, self.pb.kv_heads, cand.heads_degree)
+        h, k = float(sizes.max()), float(kv.max())
+        sp = self.split(cand.layout, cand.seq_degree)
+        a2a = self._alltoall_parts(cand, sp, sizes, kv, replicated)
+        events, clock = [], 0.0
+        for pas, (first, last) in zip(("fwd", "bwd"), a2a):
+            clock = _event(events, pas, "host", None, clock, clock + self.prof.overhead_s("call_us", pas))
+            clock = _event(events, pas, "alltoall", None, clock, clock + first) if first else clock
+            clock = self._seq_events(events, pas, cand, sp, h, 2 * k * self.pb.head_dim, clock)
+            clock = _event(events, pas, "alltoall", None, clock, clock + last) if last else clock
+        return events
+
+    def _seq_events(self, events, pas, cand, sp, h, kv_row, clock) -> float:
+        """The sequence group's events of one pass from ``clock``; returns when its slowest rank ends."""
+        if cand.schedule in ("allgather", "heads+allgather") and cand.seq_degree > 1:
+            move = self._gather_s(cand, sp, kv_row)[0][0 if pas == "fwd" else 1]
+            w = self._kernel(sp.all_keys(), h, pas).max()
+            if pas == "fwd":
+                clock = _event(events, pas, "gather", None, clock, clock + move)
+                return _event(events, pas, "compute", None, clock, clock + float(w))
+            clock = _event(events, pas, "compute", None, clock, clock + float(w))
+            return _event(events, pas, "reduce-scatter", None, clock, clock + move)
+        cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
+        c = cf if pas == "fwd" else cb
+        xf, xd, _ = self._links(cand, sp, kv_row)
+        log: list = []
+        end = _ring(c.c0, c.steps, c.at, xf, xd if pas == "bwd" else None, log)
+        r = int(np.argmax(end))
+        _event(events, pas, "compute", 0, clock, clock + c.c0[r])
+        for t, recv, start, done, drecv in log:
+            _event(events, pas, "kv block", t, clock + recv[r] - xf[r], clock + recv[r])
+            if drecv is not None:
+                _event(events, pas, "dK/dV", t, clock + drecv[r] - xd[r], clock + drecv[r])
+            _event(events, pas, "compute", t, clock + start[r], clock + done[r])
+        if log and pas == "bwd" and end[r] > log[-1][3][r]:
+            _event(events, pas, "dK/dV home", None, clock + end[r] - xd[r], clock + end[r])
+        return clock + float(end.max())
+
     def _kernel(self, w: Work, h: float, pas: str) -> np.ndarray:
         return self.prof.kernel_s(w, h, self.pb.head_dim, pas)
 
@@ -245,32 +297,45 @@ class Simulator:
         return (low_f, up_f), (low_b, up_b)
 
     def _allgather_pass(self, cand, sp, h, kv_row):
-        prof, e, p = self.prof, self.pb.elem, cand.seq_degree
+        (gather, scatter), cls = self._gather_s(cand, sp, kv_row)
         w = sp.all_keys()
+        cf, cb = float(self._kernel(w, h, "fwd").max()), float(self._kernel(w, h, "bwd").max())
+        per_rank = (cand.seq_degree - 1) * float(sp.send_rows.max()) * kv_row * (self.pb.elem + 4)
+        return gather + cf, cb + scatter, cf + cb, {"intra": per_rank * (cls == "intra"), "inter": per_rank * (cls == "inter")}
+
+    def _gather_s(self, cand, sp, kv_row) -> tuple:
+        """((all-gather of K/V s, reduce-scatter of float32 dK/dV s), link class): ring collectives
+        over the sequence group's slowest link."""
+        p = cand.seq_degree
         cls = "inter" if _hop_inter(cand, self.g).any() else "intra"
         shard = float(sp.send_rows.max()) * kv_row
-        bw, lat = prof.link(cls, "allgather")
-        gather = (p - 1) * (lat + shard * e / bw) if p > 1 else 0.0
-        scatter = (p - 1) * (lat + shard * 4 / bw) if p > 1 else 0.0
-        cf, cb = self._kernel(w, h, "fwd").max(), self._kernel(w, h, "bwd").max()
-        per_rank = (p - 1) * shard * (e + 4)
-        return (gather + float(cf), float(cb) + scatter, float(cf + cb),
-                {"intra": per_rank if cls == "intra" else 0.0, "inter": per_rank if cls == "inter" else 0.0})
+        bw, lat = self.prof.link(cls, "allgather")
+        return tuple((p - 1) * (lat + shard * b / bw) if p > 1 else 0.0 for b in (self.pb.elem, 4)), cls
 
     def _alltoall(self, cand, sp, sizes, kv, replicated):
         """(forward s, backward s) of the heads group's all-to-alls and the bytes a rank sends by class."""
+        (fwd_in, fwd_out), (bwd_in, bwd_out) = self._alltoall_parts(cand, sp, sizes, kv, replicated)
         hd = cand.heads_degree
         if hd == 1:
             return (0.0, 0.0), {"intra": 0.0, "inter": 0.0}
+        share_intra = (min(hd, self.g) - 1) / (hd - 1)
         fwd, bwd = self._alltoall_messages(float(sp.rows.max()), hd, sizes, kv, replicated)
+        sent = sum(send for send, _ in fwd + bwd)
+        return (fwd_in + fwd_out, bwd_in + bwd_out), {"intra": sent * share_intra, "inter": sent * (1 - share_intra)}
+
+    def _alltoall_parts(self, cand, sp, sizes, kv, replicated) -> tuple:
+        """Seconds of ((forward in, forward out), (backward in, backward out)) all-to-alls."""
+        hd = cand.heads_degree
+        if hd == 1:
+            return (0.0, 0.0), (0.0, 0.0)
         share_intra = (min(hd, self.g) - 1) / (hd - 1)  # of a rank's peers, those in its host
 
-        def seconds(messages):
-            return sum(float(max(self.prof.transfer_s(b * share_intra, "intra", "alltoall"),
-                                 self.prof.transfer_s(b * (1 - share_intra), "inter", "alltoall")))
-                       for b in (max(send, recv) for send, recv in messages))
-        sent = sum(send for send, _ in fwd + bwd)
-        return (seconds(fwd), seconds(bwd)), {"intra": sent * share_intra, "inter": sent * (1 - share_intra)}
+        def seconds(send, recv):
+            b = max(send, recv)
+            return float(max(self.prof.transfer_s(b * share_intra, "intra", "alltoall"),
+                             self.prof.transfer_s(b * (1 - share_intra), "inter", "alltoall")))
+        return tuple(tuple(seconds(*m) for m in msgs)
+                     for msgs in self._alltoall_messages(float(sp.rows.max()), hd, sizes, kv, replicated))
 
     def _alltoall_messages(self, n: float, hd: int, sizes, kv, replicated) -> tuple:
         """(bytes sent, bytes received) by the heads rank with the most heads, for each all-to-all:

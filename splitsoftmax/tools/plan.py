@@ -77,16 +77,20 @@ def plan_main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def sweep(kwargs: dict, gpus: Sequence[int]) -> list:
-    """Per GPU count: the plan's choice and each schedule's best candidate, simulated event by event."""
+def _simulator(kwargs: dict) -> Simulator:
+    """The simulator of the problem that ``plan_attention``'s keywords describe."""
     kw = dict(kwargs)
-    prof = load_profile(kw.pop("profile"))
     docs = documents(kw.pop("seq_len"), kw.pop("cu_seqlens"), kw.pop("window_size"), kw["causal"])
     pb = Problem(docs, kw["causal"], kw["heads"], kw["kv_heads"], kw["head_dim"], element_bytes(kw["dtype"]))
+    return Simulator(pb, load_profile(kw["profile"]), kw["gpus_per_host"])
+
+
+def sweep(kwargs: dict, gpus: Sequence[int]) -> list:
+    """Per GPU count: the plan's choice and each schedule's best candidate, simulated event by event."""
+    sim = _simulator(kwargs)
     rows = []
     for world in gpus:
-        sim = Simulator(pb, prof, kw["gpus_per_host"])
-        results, one = rank(sim, candidates(world, pb.heads, docs, pb.causal))
+        results, one = rank(sim, candidates(world, sim.pb.heads, sim.pb.docs, sim.pb.causal))
         best = {}
         for r in results:
             best.setdefault(r.candidate.schedule, r)
@@ -99,6 +103,17 @@ def sweep(kwargs: dict, gpus: Sequence[int]) -> list:
                          "tflops_per_gpu": r.tflops_per_gpu, "kernel_share": r.kernel_share, "peak_gib": r.peak_bytes / 2 ** 30,
                          "one_gpu_ms": one * 1e3})
     return rows
+
+
+def _write_timeline(kwargs: dict, world: int, path: pathlib.Path) -> None:
+    sim = _simulator(kwargs)
+    best = rank(sim, candidates(world, sim.pb.heads, sim.pb.docs, sim.pb.causal))[0][0].candidate
+    events = sim.timeline(best)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(events[0]))
+        w.writeheader()
+        w.writerows(events)
+    print(f"wrote {path}: {best.label()} on {world} GPUs, {len(events)} events of its slowest rank")
 
 
 def _plot(rows: list, path: pathlib.Path) -> Optional[str]:
@@ -139,6 +154,9 @@ def simulate_main(argv: Optional[Sequence[str]] = None) -> int:
     _problem_args(parser)
     parser.add_argument("--gpus", default=",".join(map(str, DEFAULT_GPUS)), help="comma-separated GPU counts")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("."), help="folder for the files")
+    parser.add_argument("--timeline", type=int, default=None, metavar="GPUS",
+                        help="also write timeline.csv: the events of the plan's choice on GPUS GPUs, its slowest "
+                             "rank (compute, transfers, their overlap)")
     ns = parser.parse_args(argv)
     try:
         gpus = [int(g) for g in ns.gpus.split(",") if g.strip()]
@@ -159,6 +177,8 @@ def simulate_main(argv: Optional[Sequence[str]] = None) -> int:
         mark = "*" if r["chosen"] else " "
         print(f"{r['gpus']:>6} {mark} {r['schedule']:<16}{r['mesh']:>9} {r['layout']:<11}"
               f"{r['fwd_ms'] + r['bwd_ms']:>12.3f} ms {100 * r['efficiency']:>6.1f}%")
+    if ns.timeline:
+        _write_timeline(_kwargs(ns), ns.timeline, ns.out / "timeline.csv")
     msg = _plot(rows, ns.out / "simulate.png")
     print(msg or f"wrote {ns.out / 'simulate.png'}", file=sys.stderr if msg else sys.stdout)
     print(f"wrote {ns.out / 'simulate.csv'} and simulate.json ({time.perf_counter() - start:.1f} s; "

@@ -15,14 +15,13 @@ tuple of document lengths (one document when nothing is packed).
   spanning several slices gives full pieces between them.
 - ``"balanced"``: documents whose work is at most ``1 / WHOLE_SHARE`` of a rank's mean share stay
   whole on the rank that keeps the causal work most even (largest first onto the least loaded rank,
-  so no rank exceeds the mean by more than that fraction); longer ones are zigzagged as above, and
+  so no rank exceeds the mean by much more than that fraction); longer ones are zigzagged as above, and
   only their rows travel.
 """
 from __future__ import annotations
 
 import heapq
 from collections import Counter
-
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,7 +48,7 @@ def full_sequence(docs: tuple, causal: bool, tiles) -> Work:
 
 
 def _broadcast(w: Work, p: int) -> Work:
-    return Work(*(np.full(p, float(np.asarray(f))) for f in (w.visible, w.touched, w.rowtiles, w.chain, w.launches)))
+    return Work(*(np.full(p, float(np.asarray(getattr(w, f)))) for f in FIELDS))
 
 
 @dataclass

@@ -62,24 +62,36 @@ class Tiles(NamedTuple):
     packed: bool = True
 
 
-def piece(rows, keys, causal: bool, tiles: Tiles, count=1.0) -> Work:
+def piece(rows, keys, causal: bool, tiles: Tiles, count=1.0, stride=None, aligned: bool = True) -> Work:
     """``count`` pieces of ``rows`` x ``keys`` (``causal``: square diagonal pieces, ``keys`` ignored)
-    in one launch. Packed, pieces shorter than a row tile share it, and the tile walks the keys of
-    every piece it holds (their key ranges lie side by side); unpacked, each piece rounds up to whole
-    tiles. Scalars or numpy arrays (one entry per rank)."""
+    in one launch. Scalars or numpy arrays (one entry per rank).
+
+    ``aligned``: the pieces start on tile edges (one document cut in equal chunks); otherwise
+    (packed documents) they fall anywhere against the tiles, and a piece of ``n`` rows spans
+    ``(n + tile - 1) / tile`` tiles on average. Packed, documents whose rows in the buffer
+    (``row_stride``) are shorter than a row tile share it: a row tile holds ``tile / row_stride`` of
+    them and walks every key tile between the first key of its first piece and the last of its last,
+    which lie ``key_stride`` apart (``stride = (row_stride, key_stride)``: the rows and keys a piece's
+    document takes in the row and key buffers, where only part of them may meet; default ``(rows,
+    keys)``). Unpacked, each piece has tiles of its own."""
     tile = tiles.size
     rows = np.asarray(rows, dtype=float)
     keys = rows if causal else np.asarray(keys, dtype=float)
+    row_stride, key_stride = (rows, keys) if stride is None else (np.asarray(x, dtype=float) for x in stride)
     count = np.where((rows > 0) & (keys > 0), np.asarray(count, dtype=float), 0.0)
-    big = (rows >= tile) | (not tiles.packed)
-    rt = np.where(big, np.ceil(rows / tile), rows / tile)
+    alone = (row_stride >= tile) | (not tiles.packed)
+
+    def span(n):  # tiles a run of n rows (or keys) covers
+        return np.ceil(n / tile) if aligned else (n + tile - 1) / tile
+    rt = np.where(alone, span(rows), row_stride / tile)
+    shared = key_stride / np.maximum(row_stride, 1e-9) + (0.0 if aligned else (tile - 1) / tile)
     if causal:
         visible = rows * (rows + 1) / 2
-        touched = np.where(big, rt * (rt + 1) / 2, rt)
-        chain = np.where(big, rt, 1.0)
+        touched = np.where(alone, rt * (rt + 1) / 2, rt * shared)
+        chain = np.where(alone, rt, np.ceil(shared))
     else:
         visible = rows * keys
-        kt = np.where(big, np.ceil(keys / tile), np.maximum(1.0, keys / np.maximum(rows, 1e-9)))
+        kt = np.where(alone, span(keys), shared)
         touched, chain = rt * kt, np.ceil(kt)
     some = count > 0
     return Work(count * visible, count * touched, count * rt, np.where(some, chain, 0.0), np.where(some, 1.0, 0.0))

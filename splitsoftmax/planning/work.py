@@ -43,7 +43,7 @@ def full_sequence(docs: tuple, causal: bool, tiles) -> Work:
     """One launch over the whole sequence (documents packed side by side): one GPU, or ``"heads"``."""
     out = Work()
     for length, m in Counter(docs).items():
-        out = out + piece(length, length, causal, tiles, m)
+        out = out + piece(length, length, causal, tiles, m, aligned=len(docs) == 1)
     return out
 
 
@@ -124,15 +124,17 @@ class ZigzagSplit(Split):
 
     def __init__(self, p, docs, causal, tiles, own_extra=None, rows_extra=0.0):
         c_work, lower, higher, zig_rows = Work(), Work(), Work(), 0.0
+        edge = len(docs) == 1 and own_extra is None  # one document alone: chunks start on tile edges
         for length, m in Counter(docs).items():
             c = length / (2 * p)
             zig_rows += 2 * c * m
-            if causal:
-                c_work = c_work + piece(2 * c, 2 * c, True, tiles, m)
-                lower, higher = lower + piece(2 * c, c, False, tiles, m), higher + piece(c, 2 * c, False, tiles, m)
+            if causal:  # a document takes 2c rows and 2c keys in every buffer, whichever of them meet
+                c_work = c_work + piece(2 * c, 2 * c, True, tiles, m, aligned=edge)
+                lower = lower + piece(2 * c, c, False, tiles, m, stride=(2 * c, 2 * c), aligned=edge)
+                higher = higher + piece(c, 2 * c, False, tiles, m, stride=(2 * c, 2 * c), aligned=edge)
             else:
-                c_work = c_work + piece(2 * c, 2 * c, False, tiles, m)
-                lower, higher = lower + piece(2 * c, 2 * c, False, tiles, m), higher + piece(2 * c, 2 * c, False, tiles, m)
+                full = piece(2 * c, 2 * c, False, tiles, m, aligned=edge)
+                c_work, lower, higher = c_work + full, lower + full, higher + full
         own = _broadcast(c_work, p) if own_extra is None else own_extra + _broadcast(c_work, p)
         active = list(range(1, p)) if docs and p > 1 else []
         super().__init__(p, own, np.full(p, zig_rows) + rows_extra, np.full(p, zig_rows), active)
@@ -184,7 +186,8 @@ class ContiguousSplit(Split):
         self.m_span = np.repeat(span, span)
         self.m_rows = (np.minimum(self.bounds[self.m_ranks + 1], np.repeat(hi, span))
                      - np.maximum(self.bounds[self.m_ranks], np.repeat(lo, span)))
-        own = _add_at(_zeros(p), self.m_ranks, piece(self.m_rows, self.m_rows, causal, tiles), p)
+        self.edge = len(self.docs) == 1  # one document in slices: pieces start on tile edges
+        own = _add_at(_zeros(p), self.m_ranks, piece(self.m_rows, self.m_rows, causal, tiles, aligned=self.edge), p)
         longest = int(span.max(initial=1))
         active = [t for t in range(1, p) if t < longest or (not causal and p - t < longest)]
         lengths = np.diff(self.bounds)
@@ -230,7 +233,7 @@ class ContiguousSplit(Split):
         shape = (len(ts), self.p)
         out = {f: np.zeros(shape) for f in FIELDS}
         for (row, i), shift in zip(pairs, shifts):
-            w = piece(self.m_rows[i], self.m_rows[i - shift[row, 0]], False, self.tiles)
+            w = piece(self.m_rows[i], self.m_rows[i - shift[row, 0]], False, self.tiles, aligned=self.edge)
             flat = row * self.p + self.m_ranks[i]
             for f in ("visible", "touched", "rowtiles"):
                 out[f] += np.bincount(flat, weights=getattr(w, f), minlength=shape[0] * shape[1]).reshape(shape)
@@ -272,7 +275,7 @@ def balanced(p: int, docs: tuple, causal: bool, tiles) -> ZigzagSplit:
     placed = Counter((length, r) for length, ranks in _place(whole, heap, causal).items() for r in ranks)
     length, rank, count = (np.array([key[0] for key in placed], dtype=float), np.array([key[1] for key in placed], dtype=int),
                            np.array(list(placed.values()), dtype=float))
-    acc = _add_at(_zeros(p), rank, piece(length, length, causal, tiles, count), p)
+    acc = _add_at(_zeros(p), rank, piece(length, length, causal, tiles, count, aligned=False), p)
     rows = np.bincount(rank, weights=length * count, minlength=p).astype(float)
     return ZigzagSplit(p, split, causal, tiles, own_extra=acc, rows_extra=rows)
 

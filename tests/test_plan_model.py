@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from splitsoftmax.planning.model import Tiles, Work, load_profile, piece, shipped
 from splitsoftmax.planning.sim import head_split
@@ -196,3 +197,45 @@ def test_full_sequence_is_one_launch():
     w = full_sequence((100, 200, 5000), True, T)
     assert w.launches == 1 and w.visible == pytest.approx(100 * 101 / 2 + 200 * 201 / 2 + 5000 * 5001 / 2)
     assert isinstance(w, Work)
+
+
+def _dense_tiles(docs, p, r, u, causal, tile=128):
+    """Tile pairs a kernel with per-row key bounds walks, from the dense mask of rank ``r``'s rows
+    against rank ``u``'s keys (per-document zigzag, ``torch.tensor_split`` chunks)."""
+    def layout(rank):
+        pos, doc, start = [], [], 0
+        for d, n in enumerate(docs):
+            chunks = torch.tensor_split(torch.arange(start, start + n), 2 * p)
+            for i in (rank, 2 * p - 1 - rank):
+                pos += chunks[i].tolist()
+                doc += [d] * len(chunks[i])
+            start += n
+        return np.array(pos), np.array(doc)
+    qp, qd = layout(r)
+    kp, kd = layout(u)
+    seen = (qd[:, None] == kd[None, :]) & ((kp[None, :] <= qp[:, None]) if causal else True)
+    touched = 0
+    for i in range(0, len(qp), tile):
+        cols = np.nonzero(seen[i:i + tile].any(0))[0]
+        if len(cols):
+            lo = min(np.nonzero(row)[0][0] for row in seen[i:i + tile] if row.any())
+            touched += (cols[-1]) // tile - lo // tile + 1
+    return int(seen.sum()), touched
+
+
+@pytest.mark.parametrize("docs", [(300, 1000, 64, 4096, 700), (96,) * 40, (512,) * 8, (1000, 17, 3000)])
+@pytest.mark.parametrize("r, u", [(1, 1), (2, 0), (0, 2), (3, 3)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_tile_walk_equals_the_dense_mask(docs, r, u, causal):
+    from splitsoftmax.planning.tiles import walk
+    from splitsoftmax.planning.work import zigzag_segments
+    w = walk(*zigzag_segments(docs, 4, r, u, causal), 128)
+    pairs, touched = _dense_tiles(docs, 4, r, u, causal)
+    assert (w.visible, w.touched) == (pairs, touched)
+
+
+@pytest.mark.parametrize("docs", [(96,) * 40, (300, 1000, 64, 4096, 700), (40,) * 100, (1000,) * 4, (5000,)])
+def test_one_launch_over_packed_documents_walks_the_dense_tiles(docs):
+    w = full_sequence(docs, True, T)
+    pairs, touched = _dense_tiles(docs, 1, 0, 0, True)
+    assert (w.visible, w.touched) == (pairs, touched)

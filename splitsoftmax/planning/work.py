@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from .model import FIELDS, Work, piece
+from .tiles import walk
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 WHOLE_SHARE = 4
@@ -41,10 +42,39 @@ def keys_join(a: Work, b: Work) -> Work:
 
 def full_sequence(docs: tuple, causal: bool, tiles) -> Work:
     """One launch over the whole sequence (documents packed side by side): one GPU, or ``"heads"``."""
+    if tiles.packed:
+        length = np.array([d for d in docs if d], dtype=np.int64)
+        at = np.cumsum(length) - length
+        return walk(at, length, at, at + (1 if causal else length), np.full(length.size, int(causal)), tiles.size)
     out = Work()
     for length, m in Counter(docs).items():
         out = out + piece(length, length, causal, tiles, m, aligned=len(docs) == 1)
     return out
+
+
+def zigzag_segments(docs: tuple, p: int, r: int, u: int, causal: bool) -> tuple:
+    """Segments (``tiles.walk``'s) of rank ``r``'s rows against rank ``u``'s keys under per-document
+    zigzag: chunk sizes as ``torch.tensor_split(doc, 2P)`` gives them, documents in order."""
+    length = np.array([d for d in docs if d], dtype=np.int64)
+    q, rem = np.divmod(length, 2 * p)
+
+    def size(i):
+        return q + (i < rem)
+    a, b, ka, kb = size(r), size(2 * p - 1 - r), size(u), size(2 * p - 1 - u)
+    row = np.cumsum(a + b) - (a + b)
+    key = np.cumsum(ka + kb) - (ka + kb)
+    if not causal:
+        hi = (key + ka + kb, key + ka + kb)
+        slope = (0, 0)
+    elif u == r:
+        hi, slope = (key + 1, key + a + 1), (1, 1)
+    elif u < r:
+        hi, slope = (key + ka, key + ka), (0, 0)
+    else:
+        hi, slope = (key, key + ka + kb), (0, 0)
+    n = (np.where(hi[0] > key, a, 0), np.where(hi[1] > key, b, 0))
+    segs = ((row, n[0], key, hi[0], np.full(a.size, slope[0])), (row + a, n[1], key, hi[1], np.full(a.size, slope[1])))
+    return tuple(np.stack([segs[0][k], segs[1][k]], axis=1).reshape(-1) for k in range(5))
 
 
 def _broadcast(w: Work, p: int) -> Work:
@@ -135,10 +165,24 @@ class ZigzagSplit(Split):
             else:
                 full = piece(2 * c, 2 * c, False, tiles, m, aligned=edge)
                 c_work, lower, higher = c_work + full, lower + full, higher + full
+        if tiles.packed and docs:
+            c_work, lower, higher = self._walked(docs, p, causal, tiles.size, (c_work, lower, higher))
         own = _broadcast(c_work, p) if own_extra is None else own_extra + _broadcast(c_work, p)
         active = list(range(1, p)) if docs and p > 1 else []
         super().__init__(p, own, np.full(p, zig_rows) + rows_extra, np.full(p, zig_rows), active)
         self.lower, self.higher = lower, higher
+
+    @staticmethod
+    def _walked(docs, p, causal, tile, works) -> tuple:
+        """``works`` (own, lower, higher) with their tiles walked exactly on a middle rank's buffers
+        (pairs stay the average over ranks, so that they sum to the sequence's)."""
+        r = p // 2
+        pairs = ((r, r), (r, r - 1), (r - 1, r)) if p > 1 else ((0, 0),)
+        out = []
+        for w, (a, b) in zip(works, pairs):
+            t = walk(*zigzag_segments(docs, p, a, b, causal), tile)
+            out.append(Work(w.visible, t.touched, t.rowtiles, t.chain, w.launches))
+        return tuple(out) + tuple(works[len(out):])
 
     def at(self, t: int) -> Work:
         low = t <= self.rank
@@ -272,12 +316,26 @@ def balanced(p: int, docs: tuple, causal: bool, tiles) -> ZigzagSplit:
     split = tuple(d for d, w in zip(docs, work) if w > cap)
     whole = sorted((d for d, w in zip(docs, work) if 0 < w <= cap), reverse=True)
     heap = [(0.0, r) for r in range(p)]
-    placed = Counter((length, r) for length, ranks in _place(whole, heap, causal).items() for r in ranks)
-    length, rank, count = (np.array([key[0] for key in placed], dtype=float), np.array([key[1] for key in placed], dtype=int),
-                           np.array(list(placed.values()), dtype=float))
-    acc = _add_at(_zeros(p), rank, piece(length, length, causal, tiles, count, aligned=False), p)
-    rows = np.bincount(rank, weights=length * count, minlength=p).astype(float)
+    placed = [(r, length) for length, ranks in _place(whole, heap, causal).items() for r in ranks]
+    rank = np.array([r for r, _ in placed], dtype=np.int64)
+    length = np.array([n for _, n in placed], dtype=np.int64)
+    rows = np.bincount(rank, weights=length, minlength=p).astype(float)
+    if tiles.packed:
+        acc = _whole_documents(rank, length, rows, causal, tiles.size, p)
+    else:
+        acc = _add_at(_zeros(p), rank, piece(length, length, causal, tiles, aligned=False), p)
     return ZigzagSplit(p, split, causal, tiles, own_extra=acc, rows_extra=rows)
+
+
+def _whole_documents(rank, length, rows, causal: bool, tile: int, p: int) -> Work:
+    """Each rank's whole documents, one after another in its buffer, walked exactly (all ranks at once)."""
+    order = np.argsort(rank, kind="stable")
+    rank, length = rank[order], length[order]
+    base = np.concatenate([[0], np.cumsum(np.ceil(rows / tile) * tile + tile)[:-1]]).astype(np.int64)
+    within = np.cumsum(length) - length
+    first = np.searchsorted(rank, np.arange(p))
+    at = base[rank] + within - within[np.minimum(first, len(within) - 1)][rank] if len(rank) else within
+    return walk(at, length, at, at + (1 if causal else length), np.full(length.size, int(causal)), tile, base=base)
 
 
 def _work(length: int, causal: bool) -> float:

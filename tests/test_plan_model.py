@@ -239,3 +239,22 @@ def test_one_launch_over_packed_documents_walks_the_dense_tiles(docs):
     w = full_sequence(docs, True, T)
     pairs, touched = _dense_tiles(docs, 1, 0, 0, True)
     assert (w.visible, w.touched) == (pairs, touched)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_contiguous_slices_walk_the_dense_tiles(causal):
+    docs, p, tile = (300, 1000, 64, 4096, 700), 4, 128
+    sp = split("contiguous", p, docs, causal, T)
+    doc = np.repeat(np.arange(len(docs)), docs)
+    pos = np.arange(sum(docs))
+    cuts = np.cumsum([0] + [sum(docs) // p + (r < sum(docs) % p) for r in range(p)])
+    for t in [0] + sp.active:
+        w = sp.own if t == 0 else sp.at(t)
+        for r in range(p):
+            u = (r - t) % p
+            q, k = slice(cuts[r], cuts[r + 1]), slice(cuts[u], cuts[u + 1])
+            seen = (doc[q][:, None] == doc[k][None, :]) & ((pos[k][None, :] <= pos[q][:, None]) if causal else True)
+            touched = sum(np.nonzero(seen[i:i + tile].any(0))[0][-1] // tile
+                          - min(np.nonzero(row)[0][0] for row in seen[i:i + tile] if row.any()) // tile + 1
+                          for i in range(0, seen.shape[0], tile) if seen[i:i + tile].any())
+            assert (w.visible[r], w.touched[r]) == (seen.sum(), touched), (t, r)

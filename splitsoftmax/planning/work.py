@@ -28,7 +28,7 @@ from typing import Callable
 import numpy as np
 
 from .model import FIELDS, Work, piece
-from .tiles import walk
+from .tiles import rectangle, walk
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 WHOLE_SHARE = 4
@@ -230,8 +230,15 @@ class ContiguousSplit(Split):
         self.m_span = np.repeat(span, span)
         self.m_rows = (np.minimum(self.bounds[self.m_ranks + 1], np.repeat(hi, span))
                      - np.maximum(self.bounds[self.m_ranks], np.repeat(lo, span)))
-        self.edge = len(self.docs) == 1  # one document in slices: pieces start on tile edges
-        own = _add_at(_zeros(p), self.m_ranks, piece(self.m_rows, self.m_rows, causal, tiles, aligned=self.edge), p)
+        self.m_off = np.maximum(np.repeat(lo, span), self.bounds[self.m_ranks]) - self.bounds[self.m_ranks]
+        if tiles.packed:  # each slice its own buffer: its documents' parts walked exactly
+            t = tiles.size
+            base = np.concatenate([[0], np.cumsum(np.ceil(np.diff(self.bounds) / t) * t + t)[:-1]]).astype(np.int64)
+            at = base[self.m_ranks] + self.m_off.astype(np.int64)
+            own = walk(at, self.m_rows, at, at + (1 if causal else self.m_rows.astype(np.int64)),
+                       np.full(at.size, int(causal)), t, base=base)
+        else:
+            own = _add_at(_zeros(p), self.m_ranks, piece(self.m_rows, self.m_rows, causal, tiles, aligned=False), p)
         longest = int(span.max(initial=1))
         active = [t for t in range(1, p) if t < longest or (not causal and p - t < longest)]
         lengths = np.diff(self.bounds)
@@ -277,7 +284,11 @@ class ContiguousSplit(Split):
         shape = (len(ts), self.p)
         out = {f: np.zeros(shape) for f in FIELDS}
         for (row, i), shift in zip(pairs, shifts):
-            w = piece(self.m_rows[i], self.m_rows[i - shift[row, 0]], False, self.tiles, aligned=self.edge)
+            k = i - shift[row, 0]
+            if self.tiles.packed:  # one document meets a slice pair: a block at known offsets
+                w = rectangle(self.m_off[i], self.m_rows[i], self.m_off[k], self.m_rows[k], self.tiles.size)
+            else:
+                w = piece(self.m_rows[i], self.m_rows[k], False, self.tiles)
             flat = row * self.p + self.m_ranks[i]
             for f in ("visible", "touched", "rowtiles"):
                 out[f] += np.bincount(flat, weights=getattr(w, f), minlength=shape[0] * shape[1]).reshape(shape)

@@ -231,6 +231,7 @@ class ContiguousSplit(Split):
         self.m_rows = (np.minimum(self.bounds[self.m_ranks + 1], np.repeat(hi, span))
                      - np.maximum(self.bounds[self.m_ranks], np.repeat(lo, span)))
         self.m_off = np.maximum(np.repeat(lo, span), self.bounds[self.m_ranks]) - self.bounds[self.m_ranks]
+        self.edge = len(self.docs) == 1  # one document in slices: pieces start on tile edges
         if tiles.packed:  # each slice its own buffer: its documents' parts walked exactly
             t = tiles.size
             base = np.concatenate([[0], np.cumsum(np.ceil(np.diff(self.bounds) / t) * t + t)[:-1]]).astype(np.int64)
@@ -238,7 +239,7 @@ class ContiguousSplit(Split):
             own = walk(at, self.m_rows, at, at + (1 if causal else self.m_rows.astype(np.int64)),
                        np.full(at.size, int(causal)), t, base=base)
         else:
-            own = _add_at(_zeros(p), self.m_ranks, piece(self.m_rows, self.m_rows, causal, tiles, aligned=False), p)
+            own = _add_at(_zeros(p), self.m_ranks, piece(self.m_rows, self.m_rows, causal, tiles, aligned=self.edge), p)
         longest = int(span.max(initial=1))
         active = [t for t in range(1, p) if t < longest or (not causal and p - t < longest)]
         lengths = np.diff(self.bounds)
@@ -288,7 +289,7 @@ class ContiguousSplit(Split):
             if self.tiles.packed:  # one document meets a slice pair: a block at known offsets
                 w = rectangle(self.m_off[i], self.m_rows[i], self.m_off[k], self.m_rows[k], self.tiles.size)
             else:
-                w = piece(self.m_rows[i], self.m_rows[k], False, self.tiles)
+                w = piece(self.m_rows[i], self.m_rows[k], False, self.tiles, aligned=self.edge)
             flat = row * self.p + self.m_ranks[i]
             for f in ("visible", "touched", "rowtiles"):
                 out[f] += np.bincount(flat, weights=getattr(w, f), minlength=shape[0] * shape[1]).reshape(shape)

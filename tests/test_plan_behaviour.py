@@ -168,3 +168,12 @@ def test_rank_groups_lay_heads_groups_on_contiguous_ranks():
     assert len(heads_groups) == sd and all(g == list(range(g[0], g[0] + hd)) for g in heads_groups)
     assert sorted(r for g in seq_groups for r in g) == list(range(64)) == sorted(r for g in heads_groups for r in g)
     assert all(len(set(g) & set(h)) == 1 for g in seq_groups for h in heads_groups)
+
+
+def test_layouts_weighed_follow_the_input():
+    def kinds(**kw):
+        return {r.candidate.layout for r in ss.plan_attention(16, **kw, **LLAMA).candidates}
+    assert kinds(seq_len=1 << 18) == {"zigzag", "contiguous"}
+    assert kinds(seq_len=1 << 18, causal=False) == {"contiguous"}
+    assert kinds(seq_len=1 << 18, window_size=(4095, 0)) == {"contiguous"}
+    assert kinds(cu_seqlens=[0, 4096, 1 << 18]) == {"zigzag", "balanced", "contiguous"}

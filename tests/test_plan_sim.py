@@ -54,7 +54,8 @@ def test_backward_dkv_follows_compute_and_goes_home():
                                                  ((512, 3000, 8192, 700) * 8, True, 16)])
 def test_bounds_hold_the_simulated_time(docs, causal, world):
     sim = Simulator(Problem(docs, causal, 32, 8, 128), load_profile("h100"))
-    for cand in candidates(world, 32, docs, causal):
+    kinds = ["zigzag", "balanced", "contiguous"] if len(docs) > 1 else ["zigzag", "contiguous"]
+    for cand in candidates(world, 32, kinds):
         exact, bound = sim.run(cand), sim.run(cand, exact=False)
         assert bound.total_s <= exact.total_s * (1 + 1e-9), cand
         assert exact.total_s <= bound.upper_s * (1 + 1e-9), cand

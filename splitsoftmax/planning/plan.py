@@ -89,8 +89,10 @@ def element_bytes(dtype) -> int:
 
 
 def documents(seq_len, cu_seqlens, window_size, causal) -> tuple:
-    """Document lengths from ``seq_len`` or ``cu_seqlens``; a window is modelled as documents of its
-    reach (``2 * (left + 1)`` causal, ``left + right + 1`` otherwise: the same visible pairs a row)."""
+    """``(document lengths, layouts to weigh)`` from ``seq_len`` or ``cu_seqlens``. A window is modelled
+    as documents of its reach (``2 * (left + 1)`` causal, ``left + right + 1`` otherwise: the same
+    visible pairs a row, kept near the diagonal); on one windowed sequence only the contiguous layout
+    is weighed (its slices keep that locality; zigzag under a window is not modelled)."""
     if (seq_len is None) == (cu_seqlens is None):
         raise ValueError(f"give exactly one of seq_len and cu_seqlens, got seq_len={seq_len!r}, "
                          f"cu_seqlens={'None' if cu_seqlens is None else 'given'}")
@@ -101,31 +103,27 @@ def documents(seq_len, cu_seqlens, window_size, causal) -> tuple:
         docs = tuple(b - a for a, b in zip(cu, cu[1:]) if b > a)
     else:
         docs = (_positive("seq_len", seq_len),)
+    kinds = ["zigzag", "balanced", "contiguous"] if cu_seqlens is not None else \
+        (["zigzag", "contiguous"] if causal else ["contiguous"])
     if window_size is None:
-        return docs
+        return docs, kinds
     left, right = window_size
     if left < -1 or right < -1:
         raise ValueError(f"window_size entries must be >= -1, got {window_size!r}")
     if left == -1 or (right == -1 and not causal):
-        return docs
+        return docs, kinds
     reach = 2 * (left + 1) if causal else left + max(right, 0) + 1
     out = []
     for d in docs:
         out += [reach] * (d // reach) + ([d % reach] if d % reach else [])
-    return tuple(out)
+    return tuple(out), (kinds if cu_seqlens is not None else ["contiguous"])
 
 
-def layouts(docs: tuple, causal: bool) -> list:
-    if len(docs) > 1:
-        return ["zigzag", "balanced", "contiguous"]
-    return ["zigzag", "contiguous"] if causal else ["contiguous"]
-
-
-def candidates(world: int, heads: int, docs: tuple, causal: bool) -> list:
+def candidates(world: int, heads: int, layouts: list) -> list:
     """Every (schedule, layout, mesh) the planner weighs: 1-D ring and all-gather, 1-D heads, and
     ``heads+ring`` / ``heads+allgather`` for each heads degree dividing ``world`` up to ``heads``."""
     outs = []
-    for lay in layouts(docs, causal):
+    for lay in layouts:
         outs += [Candidate("ring", lay, 1, world), Candidate("allgather", lay, 1, world)]
         for hd in range(2, min(world, heads + 1)):
             if world % hd == 0:
@@ -189,11 +187,11 @@ def plan_attention(world, *, seq_len=None, cu_seqlens=None, heads, kv_heads, hea
     gpus_per_host = _positive("gpus_per_host", gpus_per_host)
     if heads % kv_heads:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    docs = documents(seq_len, cu_seqlens, window_size, bool(causal))
+    docs, kinds = documents(seq_len, cu_seqlens, window_size, bool(causal))
     prof = load_profile(profile)
     pb = Problem(docs, bool(causal), heads, kv_heads, head_dim, element_bytes(dtype))
     sim = Simulator(pb, prof, gpus_per_host)
-    results, one = rank(sim, candidates(world, heads, docs, bool(causal)))
+    results, one = rank(sim, candidates(world, heads, kinds))
     b = results[0].candidate
     return Plan(b.schedule, (b.heads_degree, b.seq_degree), b.layout, results, one, prof.name, world)
 

@@ -77,20 +77,20 @@ def plan_main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
-def _simulator(kwargs: dict) -> Simulator:
-    """The simulator of the problem that ``plan_attention``'s keywords describe."""
+def _simulator(kwargs: dict) -> tuple:
+    """The simulator of the problem that ``plan_attention``'s keywords describe, and its layouts."""
     kw = dict(kwargs)
-    docs = documents(kw.pop("seq_len"), kw.pop("cu_seqlens"), kw.pop("window_size"), kw["causal"])
+    docs, kinds = documents(kw.pop("seq_len"), kw.pop("cu_seqlens"), kw.pop("window_size"), kw["causal"])
     pb = Problem(docs, kw["causal"], kw["heads"], kw["kv_heads"], kw["head_dim"], element_bytes(kw["dtype"]))
-    return Simulator(pb, load_profile(kw["profile"]), kw["gpus_per_host"])
+    return Simulator(pb, load_profile(kw["profile"]), kw["gpus_per_host"]), kinds
 
 
 def sweep(kwargs: dict, gpus: Sequence[int]) -> list:
     """Per GPU count: the plan's choice and each schedule's best candidate, simulated event by event."""
-    sim = _simulator(kwargs)
+    sim, kinds = _simulator(kwargs)
     rows = []
     for world in gpus:
-        results, one = rank(sim, candidates(world, sim.pb.heads, sim.pb.docs, sim.pb.causal))
+        results, one = rank(sim, candidates(world, sim.pb.heads, kinds))
         best = {}
         for r in results:
             best.setdefault(r.candidate.schedule, r)
@@ -106,8 +106,8 @@ def sweep(kwargs: dict, gpus: Sequence[int]) -> list:
 
 
 def _write_timeline(kwargs: dict, world: int, path: pathlib.Path) -> None:
-    sim = _simulator(kwargs)
-    best = rank(sim, candidates(world, sim.pb.heads, sim.pb.docs, sim.pb.causal))[0][0].candidate
+    sim, kinds = _simulator(kwargs)
+    best = rank(sim, candidates(world, sim.pb.heads, kinds))[0][0].candidate
     events = sim.timeline(best)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(events[0]))

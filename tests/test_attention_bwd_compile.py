@@ -42,7 +42,9 @@ def _signature(fn, args, kwargs):
             sig[name], consts[name] = "constexpr", kwargs.get(name, fn.params[i].default)
             continue
         a = args[i]
-        if isinstance(a, torch.Tensor):
+        if a is None:  # (an absent operand: a constexpr, as Triton specialises it)
+            sig[name], consts[name] = "constexpr", None
+        elif isinstance(a, torch.Tensor):
             sig[name] = "*" + TY[a.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]] if a.data_ptr() % 16 == 0 else []
         elif isinstance(a, TensorDescriptor):

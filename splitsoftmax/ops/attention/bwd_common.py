@@ -59,7 +59,8 @@ def _sink_keys(pdp_t, lse2, sink):
 def _sink_flush(ptrs, acc, last):
     """Store the per-key sums ``acc`` at ``ptrs`` where ``last`` (a head's last tile in this part of a
     program's walk) and restart them from 0 there; else keep them."""
-    tl.store(ptrs, acc, mask=last)
+    keep = tl.where(last, 1, 0)  # (the interpreter takes no mask made of a loop's scalar comparison)
+    tl.store(ptrs, acc, mask=tl.zeros(acc.shape, tl.int32) < keep)
     return tl.where(last, 0.0, acc)
 
 

@@ -63,7 +63,7 @@ def _signature(fn, args, kwargs):
 
 
 def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False, causal: bool = True,
-              ds: bool = True):
+              ds: bool = True, sinks: bool = False):
     from splitsoftmax.ops.attention import bwd_plain as ABP
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
@@ -79,7 +79,8 @@ def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: b
     q, dout = (torch.randn(1, 16, 512, 128).to(torch.bfloat16) for _ in range(2))
     k, v = (torch.randn(1, 4, 512, 128).to(torch.bfloat16) for _ in range(2))
     lse, delta = torch.randn(1, 16, 512), torch.randn(1, 16, 512)
-    AB.attn_bwd(q, k, v, dout, lse, delta, 0.1, causal, 0, mask, out_dtype=torch.bfloat16)
+    AB.attn_bwd(q, k, v, dout, lse, delta, 0.1, causal, 0, mask, out_dtype=torch.bfloat16,
+                sinks=torch.randn(16) if sinks else None)
     return captured
 
 

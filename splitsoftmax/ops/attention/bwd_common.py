@@ -8,8 +8,10 @@ With sinks the gradient ``dsinks[h] = -sum_rows p_sink (rowsum(dout * out) - dls
 ``out`` it carries ``out``'s rounding (bfloat16: several times the error of a same-precision
 reference). The dK/dV kernels hold ``P`` and ``dP`` of every visible pair once, so with ``SINK`` they
 sum ``p_sink P dP`` over each tile's rows per key in float32 (:func:`_sink_keys`), add the tiles of
-one query head, and store the per-key sums once per head and part of their walk (no atomics); the
-host sums the buffer per head (:func:`sink_sums`), the same order on every call.
+one query head in registers and store the per-key sums once per head and part of their walk (a slot
+no other program or warpgroup writes: no atomics); the host sums the buffer per head
+(:func:`sink_sums`), the same order on every call. Without sinks the kernels compile as before
+(their operands are None constexprs).
 """
 from __future__ import annotations
 

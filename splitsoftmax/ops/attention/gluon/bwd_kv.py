@@ -206,14 +206,14 @@ def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D:
         _thread_barrier()
         dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False)
         mbarrier.arrive(t_empty.index(s), count=1)
-        qi = _tile_of(t, tiles, BLOCK_M)[1] + gl.arange(0, BLOCK_M, layout=q_cols)
+        gi, m0 = _tile_of(t, tiles, BLOCK_M)
+        qi = m0 + gl.arange(0, BLOCK_M, layout=q_cols)
         rlo, rhi = _doc_rows(ROWS, s_r, qi, Sq, HAS_ROWS)
         seen = _seen(kj[:, None], qi[None, :], rlo[None, :], rhi[None, :], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
                      HAS_ROWS)
         p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
         p_t = gl.where(seen, p_t, 0.0)
         if SINK:  # (dO is guarded: hidden pairs give 0)
-            gi = t // nmk
             acc = _sink_flush(pdp + gi * sk[3], acc + _sink_keys(p_t * dp_t, lse2, gl.load(sk[0] + gi)), gi,
                               gl.where(t + 2 < Tm, (t + 2) // nmk, -1))
         _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t,

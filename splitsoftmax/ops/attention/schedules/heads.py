@@ -9,8 +9,9 @@ goes to each of them). Four all-to-alls per call, two each way (:mod:`.alltoall`
    order of :class:`Placement` (1-D: global positions, the layout undone);
 2. ``(out, lse)`` of the local op: heads -> sequence shards;
 3. backward: ``dout`` and the rows' ``(lse, delta)``: sequence shards -> heads;
-4. ``(dq, dk, dv)``: heads -> sequence shards; the dK/dV of a kv head that several ranks read
-   travel in float32 and are summed in rank order, then cast once.
+4. ``(dq, dk, dv)`` (with sinks, and each row's float32 ``rowsum(dout * out)``): heads -> sequence
+   shards; the dK/dV of a kv head that several ranks read travel in float32 and are summed in rank
+   order, then cast once.
 
 Between the exchanges runs the inner op on the heads' tensors, a pair ``(fwd, bwd)`` with the
 ring's signatures. In one dimension it is the ring's visit of a one-rank plan over the whole

@@ -111,14 +111,16 @@ def test_backward_compiles_for_sm90(atomic, mask, tma, gluon, causal, ds, kv_spi
 
 
 # The sinks' variants of the dK/dV kernels (``SINK``: per key, the running sums of ``p_sink P dP`` over
-# a query head's tiles, its sink and each tile's ``p_sink``) spill within the bounds of their launches
-# without sinks, but where a Triton version's ptxas spills more of the Gluon kernel's first score
-# warpgroup (most in the loop of its masked tiles, which holds the mask's values beside the tile):
-# (Triton version, launch) -> its spill stores, bytes, as measured (without sinks: at most 284 with
-# the masks, 72 otherwise; the sinks' launch of every other case and of Triton 3.9 is within them).
+# a query head's tiles, the head's sink and each tile's ``p_sink``) spill within the bounds of their
+# launches without sinks, but where a Triton version's ptxas spills more in the Gluon kernel's first
+# score warpgroup (most in the loop of its masked tiles, which holds every mask's values beside the
+# tile; the sums added into memory tile by tile instead spilled more on 3.6 and 3.7). Those are
+# (Triton version, launch) -> ptxas's spill stores in bytes; without sinks the same launches spill
+# 284, 284 (3.6), 284, 212 (3.7), 228, 228, 24, 40 (3.8). Triton 3.9 spills 4, 0, 4, 68, 76 and 0
+# bytes with sinks (pair-gluon, -full, -recompute, gluon-masks, -recompute, gluon-softcap-full).
 SINK_SPILLS = {((3, 6), "gluon-masks"): 480, ((3, 6), "gluon-masks-recompute"): 480,
-               ((3, 7), "gluon-masks"): 452, ((3, 7), "gluon-masks-recompute"): 452,
-               ((3, 8), "gluon-masks"): 476, ((3, 8), "gluon-masks-recompute"): 476,
+               ((3, 7), "gluon-masks"): 452, ((3, 7), "gluon-masks-recompute"): 460,
+               ((3, 8), "gluon-masks"): 476, ((3, 8), "gluon-masks-recompute"): 472,
                ((3, 8), "pair-gluon"): 124, ((3, 8), "pair-gluon-recompute"): 128}
 
 

@@ -105,8 +105,8 @@ def bwd_call(fn, args: tuple, sink: Optional[list]) -> tuple[Tensor, Tensor, Ten
     """``(dq, dk, dv)`` of one local backward ``fn(q, k, v, dout, lse, delta, scale, causal, diag)``
     (``args``) of a schedule, whose rows' ``lse`` are global (final, with the sinks). With ``sink =
     [sinks, total]`` the call also sums ``p_sink * sum_j P_ij (dout_i . v_j)`` over its rows and keys
-    per head, added into ``total`` ((H,) float32; None until a call adds to it): by the Triton
-    kernels (``attn_bwd``), or per row in float64 on the torch path. The sum over every call of a
+    per head, added into ``total`` ((H,); None until a call adds to it): by the Triton kernels
+    (``attn_bwd``, float32), or per row in float64 on the torch path (float64). The sum over every call of a
     rank's rows is ``core.state.sink_grad``'s ``weighted``."""
     if sink is None:
         return fn(*args)
@@ -116,14 +116,17 @@ def bwd_call(fn, args: tuple, sink: Optional[list]) -> tuple[Tensor, Tensor, Ten
     else:
         sums = torch.zeros((2, *lse.shape), dtype=torch.float64, device=q.device)
         dq, dk, dv = fn(*args, rowsum=sums)
-        w = (state.sink_weights(lse.to(torch.float64), sink[0]) * sums[0]).sum((0, 2)).float()
+        w = (state.sink_weights(lse.to(torch.float64), sink[0]) * sums[0]).sum((0, 2))
     sink[1] = w if sink[1] is None else sink[1] + w
     return dq, dk, dv
 
 
-def sink_total(sink: list, sinks: Tensor) -> Tensor:
-    """The ``total`` of :func:`bwd_call`'s ``sink``, zeros ``(H,)`` float32 where no call added to it."""
-    return sink[1] if sink[1] is not None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
+def sink_total(sink: list, q: Tensor) -> Tensor:
+    """The ``total`` of :func:`bwd_call`'s ``sink``; where no call added to it, zeros ``(H,)`` in the
+    dtype the calls on ``q`` would have given (every rank's alike)."""
+    if sink[1] is not None:
+        return sink[1]
+    return torch.zeros(sink[0].shape, dtype=torch.float32 if use_triton(q) else torch.float64, device=q.device)
 
 
 def _exact_row_stats(lse: Tensor, sums: Tensor, sinks: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:

@@ -91,5 +91,5 @@ def tree_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, d
                                   delta[:, :, qs], spec.scale, call.causal, call.diag), sink)
         dq[:, :, qs], dk[:, :, ks], dv[:, :, ks] = dqp, dkp, dvp
     if sink is not None:
-        sink[1] = allreduce_sum(comm, sink_total(sink, sink[0]), "tree backward: sum of the sinks' sums")
+        sink[1] = allreduce_sum(comm, sink_total(sink, q), "tree backward: sum of the sinks' sums")
     return allreduce_sum(comm, dq, "tree backward: sum of dq"), dk, dv

@@ -540,8 +540,9 @@ def _sink_ops(sink: Optional[tuple], q: Tensor) -> tuple:
 
 def _run_pieces(plan: tuple, ops: tuple, mask: Mask, mts: Optional[tuple]) -> None:
     """Make the launches of each piece of ``plan`` on its views of ``ops`` (all of them for a piece
-    None; after the gradients, the sinks' operands of :func:`_sink_ops` where there are sinks); a part of one kv head's query heads (:func:`_is_part`) writes its dK, dV into float32
-    buffers, summed over the kv head's parts in order into its gradients after its last part."""
+    None; after the gradients, the sinks' operands of :func:`_sink_ops` where there are sinks); a
+    part of one kv head's query heads (:func:`_is_part`) writes its dK, dV into float32 buffers,
+    summed over the kv head's parts in order into its gradients after its last part."""
     acc = None
     for piece, run in plan:
         views = _piece(ops, piece)

@@ -18,7 +18,7 @@ from ...core.checks import MESH_SCHEDULES
 from ...distributed.comm import eager
 from ...distributed.mesh import as_group
 from ...distributed.work import AttnSpec
-from .op import backward_stats
+from .op import backward_stats, sink_total
 from .schedules.allgather import allgather_attention_bwd, allgather_attention_fwd
 from .schedules.heads import heads_attention, mesh_attention
 from .schedules.ring import ring_attention_bwd, ring_attention_fwd
@@ -47,8 +47,13 @@ class ShardedAttentionFn(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
         lse, delta = backward_stats(out, lse, dout, dlse)
-        dq, dk, dv = _BWD[ctx.schedule](ctx.comm, ctx.spec, q, k, v, dout, lse, delta)
-        dsinks = state.sink_grad(lse, delta, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        # with sinks the local backwards also sum rowsum(dout * out) from their own P and dP (op.bwd_call;
+        # whether or not this rank's sinks want a gradient: the tree sums them over every rank)
+        sink = [sinks, None] if sinks is not None else None
+        dq, dk, dv = _BWD[ctx.schedule](ctx.comm, ctx.spec, q, k, v, dout, lse, delta, sink)
+        dsinks = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            dsinks = state.sink_grad(lse, None if dlse is None else -dlse, sinks, sink_total(sink, q))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 

@@ -9,8 +9,9 @@ goes to each of them). Four all-to-alls per call, two each way (:mod:`.alltoall`
    order of :class:`Placement` (1-D: global positions, the layout undone);
 2. ``(out, lse)`` of the local op: heads -> sequence shards;
 3. backward: ``dout`` and the rows' ``(lse, delta)``: sequence shards -> heads;
-4. ``(dq, dk, dv)``: heads -> sequence shards; the dK/dV of a kv head that several ranks read
-   travel in float32 and are summed in rank order, then cast once.
+4. ``(dq, dk, dv)`` (with sinks, and each row's float32 ``rowsum(dout * out)``): heads -> sequence
+   shards; the dK/dV of a kv head that several ranks read travel in float32 and are summed in rank
+   order, then cast once.
 
 Between the exchanges runs the inner op on the heads' tensors, a pair ``(fwd, bwd)`` with the
 ring's signatures (:func:`sequence_op`). In one dimension it is the ring's visit of a one-rank plan
@@ -20,7 +21,10 @@ heads group, ``Placement`` being the contiguous split of the group's sequence sh
 and the ring (or all-gather) runs over the sequence group on the heads' sequence shards: the ranks
 of a sequence group hold the same heads, so they skip or run it together. ``sinks`` follow their heads: each
 rank merges the sinks of its heads into its final rows before rounding; the sinks' gradient is each
-rank's rows' share (as under ``"ring"``), from the ``(lse, delta)`` of its sequence shard.
+rank's rows' share (as under ``"ring"``), from the ``lse`` of its sequence shard and the rows'
+``rowsum(dout * out)`` taken on the heads' side from the output before rounding (kept for the
+backward in the accumulation dtype where there are sinks), which travels back with the gradients:
+the rounded ``out`` would carry its rounding into the sinks' gradient.
 """
 from __future__ import annotations
 
@@ -238,16 +242,16 @@ class HeadsAttentionFn(torch.autograd.Function):
         outs, lses = _to_seq(hs, [(outh, False, q.dtype), (lseh, False, acc)], [hs.q_place, hs.q_place],
                              "heads forward: out to sequence shards", TAG_OUT)
         out, lse = torch.cat(outs, 1), torch.cat(lses, 1)
-        ctx.save_for_backward(qh, kh, vh, out, lse, sinks)
+        exact = outh.to(acc) if sinks is not None else None  # (for the sinks' gradient: every rank alike)
+        ctx.save_for_backward(qh, kh, vh, out, lse, sinks, exact)
         ctx.hs, ctx.dtypes = hs, (q.dtype, k.dtype, v.dtype)
         return out, lse.float()
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        qh, kh, vh, out, lse, sinks = ctx.saved_tensors
+        qh, kh, vh, out, lse, sinks, exact = ctx.saved_tensors
         hs, me = ctx.hs, ctx.hs.mine
         lse, delta = backward_stats(out, lse, dout.contiguous(), dlse)
-        dsinks = state.sink_grad(lse, delta, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         douth, lseh, deltah = _to_heads(hs, [(dout, False), (lse, False), (delta, False)], [hs.q_place] * 3,
                                         "heads backward: dout to heads", TAG_DOUT)
         runs, shared = kv_runs(me, hs.h // hs.hkv), kv_shared(hs.split, hs.hkv)
@@ -258,11 +262,17 @@ class HeadsAttentionFn(torch.autograd.Function):
             dqh, dkh, dvh = qh, kh, vh  # (empty)
         qdt, kdt, vdt = ctx.dtypes
         acc = state.stat_dtype(qdt)
-        dqs, dks, dvs = _to_seq(hs, [(dqh, False, qdt), (dkh, True, acc if shared else kdt),
-                                     (dvh, True, acc if shared else vdt)], [hs.q_place, hs.k_place, hs.k_place],
-                                "heads backward: gradients to sequence shards", TAG_GRAD)
-        dk, dv = (_summed(parts, hs.split, hs.hkv, shared, dt) for parts, dt in ((dks, kdt), (dvs, vdt)))
-        return torch.cat(dqs, 1), dk, dv, dsinks, None
+        grads = [(dqh, False, qdt), (dkh, True, acc if shared else kdt), (dvh, True, acc if shared else vdt)]
+        if exact is not None:  # each row's rowsum(dout * out) of the output before rounding, with the gradients
+            grads.append(((douth.to(acc) * exact).sum(-1), False, acc))
+        back = _to_seq(hs, grads, [hs.q_place, hs.k_place, hs.k_place, hs.q_place][:len(grads)],
+                       "heads backward: gradients to sequence shards", TAG_GRAD)
+        dk, dv = (_summed(parts, hs.split, hs.hkv, shared, dt) for parts, dt in ((back[1], kdt), (back[2], vdt)))
+        dsinks = None
+        if exact is not None and ctx.needs_input_grad[3]:
+            rowsum = torch.cat(back[3], 1)
+            dsinks = state.sink_grad(lse, rowsum if dlse is None else rowsum - dlse.to(rowsum.dtype), sinks)
+        return torch.cat(back[0], 1), dk, dv, dsinks, None
 
 
 def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, layout: str,

@@ -22,7 +22,7 @@ ATTN_TILES = {
     ("fwd", 2, 128): (128, 128, 8, 3),   # H200 sweep: 504/474 TFLOP/s at S=8k full/causal
     # ... or, on sm_90 (ATTN_FWD_GLUON), the Gluon kernel's: each consumer's (BLOCK_M, BLOCK_N, 4, STAGES
     # buffers each of K and V). H200, TFLOP/s at 8k full / 32k full / 8k causal: 64x128 s2 611 / 640 /
-    # 548, 64x64 s4 537 / 557 / 515 (launch/probes/attention_fwd_gluon.py); 3 buffers since the
+    # 548, 64x64 s4 537 / 557 / 515 (benchmarks/probes/attention_fwd_gluon.py); 3 buffers since the
     # consumers' guarded copies left shared memory: 2k causal 458 against 442, 16 documents of 2k 439
     # against 425 (BENCHMARKS.md, "The forward in Gluon", F11)
     ("fwd_gluon", 2, 128): (64, 128, 4, 3),
@@ -47,7 +47,7 @@ ATTN_TILES = {
     # / 4 x 16/4 x 2k / 1 x 32/8 x 8k / 4 x 16 x 8k full: 64x64 3 buffers 511-513 / 446-448 / 504-507 /
     # 519, 4 buffers 513 / 455 / 481 / 524, 2 buffers 463 / 411 / 446 / 506, 32x64 3 buffers 417 / 371 /
     # 414 / 460; the one-warpgroup Gluon kernel before it (32x64, 2 buffers) 427 / 376 / 425 / 489
-    # (BENCHMARKS.md, "Attention backward", W4, W5; launch/probes/attention_bwd_gluon.py times them now)
+    # (BENCHMARKS.md, "Attention backward", W4, W5; benchmarks/probes/attention_bwd_gluon.py times them now)
     ("bwd_kv_ws", 2, 128): (64, 64, 4, 3),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
@@ -73,7 +73,7 @@ ATTN_TILES = {
     # 3.6, D=128, causal): 32x128 w8 s2 28 bytes of spills without the Q/dO guard, 332 with it;
     # 64x128 w8 s2 288 / 548; 32x64 w4 s2 12 / 412. H200, backward ms at B=4 H=16 S=8k causal /
     # B=1 H=16/4 S=8k causal: 32x128 w8 s2 guard 11.16 / 2.72, no guard 11.17 / 2.54; 64x128 w8 s2
-    # no guard 10.12 / 2.39; 32x128 w8 s3 no guard 9.73 / 2.58 (launch/probes/attn_bwd_paths.py,
+    # no guard 10.12 / 2.39; 32x128 w8 s3 no guard 9.73 / 2.58 (benchmarks/probes/attn_bwd_paths.py,
     # with programs ordered heads first; the key blocks of a head are side by side since).
     ("bwd", 2, 64): (32, 128, 8, 3),
     ("bwd", 2, 128): (32, 128, 8, 3),
@@ -82,11 +82,11 @@ ATTN_TILE_DEFAULT = (16, 16, 4, 2)
 # The five-product backward (dQ added through TMA reductions; never under deterministic algorithms).
 # Off: on one H200 (Triton 3.6, 2026-12-01) it took 9.78 ms where the atomic-free pair took 9.45 (and
 # the pair before this module 7.98) at B=4 H=16 S=8k D=128 causal, 5.39 / 4.36 / 4.55 at B=1 H=32/8 8k
-# causal, 2.58 / 2.19 / 2.65 at B=1 H=16/4 8k causal (launch/probes/attn_bwd_paths.py; programs then
+# causal, 2.58 / 2.19 / 2.65 at B=1 H=16/4 8k causal (benchmarks/probes/attn_bwd_paths.py; programs then
 # ordered heads first, which spread the concurrent programs over heads: the key blocks of one head
 # are side by side since). Timed again under ATTN_ORDER_WAVES: forward+backward 323 against the
 # plain pair's 395 TFLOP/s at B=1 H=16/4 8k causal, 176 against 255 at B=4 2k
-# (launch/probes/attention_bwd_atomic.py). It runs for head dims up to ATTN_BWD_ATOMIC_MAX_DIM (its
+# (benchmarks/probes/attention_bwd_atomic.py). It runs for head dims up to ATTN_BWD_ATOMIC_MAX_DIM (its
 # dK/dV accumulators stay in registers).
 ATTN_BWD_ATOMIC = False
 ATTN_BWD_ATOMIC_MAX_DIM = 128
@@ -164,7 +164,7 @@ ATTN_FWD_GLUON_ACC = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
 # dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,
-# pointer loads -> TMA: 312 -> 334 / 360 -> 398 / 414 -> 415 (launch/probes/attention_causal_forward.py tma).
+# pointer loads -> TMA: 312 -> 334 / 360 -> 398 / 414 -> 415 (benchmarks/probes/attention_causal_forward.py tma).
 ATTN_TMA = True
 # ... and, where the forward writes its output directly (not merging in place, one key split), it
 # stores the output tile through a descriptor too ...
@@ -196,7 +196,7 @@ ATTN_ORDER_WAVES = 4
 # ... where the grid fills fewer than this many waves (a longer grid's tail is short already and
 # keeps its blocks side by side). H200, forward / forward+backward TFLOP/s, grid order -> groups:
 # 1 x 16/4 x 8k causal 517 -> 559 / 304 -> 384, 4 x 16/4 x 2k 402 -> 436 / 245 -> 312, 1 x 32/8 x
-# 8k 549 -> 539 / 350 -> 382 (launch/probes/attention_order.py; BENCHMARKS.md, "Attention backward").
+# 8k 549 -> 539 / 350 -> 382 (benchmarks/probes/attention_order.py; BENCHMARKS.md, "Attention backward").
 ATTN_ORDER_MAX_WAVES = 16
 # SM count assumed under the interpreter (no device to ask), so tests reach the split path.
 ATTN_INTERPRET_SMS = 4

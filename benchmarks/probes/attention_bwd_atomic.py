@@ -4,8 +4,8 @@
 
 bf16, D=128, causal, GQA 16/4, q/k/v as ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors, 1 x 8192
 and 4 x 2048: ``ss.attention`` forward+backward TFLOP/s (3.5x the forward's products) with the
-five-product kernel off and on, each timed twice in alternation, the better kept (BENCHMARKS.md,
-"Attention backward").
+five-product kernel off and on, each timed twice in alternation, the better kept
+(docs/benchmarks/attention-backward.md).
 """
 import torch
 from triton.testing import do_bench

@@ -7,8 +7,8 @@ checks, at odd lengths, GQA and (B, S, H, D) views, each tile's dQ/dK/dV against
 Frobenius error, at most 1.5x the Triton kernels') and a NaN/Inf row of dO / Q reaching the same
 gradient entries; then the kernel alone per tile (TFLOP/s of its products) beside the Triton
 kernel. ``table``: ``ss.attention`` forward+backward TFLOP/s (3.5x the forward's products) with the
-Gluon kernels on and off beside SDPA cuDNN, each timed twice in alternation (BENCHMARKS.md,
-"Attention backward", G1, G2). No section named: all three.
+Gluon kernels on and off beside SDPA cuDNN, each timed twice in alternation (docs/benchmarks/attention-backward.md,
+G1, G2). No section named: all three.
 """
 import os
 import sys

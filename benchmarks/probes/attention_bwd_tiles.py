@@ -5,8 +5,8 @@
 One tile changes at a time (dK/dV, then dQ) from the defaults in ``ops/_triton/configs.py``, at
 S = 1k, 2k, 8k (B*S = 32k, H=16, D=128, bf16), causal and not. Backs
 ``configs.ATTN_TILES[("bwd_kv", 2, 128)]`` (32x64, 4 warps, 3 stages) and
-``ATTN_TILES[("bwd_q", 2, 128)]`` (128x64, 8 warps, 4 stages); numbers in BENCHMARKS.md,
-"Attention" history.
+``ATTN_TILES[("bwd_q", 2, 128)]`` (128x64, 8 warps, 4 stages); numbers in docs/benchmarks/attention-forward.md,
+earlier history.
 """
 
 import torch

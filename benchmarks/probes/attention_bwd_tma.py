@@ -6,7 +6,7 @@ GQA 16/4, D=128, bf16, causal, q/k/v as ``(B, H, S, D)`` views of ``(B, S, H, D)
 Hugging Face passes them), B=1 S=8k and B=4 S=2k: ``ss.attention`` forward+backward TFLOP/s (3.5x
 the forward's products) with ``configs.ATTN_BWD_TMA`` off and on, one tile changed at a time
 (dK/dV, then dQ) from the defaults, beside SDPA cuDNN in the same run; then the forward's tiles.
-Backs ``configs.ATTN_BWD_TMA`` (BENCHMARKS.md, "Attention backward"). Rows go to OUTDIR/probe.json.
+Backs ``configs.ATTN_BWD_TMA`` (docs/benchmarks/attention-backward.md). Rows go to OUTDIR/probe.json.
 """
 import json
 import sys

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/probes/attention_causal_forward.py OUTDIR [SECTIONS]
 
-Backs these choices (numbers: BENCHMARKS.md, "Attention" and its history):
+Backs these choices (numbers: docs/benchmarks/attention-forward.md and its history):
 ``configs.ATTN_TMA`` (Q/K/V tiles through TMA descriptors), ``ATTN_TMA_STORE`` and
 ``ATTN_TMA_ROWS`` (the output store and the descriptors' shape), the short-causal tile
 ``ATTN_TILES[("fwd_causal_short", 2, 128)]`` up to ``ATTN_SHORT_CAUSAL_SQ`` queries, and the NaN

@@ -4,7 +4,7 @@
 
 bf16, D=128, causal, q/k/v as ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors: GQA 16/4 at
 1 x 8192 and 4 x 2048, the torch profiler's device time per kernel averaged over 10 steps after 3,
-printed and written to OUTDIR/attn_prof.json (BENCHMARKS.md, "Attention backward").
+printed and written to OUTDIR/attn_prof.json (docs/benchmarks/attention-backward.md).
 """
 import json
 import sys

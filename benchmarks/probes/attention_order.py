@@ -7,7 +7,7 @@ bf16, D=128, causal unless said, q/k/v as ``(B, H, S, D)`` views of ``(B, S, H, 
 the grid's own order (0) and heads taken in groups (the default), each timed twice in alternation
 (the better kept), beside SDPA cuDNN in the same run. Before timing, the outputs and gradients of
 the two orders must be equal bit for bit (the order moves programs, not arithmetic). Rows go to
-OUTDIR/order.json (BENCHMARKS.md, "Attention backward").
+OUTDIR/order.json (docs/benchmarks/attention-backward.md).
 """
 import json
 import sys

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/probes/decode_split_plan.py OUTDIR [SECTIONS]
 
-Backs these choices (numbers: BENCHMARKS.md, "Decode and merge"):
+Backs these choices (numbers: docs/benchmarks/decode-merge.md):
 ``configs.ATTN_TILES[("decode", 2, 128)]`` and ``ATTN_SPLIT_PROGRAMS_PER_SM`` (the split plan),
 ``ATTN_SHORT_SPLIT_TILES`` / ``ATTN_SHORT_SPLIT_STAGES`` (short splits pipeline 3 stages),
 ``ATTN_SPLIT_TRIGGER`` and ``MERGE_PDL`` (the merge launched early), the launch cache

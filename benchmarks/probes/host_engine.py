@@ -8,7 +8,7 @@ back, the engine's device threads on and off (``torch.autograd.set_multithreadin
 printing per call: the host time, the time inside the backward's body and its two steps, and the
 time from ``backward()`` to the body and from the body's end to the return; then the same body
 called directly (no engine); then ``ss.attention`` forward+backward both ways. Prints its rows
-(BENCHMARKS.md, "Host time per call").
+(docs/benchmarks/host.md).
 """
 import time, io, cProfile, pstats
 import torch

@@ -6,7 +6,7 @@ splitsoftmax beside SDPA cuDNN.
 For each shape (default 8192x1 and 2048x4): the torch profiler's device time per kernel name,
 averaged over 3 steps after 2, for ``splitsoftmax`` and ``sdpa`` under cuDNN; printed side by side
 (largest difference first) with each one's total device time and its step time, written to
-OUTDIR/model_prof.json (BENCHMARKS.md, "Real-model training step").
+OUTDIR/model_prof.json (docs/benchmarks/model-step.md).
 """
 import json
 import sys

@@ -7,7 +7,7 @@ memory accesses and shuffles.
 
 (with Triton 3.6.0 first on the path for the GPU machines' compiler, e.g. ``.venv-triton-oldest``)
 
-Numbers in BENCHMARKS.md, "Vocabulary statistics and sampling" (what the 64-record pass costs).
+Numbers in docs/benchmarks/vocab-sampling.md (what the 64-record pass costs).
 """
 import re
 

@@ -3,7 +3,7 @@ co-resident sibling programs), against the two-pass / split paths and torch; GB/
 
     PYTHONPATH=. python3 benchmarks/probes/softmax_coop.py OUTDIR [SECTIONS]
 
-Backs these choices (numbers: BENCHMARKS.md, "Softmax family" and its history): the coop fields of
+Backs these choices (numbers: docs/benchmarks/softmax.md and its history): the coop fields of
 ``configs.SoftmaxConfig`` (``coop_chunk_elems``, ``coop_elems_per_warp``, ``coop_programs_per_sm``,
 ``coop_min_elem_bytes``: 2-byte inputs take coop at any row count), and the coop kernel holding
 ``exp(x - m_chunk)`` for softmax (one exp per element) rather than ``x``.

@@ -5,7 +5,7 @@ and warps. Compiles with Triton for a GPUTarget and runs the bundled ptxas with 
 
 Backs ``configs.SoftmaxConfig.coop_chunk_elems`` / ``coop_elems_per_warp`` (16384-element chunks,
 8 warps: the largest chunk that holds three chunks per thread without spilling much); numbers in
-BENCHMARKS.md, "Softmax family" history.
+docs/benchmarks/softmax.md history.
 """
 import os
 import re

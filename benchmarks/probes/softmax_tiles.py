@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/probes/softmax_tiles.py OUTDIR [SECTIONS]
 
-Backs these choices (numbers: BENCHMARKS.md, "Softmax family" and its history):
+Backs these choices (numbers: docs/benchmarks/softmax.md and its history):
 ``configs.SoftmaxConfig.loop_tile_bytes``, ``loop_elems_per_warp`` and ``loop_stages`` (the looped
 passes: 16 KB tiles, 4 warps for an 8192-wide bf16 tile, 3 tiles in flight), the looped loads'
 ``evict_last`` in ``ops/softmax/kernel.py``, and ``one_pass_tile_elems`` / ``elems_per_warp`` (the

@@ -8,7 +8,7 @@ ops, a small all-reduce; then a torch.profiler table of the whole call on rank 0
 ``$OUT/tree_decode_trace.json``). Backs the tree decode's order in ``ops/attention/schedules/tree.py`` and
 ``ops/attention/sharded.py`` (the handshake started, the local attention launched, then the
 handshake waited on), the fused merge kernel for the gathered states, and NCCL's one
-``all_gather_into_tensor``; numbers in BENCHMARKS.md, "Ring attention across GPUs".
+``all_gather_into_tensor``; numbers in docs/benchmarks/ring.md.
 """
 import os
 import statistics

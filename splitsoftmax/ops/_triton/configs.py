@@ -24,7 +24,7 @@ ATTN_TILES = {
     # buffers each of K and V). H200, TFLOP/s at 8k full / 32k full / 8k causal: 64x128 s2 611 / 640 /
     # 548, 64x64 s4 537 / 557 / 515 (benchmarks/probes/attention_fwd_gluon.py); 3 buffers since the
     # consumers' guarded copies left shared memory: 2k causal 458 against 442, 16 documents of 2k 439
-    # against 425 (BENCHMARKS.md, "The forward in Gluon", F11)
+    # against 425 (docs/benchmarks/attention-forward.md, "The forward in Gluon", F11)
     ("fwd_gluon", 2, 128): (64, 128, 4, 3),
     ("fwd", 2, 256): (64, 64, 8, 2),
     ("fwd", 4, 64): (16, 32, 4, 2),
@@ -47,7 +47,7 @@ ATTN_TILES = {
     # / 4 x 16/4 x 2k / 1 x 32/8 x 8k / 4 x 16 x 8k full: 64x64 3 buffers 511-513 / 446-448 / 504-507 /
     # 519, 4 buffers 513 / 455 / 481 / 524, 2 buffers 463 / 411 / 446 / 506, 32x64 3 buffers 417 / 371 /
     # 414 / 460; the one-warpgroup Gluon kernel before it (32x64, 2 buffers) 427 / 376 / 425 / 489
-    # (BENCHMARKS.md, "Attention backward", W4, W5; benchmarks/probes/attention_bwd_gluon.py times them now)
+    # (docs/benchmarks/attention-backward.md, W4, W5; benchmarks/probes/attention_bwd_gluon.py times them now)
     ("bwd_kv_ws", 2, 128): (64, 64, 4, 3),
     ("bwd_kv", 4, 256): (16, 16, 4, 2),
     # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
@@ -61,7 +61,7 @@ ATTN_TILES = {
     # ptxas: 164 unbounded; at 128 a few bytes of spills, 80-136 with every variant's mask at once) let
     # two programs share an SM (98 KB of shared memory each). H200, its device time at 1k / 2k causal
     # (B * S = 32k, H=16) / 16 documents of 2k: 315 / 469 / 565 us unbounded, 236 / 349 / 447 at 128;
-    # 128x8x4, 64x4x4, 64x4x3 (at 128) no faster (BENCHMARKS.md, "Attention backward", R1)
+    # 128x8x4, 64x4x4, 64x4x3 (at 128) no faster (docs/benchmarks/attention-backward.md, R1)
     # Triton 3.7 and 3.8 take 64x8x3: at 128x8x3 sm_90 ptxas spills 8 bytes with a plain mask, 94 / 212 with
     # every variant's mask (3.7 / 3.8); 64x8x3 none (untimed)
     ("bwd_q_ds", 2, 128): (64, 8, 3, 128) if TRITON_VERSION in ((3, 7), (3, 8)) else (128, 8, 3, 128),
@@ -109,8 +109,8 @@ ATTN_BWD_TMA = True
 # dim: the warp-specialized dK/dV kernel (ops/attention/gluon/bwd_kv.py; H200, 1.14-1.28x the Triton
 # one's speed) and the dQ kernel (ops/attention/gluon/bwd.py; 1.01-1.06x). ss.attention
 # forward+backward TFLOP/s at 1 x 16/4 x 8k causal views: 427-431 against 385-390 with the
-# one-warpgroup Gluon dK/dV kernel before it and 375 with both Triton kernels (BENCHMARKS.md,
-# "Attention backward", G2, W4).
+# one-warpgroup Gluon dK/dV kernel before it and 375 with both Triton kernels (docs/benchmarks/attention-backward.md,
+# G2, W4).
 ATTN_BWD_GLUON = True
 # ... the dK/dV kernel's register limit per thread: four warpgroups' worth (its producer warp takes a
 # warpgroup's place) within an SM's 64K registers, which it moves between them (setmaxnreg)
@@ -130,7 +130,7 @@ ATTN_BWD_DS_MIN_WAVES = 3
 # the tensor cores run the next block's scores and the last block's values, one producer warp
 # streams Q, K, V. The same loop without warp specialization (one program's warps in step, a barrier
 # per key block; a156112 and before) was slower than the Triton kernel at every shape but one on one
-# H200: 0.77-0.94x at 128x128 (8 warps), 0.88-1.07x at 64x64 (BENCHMARKS.md, "Attention", F1-F3) ...
+# H200: 0.77-0.94x at 128x128 (8 warps), 0.88-1.07x at 64x64 (docs/benchmarks/attention-forward.md, F1-F3) ...
 ATTN_FWD_GLUON = True
 # ... under this register limit per thread: 12 warps' worth within an SM's 64K registers, which the
 # kernel moves between its warpgroups (setmaxnreg) ...
@@ -142,8 +142,8 @@ ATTN_FWD_GLUON_MAXNREG = 168
 # registers as written (every timing was taken on 3.6).
 ATTN_FWD_GLUON_OWN_SCALARS = TRITON_VERSION in ((3, 7), (3, 8))
 # ... from this many queries on, (full, causal): shorter rows keep the Triton kernel (and its short
-# causal tile). H200, forward TFLOP/s, Triton kernel -> warp-specialized Gluon (BENCHMARKS.md,
-# "Attention", F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;
+# causal tile). H200, forward TFLOP/s, Triton kernel -> warp-specialized Gluon (docs/benchmarks/attention-forward.md,
+# F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;
 # causal 369 -> 265 at 1k, 415 -> 384 at 2k, 479 -> 491 at 4k, 571 -> 628 at 32k; since the masked
 # blocks' NaN/Inf check runs beside the score product (F9), causal 371 -> 341 at 1k, 416 -> 442 at 2k;
 # with each tile's Q released early (F12), causal at 1k 353-371 -> 353-370 in the same processes
@@ -151,7 +151,7 @@ ATTN_FWD_GLUON_MIN_SQ = (1024, 2048)
 # ... and launched persistent: one program per SM, each taking the next tile from a counter and
 # streaming its Q, K and V while it finishes the last (False: one program per tile). H200, TFLOP/s,
 # one program per tile -> persistent: causal 1k 221 -> 252, 32k 627 -> 647, 1 x 8k GQA 16/4 560 -> 583;
-# full 1k 466 -> 495 (BENCHMARKS.md, "Attention", F5)
+# full 1k 466 -> 495 (docs/benchmarks/attention-forward.md, F5)
 ATTN_FWD_GLUON_PERSISTENT = True
 # ... and with the variants' masks (a window, kv_range, q_offset, documents, softcap) as well as the
 # plain one: each tile walks the key blocks its rows see, those every row sees whole first, unmasked
@@ -159,7 +159,7 @@ ATTN_FWD_GLUON_VARIANTS = True
 # ... and for a ring step's forward (``attn_fwd_acc``): each tile's rows merged into the running
 # float32 state as they are stored (its ``ACC``), as the Triton kernel's are. H200, the ring's forward
 # at one rank, 32k causal, ms, Triton -> Gluon merge: plain 16.36 -> 13.84-14.23, 16 documents 2.59 ->
-# 1.98-2.05, window 4096 4.99 -> 4.01-4.07 (BENCHMARKS.md, "Ring attention across GPUs", R6)
+# 1.98-2.05, window 4096 4.99 -> 4.01-4.07 (docs/benchmarks/ring.md, R6)
 ATTN_FWD_GLUON_ACC = True
 ATTN_SHORT_CAUSAL_SQ = 2048
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
@@ -196,7 +196,7 @@ ATTN_ORDER_WAVES = 4
 # ... where the grid fills fewer than this many waves (a longer grid's tail is short already and
 # keeps its blocks side by side). H200, forward / forward+backward TFLOP/s, grid order -> groups:
 # 1 x 16/4 x 8k causal 517 -> 559 / 304 -> 384, 4 x 16/4 x 2k 402 -> 436 / 245 -> 312, 1 x 32/8 x
-# 8k 549 -> 539 / 350 -> 382 (benchmarks/probes/attention_order.py; BENCHMARKS.md, "Attention backward").
+# 8k 549 -> 539 / 350 -> 382 (benchmarks/probes/attention_order.py; docs/benchmarks/attention-backward.md).
 ATTN_ORDER_MAX_WAVES = 16
 # SM count assumed under the interpreter (no device to ask), so tests reach the split path.
 ATTN_INTERPRET_SMS = 4

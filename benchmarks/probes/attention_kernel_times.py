@@ -5,6 +5,9 @@
 bf16, D=128, causal, q/k/v as ``(B, H, S, D)`` views of ``(B, S, H, D)`` tensors: GQA 16/4 at
 1 x 8192 and 4 x 2048, the torch profiler's device time per kernel averaged over 10 steps after 3,
 printed and written to OUTDIR/attn_prof.json (docs/benchmarks/attention-backward.md).
+
+Backs no setting by itself: it shows where a forward+backward's device time goes, which chose
+the next kernel to change (``configs.ATTN_BWD_GLUON``, ``configs.ATTN_BWD_DS``).
 """
 import json
 import sys

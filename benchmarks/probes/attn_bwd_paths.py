@@ -9,6 +9,8 @@ backward alone (``attn_bwd`` given ``lse``, ``delta``; ms) of the old pair, the 
 the new deterministic path, and forward+backward TFLOP/s (3.5x the forward's FLOPs) of
 ``ss.attention`` beside SDPA flash and cuDNN. Each new result is checked against SDPA flash's
 gradients. Prints a table last; writes ``bwd_paths.json``.
+
+Backs ``configs.ATTN_BWD_ATOMIC`` (off) and the five-product tiles ``configs.ATTN_TILES[("bwd", 2, D)]``.
 """
 import importlib
 import json

@@ -11,6 +11,9 @@ beside them: ``dq-<tag>`` runs the dQ kernel of
 ignored by git; carry them to the GPU machine), or those of the environment's ``CHOICES``
 (comma-separated); the gradients of each compared with this tree's; ``prof``, the device time per
 kernel of one forward+backward with each.
+
+Backs ``configs.ATTN_BWD_DS``, ``ATTN_BWD_DS_MAX_BYTES`` / ``ATTN_BWD_DS_MIN_WAVES`` (the pieces) and the dQ
+kernel's tile ``configs.ATTN_TILES[("bwd_q_ds", 2, 128)]``.
 """
 import contextlib
 import os

@@ -10,6 +10,8 @@ elements lie: their key blocks (of ``BLOCK_N`` rows) and each block's number of 
 first call's largest difference from the Triton pair's (the scale of a change of summation order).
 ``fb``: forward+backward TFLOP/s of ``ss.attention`` with each choice of ``FB`` (or of the environment's
 ``FB``, comma-separated) at the shapes users run, and each choice's gradients against the first's.
+
+Backs the dK/dV tile's buffer count ``configs.ATTN_TILES[("bwd_kv_ws", 2, 128)]`` (repeatable gradients).
 """
 import contextlib
 import os

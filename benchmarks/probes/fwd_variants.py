@@ -10,6 +10,9 @@ it can run beside the test suite first. MODE ``bench``:
 3. the variant and GQA-layout rows of ``bench attention`` (``splitsoftmax.tools.bench.attention_variants``).
 
 Writes ``fwd_variants.json`` to ``$OUT`` (or the working directory) and prints a table last.
+
+Backs ``configs.ATTN_TMA_ROWS`` (row descriptors) and ``configs.ATTN_SOFTCAP_APPROX``; the variants'
+forward kernel itself is ``configs.ATTN_FWD_GLUON_VARIANTS``' (``fwd_gluon_variants.py``).
 """
 from __future__ import annotations
 

@@ -9,6 +9,8 @@ printing per call: the host time, the time inside the backward's body and its tw
 time from ``backward()`` to the body and from the body's end to the return; then the same body
 called directly (no engine); then ``ss.attention`` forward+backward both ways. Prints its rows
 (docs/benchmarks/host.md).
+
+Backs no setting: a diagnosis of the host time per call (docs/ARCHITECTURE.md, "Host time per call").
 """
 import time, io, cProfile, pstats
 import torch

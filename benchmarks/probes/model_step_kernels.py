@@ -7,6 +7,8 @@ For each shape (default 8192x1 and 2048x4): the torch profiler's device time per
 averaged over 3 steps after 2, for ``splitsoftmax`` and ``sdpa`` under cuDNN; printed side by side
 (largest difference first) with each one's total device time and its step time, written to
 OUTDIR/model_prof.json (docs/benchmarks/model-step.md).
+
+Backs no setting: a diagnosis of the training step's gap to cuDNN (which kernel to change next).
 """
 import json
 import sys

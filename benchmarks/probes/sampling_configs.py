@@ -11,6 +11,9 @@ one after another in this process, after the device time of each pass under the 
 (unless ``--no-profile``). Every setting's tokens are checked equal to the first's (``!`` marks a
 difference). Prints a table last (``graph/eager`` us per batch and filter) and writes
 OUTDIR/sampling_configs.json.
+
+Backs ``ops/sampling/config.py``'s settings (``TILE``, ``WARPS``, ``STAGES``, ``PROGRAMS_PER_SM``,
+``FEW_ROWS``, ``FEW_ROWS_TILE``, ``FEW_ROWS_MERGE``) and ``configs.SAMPLE_TILE``.
 """
 import json
 import os

@@ -8,6 +8,8 @@ wall time of the same loop with the final synchronisation, and ``do_bench``'s ea
 flushed between calls); the filters in order, then again in reverse order (host times that
 depend on when they were taken show). Then cProfile over 300 calls of each filter, the 12
 functions with the most own time, to OUTDIR/sampling_host.txt. Prints a table last.
+
+Backs no setting: a diagnosis of the host time per draw.
 """
 import cProfile
 import io

@@ -5,6 +5,9 @@
 V = 128256 fp32 logits, batch 1 and 256, plain / top-k 50 / top-p 0.9 / min-p 0.1: the torch
 profiler's device time per kernel averaged over 20 draws after 5 (warm L2, no flush), printed and
 written to OUTDIR/samp_prof.json (docs/benchmarks/vocab-sampling.md).
+
+Backs the records pass's sizes ``configs.SAMPLE_RECORDS_MIN`` / ``SAMPLE_GROUP`` and, with
+``sampling_configs.py``, the settings of ``ops/sampling/config.py``.
 """
 import sys, json
 import torch

@@ -8,6 +8,8 @@ memory accesses and shuffles.
 (with Triton 3.6.0 first on the path for the GPU machines' compiler, e.g. ``.venv-triton-oldest``)
 
 Numbers in docs/benchmarks/vocab-sampling.md (what the 64-record pass costs).
+
+Backs ``configs.SAMPLE_RECORDS_MIN`` / ``SAMPLE_RECORDS_MAX`` (the records kernel's size per record count).
 """
 import re
 

@@ -9,6 +9,8 @@ ops, a small all-reduce; then a torch.profiler table of the whole call on rank 0
 ``ops/attention/sharded.py`` (the handshake started, the local attention launched, then the
 handshake waited on), the fused merge kernel for the gathered states, and NCCL's one
 ``all_gather_into_tensor``; numbers in docs/benchmarks/ring.md.
+
+Backs no tile setting (the order and transport of ``schedule="tree"``, above).
 """
 import os
 import statistics

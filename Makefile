@@ -71,7 +71,7 @@ test-interpreter-oldest: venv $(OLDEST)/.done
 test-hf-oldest: .venv-hf-oldest/.done
 	$(HF_PY) -m pytest -q -m "not gpu" -p no:cacheprovider tests/test_transformers*.py
 
-# GPU lane: run on a CUDA machine (see launch/gpu_check.sh); skipped in CI.
+# GPU lane: run on a CUDA machine (see scripts/gpu_check.sh); skipped in CI.
 test-gpu:
 	python3 -m pytest -q -m gpu -p no:cacheprovider
 

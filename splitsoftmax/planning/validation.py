@@ -7,11 +7,11 @@ Sources (measured numbers, never fitted to):
 
 - R1, R2: BENCHMARKS.md "Ring attention across GPUs" (2x H200 NVLink, 2026-11-29, commit 02ecb3c):
   B=1, H=32, D=128, bf16, zigzag; ms. Fed: that run's ``1gpu-ss`` times.
-- ss allgather and torch CP (PERF.md / BENCHMARKS.md history, 2026-11-29, commit 27e894a, the same
+- ss allgather and torch CP (BENCHMARKS.md history, 2026-11-29, commit 27e894a, the same
   host): torch's ``context_parallel`` over SDPA flash (head-tail balancing = zigzag), its all-gather
   rotation (K/V gathered) and its all-to-all rotation (a ring of P2P exchanges). Fed: that run's
   ``1gpu-ss`` / ``1gpu-sdpa-flash`` times.
-- P2P ring, Ulysses, USP (MagiAttention's benchmark as quoted in PERF.md: 8 and 64 H100s, 8k tokens
+- P2P ring, Ulysses, USP (MagiAttention's benchmark as published: 8 and 64 H100s, 8k tokens
   a GPU, GQA 64:8, D=128; TFLOP/s a GPU). Fed: Ulysses's 8-GPU backward (causal) and USP's 8-GPU
   forward and Ulysses's 8-GPU backward (documents), as that benchmark's kernel rates, each run on
   the model to fit the kernel's scale. The documents there are drawn from a dataset's length
@@ -127,7 +127,7 @@ def _tflops(sim: Simulator, cand: Candidate, pas: str) -> float:
 
 
 def published_runs() -> list:
-    """MagiAttention's benchmark (PERF.md): ring, Ulysses and USP, causal and packed documents."""
+    """MagiAttention's published benchmark: ring, Ulysses and USP, causal and packed documents."""
     h100 = load_profile("h100").with_tiles(packed=False)  # FlashAttention-3 varlen: a document's own tiles
     rows = []
 

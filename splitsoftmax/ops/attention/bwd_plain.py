@@ -6,8 +6,8 @@ dK, dV over every query block of the G query heads that read that kv head; then 
 query block and head walks its key blocks for dQ. On Hopper the Gluon dK/dV kernel also writes
 each tile's dS and the dQ kernel reads it (``_attn_bwd_q_ds_kernel``, every mask): five products per
 tile pair, for a buffer the backward holds (:func:`_ds_pieces`). On one H200 (Triton 3.6) this pair
-ran 8-12% faster than ``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md,
-"Attention backward"), so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90,
+ran 8-12% faster than ``attention_bwd``'s general pair at every plain shape timed
+(docs/benchmarks/attention-backward.md), so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90,
 bfloat16) also take the variants' masks (:func:`takes`); elsewhere those take the general pair. Gradients are written
 once, in the output dtype, with their inputs' strides where dense.
 """

@@ -647,7 +647,7 @@ def plots(out_dir: str) -> list:
 
 
 def defaults(opts, cuda: bool):
-    """GPU shapes (PERF.md) or toy CPU shapes for whatever the user left unset."""
+    """the reference GPU shapes or toy CPU shapes for whatever the user left unset."""
     gpu = dict(seqs="32768,131072", heads=32, kv_heads="32,8", variants="documents,window", docs=16, window=4096,
                dim=128, dtype="bfloat16", decode_keys=1 << 20, check_seq=2048, warmup=2, reps=10, min_reps=3,
                budget=1.5)

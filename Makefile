@@ -92,7 +92,7 @@ test-interpreter-between: $(foreach v,$(TRITON_BETWEEN),.triton-$(v)/.done)
 	        $(PYTEST) -m interpreter $(SUBSET); \
 	done
 
-# GPU lane: run on a CUDA machine (see launch/gpu_check.sh); skipped in CI.
+# GPU lane: run on a CUDA machine (see scripts/gpu_check.sh); skipped in CI.
 test-gpu:
 	python3 -m pytest -q -m gpu -p no:cacheprovider
 

@@ -13,6 +13,7 @@ from .ops.softmax.sharded import sharded_log_softmax, sharded_logsumexp, sharded
 from .ops.cross_entropy.api import cross_entropy, sharded_cross_entropy
 from .ops.vocab.api import entropy, kl_div, logprobs, sharded_entropy, sharded_kl_div, sharded_logprobs
 from .ops.sampling.api import sample, sharded_sample, sharded_topk, topk
+from .planning import plan_attention
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,5 @@ __all__ = [
     "cross_entropy", "sharded_cross_entropy",
     "logprobs", "entropy", "kl_div", "sharded_logprobs", "sharded_entropy", "sharded_kl_div",
     "topk", "sharded_topk", "sample", "sharded_sample",
+    "plan_attention",
 ]

@@ -3,7 +3,7 @@
 The short-causal tile (64x64, 4 warps, 3 stages) runs two programs per SM only while each needs
 at most half of the SM's 228 KB, less the 1 KB the driver reserves per program; the long tile
 (128x128, 8 warps, 3 stages) uses nearly all of it for one. A form of the forward 16 bytes over
-that line lost a third of its speed at S=1k causal (BENCHMARKS.md, History: attention).
+that line lost a third of its speed at S=1k causal (docs/benchmarks/attention-forward.md, earlier history).
 """
 from __future__ import annotations
 

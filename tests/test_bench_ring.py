@@ -65,7 +65,10 @@ def test_every_shape_and_method_recorded(bench):
             peers = {"torch-cp-flex", "1gpu-flex"}
         for m in peers:
             assert "ms" not in here[m] and "CUDA" in here[m]["skipped"], here[m]
-        assert set(here) == SS_METHODS | {ONE} | peers
+        ours = {"ss-ring-balanced"} if variant == "documents" else set()
+        for m in ours:
+            assert here[m]["ms"] > 0 and here[m]["P"] == 2 and here[m]["tflops_per_gpu"] > 0, here[m]
+        assert set(here) == SS_METHODS | {ONE} | peers | ours
 
 
 def test_tflops_formula(bench):

@@ -307,10 +307,10 @@ def test_autocast_like_sdpa():
 
 @pytest.mark.distributed
 def test_example_torchrun():
-    """launch/context_parallel_example.py on 2 Gloo ranks under torchrun: loss and gradients match."""
+    """examples/context_parallel_example.py on 2 Gloo ranks under torchrun: loss and gradients match."""
     from _dist_util import ROOT, _collect, _start, assert_ok, worker_env
     from test_launch_example import torchrun
-    example = os.path.join(ROOT, "launch", "context_parallel_example.py")
+    example = os.path.join(ROOT, "examples", "context_parallel_example.py")
     cmd = [*torchrun(), "--standalone", "--nproc-per-node=2", "--max-restarts=0", example]
     p, log = _start(cmd, worker_env({"TORCHELASTIC_ERROR_FILE": os.devnull}))
     results = _collect([p], [log], timeout=120)

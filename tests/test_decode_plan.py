@@ -2,7 +2,7 @@
 
 Invariants: the splits cover exactly the visible keys in whole tiles; they fill at most one wave
 of ``ATTN_SPLIT_PROGRAMS_PER_SM`` programs per SM (a partial second wave ran batch-4 decode at 0.8x
-cuDNN, BENCHMARKS.md, History: decode and merge); short splits pipeline fewer stages. And the
+cuDNN, docs/benchmarks/decode-merge.md, earlier history); short splits pipeline fewer stages. And the
 causal grids' launch order (``decode.head_group``) at the shapes it was timed at.
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_window_splits_cover_only_the_window():
     assert p.nsplit * p.chunk < 8192 + 2 * bn * p.nsplit
 
 
-# (blocks, heads, warps) of causal grids -> heads per group (BENCHMARKS.md, "Attention backward":
+# (blocks, heads, warps) of causal grids -> heads per group (docs/benchmarks/attention-backward.md:
 # the first three shapes gained, the last keeps its order); the forward's and dQ's grids coincide
 # at 1 x 8k 16/4
 ORDER_CASES = {"1x8k 16/4 fwd, dQ": ((64, 16, 8), 8), "1x8k 16/4 dK/dV": ((128, 4, 4), 4),

@@ -30,6 +30,13 @@ def test_nccl_variants():
                     backend="nccl"), "nccl world of 2, variants")
 
 
+def test_nccl_balanced():
+    """layout="balanced" (test_balanced_layout.case_all: shard / unshard, ring, allgather and heads
+    against float64, refusals) on NCCL with CUDA tensors."""
+    assert_ok(spawn(2, "tests/test_balanced_layout.py:case_all", timeout=300, env={"SPLITSOFTMAX_TIMEOUT": "60"},
+                    backend="nccl"), "nccl world of 2, balanced")
+
+
 @pytest.mark.parametrize("case", ["exit_before", "exit_in_ring", "stall_before", "stall_in_ring"])
 def test_nccl_faults(case):
     """A peer that exits or stalls (before the call / inside the ring) -> RuntimeError naming it, no hang."""

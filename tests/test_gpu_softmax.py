@@ -1,4 +1,4 @@
-"""Triton softmax family on the GPU at real sizes (PERF.md's shapes included), against float64.
+"""Triton softmax family on the GPU at real sizes (the benchmark shapes included), against float64.
 
 Outputs are NaN-poisoned by conftest's ``torch.empty`` patch, so an unwritten element fails.
 """

@@ -1,4 +1,4 @@
-"""launch/long_context_example.py under the launchers its docstring names: torchrun (one node, and
+"""examples/long_context_example.py under the launchers its docstring names: torchrun (one node, and
 two agents meeting at a rendezvous endpoint, as on two nodes) and mpirun; 2 CPU ranks, a deadline."""
 import os
 import sys
@@ -6,7 +6,7 @@ import sys
 import pytest
 from _dist_util import ROOT, VENV_BIN, _collect, _start, assert_ok, free_port, mpirun_path, worker_env
 
-EXAMPLE = os.path.join(ROOT, "launch", "long_context_example.py")
+EXAMPLE = os.path.join(ROOT, "examples", "long_context_example.py")
 GRADS = ("grad x", "grad wq.weight", "grad wk.weight", "grad wv.weight", "grad wo.weight")
 
 

@@ -1,4 +1,4 @@
-"""launch/mesh_2d_example.py: 4 Gloo ranks as a 2 x 2 (dp, cp) mesh, DDP over every rank and
+"""examples/mesh_2d_example.py: 4 Gloo ranks as a 2 x 2 (dp, cp) mesh, DDP over every rank and
 sequence-parallel attention over cp; loss and gradients equal one process on the whole batch."""
 import os
 import sys
@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("transformers")
 from _dist_util import ROOT, VENV_BIN, _collect, _start, assert_ok, worker_env  # noqa: E402
 
-EXAMPLE = os.path.join(ROOT, "launch", "mesh_2d_example.py")
+EXAMPLE = os.path.join(ROOT, "examples", "mesh_2d_example.py")
 
 
 @pytest.mark.distributed

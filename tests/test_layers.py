@@ -27,6 +27,7 @@ LAYERS = (
     ("root", ("splitsoftmax",)),
     ("tools", ("splitsoftmax.__main__", "splitsoftmax.tools", "splitsoftmax.tools.*")),
     ("core", ("splitsoftmax.core", "splitsoftmax.core.*")),
+    ("planning", ("splitsoftmax.planning", "splitsoftmax.planning.*")),
     ("distributed", ("splitsoftmax.distributed", "splitsoftmax.distributed.*")),
     ("settings", ("splitsoftmax.ops._triton.configs",)),
     ("triton", ("splitsoftmax.ops._triton", "splitsoftmax.ops._triton.*")),
@@ -36,14 +37,17 @@ LAYERS = (
     ("integrations", ("splitsoftmax.integrations", "splitsoftmax.integrations.*")),
 )
 
-# layer -> the layers it may import ("own family": any module of the importer's family folder, "own
+# layer -> the layers it may import (planning: the cost model and planner behind ``plan_attention``,
+# pure host arithmetic on profiles and lengths; the root exports it and tools' commands drive it,
+# and it imports nothing of the package, so that planning a run never loads a kernel) ("own family": any module of the importer's family folder, "own
 # family kernels": its kernel files, "algebra families": any module of merge/ and softmax/). The
 # settings (configs.py: tile sizes and algorithm sizes as data) are read by host and kernel files alike.
 MAY_IMPORT = {
-    "root": {"core", "distributed", "registry", "host", "kernel", "integrations"},
-    "tools": {"root", "tools", "core", "distributed", "settings", "triton", "registry", "host", "kernel",
+    "root": {"core", "distributed", "registry", "host", "kernel", "integrations", "planning"},
+    "tools": {"root", "tools", "core", "planning", "distributed", "settings", "triton", "registry", "host", "kernel",
               "integrations"},
     "core": {"core"},
+    "planning": {"planning"},
     "distributed": {"distributed", "core"},
     "settings": {"core"},
     "triton": {"settings", "triton", "core"},

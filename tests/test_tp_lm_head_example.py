@@ -1,4 +1,4 @@
-"""launch/tp_lm_head_example.py on 2 Gloo ranks (torchrun) and under mpirun: the GRPO loss, its
+"""examples/tp_lm_head_example.py on 2 Gloo ranks (torchrun) and under mpirun: the GRPO loss, its
 gradients and three decode steps of a vocabulary-sharded LM head match one process."""
 import os
 import sys
@@ -7,7 +7,7 @@ import pytest
 from _dist_util import ROOT, _collect, _start, assert_ok, mpirun_path, worker_env
 from test_launch_example import torchrun
 
-EXAMPLE = os.path.join(ROOT, "launch", "tp_lm_head_example.py")
+EXAMPLE = os.path.join(ROOT, "examples", "tp_lm_head_example.py")
 
 
 def check_output(out: str, kind: str) -> None:

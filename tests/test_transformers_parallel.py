@@ -151,12 +151,12 @@ def test_shard_inputs_loss_scale_on_one_process():
 @pytest.mark.distributed
 @pytest.mark.parametrize("dp", [1, 2])
 def test_trainer_recipe_matches_one_process(dp):
-    """launch/trainer_sp_example.py: transformers.Trainer, two SGD steps, sp 2 (and dp 2 x sp 2)."""
+    """examples/trainer_sp_example.py: transformers.Trainer, two SGD steps, sp 2 (and dp 2 x sp 2)."""
     pytest.importorskip("accelerate")
     exe = os.path.join(ROOT, ".venv", "bin", "torchrun")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "torch.distributed.run"]
     env = worker_env({"TORCHELASTIC_ERROR_FILE": os.devnull, "HF_HUB_OFFLINE": "1", "SPLITSOFTMAX_TIMEOUT": "60"})
-    example = os.path.join(ROOT, "launch", "trainer_sp_example.py")
+    example = os.path.join(ROOT, "examples", "trainer_sp_example.py")
     p, log = _start([*cmd, "--standalone", f"--nproc-per-node={2 * dp}", "--max-restarts=0", example,
                      "--dp", str(dp)], env)
     results = _collect([p], [log], timeout=300)

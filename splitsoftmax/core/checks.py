@@ -8,8 +8,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-SCHEDULES = ("ring", "allgather", "tree", "heads")
-LAYOUTS = ("contiguous", "zigzag")
+SCHEDULES = ("ring", "allgather", "tree", "heads", "heads+ring", "heads+allgather")
+MESH_SCHEDULES = ("heads+ring", "heads+allgather")  # those of a 2-D group (sequence x heads)
+LAYOUTS = ("contiguous", "zigzag", "balanced")
 REDUCTIONS = ("mean", "sum", "none")
 
 
@@ -76,6 +77,15 @@ def flag(name: str, value) -> bool:
 def choice(name: str, value, options: tuple) -> str:
     if value not in options:
         raise ValueError(f"{name}={value!r} is not one of {', '.join(map(repr, options))}")
+    return value
+
+
+def layout(value, cu_seqlens) -> str:
+    """A known layout; ``"balanced"`` places whole documents, so it needs ``cu_seqlens``."""
+    choice("layout", value, LAYOUTS)
+    if value == "balanced" and cu_seqlens is None:
+        raise ValueError("layout='balanced' places packed documents and needs cu_seqlens (the documents' "
+                         "boundaries), got cu_seqlens=None; pass cu_seqlens, or use layout='zigzag'")
     return value
 
 

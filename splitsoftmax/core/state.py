@@ -136,10 +136,23 @@ def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
     return (out * w.unsqueeze(-1).to(out.dtype)), lse2
 
 
-def sink_grad(lse: Tensor, delta: Tensor, sinks: Tensor) -> Tensor:
-    """Gradient of the sinks ``(H,)`` (in ``sinks.dtype``) from the final ``lse`` and
-    ``delta = rowsum(dout * out) - dlse`` ``(B, H, Sq)``: ``-sum_rows p_sink * delta``, where
-    ``p_sink = exp(sinks[h] - lse)`` is the weight the sink took in each row (0 where ``lse = -inf``)."""
+def sink_weights(lse: Tensor, sinks: Tensor) -> Tensor:
+    """``p_sink = exp(sinks[h] - lse)`` ``(B, H, Sq)`` in ``lse.dtype``: the weight the sink took in
+    each row of final ``lse`` (0 where ``lse = -inf``)."""
     sink = sinks.to(lse.dtype).view(1, -1, 1)
-    p = torch.where(lse == NEG_INF, 0.0, torch.exp(sink - safe_max(lse)))
-    return -(p * delta.to(lse.dtype)).sum((0, 2)).to(sinks.dtype)
+    return torch.where(lse == NEG_INF, 0.0, torch.exp(sink - safe_max(lse)))
+
+
+def sink_grad(lse: Tensor, delta: Optional[Tensor], sinks: Tensor, weighted: Optional[Tensor] = None) -> Tensor:
+    """Gradient of the sinks ``(H,)`` (in ``sinks.dtype``) from the final ``lse`` and
+    ``delta = rowsum(dout * out) - dlse`` ``(B, H, Sq)``: ``-sum_rows p_sink * delta``
+    (:func:`sink_weights`).
+
+    ``weighted (H,)``: ``sum_rows p_sink * rowsum(dout * out)`` already summed (by the backward
+    kernels from their own ``P`` and ``dP = dout . v_j``, ``out`` never rounded); ``delta`` then
+    holds ``-dlse`` alone (None: no ``dlse``) and the gradient is ``-(weighted + sum_rows p_sink *
+    delta)``."""
+    if delta is None:
+        return (-weighted).to(sinks.dtype)
+    total = (sink_weights(lse, sinks) * delta.to(lse.dtype)).sum((0, 2))
+    return -(total if weighted is None else total + weighted.to(lse.dtype)).to(sinks.dtype)

@@ -17,6 +17,7 @@ from torch import Tensor
 from ..core import checks as _checks
 from ..core import keywords as vs
 from . import layout as lay
+from .mesh import Mesh, mesh_shape, seq_lengths
 from .handshake import LOCAL_ERRORS, _BITS, encode_dtype, encode_float, encode_sinks, encode_window, start_handshake
 
 _M, _A, _C = 2147483629, 48271, 12345  # fingerprint modulus (prime < 2^31) and weights
@@ -121,21 +122,33 @@ def _ranks(values: list, bad) -> list:
     return [r for r, v in enumerate(values) if bad(v)]
 
 
-def check_global(meta: dict, kw: Keywords, layout: str, schedule: str) -> None:
-    """The checks that need every rank's lengths; identical on every rank (the fields agree)."""
+def check_group(comm, schedule: str) -> None:
+    """A 2-D mesh takes the 2-D schedules, a 1-d group the others (``ValueError`` naming ``schedule``)."""
+    if isinstance(comm, Mesh) and schedule not in _checks.MESH_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} runs over a 1-d group, but group is a {comm.shape[0]} x "
+                         f"{comm.shape[1]} mesh (sequence x heads); use one of {_checks.MESH_SCHEDULES}")
+    if not isinstance(comm, Mesh) and schedule in _checks.MESH_SCHEDULES:
+        raise ValueError(f"schedule={schedule!r} needs a 2-D group (a 2-D DeviceMesh, or a tuple (seq_group, "
+                         f"heads_group)), got a 1-d group of {comm.size} ranks")
+
+
+def check_global(meta: dict, kw: Keywords, layout: str, schedule: str, shape: Optional[tuple] = None) -> None:
+    """The checks that need every rank's lengths; identical on every rank (the fields agree). On a mesh
+    of ``shape`` the layout's checks are of the sequence shards (each the sum of its heads group's)."""
     q_lens, k_lens = meta["Sq_local"], meta["Sk_local"]
+    if shape is not None:
+        q_lens, k_lens = seq_lengths(q_lens, shape), seq_lengths(k_lens, shape)
     if kw.docs is not None:
         if list(q_lens) != list(k_lens):
             raise ValueError(f"cu_seqlens needs q and k sharded alike (self-attention), got q lengths {q_lens}, "
                              f"k lengths {k_lens}")
         vs.check_cu_seqlens(kw.docs, sum(q_lens), sum(k_lens), 0)
-    if layout == "zigzag":
-        for name, lens in (("Sq_local", q_lens), ("Sk_local", k_lens)):
-            bad = lay.zigzag_mismatch(lens, kw.docs)
-            if bad:
-                what = "a per-document zigzag split of cu_seqlens" if kw.docs else "a zigzag split"
-                raise ValueError(f"sharded_attention: layout='zigzag' but rank(s) {bad} hold {name} not of {what} "
-                                 f"of {sum(lens)} positions (lengths {lens})")
+    for name, lens in (("Sq_local", q_lens), ("Sk_local", k_lens)):
+        bad = lay.layout_mismatch(layout, lens, kw.docs)
+        if bad:
+            who = "sequence shard(s)" if shape is not None else "rank(s)"
+            raise ValueError(f"sharded_attention: layout={layout!r} but {who} {bad} hold {name} not of "
+                             f"{lay.split_name(layout, kw.docs)} of {sum(lens)} positions (lengths {lens})")
     sk = sum(k_lens)
     bad = sorted(set(_ranks(meta["kv_range ok"], lambda v: v != 1) + _ranks(meta["kv_range max"], lambda v: v > sk)))
     if bad:
@@ -155,7 +168,8 @@ def start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords: 
         s = _checks.attention_args(q, k, v, scale, causal)
         _checks.flag("return_lse", return_lse)
         _checks.choice("schedule", schedule, _checks.SCHEDULES)
-        _checks.choice("layout", layout, _checks.LAYOUTS)
+        check_group(comm, schedule)
+        _checks.layout(layout, keywords["cu_seqlens"])
         if schedule == "tree" and layout != "contiguous":
             raise ValueError(f"layout={layout!r}: the tree schedule takes contiguous k/v shards")
         kw = check_keywords(q, schedule, **keywords)
@@ -163,7 +177,7 @@ def start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords: 
         agree = {"B": b, "H": h, "Hkv": hkv, "D": d, "Dv": dv, "dtype": encode_dtype(q.dtype),
                  "causal": int(causal), "scale": encode_float(s), "schedule": _checks.SCHEDULES.index(schedule),
                  "layout": _checks.LAYOUTS.index(layout), "Sq": sq if schedule == "tree" else 0,
-                 "q": replica_fingerprint(q) if schedule == "tree" else 0}
+                 "q": replica_fingerprint(q) if schedule == "tree" else 0, "mesh shape": mesh_shape(comm)}
         extra_agree, extra_per = _fields(kw, b)
         agree.update(extra_agree)
         per = {"Sq_local": sq, "Sk_local": k.shape[2], **extra_per}
@@ -173,6 +187,6 @@ def start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords: 
 
     def finish() -> tuple[list, list]:
         meta = pending()
-        check_global(meta, kw, layout, schedule)
+        check_global(meta, kw, layout, schedule, comm.shape if isinstance(comm, Mesh) else None)
         return meta["Sq_local"], meta["Sk_local"]
     return finish, s, kw

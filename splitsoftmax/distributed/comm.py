@@ -343,8 +343,10 @@ class LoopbackWorld:
         self.gone: set = set()
         self.turn = threading.Lock()  # one rank computes at a time (the Triton interpreter is not thread-safe)
 
-    def comm(self, rank: int) -> "LoopbackComm":
-        return LoopbackComm(self, rank)
+    def comm(self, rank: int, members: Optional[Sequence[int]] = None) -> "LoopbackComm":
+        """World rank ``rank``'s communicator over ``members`` (world ranks, their order the group's
+        rank order; default the whole world)."""
+        return LoopbackComm(self, rank, members)
 
     def reset_counts(self) -> None:
         with self.lock:
@@ -382,12 +384,33 @@ class LoopbackWorld:
 
 
 class LoopbackComm(Communicator):
-    """One rank of a :class:`LoopbackWorld`; a send copies the tensor into the peer's mailbox."""
+    """One rank of a :class:`LoopbackWorld`, or of a group of its ranks (``members``, world ranks in
+    the group's rank order); a send copies the tensor into the peer's mailbox."""
 
-    def __init__(self, world: LoopbackWorld, rank: int):
+    def __init__(self, world: LoopbackWorld, rank: int, members: Optional[Sequence[int]] = None):
         self.world = world
-        self.rank = rank
-        self.size = world.size
+        self.members = tuple(range(world.size)) if members is None else tuple(members)
+        if rank not in self.members:
+            raise ValueError(f"members: world rank {rank} is not one of {self.members}")
+        self.rank = self.members.index(rank)
+        self.size = len(self.members)
+
+    def mesh(self, seq: int, heads: int) -> tuple:
+        """``(seq_group, heads_group)`` of this world rank in a ``seq x heads`` mesh of the world
+        (world rank ``s * heads + h`` at sequence rank ``s``, heads rank ``h``: heads groups are
+        contiguous ranks, as a 2-D DeviceMesh's last dimension)."""
+        if seq * heads != self.world.size:
+            raise ValueError(f"mesh shape ({seq}, {heads}) does not cover the {self.world.size} ranks")
+        r = self.members[self.rank]
+        s, h = divmod(r, heads)
+        return (self.world.comm(r, [i * heads + h for i in range(seq)]),
+                self.world.comm(r, [s * heads + j for j in range(heads)]))
+
+    def _key(self, src: int, dst: int, tag: int) -> tuple:
+        """The mailbox of group ranks ``src`` -> ``dst``; the whole world's keys are ``(src, dst, tag)``."""
+        if self.members == tuple(range(self.world.size)):
+            return (src, dst, tag)
+        return (self.members, self.members[src], self.members[dst], tag)
 
     def wait(self, handles, step):
         """Wait with the world's turn released, so that the other ranks run meanwhile."""
@@ -400,18 +423,18 @@ class LoopbackComm(Communicator):
     def _send(self, t, peer, tag):
         w = self.world
         with w.lock:
-            w.boxes[(self.rank, peer, tag)].append(t.detach().clone())
+            w.boxes[self._key(self.rank, peer, tag)].append(t.detach().clone())
             w.sends[tag] += 1
             w.bytes[tag] += t.numel() * t.element_size()
         return Handle(peer, lambda: True)
 
     def _recv(self, t, peer, tag):
-        box = self.world.boxes[(peer, self.rank, tag)]
+        box = self.world.boxes[self._key(peer, self.rank, tag)]
 
         def poll() -> bool:
             with self.world.lock:
                 if not box:
-                    if peer in self.world.gone:
+                    if self.members[peer] in self.world.gone:
                         raise RuntimeError(f"rank {peer} has exited")
                     return False
                 msg = box.popleft()

@@ -23,6 +23,7 @@ import torch
 
 from ..core import checks as _checks
 from .comm import Communicator
+from .mesh import Mesh, mesh_order, mesh_shape, post_gather
 
 META_LEN = 32
 TAG_META = 11
@@ -79,7 +80,8 @@ _DECODE = {"dtype": _dtype_of, "scale": _float_of, "label_smoothing": _float_of,
            "softcap": lambda c: _float_of(c) or None,
            "window_size": lambda c: ((c >> 32) - 1, (c & 0xFFFFFFFF) - 1), "sinks": _sinks_of,
            "cu_seqlens": _fingerprint_of, "kv_range": _fingerprint_of, "q_offset": _fingerprint_of,
-           "top_p": _float_of, "min_p": _float_of}
+           "top_p": _float_of, "min_p": _float_of,
+           "mesh shape": lambda c: (c >> 32, c & 0xFFFFFFFF) if c else "a 1-d group"}
 
 
 # fields holding a checksum of a tensor that must be equal on every rank (shown as "differs", not as numbers)
@@ -109,13 +111,17 @@ def encode_float(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _post(comm: Communicator, mine: torch.Tensor) -> tuple[list, list]:
-    """Start the all-gather of the small vector by direct sends: ``(rows in rank order, handles)``."""
-    p, r = comm.size, comm.rank
-    rows = [torch.zeros_like(mine) for _ in range(p)]
-    rows[r] = mine
-    peers = [q for q in range(p) if q != r]
-    return rows, comm.post([(mine, q) for q in peers], [(rows[q], q) for q in peers], TAG_META)
+def _start_gather(comm: Communicator, mine: torch.Tensor, tag: int, step: str) -> Callable[[], list]:
+    """Start the all-gather of the small vector ``mine``; ``finish()`` waits and gives the rows in rank
+    order (a 2-D mesh: in two stages, mesh rank order)."""
+    if isinstance(comm, Mesh):
+        return comm.start_gather(mine, tag, step)
+    rows, handles = post_gather(comm, mine, tag)
+
+    def finish() -> list:
+        comm.wait(handles, step)
+        return rows
+    return finish
 
 
 def _status(error: Optional[BaseException]) -> int:
@@ -186,18 +192,32 @@ def start_handshake(comm: Communicator, op: str, agree: Optional[dict], per_rank
     """:func:`handshake` in two halves: the exchange starts now; the returned ``finish()`` waits
     for it and checks (raising as :func:`handshake` does), so local work can run in between."""
     agree, per_rank = dict(agree or {}), dict(per_rank or {})
+    if isinstance(comm, Mesh) and comm.whole is not None:
+        return _on_whole(comm, op, agree, per_rank, error)
     names = list(agree) + list(per_rank)
     if len(names) + 2 > META_LEN:
         raise ValueError(f"{op}: too many handshake fields")
     values = [*agree.values(), *per_rank.values()]
     error = error or out_of_range(names, values)
     mine = _vector(comm, op, error, values)
-    rows, handles = _post(comm, mine)
+    gathered = _start_gather(comm, mine, TAG_META, f"{op}: metadata handshake")
 
     def finish() -> dict:
-        comm.wait(handles, f"{op}: metadata handshake")
-        table = torch.stack(rows).cpu().tolist()
+        table = torch.stack(gathered()).cpu().tolist()
         return _check(op, table, agree, names, error, _reasons(comm, op, table, error))
+    return finish
+
+
+def _on_whole(mesh: Mesh, op: str, agree: dict, per_rank: dict, error) -> Callable[[], dict]:
+    """The handshake of a mesh over its ``whole`` communicator (ranks named as its ranks), the mesh
+    itself checked alike on every rank; the fields come back in mesh rank order."""
+    agree["mesh shape"] = mesh_shape(mesh)
+    pending = start_handshake(mesh.whole, op, agree, {**per_rank, **mesh.fields()}, error)
+
+    def finish() -> dict:
+        meta = pending()
+        order = mesh_order(op, mesh.shape, meta.pop("mesh coordinates"), meta.pop("mesh groups"))
+        return {name: [values[r] for r in order] for name, values in meta.items()}
     return finish
 
 
@@ -208,13 +228,17 @@ def _reasons(comm: Communicator, op: str, rows: list, error: Optional[BaseExcept
     if not bad:
         return {}
     r = comm.rank
-    bufs = {i: torch.zeros(REASON_BYTES, dtype=torch.uint8, device=comm.meta_device) for i in bad}
+    bufs = {i: torch.zeros(REASON_BYTES, dtype=torch.uint8, device=comm.meta_device) for i in {*bad, r}}
     if r in bad:
         text = str(error).encode()[:REASON_BYTES]
         bufs[r][:len(text)] = torch.tensor(list(text), dtype=torch.uint8)
-    sends = [(bufs[r], q) for q in range(comm.size) if q != r] if r in bad else []
-    comm.wait(comm.post(sends, [(bufs[i], i) for i in bad if i != r], TAG_REASON), f"{op}: refusal reasons")
-    return {i: bytes(b.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for i, b in bufs.items()}
+    if isinstance(comm, Mesh):  # no direct sends across a mesh: every rank's buffer travels
+        rows = _start_gather(comm, bufs[r], TAG_REASON, f"{op}: refusal reasons")()
+        bufs = {i: rows[i] for i in bad}
+    else:
+        sends = [(bufs[r], q) for q in range(comm.size) if q != r] if r in bad else []
+        comm.wait(comm.post(sends, [(bufs[i], i) for i in bad if i != r], TAG_REASON), f"{op}: refusal reasons")
+    return {i: bytes(b.cpu().tolist()).rstrip(b"\0").decode(errors="replace") for i, b in bufs.items() if i in bad}
 
 
 def _check(op: str, rows: list, agree: dict, names: list, error: Optional[BaseException],

@@ -10,15 +10,19 @@ index ``local``, holding global positions ``glob .. glob + n - 1``.
   like ``torch.tensor_split(doc, 2P)`` and rank ``r`` holds chunks ``r`` and ``2P-1-r`` of every
   document, in document order (no divisibility rule). Empty chunks are dropped and chunks that
   meet in global positions are joined, so segments are non-empty and never adjacent.
+- ``"balanced"`` (documents required): short documents whole on one rank each, placed to even out
+  the causal work per rank; long ones zigzagged as above (:func:`balanced`).
 
 In every layout a rank's positions increase with the local index.
 """
 from __future__ import annotations
 
+import heapq
 from functools import lru_cache
 from typing import NamedTuple
 
 SKIP, FULL, DIAG = "skip", "full", "diag"
+BALANCE_SLACK = 8  # "balanced": the busiest rank's causal work within (1 + 1/8) of the mean
 
 
 class Seg(NamedTuple):
@@ -44,6 +48,8 @@ def shard_lengths(total: int, size: int, layout: str, docs=None) -> list[int]:
     """Per-rank shard lengths of a sequence of ``total`` positions (``docs``: per-document zigzag)."""
     if layout == "contiguous":
         return split_sizes(total, size)
+    if layout == "balanced":
+        return [sum(s.n for s in x) for x in _balanced_all(tuple(docs), size)]
     if docs is not None:
         return [sum(s.n for s in doc_zigzag(docs, size, r)) for r in range(size)]
     c = split_sizes(total, 2 * size)
@@ -84,12 +90,110 @@ def doc_zigzag(docs, size: int, rank: int) -> list[Seg]:
     return list(_doc_zigzag_all(tuple(docs), size)[rank])
 
 
+def causal_work(n: int) -> int:
+    """The causal work of a document of ``n`` positions: the (query, key) pairs it holds, ``n(n+1)/2``."""
+    return n * (n + 1) // 2
+
+
+def _zigzag_work(a: int, b: int, size: int) -> list[int]:
+    """Each rank's causal work of document ``[a, b)`` zigzagged over ``size`` ranks."""
+    c = split_sizes(b - a, 2 * size)
+    w = [n * g + causal_work(n) for n, g in zip(c, starts(c))]
+    return [w[r] + w[2 * size - 1 - r] for r in range(size)]
+
+
+def _placed(docs: tuple, order: list, split: int, size: int) -> tuple[list, list]:
+    """``(owners, loads)``: the first ``split`` documents of ``order`` zigzagged (owner -1), then the
+    rest whole, each (in ``order``) onto the rank of least load so far (ties: the lowest rank)."""
+    owners, loads = [-1] * (len(docs) - 1), [0] * size
+    for d in order[:split]:
+        for r, w in enumerate(_zigzag_work(docs[d], docs[d + 1], size)):
+            loads[r] += w
+    heap = [(w, r) for r, w in enumerate(loads)]
+    heapq.heapify(heap)
+    for d in order[split:]:
+        w, r = heapq.heappop(heap)
+        owners[d] = r
+        loads[r] = w + causal_work(docs[d + 1] - docs[d])
+        heapq.heappush(heap, (loads[r], r))
+    return owners, loads
+
+
+@lru_cache(maxsize=16)
+def balanced_owners(docs: tuple, size: int) -> tuple:
+    """Document ``d``'s rank under ``"balanced"`` (-1: zigzagged over every rank); see :func:`balanced`."""
+    n = len(docs) - 1
+    work = [causal_work(docs[d + 1] - docs[d]) for d in range(n)]
+    order = sorted((d for d in range(n) if work[d]), key=lambda d: (-work[d], d))
+    tried: dict = {}
+
+    def busiest(k: int) -> int:
+        if k not in tried:
+            tried[k] = _placed(docs, order, k, size)
+        return max(tried[k][1])
+    k = _split_count([work[d] for d in order], sum(work), size, busiest)
+    busiest(k)
+    return tuple(tried[k][0])
+
+
+def _split_count(works: list, total: int, size: int, busiest) -> int:
+    """How many of the largest documents to zigzag (``works``: the documents' work, largest first;
+    ``busiest(k)``: the busiest rank's work when the first ``k`` are zigzagged)."""
+    fits = lambda load: load * size * BALANCE_SLACK <= total * (BALANCE_SLACK + 1)  # noqa: E731
+    lo = sum(1 for w in works if not fits(w))  # alone above the bound: never whole
+    if fits(busiest(lo)):
+        return lo
+    hi = sum(1 for w in works if w * size * BALANCE_SLACK > total)  # the rest at most mean / SLACK
+    if not fits(busiest(hi)):
+        return min((lo, hi, len(works)), key=lambda k: (busiest(k), k))
+    while hi - lo > 1:  # lo misses the bound, hi meets it
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(busiest(mid)) else (mid, hi)
+    return hi
+
+
+@lru_cache(maxsize=16)
+def _balanced_all(docs: tuple, size: int) -> tuple:
+    """Every rank's ``"balanced"`` segments, in global order."""
+    owners = balanced_owners(docs, size)
+    segs: list = [[] for _ in range(size)]
+    local = [0] * size
+    for d, (a, b) in enumerate(zip(docs[:-1], docs[1:])):
+        c = split_sizes(b - a, 2 * size)
+        g = starts(c)
+        parts = [(owners[d], a, b - a)] if owners[d] >= 0 else \
+            [(r, a + g[i], c[i]) for r in range(size) for i in (r, 2 * size - 1 - r)]
+        for r, glob, n in parts:
+            if n:
+                segs[r].append(Seg(local[r], glob, n))
+                local[r] += n
+    return tuple(tuple(joined(x)) for x in segs)
+
+
+def balanced(docs, size: int, rank: int) -> list[Seg]:
+    """Rank ``rank``'s segments under ``"balanced"`` (documents ``[docs[d], docs[d+1])``).
+
+    Long documents are zigzagged over every rank (chunks ``r`` and ``2P-1-r`` of
+    ``torch.tensor_split(doc, 2P)``); the others stay whole, each on one rank. The documents split are
+    the largest by causal work ``n(n+1)/2`` (ties: the earlier document first), as few as a bisection
+    finds such that the busiest rank's work is at most ``(1 + 1/BALANCE_SLACK)`` times the mean: those
+    alone above that bound always, those of at most ``mean / BALANCE_SLACK`` only where even splitting
+    every larger one misses it. The whole ones are placed largest first onto the rank of least work so
+    far (ties: the lowest rank), after the zigzagged ones' work (longest-processing-time first). Where
+    the bound is out of reach (sequences short next to ``2P``) the busiest rank does no worse than
+    per-document zigzag. A rank's positions are in global order. Pure in ``(docs, size)``.
+    """
+    return list(_balanced_all(tuple(docs), size)[rank])
+
+
 def segments(layout: str, lengths: list[int], rank: int, docs=None) -> list[Seg]:
     """The segments of ``rank`` given every rank's shard length (rank order); ``docs`` (a tuple
-    of document boundaries) makes ``"zigzag"`` per document."""
+    of document boundaries) makes ``"zigzag"`` per document; ``"balanced"`` needs them."""
     if layout == "contiguous":
         return [Seg(0, sum(lengths[:rank]), lengths[rank])]
     p = len(lengths)
+    if layout == "balanced":
+        return balanced(docs, p, rank)
     if docs is not None:
         return doc_zigzag(docs, p, rank)
     c = split_sizes(sum(lengths), 2 * p)
@@ -99,8 +203,22 @@ def segments(layout: str, lengths: list[int], rank: int, docs=None) -> list[Seg]
 
 def zigzag_mismatch(lengths: list[int], docs=None) -> list[int]:
     """Ranks whose length is not what a zigzag split of ``sum(lengths)`` gives them."""
-    want = shard_lengths(sum(lengths), len(lengths), "zigzag", docs)
+    return layout_mismatch("zigzag", lengths, docs)
+
+
+def layout_mismatch(layout: str, lengths: list[int], docs=None) -> list[int]:
+    """Ranks whose length is not what ``layout`` gives them of ``sum(lengths)`` (contiguous: none)."""
+    if layout == "contiguous":
+        return []
+    want = shard_lengths(sum(lengths), len(lengths), layout, docs)
     return [r for r, (n, w) in enumerate(zip(lengths, want)) if n != w]
+
+
+def split_name(layout: str, docs) -> str:
+    """What ``layout`` makes of a sequence, for the message of a shard length that is not it."""
+    if layout == "balanced":
+        return "the balanced placement of the documents of cu_seqlens"
+    return "a per-document zigzag split of cu_seqlens" if docs is not None else "a zigzag split"
 
 
 def global_pieces(layout: str, lengths: list[int], docs=None) -> list[tuple[int, int, int]]:

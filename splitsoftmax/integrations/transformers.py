@@ -26,6 +26,7 @@ custom mask patterns, padding with holes) raises ``ValueError``; nothing silentl
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -160,10 +161,11 @@ def _variants(vis: Visibility, sliding_window, softcap, s_aux, where: str) -> di
 def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
                       scaling: Optional[float] = None, is_causal: Optional[bool] = None, sliding_window=None,
                       softcap: Optional[float] = None, s_aux: Optional[Tensor] = None, *,
-                      sequence_parallel: Optional[bool] = None, **kwargs) -> tuple:
+                      sequence_parallel: Optional[bool] = None, schedule: str = "ring", **kwargs) -> tuple:
     """transformers attention function: ``query (B, H, Sq, D)``, ``key/value (B, Hkv, Sk, D)``
     -> ``(out (B, Sq, H, Dv), None)``. GQA by ``H % Hkv``, ``scaling`` as the score scale.
-    ``sequence_parallel``: None as :func:`register` set ``"splitsoftmax"``."""
+    ``sequence_parallel``: None as :func:`register` set ``"splitsoftmax"``; ``schedule``: that of
+    ``ss.sharded_attention`` when sequence-parallel (:func:`_schedule_implementation`)."""
     sharded = _sharded(sequence_parallel)
     layer = getattr(module, "layer_idx", None)
     where = f" (layer {layer})" if layer is not None else ""
@@ -176,7 +178,7 @@ def attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attenti
             _refuse_everywhere(_CONFIG["group"], "sharded_attention", e)
         raise
     if sharded:
-        out = _sharded_forward(module, query, key, value, vis, kw, kwargs, where)
+        out = _sharded_forward(module, query, key, value, vis, dict(kw, schedule=schedule), kwargs, where)
     else:
         out = _local_forward(module, query, key, value, vis, kw, kwargs, where)
     return out.transpose(1, 2).contiguous(), None
@@ -186,6 +188,20 @@ def sharded_attention_forward(module, query: Tensor, key: Tensor, value: Tensor,
     """``attn_implementation="splitsoftmax_sp"``: :func:`attention_forward`, sequence-parallel over
     the group given to :func:`register` whatever its ``sequence_parallel``."""
     return attention_forward(module, query, key, value, attention_mask, sequence_parallel=True, **kwargs)
+
+
+def _schedule_implementation(schedule: str) -> str:
+    """Register and return an ``attn_implementation`` name whose layers are sequence-parallel, as
+    ``"splitsoftmax_sp"``, with ``ss.sharded_attention``'s ``schedule`` (``"splitsoftmax_sp"`` runs
+    ``"ring"``); ``python -m splitsoftmax verify --model`` runs a model under each schedule so."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+
+    from ..core.checks import SCHEDULES, choice
+    choice("schedule", schedule, tuple(s for s in SCHEDULES if s != "tree"))
+    name = f"{SP_NAME}_{schedule.replace('+', '_')}"
+    AttentionInterface.register(name, functools.partial(attention_forward, sequence_parallel=True, schedule=schedule))
+    AttentionMaskInterface.register(name, build)
+    return name
 
 
 def _flatten(t: Tensor) -> Tensor:

@@ -1,4 +1,4 @@
-"""``python -m splitsoftmax <trace|verify|bench|env|warmup>`` (also the ``splitsoftmax`` script)."""
+"""``python -m splitsoftmax <trace|verify|bench|env|warmup|plan|simulate|calibrate>`` (also the ``splitsoftmax`` script)."""
 from __future__ import annotations
 
 import argparse
@@ -22,10 +22,15 @@ CUDA_BENCHES = ("softmax", "attention", "cross_entropy", "host", "model", "vocab
 HELP = {
     "trace": "the online-softmax state trace of a small row, against a two-pass softmax and the wrong "
              "no-rescale variant (no options)",
-    "verify": "every sharded op, forward and backward, against one device (see verify --help)",
+    "verify": "every sharded op, forward and backward, against one device; --model CONFIG: a transformers model "
+              "sequence-parallel under every schedule against one rank (see verify --help)",
     "bench": "benchmarks against the peers: bench {" + ",".join(BENCHES) + "} --help",
     "env": "versions, devices, backends, launchers and settings (no options)",
     "warmup": "compile the attention kernels of every length bucket ahead (see warmup --help)",
+    "plan": "rank every schedule and mesh shape for one attention layer by predicted time (see plan --help)",
+    "simulate": "predicted time and efficiency of each schedule from 8 to 4096 GPUs, CSV/JSON and a plot "
+                "(see simulate --help)",
+    "calibrate": "measure a profile (kernel and link rates) on the launched ranks (see calibrate --help)",
 }
 
 
@@ -83,9 +88,27 @@ def _warmup(args: Sequence[str]) -> int:
     return main(list(args))
 
 
+def _plan(args: Sequence[str]) -> int:
+    from .plan import plan_main
+    return plan_main(list(args))
+
+
+def _simulate(args: Sequence[str]) -> int:
+    from .plan import simulate_main
+    return simulate_main(list(args))
+
+
+def _calibrate(args: Sequence[str]) -> int:
+    from .calibrate import main
+    return main(list(args))
+
+
 def _verify(args: Sequence[str]) -> int:
     from .verify.run import main
     return main(list(args))
+
+
+COMMANDS = {"plan": _plan, "simulate": _simulate, "calibrate": _calibrate}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -93,7 +116,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      "over rows split across tiles, GPUs and nodes",
                                      epilog="\n".join(f"{k}: {v}" for k, v in HELP.items()),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=("trace", "verify", "bench", "env", "warmup"))
+    parser.add_argument("command", choices=("trace", "verify", "bench", "env", "warmup", "plan", "simulate", "calibrate"))
     _rest(parser, "arguments of the command (see <command> --help)")
     ns = parser.parse_args(argv)
     if ns.command == "trace":
@@ -104,4 +127,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _bench(ns.args)
     if ns.command == "warmup":
         return _warmup(ns.args)
+    if ns.command in COMMANDS:
+        return COMMANDS[ns.command](ns.args)
     return _verify(ns.args)

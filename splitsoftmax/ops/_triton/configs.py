@@ -1,4 +1,10 @@
-"""Every tile size and launch configuration, as data in one place."""
+"""Every tile size and launch configuration, as data in one place.
+
+Each setting carries a one-line reason and the run that set it: a run id (``F11``, ``R1``) is one of
+the runs tables of ``docs/benchmarks/<area>.md``, a commit (``c2ca8a7``) an entry of an area's earlier
+history there; "not timed" where no run chose it. The measurements themselves are in those files and,
+as this module's comments carried them, in ``docs/benchmarks/settings.md``.
+"""
 
 try:
     from triton import __version__ as _triton
@@ -8,7 +14,8 @@ except ImportError:  # a Linux-only dependency: the torch path runs without it
 # The Triton in use, (major, minor): a few settings below depend on what its compiler makes of a kernel.
 TRITON_VERSION = tuple(int(n) for n in _triton.split(".")[:2])
 
-# Torch (CPU) path: columns per block of a softmax row, keys per block of attention.
+# Torch (CPU) path: columns per block of a softmax row, keys per block of attention (a correctness
+# path: not timed).
 CPU_BLOCK_COLS = 8192
 CPU_BLOCK_KEYS = 256
 
@@ -18,153 +25,114 @@ CPU_BLOCK_KEYS = 256
 # else ATTN_TILE_DEFAULT. Chosen from sm_90 ptxas reports (registers, no spills) and timings.
 ATTN_TILES = {
     # forward over many queries (prefill, ring steps)
-    ("fwd", 2, 64): (128, 64, 4, 3),
-    ("fwd", 2, 128): (128, 128, 8, 3),   # H200 sweep: 504/474 TFLOP/s at S=8k full/causal
+    ("fwd", 2, 64): (128, 64, 4, 3),     # not timed
+    ("fwd", 2, 128): (128, 128, 8, 3),   # the fastest of an H200 sweep at S=8k (4dcf985, attention-forward)
     # ... or, on sm_90 (ATTN_FWD_GLUON), the Gluon kernel's: each consumer's (BLOCK_M, BLOCK_N, 4, STAGES
-    # buffers each of K and V). H200, TFLOP/s at 8k full / 32k full / 8k causal: 64x128 s2 611 / 640 /
-    # 548, 64x64 s4 537 / 557 / 515 (launch/probes/attention_fwd_gluon.py); 3 buffers since the
-    # consumers' guarded copies left shared memory: 2k causal 458 against 442, 16 documents of 2k 439
-    # against 425 (BENCHMARKS.md, "The forward in Gluon", F11)
+    # buffers each of K and V); 64-key tiles lose at every length (F16), 3 buffers beat 2 once they fit (F11)
     ("fwd_gluon", 2, 128): (64, 128, 4, 3),
-    ("fwd", 2, 256): (64, 64, 8, 2),
-    ("fwd", 4, 64): (16, 32, 4, 2),
-    ("fwd", 4, 256): (16, 16, 4, 2),     # float32 runs exact (no tf32) FMA products: small tiles
-    # causal forward over at most ATTN_SHORT_CAUSAL_SQ queries: short programs, a diagonal tile
-    # in each (H200, S=1k / 2k causal: 304 / 359 TFLOP/s; the 128x128 tile: 258 / 348)
+    ("fwd", 2, 256): (64, 64, 8, 2),     # not timed
+    ("fwd", 4, 64): (16, 32, 4, 2),      # not timed
+    ("fwd", 4, 256): (16, 16, 4, 2),     # float32 runs exact (no tf32) FMA products: small tiles (not timed)
+    # causal forward over at most ATTN_SHORT_CAUSAL_SQ queries: short programs, a diagonal tile in each;
+    # faster than 128x128 at 1k and 2k (c2ca8a7, attention-forward), kept when swept again (F18)
     ("fwd_causal_short", 2, 128): (64, 64, 4, 3),
     # decode: few query rows (GQA heads packed into BLOCK_M), long key streams
-    ("decode", 2, 128): (16, 64, 4, 4),   # 4483 GB/s at 1M keys (BLOCK_N 128: 4467)
-    ("decode", 2, 256): (16, 64, 4, 3),
-    ("decode", 4, 256): (16, 16, 4, 2),
+    ("decode", 2, 128): (16, 64, 4, 4),   # the best decode tile of the sweeps (27e894a, f65ce63; decode-merge)
+    ("decode", 2, 256): (16, 64, 4, 3),   # not timed
+    ("decode", 4, 256): (16, 16, 4, 2),   # not timed
     # backward: dK/dV programs hold a key block and walk query blocks ...
-    ("bwd_kv", 2, 64): (32, 128, 8, 3),
-    # H200, fwd+bwd TFLOP/s at S=1k/8k full: 299/376 (32x128 w8: 267/339). sm_90 ptxas (Triton 3.6,
-    # D=128, causal): 4 bytes of spills at G=1, 36 at G=4 (with the (head, block) loops nested: 16 / 500)
+    ("bwd_kv", 2, 64): (32, 128, 8, 3),   # not timed
+    # faster than 32x128 w8 at S=1k and 8k, few spills on sm_90 (run not recorded: settings.md)
     ("bwd_kv", 2, 128): (32, 64, 4, 3),
-    ("bwd_kv", 2, 256): (16, 64, 8, 2),
+    ("bwd_kv", 2, 256): (16, 64, 8, 2),   # not timed
     # ... or, on sm_90 (ATTN_BWD_GLUON), the warp-specialized Gluon kernel's (BLOCK_M, BLOCK_N,
-    # num_warps of each of its three warpgroups, STAGES). H200, its TFLOP/s at 1 x 16/4 x 8k causal views
-    # / 4 x 16/4 x 2k / 1 x 32/8 x 8k / 4 x 16 x 8k full: 64x64 3 buffers 511-513 / 446-448 / 504-507 /
-    # 519, 4 buffers 513 / 455 / 481 / 524, 2 buffers 463 / 411 / 446 / 506, 32x64 3 buffers 417 / 371 /
-    # 414 / 460; the one-warpgroup Gluon kernel before it (32x64, 2 buffers) 427 / 376 / 425 / 489
-    # (BENCHMARKS.md, "Attention backward", W4, W5; launch/probes/attention_bwd_gluon.py times them now)
+    # num_warps of each of its three warpgroups, STAGES): 64x64 with 3 buffers the fastest (W4, W5)
     ("bwd_kv_ws", 2, 128): (64, 64, 4, 3),
-    ("bwd_kv", 4, 256): (16, 16, 4, 2),
-    # ... and dQ programs hold a query block and walk key blocks (the deterministic backward)
+    ("bwd_kv", 4, 256): (16, 16, 4, 2),   # not timed
+    # ... and dQ programs hold a query block and walk key blocks (the deterministic backward); no other
+    # tile faster, 128x128 does not fit in shared memory (T1, T2)
     ("bwd_q", 2, 128): (128, 64, 8, 4),
-    # ... or, on sm_90 (ATTN_BWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES). H200,
-    # its TFLOP/s at 1 x 16/4 x 8k causal / 4 x 16/4 x 2k causal / 4 x 16 x 8k full: 128x64 w8 3 buffers
-    # 647 / 514 / 638, 2 buffers 528 / 422 / 576, 64x64 w4 567 / 501 / 596; the Triton kernel 636 / 487 / 630
+    # ... or, on sm_90 (ATTN_BWD_GLUON), the Gluon kernel's (BLOCK_M, BLOCK_N, num_warps, STAGES):
+    # 3 buffers beat 2 and 64x64 (G2)
     ("bwd_q_gluon", 2, 128): (128, 64, 8, 3),
     # ... or, where the dK/dV kernel writes dS (ATTN_BWD_DS), the kernel reading it: (BLOCK_M, num_warps,
-    # num_stages[, maxnreg]); its key blocks are the dK/dV kernel's. 128 registers per thread (sm_90
-    # ptxas: 164 unbounded; at 128 a few bytes of spills, 80-136 with every variant's mask at once) let
-    # two programs share an SM (98 KB of shared memory each). H200, its device time at 1k / 2k causal
-    # (B * S = 32k, H=16) / 16 documents of 2k: 315 / 469 / 565 us unbounded, 236 / 349 / 447 at 128;
-    # 128x8x4, 64x4x4, 64x4x3 (at 128) no faster (BENCHMARKS.md, "Attention backward", R1)
-    # Triton 3.7 and 3.8 take 64x8x3: at 128x8x3 sm_90 ptxas spills 8 bytes with a plain mask, 94 / 212 with
-    # every variant's mask (3.7 / 3.8); 64x8x3 none (untimed)
+    # num_stages[, maxnreg]); its key blocks are the dK/dV kernel's. 128 registers per thread let two
+    # programs share an SM (R1, attention-backward); Triton 3.7 and 3.8 take 64x8x3, where 128x8x3
+    # spills on sm_90 (ptxas counts, not timed)
     ("bwd_q_ds", 2, 128): (64, 8, 3, 128) if TRITON_VERSION in ((3, 7), (3, 8)) else (128, 8, 3, 128),
-    ("bwd_q", 2, 256): (64, 32, 8, 2),
-    ("bwd_q", 4, 64): (32, 32, 4, 2),
-    ("bwd_q", 4, 256): (16, 16, 4, 2),
+    ("bwd_q", 2, 256): (64, 32, 8, 2),    # not timed
+    ("bwd_q", 4, 64): (32, 32, 4, 2),     # not timed
+    ("bwd_q", 4, 256): (16, 16, 4, 2),    # not timed
     # the five-product backward: a key block (BLOCK_N) and its dK/dV in registers walks query blocks
-    # (BLOCK_M), adding their dQ into a float32 buffer through TMA reductions. sm_90 ptxas (Triton
-    # 3.6, D=128, causal): 32x128 w8 s2 28 bytes of spills without the Q/dO guard, 332 with it;
-    # 64x128 w8 s2 288 / 548; 32x64 w4 s2 12 / 412. H200, backward ms at B=4 H=16 S=8k causal /
-    # B=1 H=16/4 S=8k causal: 32x128 w8 s2 guard 11.16 / 2.72, no guard 11.17 / 2.54; 64x128 w8 s2
-    # no guard 10.12 / 2.39; 32x128 w8 s3 no guard 9.73 / 2.58 (launch/probes/attn_bwd_paths.py,
-    # with programs ordered heads first; the key blocks of a head are side by side since).
+    # (BLOCK_M), adding their dQ into a float32 buffer through TMA reductions; the fastest of the tiles
+    # timed at B=4 H=16 8k causal (attn_bwd_paths.py sweep, run not recorded: settings.md)
     ("bwd", 2, 64): (32, 128, 8, 3),
     ("bwd", 2, 128): (32, 128, 8, 3),
 }
 ATTN_TILE_DEFAULT = (16, 16, 4, 2)
-# The five-product backward (dQ added through TMA reductions; never under deterministic algorithms).
-# Off: on one H200 (Triton 3.6, 2026-12-01) it took 9.78 ms where the atomic-free pair took 9.45 (and
-# the pair before this module 7.98) at B=4 H=16 S=8k D=128 causal, 5.39 / 4.36 / 4.55 at B=1 H=32/8 8k
-# causal, 2.58 / 2.19 / 2.65 at B=1 H=16/4 8k causal (launch/probes/attn_bwd_paths.py; programs then
-# ordered heads first, which spread the concurrent programs over heads: the key blocks of one head
-# are side by side since). Timed again under ATTN_ORDER_WAVES: forward+backward 323 against the
-# plain pair's 395 TFLOP/s at B=1 H=16/4 8k causal, 176 against 255 at B=4 2k
-# (launch/probes/attention_bwd_atomic.py). It runs for head dims up to ATTN_BWD_ATOMIC_MAX_DIM (its
-# dK/dV accumulators stay in registers).
+# The five-product backward (dQ added through TMA reductions; never under deterministic algorithms):
+# off, slower than the atomic-free pair at every shape timed (B2, X1). It runs for head dims up to
+# ATTN_BWD_ATOMIC_MAX_DIM (its dK/dV accumulators stay in registers).
 ATTN_BWD_ATOMIC = False
 ATTN_BWD_ATOMIC_MAX_DIM = 128
 # ... and both backwards split a key block's work across programs (query heads, then query range)
 # while fewer than this many dK/dV programs per SM would run, each range piece at least this many
-# query blocks long.
+# query blocks long (not timed).
 ATTN_BWD_PROGRAMS_PER_SM = 2
 ATTN_BWD_SPLIT_MIN_BLOCKS = 4
 # The dK/dV kernel's masked tiles keep a NaN/Inf in a row of Q or dO from the keys that row does not
-# see (torch's own attention lets it through: 0 * NaN); it costs registers there (the five-product
-# kernel: 332 bytes of spills against 28 at 32x128; H200 at B=1 H=16/4 8k causal 2.72 ms against 2.54).
+# see (torch's own attention lets it through: 0 * NaN): the contract, whatever its registers cost (run
+# not recorded: settings.md).
 ATTN_BWD_GUARD = True
-# The plain backward pair (ops/attention/bwd_plain.py) reads the tiles it streams (Q and dO in
-# the dK/dV kernel, K and V in the dQ kernel) through TMA descriptors where it can; the results are
-# the pointer path's bit for bit. H200, forward+backward TFLOP/s at B=1 H=16/4 S=8k causal, (B, S, H, D)
-# views: 298 with pointer loads, 302 / 307 with TMA in the dK/dV kernel / both (one call, 2026-12-01).
+# The plain backward pair (ops/attention/bwd_plain.py) reads the tiles it streams (Q and dO in the
+# dK/dV kernel, K and V in the dQ kernel) through TMA descriptors where it can, the pointer path's
+# results bit for bit and faster (T1, T2).
 ATTN_BWD_TMA = True
 # On sm_90 the plain pair's launches, and the variants' masks in bfloat16, are the Gluon kernels, which
-# overlap their products, where ATTN_TILES lists a "bwd_kv_ws" / "bwd_q_gluon" tile for the head
-# dim: the warp-specialized dK/dV kernel (ops/attention/gluon/bwd_kv.py; H200, 1.14-1.28x the Triton
-# one's speed) and the dQ kernel (ops/attention/gluon/bwd.py; 1.01-1.06x). ss.attention
-# forward+backward TFLOP/s at 1 x 16/4 x 8k causal views: 427-431 against 385-390 with the
-# one-warpgroup Gluon dK/dV kernel before it and 375 with both Triton kernels (BENCHMARKS.md,
-# "Attention backward", G2, W4).
+# overlap their products, where ATTN_TILES lists a "bwd_kv_ws" / "bwd_q_gluon" tile for the head dim:
+# the warp-specialized dK/dV kernel (ops/attention/gluon/bwd_kv.py) and the dQ kernel
+# (ops/attention/gluon/bwd.py), faster than the Triton pair (G1, G2, W4).
 ATTN_BWD_GLUON = True
 # ... the dK/dV kernel's register limit per thread: four warpgroups' worth (its producer warp takes a
 # warpgroup's place) within an SM's 64K registers, which it moves between them (setmaxnreg)
 ATTN_BWD_KV_WS_MAXNREG = 128
-# The Gluon dK/dV kernel writes each tile's dS^T (bfloat16, from the buffer it hands to its gradient
-# warpgroup) and the dQ kernel reads it: one product per tile pair in place of three (S, dP, dQ),
-# for a buffer of B * H * Sk * Sq * 2 bytes held during the backward (each key block's visited query
-# rows: fewer than Sq under a causal window or causal documents whose length the host knows), up to this
-# many bytes: past it the backward runs in pieces of batch elements, kv heads or a kv head's query
-# heads whose buffers fit, each piece's dK/dV grid at least this many waves; where none fits, the dQ
-# kernel recomputes dS.
+# The Gluon dK/dV kernel writes each tile's dS^T (bfloat16) and the dQ kernel reads it: one product per
+# tile pair in place of three (D1, D2), for a buffer of B * H * Sk * Sq * 2 bytes held during the
+# backward (fewer rows under a causal window or causal documents), up to ATTN_BWD_DS_MAX_BYTES: past
+# it the backward runs in pieces of batch elements, kv heads or a kv head's query heads that fit, each
+# piece's dK/dV grid at least ATTN_BWD_DS_MIN_WAVES waves (D6, QP2); where none fits, the dQ kernel
+# recomputes dS.
 ATTN_BWD_DS = True
 ATTN_BWD_DS_MAX_BYTES = 2 << 30
 ATTN_BWD_DS_MIN_WAVES = 3
 # The plain forward (causal or full, bf16, one split written directly) in Gluon on sm_90
-# (ops/attention/gluon/fwd.py): two consumer warpgroups each take a key block's softmax while
-# the tensor cores run the next block's scores and the last block's values, one producer warp
-# streams Q, K, V. The same loop without warp specialization (one program's warps in step, a barrier
-# per key block; a156112 and before) was slower than the Triton kernel at every shape but one on one
-# H200: 0.77-0.94x at 128x128 (8 warps), 0.88-1.07x at 64x64 (BENCHMARKS.md, "Attention", F1-F3) ...
+# (ops/attention/gluon/fwd.py): two consumer warpgroups each take a key block's softmax while the
+# tensor cores run the next block's scores and the last block's values, one producer warp streams
+# Q, K, V; without warp specialization the same loop lost to the Triton kernel (F1-F4) ...
 ATTN_FWD_GLUON = True
 # ... under this register limit per thread: 12 warps' worth within an SM's 64K registers, which the
 # kernel moves between its warpgroups (setmaxnreg) ...
 ATTN_FWD_GLUON_MAXNREG = 168
 # ... where each partition reads its int32 scalars (output strides, Sk, diag) where it uses them
-# (attention_fwd_gluon._own), by the Triton version's (major, minor): Triton 3.7 and 3.8 compute what
-# comes of them (widened strides, diag + 1) before the warp-specialize split, where sm_90 ptxas spills
-# it (causal / full, bytes: 3.7 24 / 4 -> 4 / 0, 3.8 20 / 20 -> 0 / 0); 3.6 and 3.9 keep them in
-# registers as written (every timing was taken on 3.6).
+# (attention_fwd_gluon._own), by the Triton version's (major, minor): Triton 3.7 and 3.8 otherwise
+# spill them on sm_90 (ptxas counts, not timed; every timing was taken on 3.6).
 ATTN_FWD_GLUON_OWN_SCALARS = TRITON_VERSION in ((3, 7), (3, 8))
 # ... from this many queries on, (full, causal): shorter rows keep the Triton kernel (and its short
-# causal tile). H200, forward TFLOP/s, Triton kernel -> warp-specialized Gluon (BENCHMARKS.md,
-# "Attention", F4): full 476 -> 489 at 1k, 522 -> 552 at 2k, 553 -> 602 at 4k, 584 -> 649 at 32k;
-# causal 369 -> 265 at 1k, 415 -> 384 at 2k, 479 -> 491 at 4k, 571 -> 628 at 32k; since the masked
-# blocks' NaN/Inf check runs beside the score product (F9), causal 371 -> 341 at 1k, 416 -> 442 at 2k;
-# with each tile's Q released early (F12), causal at 1k 353-371 -> 353-370 in the same processes
+# causal tile), faster there (F4; causal from 2048 since F9; at 1k causal a tie, F16)
 ATTN_FWD_GLUON_MIN_SQ = (1024, 2048)
 # ... and launched persistent: one program per SM, each taking the next tile from a counter and
-# streaming its Q, K and V while it finishes the last (False: one program per tile). H200, TFLOP/s,
-# one program per tile -> persistent: causal 1k 221 -> 252, 32k 627 -> 647, 1 x 8k GQA 16/4 560 -> 583;
-# full 1k 466 -> 495 (BENCHMARKS.md, "Attention", F5)
+# streaming its Q, K and V while it finishes the last (False: one program per tile) (F5, F6)
 ATTN_FWD_GLUON_PERSISTENT = True
 # ... and with the variants' masks (a window, kv_range, q_offset, documents, softcap) as well as the
 # plain one: each tile walks the key blocks its rows see, those every row sees whole first, unmasked
+# (K2, K3, V5)
 ATTN_FWD_GLUON_VARIANTS = True
 # ... and for a ring step's forward (``attn_fwd_acc``): each tile's rows merged into the running
-# float32 state as they are stored (its ``ACC``), as the Triton kernel's are. H200, the ring's forward
-# at one rank, 32k causal, ms, Triton -> Gluon merge: plain 16.36 -> 13.84-14.23, 16 documents 2.59 ->
-# 1.98-2.05, window 4096 4.99 -> 4.01-4.07 (BENCHMARKS.md, "Ring attention across GPUs", R6)
+# float32 state as they are stored (its ``ACC``), as the Triton kernel's are (R5, R6, ring)
 ATTN_FWD_GLUON_ACC = True
-ATTN_SHORT_CAUSAL_SQ = 2048
+ATTN_SHORT_CAUSAL_SQ = 2048  # the causal length up to which the short tile runs (c2ca8a7)
 # The forward reads Q/K/V tiles through TMA descriptors where it can (2-byte inputs, unpadded head
-# dims, 16-byte strides, Hopper on), rows not packed. H200, one call, TFLOP/s at S=1k/2k/4k causal,
-# pointer loads -> TMA: 312 -> 334 / 360 -> 398 / 414 -> 415 (launch/probes/attention_causal_forward.py tma).
+# dims, 16-byte strides, Hopper on), rows not packed: faster at short causal rows (0342777 / b3ef55a).
 ATTN_TMA = True
 # ... and, where the forward writes its output directly (not merging in place, one key split), it
 # stores the output tile through a descriptor too ...
@@ -173,41 +141,38 @@ ATTN_TMA_STORE = True
 # multiples of the tile), the descriptors are (B * H * S, D) row views instead of (B, H, S, D).
 ATTN_TMA_ROWS = True
 # Softcapped scores (16-bit inputs on NVIDIA GPUs) take tanh from the special-function unit's
-# tanh.approx.f32 (one op, about 2^-11 relative error) instead of exp2 and a division (two).
+# tanh.approx.f32 (one op, about 2^-11 relative error) instead of exp2 and a division (two); not timed.
 ATTN_SOFTCAP_APPROX = True
 # Under TRITON_INTERPRET=1 small tiles, so tiny test shapes still cross several tiles.
 ATTN_TILE_INTERPRET = (16, 16, 4, 1)
-# Split-KV: split the keys when fewer programs than this many per SM would run (H200 sweep at
-# 1M keys: 1 -> 3252 GB/s, 2 -> 4467, 4 -> 4254, 8 -> 4039) ...
+# Split-KV: split the keys when fewer programs than this many per SM would run, the best of 1-8
+# (27e894a, bb4b890; decode-merge) ...
 ATTN_SPLIT_PROGRAMS_PER_SM = 2
 # ... and give each split at least this many key tiles.
 ATTN_SPLIT_MIN_TILES = 4
-# Decode splits of at most this many key tiles pipeline at most this many stages (H200, graph
-# replay, GQA 32/8: 128k keys, 63 tiles per split: 3 stages 0.5% faster than 4 in two calls; 1M
-# keys, 504 tiles: 4 stages 0.2% faster; batch 4 at 128k, 256 tiles: equal).
+# Decode splits of at most this many key tiles pipeline at most this many stages: 3 beat 4 at 128k
+# keys (5386fb8, decode-merge).
 ATTN_SHORT_SPLIT_TILES = 128
 ATTN_SHORT_SPLIT_STAGES = 3
 # Launch order of the causal attention kernels (forward, both backward passes): heads in groups,
 # within a group the row (key) blocks major and the heads minor, so that the longest programs of
 # the group's heads start first, in one wave; a group holds the fewest heads whose blocks fill
 # this many waves (0: the grid's own order, the blocks of one head side by side, which non-causal
-# grids keep: their programs are all alike and share the head's rows in L2) ...
+# grids keep: their programs are all alike and share the head's rows in L2) (O1-O3) ...
 ATTN_ORDER_WAVES = 4
 # ... where the grid fills fewer than this many waves (a longer grid's tail is short already and
-# keeps its blocks side by side). H200, forward / forward+backward TFLOP/s, grid order -> groups:
-# 1 x 16/4 x 8k causal 517 -> 559 / 304 -> 384, 4 x 16/4 x 2k 402 -> 436 / 245 -> 312, 1 x 32/8 x
-# 8k 549 -> 539 / 350 -> 382 (launch/probes/attention_order.py; BENCHMARKS.md, "Attention backward").
+# keeps its blocks side by side) (O2, O3).
 ATTN_ORDER_MAX_WAVES = 16
 # SM count assumed under the interpreter (no device to ask), so tests reach the split path.
 ATTN_INTERPRET_SMS = 4
-# Queries per head at or under which GQA heads are packed into one program's rows.
+# Queries per head at or under which GQA heads are packed into one program's rows (not timed).
 ATTN_PACK_MAX_SQ = 16
-# Fused merge: rows per program, head-dim columns per program, num_warps.
+# Fused merge: rows per program, head-dim columns per program, num_warps (not timed against others).
 MERGE_TILE = (32, 128, 4)
 MERGE_TILE_INTERPRET = (8, 16, 1)
 # ... and when that tiling gives fewer programs than this per SM (decode's tens of rows), one
 # program per row loads every part at once, if the parts x columns tile has at most this many
-# elements (H200, 128k-key decode: 33 partials x 32 rows merged in 23.5 us by the row-tiled kernel)
+# elements (c2ca8a7, decode-merge)
 MERGE_PARTS_PROGRAMS_PER_SM = 2
 MERGE_PARTS_MAX_ELEMS = 8192
 # ... holding the parts in a tile of next_pow2(N) rows, at least this many (masked parts merge as
@@ -215,10 +180,10 @@ MERGE_PARTS_MAX_ELEMS = 8192
 MERGE_PARTS_MIN_BLOCK = 16
 # On Hopper and later the merge kernel is launched with programmatic dependent launch: it may start
 # while the kernel before it (the split-KV forward, say) finishes, and waits on the GPU for its
-# results (griddepcontrol.wait) instead of the launch waiting on the stream.
+# results (griddepcontrol.wait) instead of the launch waiting on the stream (a43472e, decode-merge).
 MERGE_PDL = True
 # ... and the split-KV forward lets it start as soon as every split program is running
-# (griddepcontrol.launch_dependents), not when the last one ends.
+# (griddepcontrol.launch_dependents), not when the last one ends (f65ce63, decode-merge).
 ATTN_SPLIT_TRIGGER = True
 # Check each launch that `ops._triton.launch.Launcher` takes from its cache against the kernel Triton's
 # own lookup picks (costs that lookup again; the GPU tests turn it on).
@@ -242,8 +207,7 @@ class SoftmaxConfig:
     one_pass_tile_elems: int = 4096   # short rows are batched until a tile holds this many elements
     loop_tile_bytes: int = 16384      # one tile of the looped passes (4096 fp32, 8192 bf16)
     elems_per_warp: int = 512         # one-pass tiles: num_warps = tile elements / this, in [1, max_warps]
-    loop_elems_per_warp: int = 2048   # looped tiles likewise (H200, 512x262144 bf16 logsumexp with 8192-wide
-                                      # tiles: 4 warps 3478-3503 GB/s, 8 warps 3398-3421, 16 warps slower)
+    loop_elems_per_warp: int = 2048   # looped tiles likewise: 4 warps per 8192-wide bf16 tile beat 8 (604d71c)
     loop_stages: int = 3              # loop tiles in flight (tl.range num_stages)
     max_warps: int = 16
     split_rows_per_sm: float = 1.0    # long rows are split across programs when R < SMs * this
@@ -255,11 +219,8 @@ class SoftmaxConfig:
     coop_max_chunks: int = 64         # rows of more chunks than this (or than resident programs) take
                                       # the two-pass or split path
     coop_programs_per_sm: float = 1   # coop grid: this many programs per SM, all resident, each walking rows
-    coop_min_elem_bytes: int = 2      # narrower inputs take coop only where the split path would run (H200,
-                                      # one call, coop against two-pass, softmax GB/s: bf16 512x262144 2562
-                                      # against 2497, 2048x65536 2708 against 2636; fp32 256x131072 3305
-                                      # against 2317. bf16 log_softmax: 2969 / 2986 in that call, 2517 / 2666
-                                      # in a later one, about the two-pass path's)
+    coop_min_elem_bytes: int = 2      # narrower inputs take coop only where the split path would run: 2-byte
+                                      # rows beat the two-pass path on coop at any row count (df1b05d / d9f527d)
     coop_spin: int = 100000           # polls a coop program waits for its siblings' states before it
                                       # computes the row's state from the input itself
     sm_count: Optional[int] = None    # None: read off the device (INTERPRET_SMS on the CPU)
@@ -355,8 +316,7 @@ def softmax_plan(rows: int, cols: int, elem_bytes: int, sms: int, cfg: SoftmaxCo
 # --- cross-entropy --------------------------------------------------------------------------
 # (BLOCK_V, num_warps, stages) of the forward and backward passes (stages: tiles in flight in the
 # forward's loop, Triton's num_stages of the backward launch); small tiles under the interpreter.
-# H200 probe on 8192 x 131072 bf16: the statistics pass at 8192 x 8 warps x 3 stages read 4467 GB/s
-# (2048 x 4: 4225); the gradient pass at 4096 x 16 wrote 4000 GB/s (read + write).
+# The fastest of the tiles timed (8529093, cross-entropy; C1).
 CE_FWD_TILE = (8192, 8, 3)
 CE_BWD_TILE = (4096, 16, 3)
 CE_TILE_INTERPRET = (16, 1, 1)
@@ -372,9 +332,9 @@ ATTN_PREP_TILE_ELEMS = 4096
 # (widest BLOCK_V, elements per tile, num_warps, stages): a tile is [BLOCK_R, BLOCK_V] with
 # BLOCK_V = min(widest, next power of 2 >= V) and BLOCK_R rows filling the elements (short rows
 # batch several per program). The forward reads (stages: tiles in flight in its loop), the
-# backward reads and writes (stages: Triton's num_stages). Chosen from the cross-entropy passes'
-# H200 probe (same access pattern: 8192 x 8 warps x 3 stages read 4467 GB/s; 4096 x 16 warps wrote
-# 4000 GB/s read + write); the KL passes hold two input tiles.
+# backward reads and writes (stages: Triton's num_stages). Taken from the cross-entropy passes' tiles
+# (the same access pattern: 8529093, cross-entropy), not timed on their own; the KL passes hold two
+# input tiles.
 VOCAB_FWD_TILE = (8192, 8192, 8, 3)
 VOCAB_BWD_TILE = (4096, 4096, 16, 3)
 VOCAB_KL_FWD_TILE = (4096, 4096, 8, 3)
@@ -401,10 +361,9 @@ SAMPLE_GROUP = 16
 SAMPLE_GROUP_INTERPRET = 2
 # at most this many partial records per row (splits * records) for the merge
 SAMPLE_MERGE_MAX = 2048
-# columns per tile of the mass and refinement passes and of the draw (8 warps each; sm_90 ptxas:
-# mass 128 registers at 2048, the draw 102 at 1024 and 232 at 2048, no spills); programs per SM a
-# row is spread over (a batch of one row then runs on every SM); the SM count assumed under the
-# interpreter
+# columns per tile of the mass and refinement passes and of the draw (8 warps each; the widest
+# without spills on sm_90, ptxas counts: settings.md); programs per SM a row is spread over (a batch
+# of one row then runs on every SM); the SM count assumed under the interpreter (not timed)
 SAMPLE_TILE = 2048
 SAMPLE_DRAW_TILE = 1024
 SAMPLE_TILE_INTERPRET = 16

@@ -4,7 +4,7 @@
 integer's type, divisibility by 16 or being 1; each pointer's dtype and 16-byte alignment; the
 constexprs), looks the compiled kernel up and launches it. On the H200 hosts that is 43 us of host
 time for the split-KV forward's 49 arguments, of which the compiled kernel's own launcher takes 11
-(``launch/probes/decode_split_plan.py host``). A :class:`Launcher` keeps the compiled kernel under a key the
+(``benchmarks/probes/decode_split_plan.py host``). A :class:`Launcher` keeps the compiled kernel under a key the
 caller builds from what fixes every specialisation, and launches it directly next time, as torch
 inductor's generated launchers do. A new key, the interpreter or a launch hook (a profiler) take
 Triton's own path.

@@ -50,8 +50,8 @@ from ...core.mask import NO_MASK, Mask
 from ...core.state import stat_dtype
 from .decode import attn_tile, dot_precision, head_group, pad_dim
 from .._triton.device import hopper, sm_count
-from .bwd_common import (_batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _tile, _tma_ok, q_walk,
-                         row_blocks)
+from .bwd_common import (_batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _sink_flush, _sink_keys,
+                         _tile, _tma_ok, q_walk, row_blocks, sink_args, sink_buffers, sink_sums)
 from . import bwd_plain as attention_bwd_plain
 from .fwd import LOG2E, _dot, _load_rows as _load, _program_order
 from .._triton.launch import Launcher, fits_int32
@@ -64,18 +64,19 @@ def _tanh(x):
 
 
 @triton.jit
-def _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, s_r, b, b64, h, m0, kj,
+def _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, SNK, s_r, b, b64, h, m0, kj,
              s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, offs_d, offs_dv, dmask, dvmask,
              Sq, dg, lw, kv_lo, kv_hi, scale, cap2,
              BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_LO: tl.constexpr, HAS_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
              EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-             GUARD: tl.constexpr, PREC: tl.constexpr):
-    """dK, dV ``[BLOCK_N, BLOCK_D(V)]`` of key block ``kj`` from query block ``m0`` of head ``h``
-    (and with ``DQ_ATOMIC`` that block's dQ, from ``ks``: ``k`` with its non-finite entries zeroed,
-    added into the float32 descriptor ``GQ``); ``cs`` scales the scores (``s / c`` with softcap).
-    ``MASKED``: every pair is checked against the visibility rule; ``GUARD``: and a NaN/Inf in a
-    row of Q or dO reaches no key the row does not see."""
+             GUARD: tl.constexpr, PREC: tl.constexpr, SINK: tl.constexpr):
+    """``(dk, dv, w)``: dK, dV ``[BLOCK_N, BLOCK_D(V)]`` of key block ``kj`` from query block ``m0``
+    of head ``h`` (and with ``DQ_ATOMIC`` that block's dQ, from ``ks``: ``k`` with its non-finite
+    entries zeroed, added into the float32 descriptor ``GQ``); ``cs`` scales the scores (``s / c``
+    with softcap). ``MASKED``: every pair is checked against the visibility rule; ``GUARD``: and a
+    NaN/Inf in a row of Q or dO reaches no key the row does not see. ``SINK``: ``w [BLOCK_N]`` is the
+    tile's ``bwd_common._sink_keys`` under the head's sink ``SNK[h]``, else 0."""
     qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     qmask = qi < Sq
     if TMA:
@@ -121,7 +122,13 @@ def _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, s_r, b, b64, h, 
     if DQ_ATOMIC:
         dq = _dot(tl.trans(ds), ks, None, PREC)  # [BLOCK_M, BLOCK_D]
         GQ.atomic_add([b, h, m0, 0], dq.reshape(1, 1, BLOCK_M, BLOCK_D))
-    return dk, dv
+    w = 0.0
+    if SINK:
+        pdp_t = p_t * dp_t
+        if MASKED:
+            pdp_t = tl.where(seen, pdp_t, 0.0)
+        w = _sink_keys(pdp_t, lse2, tl.load(SNK + h))
+    return dk, dv, w
 
 
 @triton.jit
@@ -159,18 +166,22 @@ def _attn_bwd_kv_kernel(Q, K, KS, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS
                         s_qb, s_qh, s_qs, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_db, s_dh, s_ds,
                         s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgp, s_kgb, s_kgh, s_kgs, s_vgp, s_vgb, s_vgh, s_vgs,
                         s_kvb, s_kvc, s_off, s_r,
-                        HKV, G, NH, NQ, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
+                        HKV, G, NH, NQ, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH, SNK, PDP, s_wp, s_wb, s_wh,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, HAS_LO: tl.constexpr,
                         HAS_KV: tl.constexpr, HAS_OFF: tl.constexpr, HAS_ROWS: tl.constexpr,
                         SOFTCAP: tl.constexpr, TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr,
-                        DKV_ATOMIC: tl.constexpr, GUARD: tl.constexpr, PREC: tl.constexpr):
+                        DKV_ATOMIC: tl.constexpr, GUARD: tl.constexpr, PREC: tl.constexpr,
+                        SINK: tl.constexpr = False):
     """Grid ``(key blocks, B * HKV * NH * NQ)``: key block ``pid_n`` of kv head ``(b, kvh)``, split
     ``(sh, sq)`` taking query heads ``[sh * G // NH, (sh + 1) * G // NH)`` of the group and piece
     ``sq`` of ``NQ`` of the query blocks. ``TMA``: ``Q, K, V, DO`` (and ``GQ``, ``GK``, ``GV`` where
     atomic) are ``(B, H, S, D)`` descriptors, else pointers. ``DKV_ATOMIC``: dK/dV are added into
     float32 buffers, else stored (at split ``s_kgp * split`` when partials). Taken in the order of
-    ``GH`` (``attention._program_order``)."""
+    ``GH`` (``attention._program_order``). ``SINK``: each query head's ``bwd_common._sink_keys`` over
+    the program's masked tiles go to ``PDP[sp, b, h, n0 + j]``, over its interior ones to
+    ``PDP[NQ + sp, b, h, n0 + j]`` (strides ``s_wp, s_wb, s_wh``; the sinks ``SNK (H,)`` float32);
+    without it ``SNK, PDP`` and their strides are None."""
     pid_n, pid = _program_order(GH)
     ns = NH * NQ
     split = pid % ns
@@ -218,21 +229,30 @@ def _attn_bwd_kv_kernel(Q, K, KS, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS
     g0 = sh * G // NH
     n_in = ib - ia
     n_heads = (sh + 1) * G // NH - g0
+    if SINK:
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        w_base = PDP + sp * s_wp + b64 * s_wb + kj
     for it in tl.range(0, n_heads * n_masked):
         h = kvh * G + g0 + it // n_masked
         j = it % n_masked
         m0 = tl.where(j < n_pre, pa + j, ib + j - n_pre) * BLOCK_M
-        dk, dv = _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, s_r, b, b64, h, m0, kj,
-                          s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, offs_d, offs_dv,
-                          dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi, scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, True,
-                          CAUSAL, HAS_LO, HAS_ROWS, SOFTCAP, D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD, PREC)
+        dk, dv, w = _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, SNK, s_r, b, b64, h, m0, kj,
+                             s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, offs_d, offs_dv,
+                             dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi, scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, True,
+                             CAUSAL, HAS_LO, HAS_ROWS, SOFTCAP, D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD,
+                             PREC, SINK)
+        if SINK:
+            acc = _sink_flush(w_base + h * s_wh, acc + w, j == n_masked - 1)
     for it in tl.range(0, n_heads * n_in):
         h = kvh * G + g0 + it // n_in
         m0 = (ia + it % n_in) * BLOCK_M
-        dk, dv = _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, s_r, b, b64, h, m0, kj,
-                          s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, offs_d, offs_dv,
-                          dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi, scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, False,
-                          CAUSAL, HAS_LO, HAS_ROWS, SOFTCAP, D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD, PREC)
+        dk, dv, w = _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, SNK, s_r, b, b64, h, m0, kj,
+                             s_qb, s_qh, s_qs, s_db, s_dh, s_ds, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, offs_d, offs_dv,
+                             dmask, dvmask, Sq, dg, lw, kv_lo, kv_hi, scale, cap2, BLOCK_M, BLOCK_D, BLOCK_DV, False,
+                             CAUSAL, HAS_LO, HAS_ROWS, SOFTCAP, D == BLOCK_D, DV == BLOCK_DV, TMA, DQ_ATOMIC, GUARD,
+                             PREC, SINK)
+        if SINK:
+            acc = _sink_flush(w_base + NQ * s_wp + h * s_wh, acc + w, it % n_in == n_in - 1)
     if DKV_ATOMIC:
         GK.atomic_add([b, kvh, n0, 0], dk.reshape(1, 1, BLOCK_N, BLOCK_D))
         GV.atomic_add([b, kvh, n0, 0], dv.reshape(1, 1, BLOCK_N, BLOCK_DV))
@@ -458,8 +478,9 @@ def _grad_strides(t: Tensor) -> tuple:
 
 
 def _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int, mask: Mask,
-               tile: tuple, nh: int, nq: int, atomic: bool) -> None:
-    """The dK/dV kernel over every key block (with dQ, from ``ks``, added into ``dq`` where ``atomic``)."""
+               tile: tuple, nh: int, nq: int, atomic: bool, sink: Optional[tuple] = None) -> None:
+    """The dK/dV kernel over every key block (with dQ, from ``ks``, added into ``dq`` where ``atomic``;
+    with ``sink`` (``bwd_common.sink_buffers``) the sums of the sinks' gradient into its buffer)."""
     b, h, sq, d = q.shape
     hkv, sk, dvd = k.shape[1], k.shape[2], v.shape[-1]
     bm, bn, warps, stages = tile
@@ -478,12 +499,12 @@ def _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale: float, causal: 
     grid = (configs.cdiv(sk, bn), b * hkv * nh * nq)
     gh = head_group(*grid, q, causal, warps)
     args = (*ops, *grads, kvr, off, rows, rb, *strides, sq, sk, diag, lo, scale * LOG2E, scale, mask.softcap * LOG2E,
-            gh)
-    key = _key(args[:14], (*strides, fits_int32(sq, sk, diag, lo, gh)))
+            gh, *sink_args(sink))
+    key = _key((*args[:14], *args[-5:-3]), (*strides, *args[-3:], fits_int32(sq, sk, diag, lo, gh)))
     _KV(grid, key, args,
         dict(D=d, DV=dvd, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dvd), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,
              TMA=atomic, DQ_ATOMIC=atomic, DKV_ATOMIC=dkv_atomic, GUARD=configs.ATTN_BWD_GUARD,
-             PREC=dot_precision(q.dtype), **flags,
+             PREC=dot_precision(q.dtype), **flags, **({"SINK": True} if sink is not None else {}),
              num_warps=warps, num_stages=stages))
 
 
@@ -507,8 +528,8 @@ def _launch_q(q, k, v, dout, lse, delta, dq, scale: float, causal: bool, diag: i
 
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
-             causal: bool, diag: int = 0, mask: Mask = NO_MASK,
-             out_dtype: Optional[torch.dtype] = None) -> tuple[Tensor, Tensor, Tensor]:
+             causal: bool, diag: int = 0, mask: Mask = NO_MASK, out_dtype: Optional[torch.dtype] = None,
+             sinks: Optional[Tensor] = None) -> tuple:
     """Gradients ``(dq (B,H,Sq,D), dk (B,Hkv,Sk,D), dv (B,Hkv,Sk,Dv))`` of one Q/K/V block pair.
 
     ``lse`` and ``delta = rowsum(dout * out) - dlse`` ``(B, H, Sq)`` are the rows' global statistics;
@@ -516,28 +537,33 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     rule of :mod:`splitsoftmax.mask` (causal: ``j <= i + q_offset[b] + diag``). Gradients are float32
     unless ``out_dtype``, with their input's strides where that is dense (so a ``(B, H, S, D)`` view
     of ``(B, S, H, D)`` gets one too). GQA sums dK/dV over the query heads of each kv head.
+    ``sinks (H,)``: a fourth result, float32 ``(H,)``: the sum over the rows and these keys of
+    ``p_sink P_ij (dout_i . v_j)``, ``p_sink = exp(sinks[h] - lse)`` (``bwd_common.sink_sums``).
     """
     q, k, v, dout = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout))
     od = out_dtype or stat_dtype(q.dtype)
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        return (torch.zeros_like(q, dtype=od), torch.zeros_like(k, dtype=od), torch.zeros_like(v, dtype=od))
+        zeros = (torch.zeros_like(q, dtype=od), torch.zeros_like(k, dtype=od), torch.zeros_like(v, dtype=od))
+        return sink_sums(zeros, sink_buffers(sinks, q, 1, 0))
     atomic = _atomic(q, k, v)
     if not atomic and attention_bwd_plain.takes(q, k, v, dout, mask):  # faster where both apply
-        return attention_bwd_plain.attn_bwd(q, k, v, dout, lse, delta, scale, causal, diag, od, mask)
+        return attention_bwd_plain.attn_bwd(q, k, v, dout, lse, delta, scale, causal, diag, od, mask, sinks)
     if atomic and not _tma_ok(dout):
         dout = dout.contiguous()
     tile = attn_tile("bwd" if atomic else "bwd_kv", q.dtype, q.shape[-1], v.shape[-1])
     nh, nq = splits(q, k, tile)
+    # the sinks' sums: masked and interior tiles of each query piece apart
+    sink = sink_buffers(sinks, q, 2 * nq, configs.cdiv(k.shape[2], tile[1]) * tile[1])
     if not atomic:
         dq, dk, dv = _buffers(q, k, v, od, nh * nq)
-        _launch_kv(q, k, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, tile, nh, nq, False)
+        _launch_kv(q, k, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, tile, nh, nq, False, sink)
         _launch_q(q, k, v, dout, lse, delta, dq, scale, causal, diag, mask)
         if dk.dim() == 5:  # partials of the splits, summed in split order
             dk, dv = (torch.empty_like(t, dtype=od).copy_(p.sum(0)) for t, p in ((k, dk), (v, dv)))
-        return dq, dk, dv
+        return sink_sums((dq, dk, dv), sink)
     ks, ws, dq, dk, dv = _zeroed(q, k, v, nh * nq)
     if dk is None:
         dk, dv = torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     _pre(k, ks, ws)
-    _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, tile, nh, nq, True)
-    return dq.to(od), dk.to(od), dv.to(od)
+    _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, tile, nh, nq, True, sink)
+    return sink_sums((dq.to(od), dk.to(od), dv.to(od)), sink)

@@ -1,7 +1,21 @@
 """What the two attention backwards share (``bwd.py``: every mask, atomic or deterministic;
 ``bwd_plain.py``: the plain pair): the tile loads and visibility tests of their kernels, and the
-host's descriptors, mask arguments and row blocks."""
+host's descriptors, mask arguments and row blocks; the sums of the sinks' gradient that their dK/dV
+kernels write with sinks (:func:`sink_buffers`).
+
+With sinks the gradient ``dsinks[h] = -sum_rows p_sink (rowsum(dout * out) - dlse)`` needs
+``rowsum(dout * out) = sum_j P_ij dP_ij`` (``dP_ij = dout_i . v_j``): taken from the rounded
+``out`` it carries ``out``'s rounding (bfloat16: several times the error of a same-precision
+reference). The dK/dV kernels hold ``P`` and ``dP`` of every visible pair once, so with ``SINK`` they
+sum ``p_sink P dP`` over each tile's rows per key in float32 (:func:`_sink_keys`), add the tiles of
+one query head in registers and store the per-key sums once per head and part of their walk (a slot
+no other program or warpgroup writes: no atomics); the host sums the buffer per head
+(:func:`sink_sums`), the same order on every call. Without sinks the kernels compile as before
+(their operands are None constexprs).
+"""
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
@@ -32,6 +46,24 @@ def _tile(src, b, h, r0, rows, offs, rmask, cmask, s_rows, ROWS: tl.constexpr, C
 def _finite_or_zero(x):
     """Tile ``x`` with every NaN/Inf element replaced by 0."""
     return tl.where(tl.abs(x.to(tl.float32)) < float("inf"), x, 0.0).to(x.dtype)
+
+
+@triton.jit
+def _sink_keys(pdp_t, lse2, sink):
+    """``[keys]``: ``sum_rows p_sink * pdp_t`` of a ``[keys, rows]`` tile ``pdp_t`` of ``P * dP``
+    (float32, 0 at hidden pairs), ``p_sink = exp(sink - lse)`` from the rows' ``lse2 = lse * log2(e)``
+    (``+inf`` in empty rows and past the end: there ``p_sink = 0``)."""
+    p_sink = tl.math.exp2(sink * 1.4426950408889634 - lse2)  # [rows]
+    return tl.sum(pdp_t * p_sink[None, :], 1)
+
+
+@triton.jit
+def _sink_flush(ptrs, acc, last):
+    """Store the per-key sums ``acc`` at ``ptrs`` where ``last`` (a head's last tile in this part of a
+    program's walk) and restart them from 0 there; else keep them."""
+    keep = tl.where(last, 1, 0)  # (the interpreter takes no mask made of a loop's scalar comparison)
+    tl.store(ptrs, acc, mask=tl.zeros(acc.shape, tl.int32) < keep)
+    return tl.where(last, 0.0, acc)
 
 
 @triton.jit
@@ -146,3 +178,31 @@ def _mask_args(mask: Mask, q: Tensor, lse: Tensor) -> tuple:
                  HAS_ROWS=rows is not None, SOFTCAP=mask.softcap > 0)
     return (kvr if kvr is not None else lse, off if off is not None else lse, rows if rows is not None else lse,
             strides, flags)
+
+
+def sink_buffers(sinks: Optional[Tensor], q: Tensor, parts: int, keys: int) -> Optional[tuple[Tensor, Tensor]]:
+    """None without ``sinks``; else ``(sinks (H,) float32, zeros (parts, B, H, keys) float32)``: the
+    buffer where the dK/dV kernel's programs store, per part of their walk, query head and key
+    (``keys``: the key blocks' keys, padded), ``sum_rows p_sink P dP`` (each slot stored once)."""
+    if sinks is None:
+        return None
+    b, h = q.shape[:2]
+    return (sinks.to(torch.float32).contiguous(),
+            torch.zeros((parts, b, h, keys), dtype=torch.float32, device=q.device))
+
+
+def sink_args(sink: Optional[tuple]) -> tuple:
+    """The dK/dV kernels' last five operands ``(SNK, PDP, s_wp, s_wb, s_wh)``: the sinks (read at
+    ``SNK + h``) and the buffer of :func:`sink_buffers` with its strides (a piece's views of them keep
+    the whole's), or five ``None`` without sinks (constexprs: the kernels compile as if they took
+    none)."""
+    if sink is None:
+        return (None,) * 5
+    snk, pdp = sink
+    return (snk, pdp, *pdp.stride()[:3])
+
+
+def sink_sums(grads: tuple, sink: Optional[tuple]) -> tuple:
+    """``grads``, and with ``sink`` (of :func:`sink_buffers`) its buffer summed per query head ``(H,)``
+    float32: ``sum over rows and keys of p_sink P dP``."""
+    return grads if sink is None else (*grads, sink[1].sum((0, 1, 3)))

@@ -6,8 +6,8 @@ dK, dV over every query block of the G query heads that read that kv head; then 
 query block and head walks its key blocks for dQ. On Hopper the Gluon dK/dV kernel also writes
 each tile's dS and the dQ kernel reads it (``_attn_bwd_q_ds_kernel``, every mask): five products per
 tile pair, for a buffer the backward holds (:func:`_ds_pieces`). On one H200 (Triton 3.6) this pair
-ran 8-12% faster than ``attention_bwd``'s general pair at every plain shape timed (BENCHMARKS.md,
-"Attention backward"), so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90,
+ran 8-12% faster than ``attention_bwd``'s general pair at every plain shape timed
+(docs/benchmarks/attention-backward.md), so ``attention_bwd.attn_bwd`` hands plain masks here. Its Gluon kernels (sm_90,
 bfloat16) also take the variants' masks (:func:`takes`); elsewhere those take the general pair. Gradients are written
 once, in the output dtype, with their inputs' strides where dense.
 """
@@ -28,8 +28,8 @@ from ...core.runtime import interpreting
 from ...core.mask import NO_MASK, Mask, row_reach
 from ...core.state import stat_dtype
 from .fwd import LOG2E, _dot, _load_rows, _program_order
-from .bwd_common import (_batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _tile, _tma_ok, q_walk,
-                         row_blocks)
+from .bwd_common import (_batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _sink_keys, _tile, _tma_ok,
+                         q_walk, row_blocks, sink_args, sink_buffers, sink_sums)
 from .decode import attn_tile, dot_precision, head_group, pad_dim
 from .._triton.device import hopper, sm90, sm_count
 from .._triton.launch import Launcher, Memo, auto_key, geometry
@@ -39,9 +39,12 @@ from .._triton.launch import Launcher, Memo, auto_key, geometry
 def _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b, h, m0, kj, Sq, diag, qk_scale,
                  s_qs, s_ds, s_ls, s_es, offs_d, offs_dv, dmask, dvmask,
                  BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASKED: tl.constexpr,
-                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
-    """dK, dV of one key block from one query block; ``MASKED``: the block crosses the diagonal.
-    ``q_src``, ``do_src``: the ``(B, H, S, D)`` descriptors (``TMA``) or head ``(b, h)``'s base pointers."""
+                 EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+                 SINK: tl.constexpr, sink):
+    """``(dk, dv, w)``: dK, dV of one key block from one query block; ``MASKED``: the block crosses
+    the diagonal. ``q_src``, ``do_src``: the ``(B, H, S, D)`` descriptors (``TMA``) or head
+    ``(b, h)``'s base pointers. ``SINK``: ``w [BLOCK_N]`` is the tile's ``bwd_common._sink_keys``
+    under the head's sink ``sink``, else 0."""
     qi = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     qmask = qi < Sq
     q = _tile(q_src, b, h, m0, qi, offs_d, qmask, dmask, s_qs, BLOCK_M, BLOCK_D, EVEN_D, TMA)  # [BLOCK_M, BLOCK_D]
@@ -62,7 +65,10 @@ def _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b, h, m0, kj, Sq, 
         ds_t = tl.where(seen, ds_t, 0.0)
         q = _finite_or_zero(q)
     dk = _dot(ds_t.to(q.dtype), q, dk, PREC)  # [BLOCK_N, BLOCK_D]
-    return dk, dv
+    w = 0.0
+    if SINK:  # (dO is guarded in masked tiles: hidden pairs give 0)
+        w = _sink_keys(p_t * dp_t, lse2, sink)
+    return dk, dv, w
 
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "diag", "GH", "s_lb", "s_lh", "s_eb", "s_eh"])
@@ -70,11 +76,14 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GK, GV,
                         s_qb, s_qh, s_qs, s_qd, s_kb, s_kh, s_ks, s_kd, s_vb, s_vh, s_vs, s_vd,
                         s_db, s_dh, s_ds, s_dd, s_lb, s_lh, s_ls, s_eb, s_eh, s_es,
                         s_kgb, s_kgh, s_kgs, s_kgd, s_vgb, s_vgh, s_vgs, s_vgd,
-                        HKV, G, Sq, Sk, diag, qk_scale, scale, GH,
+                        HKV, G, Sq, Sk, diag, qk_scale, scale, GH, SNK, PDP, s_wp, s_wb, s_wh,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, PREC: tl.constexpr,
-                        TMA: tl.constexpr = False):
-    """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``)."""
+                        TMA: tl.constexpr = False, SINK: tl.constexpr = False):
+    """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``).
+    ``SINK``: query head ``h``'s ``bwd_common._sink_keys`` over the program's tiles go to
+    ``PDP[0, b, h, n0 + j]`` (strides ``s_wp`` (unused), ``s_wb, s_wh``), its sink ``SNK[h]``
+    (float32); without it ``SNK, PDP`` and their strides are None."""
     pid_n, pid_bh = _program_order(GH)
     b32 = pid_bh // HKV  # (TMA coordinates are int32)
     b = b32.to(tl.int64)
@@ -107,14 +116,26 @@ def _attn_bwd_kv_kernel(Q, K, V, DO, LSE, DELTA, GK, GV,
         l_base = LSE + b * s_lb + h * s_lh
         e_base = DELTA + b * s_eb + h * s_eh
         h32 = h.to(tl.int32)
+        sink = 0.0
+        if SINK:
+            sink = tl.load(SNK + h)
+            acc = tl.zeros([BLOCK_N], tl.float32)
         for m0 in range(m_start, tl.minimum(m_full, Sq), BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b32, h32, m0, kj, Sq, diag, qk_scale,
-                                  s_qs, s_ds, s_ls, s_es, offs_d * s_qd, offs_dv * s_dd, dmask, dvmask,
-                                  BLOCK_M, BLOCK_D, BLOCK_DV, True, BLOCK_D == D, BLOCK_DV == DV, PREC, TMA)
+            dk, dv, w = _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b32, h32, m0, kj, Sq, diag,
+                                     qk_scale, s_qs, s_ds, s_ls, s_es, offs_d * s_qd, offs_dv * s_dd, dmask, dvmask,
+                                     BLOCK_M, BLOCK_D, BLOCK_DV, True, BLOCK_D == D, BLOCK_DV == DV, PREC, TMA,
+                                     SINK, sink)
+            if SINK:
+                acc += w
         for m0 in range(m_full, Sq, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b32, h32, m0, kj, Sq, diag, qk_scale,
-                                  s_qs, s_ds, s_ls, s_es, offs_d * s_qd, offs_dv * s_dd, dmask, dvmask,
-                                  BLOCK_M, BLOCK_D, BLOCK_DV, False, BLOCK_D == D, BLOCK_DV == DV, PREC, TMA)
+            dk, dv, w = _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b32, h32, m0, kj, Sq, diag,
+                                     qk_scale, s_qs, s_ds, s_ls, s_es, offs_d * s_qd, offs_dv * s_dd, dmask, dvmask,
+                                     BLOCK_M, BLOCK_D, BLOCK_DV, False, BLOCK_D == D, BLOCK_DV == DV, PREC, TMA,
+                                     SINK, sink)
+            if SINK:
+                acc += w
+        if SINK:
+            tl.store(PDP + b * s_wb + h * s_wh + kj, acc)
     st = kmask[:, None]
     tl.store(GK + b * s_kgb + kvh * s_kgh + kj[:, None] * s_kgs + offs_d[None, :] * s_kgd, dk * scale,
              mask=st & dmask[None, :])
@@ -402,10 +423,11 @@ def _doc_reach(mask: Mask) -> Optional[int]:
 
 
 def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int,
-              mask: Mask = NO_MASK, piece: Optional[tuple] = None) -> _Launches:
+              mask: Mask = NO_MASK, piece: Optional[tuple] = None, sink: bool = False) -> _Launches:
     """The launches of :func:`attn_bwd` for these operands and gradient buffers (the variants' masks
     only where :func:`takes` them: on the Gluon kernels); ``piece``: the operands are those of a
-    piece of :func:`_ds_pieces`, the mask's those of the whole."""
+    piece of :func:`_ds_pieces`, the mask's those of the whole; ``sink``: the dK/dV kernel also sums
+    the sinks' gradient (``SINK``; its operands come after the scalars, :func:`_run`)."""
     b, h, sq, d = q.shape
     hkv, sk, dv_ = k.shape[1], k.shape[2], v.shape[-1]
     tma = _use_tma(q, k, v, dout)
@@ -431,7 +453,8 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
                    scale * LOG2E, scale, cap2, head_group(nkb, b * hkv, q, causal, 3 * gkv[2]))
         kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv, *mts), causal, d, dtypes,
                            maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG, DS_OUT=ds is not None,
-                           DS_ALIGN=configs.ATTN_TILES[("bwd_q_ds", 2, d)][0], **flags)
+                           DS_ALIGN=configs.ATTN_TILES[("bwd_q_ds", 2, d)][0], **flags,
+                           **({"SINK": True} if sink else {}))
     elif dk.numel() or dv.numel():
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
@@ -439,7 +462,8 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
         scalars = (*strides, *dk.stride(), *dv.stride(), hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
                    head_group(nkb, b * hkv, q, causal, warps))
         kv = ((nkb, b * hkv), (auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), dtypes),
-              scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))
+              scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
+                            **({"SINK": True} if sink else {})))
     if ds:
         bm, warps, stages, *maxnreg = configs.ATTN_TILES[("bwd_q_ds", 2, d)]
         nqb = configs.cdiv(sq, bm)
@@ -470,11 +494,12 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
 
 def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, scale: float,
              causal: bool, diag: int = 0, out_dtype: Optional[torch.dtype] = None,
-             mask: Mask = NO_MASK) -> tuple[Tensor, Tensor, Tensor]:
+             mask: Mask = NO_MASK, sinks: Optional[Tensor] = None) -> tuple:
     """Gradients ``(dq (B,H,Sq,D), dk (B,Hkv,Sk,D), dv (B,Hkv,Sk,Dv))`` in ``out_dtype`` (float32 by
     default), each with its input's strides where dense. ``lse``, ``delta = rowsum(dout * out) - dlse``
     ``(B, H, Sq)``: the rows' global statistics; rows with ``lse = -inf`` contribute nothing.
-    ``mask``: the variants' visibility (``attention_bwd.attn_bwd``'s rule), where :func:`takes` it."""
+    ``mask``: the variants' visibility (``attention_bwd.attn_bwd``'s rule), where :func:`takes` it.
+    ``sinks (H,)``: a fourth result, ``bwd.attn_bwd``'s sums for the sinks' gradient."""
     od = out_dtype or stat_dtype(q.dtype)
     dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
@@ -484,40 +509,62 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
            configs.ATTN_BWD_GLUON, configs.ATTN_BWD_DS, configs.ATTN_BWD_DS_MAX_BYTES,
            configs.ATTN_BWD_DS_MIN_WAVES, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
            attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
-           *(configs.ATTN_TILES.get((kind, 2, d)) for kind in ("bwd_kv_ws", "bwd_q_gluon", "bwd_q_ds")))
+           *(configs.ATTN_TILES.get((kind, 2, d)) for kind in ("bwd_kv_ws", "bwd_q_gluon", "bwd_q_ds")),
+           sinks is not None)
     plan = _LAUNCHES.get(geo)
     if plan is None:
-        plan = _LAUNCHES.put(geo, _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask))
-    ops = (q, k, v, dout, lse, delta, dq, dk, dv)
+        plan = _LAUNCHES.put(geo, _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask,
+                                        sinks is not None))
+    kv = plan[0][1].kv
+    sink = sink_buffers(sinks, q, _GLUON_PARTS if plan[0][1].gluon[0] else 1,
+                        configs.cdiv(k.shape[2], kv[3]["BLOCK_N"]) * kv[3]["BLOCK_N"]) if kv else None
+    ops = (q, k, v, dout, lse, delta, dq, dk, dv, *_sink_ops(sink, q))
     mts = _mask_tensors(mask, q, k, lse) if mts else None
     _run_pieces(plan, ops, mask, mts)
-    return dq, dk, dv
+    return sink_sums((dq, dk, dv), sink)
+
+
+# the parts of a Gluon dK/dV program's walk that write the sinks' sums apart: (score warpgroup, its
+# masked or interior tiles)
+_GLUON_PARTS = 4
+
+
+def _sink_ops(sink: Optional[tuple], q: Tensor) -> tuple:
+    """The sinks' two operands in a launch's ``ops`` (after the gradients): their values as a ``(B, H)``
+    view (batch stride 0: a piece's view starts at its first head) and the buffer of
+    ``bwd_common.sink_buffers``; none without sinks."""
+    if sink is None:
+        return ()
+    return sink[0].expand(q.shape[0], -1), sink[1]
 
 
 def _run_pieces(plan: tuple, ops: tuple, mask: Mask, mts: Optional[tuple]) -> None:
     """Make the launches of each piece of ``plan`` on its views of ``ops`` (all of them for a piece
-    None); a part of one kv head's query heads (:func:`_is_part`) writes its dK, dV into float32
-    buffers, summed over the kv head's parts in order into its gradients after its last part."""
+    None; after the gradients, the sinks' operands of :func:`_sink_ops` where there are sinks); a
+    part of one kv head's query heads (:func:`_is_part`) writes its dK, dV into float32 buffers,
+    summed over the kv head's parts in order into its gradients after its last part."""
     acc = None
     for piece, run in plan:
         views = _piece(ops, piece)
         pm = _mask_piece(mts, mask, piece)
+        sink = {"sink": views[9:]} if views[9:] else {}
         if not _is_part(piece):
-            _run(run, *views, pm)
+            _run(run, *views[:9], pm, **sink)
             continue
-        part = _part_grads(views[7:])
-        _run(run, *views[:7], *part, pm)
+        part = _part_grads(views[7:9])
+        _run(run, *views[:7], *part, pm, **sink)
         acc = part if acc is None else [a.add_(p) for a, p in zip(acc, part)]
         if piece[5] == ops[0].shape[1] // ops[1].shape[1]:  # the kv head's last part
-            for view, a in zip(views[7:], acc):
+            for view, a in zip(views[7:9], acc):
                 view.copy_(a)
             acc = None
 
 
-def _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int, mask: Mask) -> tuple:
+def _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, diag: int, mask: Mask,
+          sink: bool = False) -> tuple:
     """``((piece, launches), ..)`` of :func:`attn_bwd`: the launches (:func:`_launches`) on the whole
     operands (``piece`` None), or on each piece of :func:`_ds_pieces` (a part's dK, dV: float32
-    buffers, :func:`_part_grads`)."""
+    buffers, :func:`_part_grads`); ``sink``: with the sums of the sinks' gradient."""
     ops = (q, k, v, dout, lse, delta, dq, dk, dv)
     pieces = _ds_pieces(q, k, v, dout, (dq, dk, dv), mask, causal, diag) or (None,)
     plan = []
@@ -525,7 +572,7 @@ def _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool, dia
         views = _piece(ops, p)
         if _is_part(p):
             views = (*views[:7], *_part_grads(views[7:]))
-        plan.append((p, _launches(*views, scale, causal, diag, mask, p)))
+        plan.append((p, _launches(*views, scale, causal, diag, mask, p, sink)))
     return tuple(plan)
 
 
@@ -571,9 +618,10 @@ def _ds_pieces(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, grads: tuple, mask
 
 
 def _piece(ops: tuple, piece: Optional[tuple]) -> tuple:
-    """``(q, k, v, dout, lse, delta, dq, dk, dv)`` of batch elements ``[b0, b1)`` and kv heads
-    ``[kvh0, kvh1)`` (with their query heads, or those ``[g0, g1)`` of each of a part): views; all
-    of ``ops`` where ``piece`` is None."""
+    """``(q, k, v, dout, lse, delta, dq, dk, dv)`` (and the sinks' ``(B, H)`` values and ``(parts, B, H,
+    keys)`` buffer, :func:`_sink_ops`) of batch elements ``[b0, b1)`` and kv heads ``[kvh0, kvh1)``
+    (with their query heads, or those ``[g0, g1)`` of each of a part): views; all of ``ops`` where
+    ``piece`` is None."""
     if piece is None:
         return ops
     b0, b1, h0, h1 = piece[:4]
@@ -581,7 +629,8 @@ def _piece(ops: tuple, piece: Optional[tuple]) -> tuple:
     g0, g1 = piece[4:] if _is_part(piece) else (0, g)
     kv = (slice(b0, b1), slice(h0, h1))
     qh = (slice(b0, b1), slice(h0 * g + g0, (h1 - 1) * g + g1))
-    return tuple(t[kv] if i in (1, 2, 7, 8) else t[qh] for i, t in enumerate(ops))
+    return tuple(t[kv] if i in (1, 2, 7, 8) else t[(slice(None), *qh)] if i == 10 else t[qh]
+                 for i, t in enumerate(ops))
 
 
 def _mask_piece(mts: Optional[tuple], mask: Mask, piece: Optional[tuple]) -> Optional[tuple]:
@@ -605,21 +654,27 @@ def _ds_descriptor(ds: Tensor, block: tuple) -> TensorDescriptor:
     return desc
 
 
-def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv, mts: Optional[tuple] = None) -> None:
+def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv, mts: Optional[tuple] = None,
+         sink: tuple = ()) -> None:
     """Make the launches ``run`` (of :func:`_launches`) on these tensors (``mts``: the mask's, of
-    :func:`_mask_tensors`; None: a plain mask's, ``lse`` standing in)."""
+    :func:`_mask_tensors`; None: a plain mask's, ``lse`` standing in; ``sink``: the sinks' two
+    operands of :func:`_sink_ops` where ``run`` sums their gradient)."""
     mts = mts or (lse,) * 4
     ds = torch.empty(run.ds[:2], dtype=q.dtype, device=q.device) if run.ds else None
     if run.kv is not None:
         grid, key, scalars, kwargs = run.kv
+        if sink:  # (a piece's views of them start anywhere)
+            key = (key, *(t.data_ptr() % 16 == 0 for t in sink))
+        sk = sink_args(sink or None)
         if run.gluon[0]:
             from .gluon.bwd import tile_descriptor
             ops = _gluon_operands(q, k, v, dout, kwargs)
             ds_desc = tile_descriptor(ds, run.ds[2:4]) if run.ds else ops[2]  # (unread without DS_OUT)
-            _gluon_launcher(run.gluon[0])(grid, key, (*ops, lse, delta, dk, dv, *mts, ds_desc, *scalars), kwargs)
+            _gluon_launcher(run.gluon[0])(grid, key, (*ops, lse, delta, dk, dv, *mts, ds_desc, *scalars, *sk),
+                                          kwargs)
         else:
             qt, dt = (_descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])) if run.tma else (q, dout)
-            _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars), kwargs)
+            _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars, *sk), kwargs)
     if run.q is not None:
         grid, key, scalars, kwargs = run.q
         if run.ds:

@@ -33,7 +33,7 @@ from ...distributed.handshake import LOCAL_ERRORS, handshake
 from ...distributed.shard import shard
 from .sharded import sharded_attention
 
-SEQ_SCHEDULES = tuple(s for s in _checks.SCHEDULES if s != "tree")  # q sharded like k and v
+SEQ_SCHEDULES = tuple(s for s in _checks.SCHEDULES if s != "tree" and s not in _checks.MESH_SCHEDULES)  # 1-d, q like k
 _SDPA = F.scaled_dot_product_attention
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _SDPA_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
@@ -164,6 +164,9 @@ def _check_block(buffers, dims, layout: str, schedule: str) -> tuple[list, list,
         raise ValueError("context_parallel: this thread is already inside an ss.context_parallel block; blocks do "
                          "not nest (shard every buffer in one block)")
     _checks.choice("layout", layout, _checks.LAYOUTS)
+    if layout == "balanced":
+        raise ValueError("context_parallel: layout='balanced' places packed documents (cu_seqlens), which "
+                         "scaled_dot_product_attention calls do not carry; use layout='zigzag' or 'contiguous'")
     _checks.choice("schedule", schedule, SEQ_SCHEDULES)
     buffers, dims = list(buffers), list(dims)
     if len(buffers) != len(dims):

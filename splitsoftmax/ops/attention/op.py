@@ -77,9 +77,10 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     """``(dq, dk, dv, dsinks)``: the first three like ``q, k, v`` (dtype, and strides where dense); ``lse``,
     ``delta = rowsum(dout*out) - dlse``: ``(B,H,Sq)``; the mask fields as in ``attn_fwd``.
 
-    ``dsinks (H,)`` in ``sinks.dtype`` (``(0,)`` without sinks) is ``-sum_rows p_sink * delta``; the
-    torch path forms ``delta`` from its own ``P`` and ``dout . v_j`` (and ``dlse``) rather than from
-    the rounded ``out``.
+    ``dsinks (H,)`` in ``sinks.dtype`` (``(0,)`` without sinks) is ``-sum_rows p_sink * delta``, with
+    ``rowsum(dout * out)`` taken from each path's own ``P`` and ``dout . v_j`` rather than from the
+    rounded ``out``: per row in float64 on the torch path (and ``dlse``), summed with ``p_sink`` per
+    key in float32 by the Triton dK/dV kernels (``core.state.sink_grad``'s ``weighted``).
     """
     mask = Mask(lo, softcap, kv_range, q_offset, rows)
     fn = masked_op("attn_bwd", q, mask)
@@ -87,12 +88,45 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
         return (*_bwd_outs(fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype), q, k, v),
                 q.new_empty((0,)))
     if use_triton(q):
-        dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype)
+        dq, dk, dv, weighted = fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype, sinks=sinks)
+        return (*_bwd_outs((dq, dk, dv), q, k, v), state.sink_grad(lse, _minus(dlse), sinks, weighted))
+    sums = torch.zeros((2, *lse.shape), dtype=torch.float64, device=q.device)
+    dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, rowsum=sums)
+    lse, delta = _exact_row_stats(lse, sums, sinks, dlse)
+    return (*_bwd_outs((dq, dk, dv), q, k, v), state.sink_grad(lse, delta, sinks))
+
+
+def _minus(dlse: Optional[Tensor]) -> Optional[Tensor]:
+    """``-dlse`` (None without it): the part of ``delta`` that the kernels' sums for the sinks leave out."""
+    return None if dlse is None else -dlse
+
+
+def bwd_call(fn, args: tuple, sink: Optional[list]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of one local backward ``fn(q, k, v, dout, lse, delta, scale, causal, diag)``
+    (``args``) of a schedule, whose rows' ``lse`` are global (final, with the sinks). With ``sink =
+    [sinks, total]`` the call also sums ``p_sink * sum_j P_ij (dout_i . v_j)`` over its rows and keys
+    per head, added into ``total`` ((H,); None until a call adds to it): by the Triton kernels
+    (``attn_bwd``, float32), or per row in float64 on the torch path (float64). The sum over every call of a
+    rank's rows is ``core.state.sink_grad``'s ``weighted``."""
+    if sink is None:
+        return fn(*args)
+    q, lse = args[0], args[4]
+    if use_triton(q):
+        dq, dk, dv, w = fn(*args, sinks=sink[0])
     else:
         sums = torch.zeros((2, *lse.shape), dtype=torch.float64, device=q.device)
-        dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, rowsum=sums)
-        lse, delta = _exact_row_stats(lse, sums, sinks, dlse)
-    return (*_bwd_outs((dq, dk, dv), q, k, v), state.sink_grad(lse, delta, sinks))
+        dq, dk, dv = fn(*args, rowsum=sums)
+        w = (state.sink_weights(lse.to(torch.float64), sink[0]) * sums[0]).sum((0, 2))
+    sink[1] = w if sink[1] is None else sink[1] + w
+    return dq, dk, dv
+
+
+def sink_total(sink: list, q: Tensor) -> Tensor:
+    """The ``total`` of :func:`bwd_call`'s ``sink``; where no call added to it, zeros ``(H,)`` in the
+    dtype the calls on ``q`` would have given (every rank's alike)."""
+    if sink[1] is not None:
+        return sink[1]
+    return torch.zeros(sink[0].shape, dtype=torch.float32 if use_triton(q) else torch.float64, device=q.device)
 
 
 def _exact_row_stats(lse: Tensor, sums: Tensor, sinks: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:

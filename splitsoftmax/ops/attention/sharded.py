@@ -14,11 +14,13 @@ from torch import Tensor
 
 from ...core import state
 from ...distributed import attn_meta, work
-from ...distributed.comm import as_comm, eager
+from ...core.checks import MESH_SCHEDULES
+from ...distributed.comm import eager
+from ...distributed.mesh import as_group
 from ...distributed.work import AttnSpec
-from .op import backward_stats
+from .op import backward_stats, sink_total
 from .schedules.allgather import allgather_attention_bwd, allgather_attention_fwd
-from .schedules.heads import heads_attention
+from .schedules.heads import heads_attention, mesh_attention
 from .schedules.ring import ring_attention_bwd, ring_attention_fwd
 from .schedules.tree import early_local, tree_attention_bwd, tree_attention_fwd
 
@@ -45,8 +47,13 @@ class ShardedAttentionFn(torch.autograd.Function):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         dout = dout.contiguous()
         lse, delta = backward_stats(out, lse, dout, dlse)
-        dq, dk, dv = _BWD[ctx.schedule](ctx.comm, ctx.spec, q, k, v, dout, lse, delta)
-        dsinks = state.sink_grad(lse, delta, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
+        # with sinks the local backwards also sum rowsum(dout * out) from their own P and dP (op.bwd_call;
+        # whether or not this rank's sinks want a gradient: the tree sums them over every rank)
+        sink = [sinks, None] if sinks is not None else None
+        dq, dk, dv = _BWD[ctx.schedule](ctx.comm, ctx.spec, q, k, v, dout, lse, delta, sink)
+        dsinks = None
+        if sink is not None and ctx.needs_input_grad[3]:
+            dsinks = state.sink_grad(lse, None if dlse is None else -dlse, sinks, sink_total(sink, q))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks, None, None, None, None
 
 
@@ -68,14 +75,22 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
 
     ``"ring"``/``"allgather"``: ``q (B,H,Sq_r,D)``, ``k (B,Hkv,Sk_r,D)``, ``v (B,Hkv,Sk_r,Dv)`` are
     this rank's shards (``layout`` ``"contiguous"``: any lengths; ``"zigzag"``: chunks r, 2P-1-r,
-    of every document with ``cu_seqlens``); returns this rank's shard of the output (and
-    ``lse (B,H,Sq_r)`` float32). ``"tree"``: ``q`` is the same on every rank, k/v contiguous
+    of every document with ``cu_seqlens``; ``"balanced"``, which needs ``cu_seqlens``: short
+    documents whole on one rank each, long ones zigzagged, ``distributed.layout.balanced``); returns
+    this rank's shard of the output (and ``lse (B,H,Sq_r)`` float32). ``"tree"``: ``q`` is the same on every rank, k/v contiguous
     shards; the result is identical on every rank and the queries sit at key positions
     ``q_offset + i`` (default ``Sk - Sq``: ``causal`` is bottom-right). Causal everywhere means a
     query at global position ``i`` sees keys at ``j <= i``. ``"heads"`` takes and returns what the ring
     does: an all-to-all gives each rank the whole sequence of its share of the heads
     (``torch.tensor_split`` of ``H``; the kv heads they read, ``Hkv < P`` too), runs the local op
     there and sends the output back (``schedules/heads.py``).
+
+    ``group`` may be a 2-D mesh: a 2-D ``DeviceMesh`` (dim 0 sequence, dim 1 heads) or a tuple
+    ``(seq_group, heads_group)``, with ``schedule="heads+ring"`` or ``"heads+allgather"`` (and only
+    those). The sequence is sharded over the sequence dim by ``layout``, each shard split like
+    ``torch.tensor_split`` over the heads dim (``ss.shard(x, 2, group=mesh, ...)`` makes exactly this);
+    ``q (B,H,n,D)`` is this rank's piece, all heads. The all-to-all runs in the heads group, the ring (or
+    all-gather) over the sequence group on its heads; the result is this rank's piece of the output.
 
     The variant keywords (docs/API.md, "Attention variants") are in global positions:
     ``cu_seqlens (N+1,)`` packed documents (ring / allgather), ``window_size=(left, right)``,
@@ -84,7 +99,7 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     allgather). All must agree across ranks. Steps with nothing visible transfer and launch
     nothing; under a window only the halo of keys travels.
     """
-    comm = as_comm(group)
+    comm = as_group(group)
     keywords = dict(cu_seqlens=cu_seqlens, window_size=window_size, softcap=softcap, sinks=sinks,
                     kv_range=kv_range, q_offset=q_offset)
     finish, s, kw = attn_meta.start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords)
@@ -96,6 +111,8 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     lens = finish()
     if schedule == "heads":
         out, lse = heads_attention(comm, q, k, v, s, causal, layout, kw, lens)
+    elif schedule in MESH_SCHEDULES:
+        out, lse = mesh_attention(comm, q, k, v, s, causal, layout, kw, lens, schedule)
     else:
         spec = _spec(comm, q, k, v, s, causal, layout, schedule, kw, lens)
         out, lse = ShardedAttentionFn.apply(q, k, v, kw.sinks, comm, spec, schedule, local)

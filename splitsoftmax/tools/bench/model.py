@@ -55,11 +55,8 @@ def _backend(name: str):
 
 def _use(model, impl: str) -> None:
     """Switch the model's attention implementation (its config is shared by every layer)."""
-    name = "splitsoftmax" if impl == "splitsoftmax" else "sdpa"
-    if hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(name)
-    else:
-        model.config._attn_implementation = name
+    from ..verify.model import set_attention
+    set_attention(model, "splitsoftmax" if impl == "splitsoftmax" else "sdpa")
 
 
 def step(model, ids, impl: str):

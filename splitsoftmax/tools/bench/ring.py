@@ -19,7 +19,9 @@ Then the variants across the ranks (``--variants``; causal, every S and Hkv): ``
 (``--docs`` equal packed documents, per-document zigzag shards) and ``window`` (``--window`` keys),
 ``ss-ring`` and ``ss-allgather`` against ``torch-cp-flex`` (torch's context parallelism over compiled
 FlexAttention: its attention module wrapper and sharded block mask, no load balancing) and
-``1gpu-ss`` / ``1gpu-flex`` on the full sequence; their TFLOP/s count the visible pairs.
+``1gpu-ss`` / ``1gpu-flex`` on the full sequence; their TFLOP/s count the visible pairs. The
+documents also run as ``ss-ring-balanced``: the ring on ``layout="balanced"`` shards (short
+documents whole on one rank, long ones zigzagged).
 Then split-KV decode across ranks (``schedule="tree"``, GQA 32/8, one query) against one GPU.
 A correctness gate (sharded vs single-device output and gradients, float64 oracle) runs first.
 
@@ -199,6 +201,17 @@ def ss_methods(w: World, local: list, causal: bool, backward: bool, opts, kw: Op
             ("ss-ring-nocomm", lambda: sharded_call("ring", NoBulkTransfers(ss.distributed.as_comm(w.group))))]
 
 
+def ss_balanced(w: World, full: Callable, backward: bool, kw: dict):
+    """splitsoftmax's causal ring on ``layout="balanced"`` shards of the documents ``kw["cu_seqlens"]``."""
+    @contextlib.contextmanager
+    def make():
+        local = [ss.shard(t, 2, group=w.group, layout="balanced", cu_seqlens=kw["cu_seqlens"]) for t in full()]
+        f = lambda q, k, v: ss.sharded_attention(q, k, v, causal=True, group=w.group,  # noqa: E731
+                                                 layout="balanced", **kw)
+        yield step(f, local, backward)
+    return make
+
+
 SDPA_BACKENDS = ("flash", "cudnn")
 
 
@@ -359,6 +372,8 @@ def bench_shape(w: World, s: int, hkv: int, causal: bool, backward: bool, opts,
     kw = variant.kw if variant else None
     local = [variant.shard(w, t) if variant else ss.shard(t, 2, group=w.group, layout="zigzag") for t in full()]
     methods = ss_methods(w, local, causal, backward, opts, kw)
+    if variant and "cu_seqlens" in kw:
+        methods.append(("ss-ring-balanced", ss_balanced(w, full, backward, kw)))
     if variant:
         methods.append(("torch-cp-flex", torch_cp_flex(w, full, backward, s, variant)))
     for backend in () if variant else SDPA_BACKENDS:
@@ -632,7 +647,7 @@ def plots(out_dir: str) -> list:
 
 
 def defaults(opts, cuda: bool):
-    """GPU shapes (PERF.md) or toy CPU shapes for whatever the user left unset."""
+    """the reference GPU shapes or toy CPU shapes for whatever the user left unset."""
     gpu = dict(seqs="32768,131072", heads=32, kv_heads="32,8", variants="documents,window", docs=16, window=4096,
                dim=128, dtype="bfloat16", decode_keys=1 << 20, check_seq=2048, warmup=2, reps=10, min_reps=3,
                budget=1.5)

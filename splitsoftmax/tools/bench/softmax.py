@@ -1,8 +1,8 @@
 """Benchmark of the softmax family: torch.softmax / log_softmax / logsumexp beside splitsoftmax.
 
-``python -m splitsoftmax bench softmax --out DIR``: PERF.md's shapes and a sweep of row lengths,
+``python -m splitsoftmax bench softmax --out DIR``: the reference shapes and a sweep of row lengths,
 correctness against float64 first (a few rows of every shape), then medians of
-``triton.testing.do_bench``, through the public calls and (PERF.md's shapes) replayed from a
+``triton.testing.do_bench``, through the public calls and (the reference shapes) replayed from a
 CUDA graph, which leaves out the host's launch cost. GB/s counts the 2N elements softmax must move (N for logsumexp);
 the device copy rate (read + write) is measured in the same run as the ceiling. Writes
 ``softmax.json`` and ``softmax.png`` (GB/s vs row length) to ``--out``, and prints a table.
@@ -31,7 +31,7 @@ OPS = {  # name: (torch, splitsoftmax, elements moved per input element)
     "log_softmax": (lambda x: torch.log_softmax(x, -1), ss.log_softmax, 2),
     "logsumexp": (lambda x: torch.logsumexp(x, -1), ss.logsumexp, 1),
 }
-# Config variants timed beside the default on PERF.md's shapes (tuning data for configs.py).
+# Config variants timed beside the default on the reference shapes (tuning data for configs.py).
 VARIANTS = {
     "two_pass": dict(one_pass_max_cols=8192, split_rows_per_sm=0.0),
     "split": dict(one_pass_max_cols=8192, split_rows_per_sm=1e9),
@@ -131,7 +131,7 @@ def table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="splitsoftmax bench softmax", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench_out", help="folder for softmax.json and softmax.png")
-    ap.add_argument("--variants", action="store_true", help="also time config variants on PERF.md's shapes")
+    ap.add_argument("--variants", action="store_true", help="also time config variants on the reference shapes")
     ap.add_argument("--no-sweep", action="store_true", help="skip the sweep of row lengths")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

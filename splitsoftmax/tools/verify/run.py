@@ -59,7 +59,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
                         help="cpu: CPU ranks (Gloo) even with GPUs; cuda: ranks on GPUs (under mpirun even when "
                              "they share one); default: cuda when every rank has its own GPU, else cpu")
+    parser.add_argument("--model", default=None, metavar="CONFIG",
+                        help="a transformers model instead of the ops: a built-in tiny config (" +
+                             ", ".join(model_configs()) + ") or a config.json path; its loss and every parameter "
+                             "gradient, sequence-parallel under every schedule and mesh shape, against one rank "
+                             "(float32)")
     ns = parser.parse_args(argv)
+    if ns.model is not None:
+        _check_model(parser, ns)
     if ns.nproc is not None and ns.nproc < 1:
         parser.error(f"--nproc must be at least 1, got {ns.nproc}")
     if ns.device == "cuda" and not torch.cuda.is_available():
@@ -68,18 +75,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     kind = launcher.launched_by()
     if kind is None:
         device = ["--device", ns.device] if ns.device else []
-        return launcher.spawn(ns.nproc or launcher.default_nproc(), ["verify", "--dtype", ns.dtype, *device],
-                              ns.deadline)
-    return _verify_ranks(kind, getattr(torch, ns.dtype), ns.device)
+        model = ["--model", ns.model] if ns.model is not None else []
+        return launcher.spawn(ns.nproc or launcher.default_nproc(),
+                              ["verify", "--dtype", ns.dtype, *device, *model], ns.deadline)
+    return _verify_ranks(kind, getattr(torch, ns.dtype), ns.device, ns.model)
 
 
-def _verify_ranks(kind: str, dtype: torch.dtype, device: Optional[str]) -> int:
-    """One rank of a job: single-device rows on its device, then the sharded rows; rank 0 prints."""
+def model_configs() -> tuple:
+    from .model import CONFIGS
+    return tuple(CONFIGS)
+
+
+def _check_model(parser: argparse.ArgumentParser, ns) -> None:
+    """Usage errors of ``--model`` before any rank starts: its dtype, and a config that loads."""
+    if ns.dtype != "float32":
+        parser.error(f"--model runs in float32 (its tolerance is float32's), got --dtype {ns.dtype}")
+    from .model import load_config
+    try:
+        load_config(ns.model)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def _verify_ranks(kind: str, dtype: torch.dtype, device: Optional[str], model: Optional[str] = None) -> int:
+    """One rank of a job: single-device rows on its device, then the sharded rows (or the model's
+    runs with ``model``); rank 0 prints."""
     from .. import launcher
     group, device, rank, world = launcher.init_ranks(kind, device)
     job = Job(group, device, rank, world, dtype)
     quiet = open(os.devnull, "w") if rank else sys.stdout
     try:
+        if model is not None:
+            return run_model(job, model, quiet)
         return run_table(lambda: single_device_rows(str(device), dtype) + sharded_rows(job), stream=quiet)
     finally:
         launcher.finish_ranks(kind)
+
+
+def run_model(job: Job, spec: str, stream) -> int:
+    """``verify --model``: the model table on rank 0, non-zero there on any mismatch."""
+    from . import model as vm
+    config = vm.load_config(spec)
+    rows = vm.model_rows(job, config)
+    if job.rank:
+        return 0
+    print(f"verify --model {spec}: {vm.describe(config)}; float32 on {job.world} ranks ({job.device.type}), "
+          f"attn_implementation='splitsoftmax_sp' (zigzag shards) against one rank ('eager')\n", file=stream)
+    print(vm.table(rows), file=stream)
+    bad = [r for r in rows if not r.ok]
+    print(f"\n{vm.TOLERANCE}\n{len(rows) - len(bad)}/{len(rows)} runs passed", file=stream)
+    return 1 if bad else 0

@@ -66,9 +66,9 @@ def sequence_rows(job: Job, schedule: str, layout: str) -> list[Row]:
     sinks = job.randn(4, seed=24)
     kv = torch.tensor([[2, s]], dtype=torch.int32, device=job.device)
     kw = dict(cu_seqlens=docs, window_size=(s // job.world + 3, 0), softcap=5.0, kv_range=kv)
-    if layout == "zigzag":
-        split = lambda t: ss.shard(t, 2, group=job.group, layout="zigzag", cu_seqlens=docs)  # noqa: E731
-        gather = lambda t: ss.unshard(t, 2, group=job.group, layout="zigzag", cu_seqlens=docs)  # noqa: E731
+    if layout != "contiguous":
+        split = lambda t: ss.shard(t, 2, group=job.group, layout=layout, cu_seqlens=docs)  # noqa: E731
+        gather = lambda t: ss.unshard(t, 2, group=job.group, layout=layout, cu_seqlens=docs)  # noqa: E731
     else:
         split, gather = job.contiguous(uneven_lengths(s, job.world), 2)
     sh = Sharding([split] * 3 + [lambda t: t], [gather] * 3 + [_summed(job)], split, gather)
@@ -104,5 +104,5 @@ def tree_rows(job: Job) -> list[Row]:
 def cases(job: Job) -> list:
     """``(title, rows function)`` of every variant case, for ``verify_sharded.cases``."""
     out = [(f"attention variants {sc} {lay}", lambda sc=sc, lay=lay: sequence_rows(job, sc, lay))
-           for sc in ("ring", "allgather") for lay in ("contiguous", "zigzag")]
+           for sc in ("ring", "allgather") for lay in ("contiguous", "zigzag", "balanced")]
     return out + [("attention variants tree", lambda: tree_rows(job))]

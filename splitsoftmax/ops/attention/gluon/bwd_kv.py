@@ -145,15 +145,37 @@ def _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, ds_t):
 
 
 @gluon.jit
+def _sink_keys(pdp_t, lse2, sink):
+    """``bwd_common._sink_keys``: ``[keys]``, ``sum_rows exp(sink - lse) * pdp_t`` of a ``[keys, rows]``
+    tile ``pdp_t`` of ``P * dP`` (0 at hidden pairs) from the rows' ``lse2 = lse * log2(e)`` (``+inf``:
+    ``p_sink = 0``)."""
+    p_sink = gl.exp2(sink * 1.4426950408889634 - lse2)
+    return gl.sum(pdp_t * p_sink[None, :], 1)
+
+
+@gluon.jit
+def _sink_flush(ptrs, acc, gi, nxt):
+    """Store the per-key sums ``acc`` of head ``gi`` (within the group) at ``ptrs`` where the
+    warpgroup's next tile in this part of its walk is of another head ``nxt`` (-1: none), and restart
+    them from 0 there; else keep them."""
+    last = nxt != gi
+    gl.store(ptrs, acc, mask=last)
+    return gl.where(last, 0.0, acc)
+
+
+@gluon.jit
 def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
             CAUSAL: gl.constexpr, STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr,
-            SOFTCAP: gl.constexpr):
+            SOFTCAP: gl.constexpr, SINK: gl.constexpr):
     """Score warpgroup ``C`` of two (4 warps): ``P^T`` and ``dS^T`` of tiles ``C, C + 2, ..``, the
     masked ones first, guarded, then the interior ones with ``dP^T`` running while ``P^T`` is taken.
     Each hands over through buffer ``C``; the two run out of step, one's products beside the other's
-    exponentials."""
+    exponentials. ``SINK``: each query head's ``sum_rows p_sink P dP`` per key over this warpgroup's
+    masked tiles, then over its interior ones, go to parts ``2 C`` and ``2 C + 1`` of the sinks'
+    buffer (``sk``: ``(SNK, PDP, s_wp, s_wh)``, both pointers at query head ``kvh * G``, the buffer's
+    at the program's batch element)."""
     (k_smem, v_smem, q_ring, do_ring, p_ring, ds_ring, kv_bar, t_full, t_empty, h_full, h_empty, stats, tiles,
-     ROWS, s_r, n0, dg, lw, kv_lo, kv_hi, cs, cap2) = p
+     ROWS, s_r, n0, dg, lw, kv_lo, kv_hi, cs, cap2, sk) = p
     Sq = stats[8]
     Tm = tiles[7]
     T = tiles[8]
@@ -168,6 +190,10 @@ def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D:
     mbarrier.wait(kv_bar, 0)
     k_t = k_smem.reshape([BLOCK_N, D])
     v_t = v_smem.reshape([BLOCK_N, D])
+    if SINK:
+        acc = gl.zeros([BLOCK_N], gl.float32, k_rows)
+        pdp = sk[1] + 2 * C * sk[2] + kj  # this warpgroup's part of its masked tiles, per key
+        nmk = tiles[6]
     for t in range(C, Tm, 2):
         s = t % STAGES
         q_t = q_ring.index(s).reshape([BLOCK_M, D])
@@ -180,12 +206,16 @@ def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D:
         _thread_barrier()
         dp_t = warpgroup_mma(v_t, do_t.permute((1, 0)), zeros_s, use_acc=False)
         mbarrier.arrive(t_empty.index(s), count=1)
-        qi = _tile_of(t, tiles, BLOCK_M)[1] + gl.arange(0, BLOCK_M, layout=q_cols)
+        gi, m0 = _tile_of(t, tiles, BLOCK_M)
+        qi = m0 + gl.arange(0, BLOCK_M, layout=q_cols)
         rlo, rhi = _doc_rows(ROWS, s_r, qi, Sq, HAS_ROWS)
         seen = _seen(kj[:, None], qi[None, :], rlo[None, :], rhi[None, :], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
                      HAS_ROWS)
         p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
         p_t = gl.where(seen, p_t, 0.0)
+        if SINK:  # (dO is guarded: hidden pairs give 0)
+            acc = _sink_flush(pdp + gi * sk[3], acc + _sink_keys(p_t * dp_t, lse2, gl.load(sk[0] + gi)), gi,
+                              gl.where(t + 2 < Tm, (t + 2) // nmk, -1))
         _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t,
                    gl.where(seen, _score_grad(p_t, c_t, dp_t, delta[None, :], SOFTCAP), 0.0))
         lse2, delta = _tile_stats(stats, t + 2, tiles, q_cols, BLOCK_M)
@@ -197,6 +227,11 @@ def _scores(p, C: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D:
         p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
         mbarrier.arrive(t_empty.index(t % STAGES), count=1)
+        if SINK:
+            n_in = tiles[5]
+            gi = (t - Tm) // n_in
+            acc = _sink_flush(pdp + sk[2] + gi * sk[3], acc + _sink_keys(p_t * dp_t, lse2, gl.load(sk[0] + gi)),
+                              gi, gl.where(t + 2 < T, (t + 2 - Tm) // n_in, -1))
         _hand_over(p_ring, ds_ring, h_full, h_empty, t, p_t, _score_grad(p_t, c_t, dp_t, delta[None, :], SOFTCAP))
         lse2, delta = _tile_stats(stats, t + 2, tiles, q_cols, BLOCK_M)
 
@@ -217,16 +252,18 @@ def _issue_scores(k_t, v_t, q_ring, do_ring, t_full, t, zeros_s, BLOCK_M: gl.con
 
 @gluon.jit
 def _scores0(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-             STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
+             STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr,
+             SINK: gl.constexpr):
     """The first score warpgroup (the default partition: the kernel's own warps), even tiles."""
-    _scores(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
+    _scores(p, 0, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP, SINK)
 
 
 @gluon.jit
 def _scores1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
-             STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
+             STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr,
+             SINK: gl.constexpr):
     """The second score warpgroup (a worker of 4 warps), odd tiles."""
-    _scores(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
+    _scores(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP, SINK)
 
 
 @gluon.jit
@@ -267,11 +304,11 @@ def _grads(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAU
 def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QOFF, ROWS, RB, ds_desc,
                     s_lb, s_lh, s_ls, s_eb, s_eh, s_es, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
                     s_kvb, s_kvc, s_off, s_r,
-                    HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
+                    HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH, SNK, PDP, s_wp, s_wb, s_wh,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                     STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr,
                     HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr, DS_OUT: gl.constexpr,
-                    DS_ALIGN: gl.constexpr, num_warps: gl.constexpr):
+                    DS_ALIGN: gl.constexpr, num_warps: gl.constexpr, SINK: gl.constexpr = False):
     """Grid ``(key blocks, B * HKV)`` in the order of ``GH`` (``attention._program_order``);
     ``num_warps = 4`` (the first score warpgroup), plus the second's 4, the gradient warpgroup's 4
     and the producer's 1. ``q_desc`` and ``do_desc`` read ``BLOCK_M`` rows, ``k_desc`` and
@@ -281,7 +318,10 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     ``[BLOCK_N, BLOCK_M]``) is also written through ``ds_desc``, a 2-D ``(B * H * key blocks * BLOCK_N,
     query columns)`` descriptor (:func:`_grads`), a causal key block's query rows from its first in
     the band (``n0 - diag - off``) rounded down to ``BLOCK_M``, then to ``DS_ALIGN`` (the dQ kernel's
-    query tile; that kernel finds it likewise); otherwise ``ds_desc`` is not read."""
+    query tile; that kernel finds it likewise); otherwise ``ds_desc`` is not read. ``SINK``: the
+    score warpgroups store each query head's ``sum_rows p_sink P dP`` per key (:func:`_scores`) into
+    ``PDP (4, B, H, key blocks * BLOCK_N)`` (strides ``s_wp, s_wb, s_wh``), the sinks ``SNK (H,)``
+    float32; without it ``SNK, PDP`` and their strides are None (constexprs)."""
     pid_n, pid_bh = _program_order(GH)
     b = pid_bh // HKV
     kvh = pid_bh % HKV
@@ -331,8 +371,11 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     # the gradients
     stats = (LSE, DELTA, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, Sq)
     tiles = (b, kvh, G, first, n_pre, n_in, nmk, Tm, T)
+    sk = ()  # the sinks' operands, only where read
+    if SINK:
+        sk = (SNK + kvh * G, PDP + b * s_wb + kvh * G * s_wh, s_wp, s_wh)
     ps = (k_smem, v_smem, q_ring, do_ring, p_ring, ds_ring, kv_bar, t_full, t_empty, h_full, h_empty, stats, tiles,
-          ROWS, s_r, n0, dg, lw, kv_lo, kv_hi, cs, cap2)
+          ROWS, s_r, n0, dg, lw, kv_lo, kv_hi, cs, cap2, sk)
     pg = (q_ring, do_ring, p_ring, ds_ring, t_full, t_empty, h_full, h_empty, T, GK, GV, s_kgb, s_kgh, s_kgs, s_vgb,
           s_vgh, s_vgs, b, kvh, n0, Sk, scale, tiles, ds_desc, gl.num_programs(0),
           (b * HKV + kvh) * G * gl.num_programs(0) * BLOCK_N + n0, ds_col0)
@@ -341,8 +384,8 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     # given the registers asked for each (setmaxnreg) out of the launch's maxnreg per thread; the
     # first score warpgroup keeps the rest.
     gl.warp_specialize([
-        (_scores0, (ps, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
-        (_scores1, (ps, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
+        (_scores0, (ps, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP, SINK)),
+        (_scores1, (ps, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP, SINK)),
         (_grads, (pg, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP, DS_OUT)),
         (_producer, (pp, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
     ], [4, 4, 1], [160, 160, 24])

@@ -79,11 +79,12 @@ def _scatter_seen(comm: Communicator, spec: AttnSpec, parts: list, k: Tensor, dt
     return dk, dv
 
 
-def allgather_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta):
-    """Backward: gather K/V again, compute every owner's dK/dV, reduce-scatter them home."""
+def allgather_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta, sink=None):
+    """Backward: gather K/V again, compute every owner's dK/dV, reduce-scatter them home (``sink``:
+    the sums for the sinks' gradient of this rank's rows, ``op.bwd_call``)."""
     dt = state.stat_dtype(q.dtype)
     dq = [None]
-    visit = attn_bwd_visit(spec, q, dout, lse, delta, dq)
+    visit = attn_bwd_visit(spec, q, dout, lse, delta, dq, sink)
     if spec.plan.direct:
         got = gather_seen(comm, spec, k, v, "allgather backward: gathering K/V")
         parts = [None] * len(got)

@@ -9,16 +9,22 @@ goes to each of them). Four all-to-alls per call, two each way (:mod:`.alltoall`
    order of :class:`Placement` (1-D: global positions, the layout undone);
 2. ``(out, lse)`` of the local op: heads -> sequence shards;
 3. backward: ``dout`` and the rows' ``(lse, delta)``: sequence shards -> heads;
-4. ``(dq, dk, dv)``: heads -> sequence shards; the dK/dV of a kv head that several ranks read
-   travel in float32 and are summed in rank order, then cast once.
+4. ``(dq, dk, dv)`` (with sinks, and each row's float32 ``rowsum(dout * out)``): heads -> sequence
+   shards; the dK/dV of a kv head that several ranks read travel in float32 and are summed in rank
+   order, then cast once.
 
 Between the exchanges runs the inner op on the heads' tensors, a pair ``(fwd, bwd)`` with the
-ring's signatures. In one dimension it is the ring's visit of a one-rank plan over the whole
-sequence (:func:`local_op`): the single-device op, every keyword in its global meaning. A 2-D mesh
-will run the ring (or all-gather) over the sequence group there instead, with ``Placement`` the
-contiguous split of each sequence shard over the heads group. ``sinks`` follow their heads: each
+ring's signatures (:func:`sequence_op`). In one dimension it is the ring's visit of a one-rank plan
+over the whole sequence: the single-device op, every keyword in its global meaning. On a 2-D mesh
+(:func:`mesh_attention`, ``"heads+ring"`` / ``"heads+allgather"``) the all-to-all runs within the
+heads group, ``Placement`` being the contiguous split of the group's sequence shard over its ranks,
+and the ring (or all-gather) runs over the sequence group on the heads' sequence shards: the ranks
+of a sequence group hold the same heads, so they skip or run it together. ``sinks`` follow their heads: each
 rank merges the sinks of its heads into its final rows before rounding; the sinks' gradient is each
-rank's rows' share (as under ``"ring"``), from the ``(lse, delta)`` of its sequence shard.
+rank's rows' share (as under ``"ring"``), from the ``lse`` of its sequence shard and the rows'
+``rowsum(dout * out)`` taken on the heads' side from the output before rounding (kept for the
+backward in the accumulation dtype where there are sinks), which travels back with the gradients:
+the rounded ``out`` would carry its rounding into the sinks' gradient.
 """
 from __future__ import annotations
 
@@ -35,11 +41,15 @@ from ....distributed import work
 from ....distributed.alltoall import exchange
 from ....distributed.attn_meta import Keywords
 from ....distributed.comm import Communicator
+from ....distributed.mesh import seq_lengths
 from ....distributed.work import AttnSpec
 from ..op import backward_stats
+from .allgather import allgather_attention_bwd, allgather_attention_fwd
 from .ring import ring_attention_bwd, ring_attention_fwd
 
 TAG_QKV, TAG_OUT, TAG_DOUT, TAG_GRAD = 51, 52, 53, 54
+_SEQUENCE = {"ring": (ring_attention_fwd, ring_attention_bwd),
+             "allgather": (allgather_attention_fwd, allgather_attention_bwd)}
 
 
 class Heads(NamedTuple):
@@ -149,16 +159,19 @@ class HeadsSpec:
         return self.split[self.comm.rank]
 
 
-def local_op(b: int, hd: Heads, d: int, dv: int, scale: float, causal: bool, kw: Keywords, sq: int, sk: int,
-             local_kv: int) -> tuple:
-    """The single-device op over the whole sequence for ``hd``'s heads (``local_kv`` kv heads after
-    any expansion), every keyword in its global meaning (``sinks`` apart): the ring's one-rank plan."""
+def sequence_op(comm: Communicator, schedule: str, b: int, hd: Heads, d: int, dv: int, scale: float,
+                causal: bool, layout: str, kw: Keywords, q_lens: tuple, k_lens: tuple, local_kv: int) -> tuple:
+    """The inner op for ``hd``'s heads (``local_kv`` kv heads after any expansion): ``schedule``
+    (``"ring"`` or ``"allgather"``) over the sequence group ``comm``, whose ranks hold the shards
+    ``q_lens`` / ``k_lens`` of ``layout``; every keyword in its global meaning (``sinks`` apart). On a
+    one-rank group it is the single-device op over the whole sequence."""
     inner_kw = kw._replace(sinks=None, q_offset=None)
-    planned = work.planned(0, (sq,), (sk,), "contiguous", causal, kw.docs, kw.window)
-    spec = AttnSpec(b, hd.nq, local_kv, d, dv, scale, causal, "contiguous", [sq], [sk], 0, inner_kw, planned)
-    solo = _Solo()
-    return (lambda q, k, v: ring_attention_fwd(solo, spec, q, k, v),
-            lambda q, k, v, dout, lse, delta: ring_attention_bwd(solo, spec, q, k, v, dout, lse, delta))
+    planned = work.planned(comm.rank, q_lens, k_lens, layout, causal, kw.docs, kw.window)
+    spec = AttnSpec(b, hd.nq, local_kv, d, dv, scale, causal, layout, list(q_lens), list(k_lens), comm.rank,
+                    inner_kw, planned)
+    fwd, bwd = _SEQUENCE[schedule]
+    return (lambda q, k, v: fwd(comm, spec, q, k, v),
+            lambda q, k, v, dout, lse, delta: bwd(comm, spec, q, k, v, dout, lse, delta))
 
 
 def _expand(kh: Tensor, runs: Optional[tuple]) -> Tensor:
@@ -229,16 +242,16 @@ class HeadsAttentionFn(torch.autograd.Function):
         outs, lses = _to_seq(hs, [(outh, False, q.dtype), (lseh, False, acc)], [hs.q_place, hs.q_place],
                              "heads forward: out to sequence shards", TAG_OUT)
         out, lse = torch.cat(outs, 1), torch.cat(lses, 1)
-        ctx.save_for_backward(qh, kh, vh, out, lse, sinks)
+        exact = outh.to(acc) if sinks is not None else None  # (for the sinks' gradient: every rank alike)
+        ctx.save_for_backward(qh, kh, vh, out, lse, sinks, exact)
         ctx.hs, ctx.dtypes = hs, (q.dtype, k.dtype, v.dtype)
         return out, lse.float()
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        qh, kh, vh, out, lse, sinks = ctx.saved_tensors
+        qh, kh, vh, out, lse, sinks, exact = ctx.saved_tensors
         hs, me = ctx.hs, ctx.hs.mine
         lse, delta = backward_stats(out, lse, dout.contiguous(), dlse)
-        dsinks = state.sink_grad(lse, delta, sinks) if sinks is not None and ctx.needs_input_grad[3] else None
         douth, lseh, deltah = _to_heads(hs, [(dout, False), (lse, False), (delta, False)], [hs.q_place] * 3,
                                         "heads backward: dout to heads", TAG_DOUT)
         runs, shared = kv_runs(me, hs.h // hs.hkv), kv_shared(hs.split, hs.hkv)
@@ -249,11 +262,17 @@ class HeadsAttentionFn(torch.autograd.Function):
             dqh, dkh, dvh = qh, kh, vh  # (empty)
         qdt, kdt, vdt = ctx.dtypes
         acc = state.stat_dtype(qdt)
-        dqs, dks, dvs = _to_seq(hs, [(dqh, False, qdt), (dkh, True, acc if shared else kdt),
-                                     (dvh, True, acc if shared else vdt)], [hs.q_place, hs.k_place, hs.k_place],
-                                "heads backward: gradients to sequence shards", TAG_GRAD)
-        dk, dv = (_summed(parts, hs.split, hs.hkv, shared, dt) for parts, dt in ((dks, kdt), (dvs, vdt)))
-        return torch.cat(dqs, 1), dk, dv, dsinks, None
+        grads = [(dqh, False, qdt), (dkh, True, acc if shared else kdt), (dvh, True, acc if shared else vdt)]
+        if exact is not None:  # each row's rowsum(dout * out) of the output before rounding, with the gradients
+            grads.append(((douth.to(acc) * exact).sum(-1), False, acc))
+        back = _to_seq(hs, grads, [hs.q_place, hs.k_place, hs.k_place, hs.q_place][:len(grads)],
+                       "heads backward: gradients to sequence shards", TAG_GRAD)
+        dk, dv = (_summed(parts, hs.split, hs.hkv, shared, dt) for parts, dt in ((back[1], kdt), (back[2], vdt)))
+        dsinks = None
+        if exact is not None and ctx.needs_input_grad[3]:
+            rowsum = torch.cat(back[3], 1)
+            dsinks = state.sink_grad(lse, rowsum if dlse is None else rowsum - dlse.to(rowsum.dtype), sinks)
+        return torch.cat(back[0], 1), dk, dv, dsinks, None
 
 
 def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, layout: str,
@@ -261,12 +280,31 @@ def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: 
     """``schedule="heads"`` after the handshake: ``(out (B,H,Sq_r,Dv) in q.dtype, lse (B,H,Sq_r)
     float32)`` of this rank's sequence shard. ``lens``: every rank's ``(q lengths, k lengths)``."""
     (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
-    docs = kw.docs if layout == "zigzag" else None
+    docs = kw.docs if layout != "contiguous" else None
     q_lens, k_lens = tuple(lens[0]), tuple(lens[1])
     split = head_split(h, hkv, comm.size)
     me = split[comm.rank]
     runs = kv_runs(me, h // hkv)
-    inner = local_op(b, me, d, dv, scale, causal, kw, sum(q_lens), sum(k_lens), me.nkv if runs is None else me.nq)
+    inner = sequence_op(_Solo(), "ring", b, me, d, dv, scale, causal, "contiguous", kw, (sum(q_lens),),
+                        (sum(k_lens),), me.nkv if runs is None else me.nq)
     hs = HeadsSpec(comm, b, h, hkv, d, dv, split, sequence_placement(layout, q_lens, docs),
                    sequence_placement(layout, k_lens, docs), inner)
+    return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)
+
+
+def mesh_attention(mesh, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, layout: str, kw: Keywords,
+                   lens: tuple, schedule: str) -> tuple[Tensor, Tensor]:
+    """``schedule="heads+ring"`` / ``"heads+allgather"`` on a :class:`~splitsoftmax.distributed.mesh.Mesh`
+    after the handshake: ``(out (B,H,n,Dv), lse (B,H,n) float32)`` of this rank's rows, ``n`` its piece of
+    its sequence shard. ``lens``: every mesh rank's ``(q lengths, k lengths)``, mesh rank order."""
+    (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
+    (ps, ph), s = mesh.shape, mesh.seq.rank
+    q_mine, k_mine = (tuple(x[s * ph:(s + 1) * ph]) for x in lens)
+    q_seq, k_seq = (tuple(seq_lengths(x, mesh.shape)) for x in lens)
+    split = head_split(h, hkv, ph)
+    me = split[mesh.heads.rank]
+    runs = kv_runs(me, h // hkv)
+    inner = sequence_op(mesh.seq, schedule.split("+")[1], b, me, d, dv, scale, causal, layout, kw, q_seq, k_seq,
+                        me.nkv if runs is None else me.nq)
+    hs = HeadsSpec(mesh.heads, b, h, hkv, d, dv, split, Placement(q_mine, None), Placement(k_mine, None), inner)
     return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)

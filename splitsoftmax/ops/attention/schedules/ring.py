@@ -27,6 +27,7 @@ from torch import Tensor
 from ....core import state
 from ....core.log import LOG, clock, nbytes
 from ..._registry import masked_op
+from ..op import bwd_call
 from ....distributed.comm import Communicator
 from ....distributed.work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
 
@@ -129,18 +130,20 @@ def state_of(acc: list, spec: AttnSpec, q: Tensor) -> tuple[Tensor, Tensor]:
     return acc[0] if acc[0] is not None else empty_acc(spec, q)
 
 
-def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: list) -> Callable:
+def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: list,
+                   sink: Optional[list] = None) -> Callable:
     """Visit for the backward: add to ``dq[0]`` (float32; None until a call adds to it), return the
     buffer's ``(dk, dv)`` (float32) packed as one flat buffer (:func:`work.pack`'s layout). The first
     call's gradients are taken as they are where they cover every row (the queries' for ``dq``, the
-    buffer's for dK/dV), not added to zeros."""
+    buffer's for dK/dV), not added to zeros. ``sink``: the sums for the sinks' gradient, as
+    ``op.bwd_call`` adds them."""
     def visit(s: int, k: Tensor, v: Tensor) -> Tensor:
         n, buf = k.shape[2], None
         for c in spec.calls(s, q.device):
             qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
-            dqp, dkp, dvp = masked_op("attn_bwd", q, c.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs],
-                                                             lse[:, :, qs], delta[:, :, qs], spec.scale, c.causal,
-                                                             c.diag)
+            dqp, dkp, dvp = bwd_call(masked_op("attn_bwd", q, c.mask),
+                                     (q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs], lse[:, :, qs],
+                                      delta[:, :, qs], spec.scale, c.causal, c.diag), sink)
             dq[0] = added(dq[0], dqp, qs, q.shape[2])
             whole = buf is None and (c.k, c.nk) == (0, n)
             if buf is None:
@@ -225,11 +228,12 @@ def direct_bwd(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit: 
     return dk, dv
 
 
-def ring_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta):
-    """Backward of the ring schedule: ``(dq, dk, dv)`` float32 of this rank's shards."""
+def ring_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta, sink: Optional[list] = None):
+    """Backward of the ring schedule: ``(dq, dk, dv)`` float32 of this rank's shards (``sink``: the
+    sums for the sinks' gradient of this rank's rows, ``op.bwd_call``)."""
     dt = state.stat_dtype(q.dtype)
     dq = [None]
-    visit = attn_bwd_visit(spec, q, dout, lse, delta, dq)
+    visit = attn_bwd_visit(spec, q, dout, lse, delta, dq, sink)
     if spec.plan.direct:
         dk, dv = direct_bwd(comm, spec, k, v, visit, dt)
     else:

@@ -17,6 +17,7 @@ from ....distributed.comm import Communicator
 from ....distributed.tree import allgather, allreduce_sum
 from ....distributed.work import AttnSpec, Call, make_mask
 from ..._registry import masked_op, op
+from ..op import bwd_call, sink_total
 
 
 def tree_call(spec: AttnSpec, sq: int) -> Optional[Call]:
@@ -75,8 +76,9 @@ def tree_attention_fwd(comm: Communicator, spec: AttnSpec, q: Tensor, k: Tensor,
     return op("merge_out_lse", parts)(parts[..., :-1], parts[..., -1])  # fixed order: same on every rank
 
 
-def tree_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta):
-    """``(dq summed over ranks, dk, dv local)``, float32."""
+def tree_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, delta, sink: Optional[list] = None):
+    """``(dq summed over ranks, dk, dv local)``, float32; ``sink``: the sums for the sinks' gradient
+    (``op.bwd_call``) over every rank's keys, summed over the ranks (zeros where none ran)."""
     call = tree_call(spec, q.shape[2])
     dt = state.stat_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=dt, device=q.device)
@@ -84,8 +86,10 @@ def tree_attention_bwd(comm: Communicator, spec: AttnSpec, q, k, v, dout, lse, d
     dv = torch.zeros(v.shape, dtype=dt, device=q.device)
     if call is not None:
         qs, ks = slice(call.q, call.q + call.nq), slice(call.k, call.k + call.nk)
-        dqp, dkp, dvp = masked_op("attn_bwd", q, call.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks],
-                                                            dout[:, :, qs].contiguous(), lse[:, :, qs],
-                                                            delta[:, :, qs], spec.scale, call.causal, call.diag)
+        dqp, dkp, dvp = bwd_call(masked_op("attn_bwd", q, call.mask),
+                                 (q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs].contiguous(), lse[:, :, qs],
+                                  delta[:, :, qs], spec.scale, call.causal, call.diag), sink)
         dq[:, :, qs], dk[:, :, ks], dv[:, :, ks] = dqp, dkp, dvp
+    if sink is not None:
+        sink[1] = allreduce_sum(comm, sink_total(sink, q), "tree backward: sum of the sinks' sums")
     return allreduce_sum(comm, dq, "tree backward: sum of dq"), dk, dv

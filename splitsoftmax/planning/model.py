@@ -1,0 +1,219 @@
+"""The cost model: a profile's measured rates turned into the time of a kernel launch and of a transfer.
+
+Kernel time. The local attention kernel walks tiles of ``tile_rows`` query rows by ``tile_keys`` keys;
+a piece of work (rows x keys, full or causal, for each head) costs the tiles it touches, not the pairs
+it keeps. A tile runs at the rate the profile measured for a full (non-causal) square problem whose
+key loop is as long as this work's: ``R(kbar)``, ``kbar`` the keys one row tile walks on average. The
+profile's tables come from ``B*S = 32768`` runs (thousands of row tiles), so ``R`` holds the key loop's
+efficiency and nothing of the GPU's fill; the fill is the second bound: no launch is shorter than its
+longest row tile's chain of key tiles on one SM. Below the table's shortest length ``R`` falls like
+``k / (k + k0)`` (fitted to its two shortest points). The causal tables are not used by the model:
+they check it (tests/test_plan_model.py).
+
+Transfers. ``t = latency + bytes / rate`` for the link class (``"intra"``: inside a host, ``"inter"``:
+across hosts) and the collective (``"p2p"``, ``"alltoall"``, ``"allgather"``).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import pathlib
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+PROFILES = pathlib.Path(__file__).resolve().parent / "profiles"
+PASSES = ("fwd", "fwd_bwd")
+LINKS = ("intra", "inter")
+FIELDS = ("visible", "touched", "rowtiles", "chain", "launches")
+COLLECTIVES = ("p2p", "alltoall", "allgather")
+
+
+@dataclass
+class Work:
+    """Tile work of one launch, per head (numpy arrays over ranks, or floats).
+
+    ``visible``: (query, key) pairs the mask keeps; ``touched``: tile pairs the kernel walks;
+    ``rowtiles``: row tiles; ``chain``: key tiles of the longest row tile; ``launches``: kernel calls
+    (1 where there is work: pieces added together run in one launch)."""
+    visible: object = 0.0
+    touched: object = 0.0
+    rowtiles: object = 0.0
+    chain: object = 0.0
+    launches: object = 0.0
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.visible + other.visible, self.touched + other.touched, self.rowtiles + other.rowtiles,
+                    np.maximum(self.chain, other.chain), np.maximum(self.launches, other.launches))
+
+    def scaled(self, k) -> "Work":
+        """``k`` copies of this work in one launch (``k`` may be an array over ranks)."""
+        some = np.asarray(k) > 0
+        return Work(self.visible * k, self.touched * k, self.rowtiles * k, np.where(some, self.chain, 0.0),
+                    np.where(some, self.launches, 0.0))
+
+
+class Tiles(NamedTuple):
+    """The kernel's tile (rows = keys) and whether pieces of different documents share a tile
+    (``packed``: this package's kernels, whose row bounds let a tile hold several documents) or each
+    document's piece has tiles of its own (varlen kernels that walk one document at a time)."""
+    size: int
+    packed: bool = True
+
+
+def piece(rows, keys, causal: bool, tiles: Tiles, count=1.0, stride=None, aligned: bool = True) -> Work:
+    """``count`` pieces of ``rows`` x ``keys`` (``causal``: square diagonal pieces, ``keys`` ignored)
+    in one launch. Scalars or numpy arrays (one entry per rank).
+
+    ``aligned``: the pieces start on tile edges (one document cut in equal chunks); otherwise
+    (packed documents) they fall anywhere against the tiles, and a piece of ``n`` rows spans
+    ``(n + tile - 1) / tile`` tiles on average. Packed, documents whose rows in the buffer
+    (``row_stride``) are shorter than a row tile share it: a row tile holds ``tile / row_stride`` of
+    them and walks every key tile between the first key of its first piece and the last of its last,
+    which lie ``key_stride`` apart (``stride = (row_stride, key_stride)``: the rows and keys a piece's
+    document takes in the row and key buffers, where only part of them may meet; default ``(rows,
+    keys)``). Unpacked, each piece has tiles of its own."""
+    tile = tiles.size
+    rows = np.asarray(rows, dtype=float)
+    keys = rows if causal else np.asarray(keys, dtype=float)
+    row_stride, key_stride = (rows, keys) if stride is None else (np.asarray(x, dtype=float) for x in stride)
+    count = np.where((rows > 0) & (keys > 0), np.asarray(count, dtype=float), 0.0)
+    alone = (row_stride >= tile) | (not tiles.packed)
+
+    def span(n):  # tiles a run of n rows (or keys) covers
+        return np.ceil(n / tile) if aligned else (n + tile - 1) / tile
+    rt = np.where(alone, span(rows), row_stride / tile)
+    shared = key_stride / np.maximum(row_stride, 1e-9) + (0.0 if aligned else (tile - 1) / tile)
+    if causal:
+        visible = rows * (rows + 1) / 2
+        touched = np.where(alone, rt * (rt + 1) / 2, rt * shared)
+        chain = np.where(alone, rt, np.ceil(shared))
+    else:
+        visible = rows * keys
+        kt = np.where(alone, span(keys), shared)
+        touched, chain = rt * kt, np.ceil(kt)
+    some = count > 0
+    return Work(count * visible, count * touched, count * rt, np.where(some, chain, 0.0), np.where(some, 1.0, 0.0))
+
+
+class Profile:
+    """Measured rates of one GPU kind and its links (a profile JSON, see ``profiles/``)."""
+
+    def __init__(self, data: dict):
+        self.data = data
+        k = data["kernel"]
+        self.name = data["name"]
+        self.tile = int(k["tile_rows"])
+        self.tiles = Tiles(self.tile, bool(k.get("packs_documents", True)))
+        self.sms = int(data["sms"])
+        self.memory = float(data["memory_gib"]) * 2 ** 30
+        self.scale = {p: 1.0 for p in PASSES}
+        self._tables = {p: sorted((float(s), float(r)) for s, r in k[p]["full"]) for p in PASSES}
+        for p, t in self._tables.items():
+            if len(t) < 2 or any(r <= 0 for _, r in t):
+                raise ValueError(f"profile {self.name!r}: kernel table {p!r} needs >= 2 positive points, got {t}")
+        for cls in LINKS:
+            for kind in COLLECTIVES:
+                e = data.get("links", {}).get(cls, {}).get(kind)
+                if not e or not e.get("gbs", 0) > 0 or not e.get("latency_us", -1) >= 0:
+                    raise ValueError(f"profile {self.name!r}: links.{cls}.{kind} needs gbs > 0 and latency_us >= 0, "
+                                     f"got {e!r}")
+
+    def rate(self, pas: str, keys) -> np.ndarray:
+        """TFLOP/s of a full tile whose row tile walks ``keys`` keys (interpolated in log keys)."""
+        t = self._tables[pas]
+        keys = np.maximum(np.asarray(keys, dtype=float), 1.0)
+        out = interp_rate(t, keys)
+        (k1, r1), (k2, r2) = t[0], t[1]
+        k0 = max((r2 - r1) / (r1 / k1 - r2 / k2), 0.0) if r1 / k1 > r2 / k2 else 0.0
+        low = r1 * (keys / (keys + k0)) / (k1 / (k1 + k0))
+        return np.where(keys < k1, low, out) * self.scale[pas]
+
+    def kernel_s(self, work: Work, heads: float, head_dim: int, pas: str) -> np.ndarray:
+        """Seconds of the forward (``pas="fwd"``) or the backward (``"bwd"``) of ``work`` for ``heads`` heads."""
+        touched = np.asarray(work.touched, dtype=float)
+        if touched.size > 256:  # many ranks (and steps), most of them idle: time only those with work
+            out = np.zeros(touched.shape)
+            some = np.nonzero(touched > 0)
+            out[some] = self._kernel_s(Work(*(np.broadcast_to(np.asarray(getattr(work, f), dtype=float),
+                                                               touched.shape)[some] for f in FIELDS)),
+                                       heads, head_dim, pas)
+            return out
+        return self._kernel_s(work, heads, head_dim, pas)
+
+    def _kernel_s(self, work: Work, heads: float, head_dim: int, pas: str) -> np.ndarray:
+        tile_flops = 4.0 * head_dim * self.tile * self.tile
+        touched = np.asarray(work.touched, dtype=float)
+        kbar = self.tile * touched / np.maximum(np.asarray(work.rowtiles, dtype=float), 1e-9)
+        walk = np.maximum(touched * heads, np.asarray(work.chain, dtype=float) * self.sms * (heads > 0))
+        fwd = walk * tile_flops / (self.rate("fwd", kbar) * 1e12)
+        k = self.data["kernel"]
+        if pas == "fwd":
+            return fwd + np.asarray(work.launches) * k["launch_us"]["fwd"] * 1e-6
+        both = 3.5 * walk * tile_flops / (self.rate("fwd_bwd", kbar) * 1e12)
+        return np.maximum(both - fwd, 0.0) + np.asarray(work.launches) * k["launch_us"]["bwd"] * 1e-6
+
+    def overhead_s(self, what: str, pas: str) -> float:
+        """Host seconds of one ``what`` (``"step_us"``: a ring step, ``"call_us"``: a call) in pass ``pas``."""
+        return self.data["kernel"][what]["fwd" if pas == "fwd" else "bwd"] * 1e-6
+
+    def link(self, cls: str, kind: str) -> tuple[float, float]:
+        """(bytes per second, latency seconds) of collective ``kind`` on link class ``cls``."""
+        e = self.data["links"][cls][kind]
+        return float(e["gbs"]) * 1e9, float(e["latency_us"]) * 1e-6
+
+    def transfer_s(self, nbytes, cls: str, kind: str) -> np.ndarray:
+        """Seconds to move ``nbytes`` (per rank, the busiest direction) over ``cls`` by ``kind``."""
+        bw, lat = self.link(cls, kind)
+        nbytes = np.asarray(nbytes, dtype=float)
+        return np.where(nbytes > 0, lat + nbytes / bw, 0.0)
+
+    def with_tiles(self, packed: bool) -> "Profile":
+        """A copy whose kernel packs documents into shared tiles (``True``) or gives each its own."""
+        data = copy.deepcopy(self.data)
+        data["kernel"]["packs_documents"] = bool(packed)
+        out = Profile(data)
+        out.scale = dict(self.scale)
+        return out
+
+    def with_kernel_scale(self, **scale: float) -> "Profile":
+        """A copy whose kernel rates are multiplied per pass (``fwd=..., fwd_bwd=...``; the others kept): a profile
+        brought to one GPU's time measured in another run (the machine of a run being checked)."""
+        out = Profile(copy.deepcopy(self.data))
+        out.scale = dict(self.scale)
+        for p, v in scale.items():
+            if p not in PASSES:
+                raise ValueError(f"with_kernel_scale: unknown pass {p!r}, expected one of {PASSES}")
+            out.scale[p] = float(v)
+        return out
+
+
+def load_profile(profile=None) -> Profile:
+    """A :class:`Profile` from ``None`` (the shipped H100 profile), a shipped name (``"h100"``,
+    ``"h200"``), a path to a JSON file, a dict, or a Profile."""
+    if isinstance(profile, Profile):
+        return profile
+    if profile is None:
+        profile = "h100"
+    if isinstance(profile, dict):
+        return Profile(profile)
+    if not isinstance(profile, (str, pathlib.Path)):
+        raise TypeError(f"profile must be None, a name, a path, a dict or a Profile, got {type(profile).__name__}")
+    path = PROFILES / f"{profile}.json" if str(profile) in shipped() else pathlib.Path(profile)
+    if not path.is_file():
+        raise ValueError(f"profile {str(profile)!r}: no such file and not one of the shipped {shipped()}")
+    return Profile(json.loads(path.read_text()))
+
+
+def shipped() -> list[str]:
+    """Names of the profiles shipped with the package."""
+    return sorted(p.stem for p in PROFILES.glob("*.json"))
+
+
+
+def interp_rate(table, length):
+    """A profile table's rate at ``length`` (``[[length, TFLOP/s], ...]``; scalar or array), linear in
+    log length, clamped at its ends."""
+    xs = np.log([float(a) for a, _ in table])
+    return np.interp(np.log(np.maximum(np.asarray(length, dtype=float), 1.0)), xs, [float(b) for _, b in table])

@@ -1,0 +1,243 @@
+"""The model against measured runs: this project's own 2-GPU ring runs and published multi-GPU results
+of other systems. Each check feeds the model one GPU's kernel time from the same source (the kernel
+rates of another run, or another library's kernel, are not what is being checked), then predicts the
+multi-GPU numbers; the error is ``predicted / measured - 1``.
+
+Sources (measured numbers, never fitted to):
+
+- R1, R2: BENCHMARKS.md "Ring attention across GPUs" (2x H200 NVLink, 2026-11-29, commit 02ecb3c):
+  B=1, H=32, D=128, bf16, zigzag; ms. Fed: that run's ``1gpu-ss`` times.
+- ss allgather and torch CP (BENCHMARKS.md history, 2026-11-29, commit 27e894a, the same
+  host): torch's ``context_parallel`` over SDPA flash (head-tail balancing = zigzag), its all-gather
+  rotation (K/V gathered) and its all-to-all rotation (a ring of P2P exchanges). Fed: that run's
+  ``1gpu-ss`` / ``1gpu-sdpa-flash`` times.
+- P2P ring, Ulysses, USP (MagiAttention's benchmark as published: 8 and 64 H100s, 8k tokens
+  a GPU, GQA 64:8, D=128; TFLOP/s a GPU). Fed: Ulysses's 8-GPU backward (causal) and USP's 8-GPU
+  forward and Ulysses's 8-GPU backward (documents), as that benchmark's kernel rates, each run on
+  the model to fit the kernel's scale. The documents there are drawn from a dataset's length
+  distribution that is not tabulated, each at most a quarter of the total; here two assumptions
+  (:func:`packed`: equal tokens per length octave up to that cap, or a fixed mix of short
+  documents) are each checked, and the measured values lie between them. Its baselines run
+  FlashAttention-3 varlen kernels, which give each document's piece tiles of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model import Profile, load_profile
+from .sim import Candidate, Problem, Simulator
+
+# the packed benchmark's documents are drawn from a dataset whose length distribution is not
+# tabulated, each at most a quarter of the total; two assumptions bracket it (see :func:`packed`)
+SHORTEST = 256
+SHORT_MIX = ((256, 0.10), (512, 0.15), (1024, 0.20), (2048, 0.20), (4096, 0.15), (8192, 0.10), (16384, 0.10))
+MIXES = ("octaves", "short")
+
+@dataclass
+class Check:
+    system: str
+    case: str
+    measured: float
+    predicted: float
+    unit: str
+    note: str = ""
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.measured - 1.0
+
+
+def packed(total: int, mix: str = "octaves") -> tuple:
+    """Document lengths filling ``total`` tokens, shuffled by a fixed permutation, the remainder a last
+    document. ``"octaves"``: equal tokens per length ``256, 512, ...`` up to ``total // 4`` (the
+    benchmark's cap); ``"short"``: :data:`SHORT_MIX`'s token shares, 256 to 16k, whatever the total."""
+    if mix == "octaves":
+        lengths = [SHORTEST << k for k in range(30) if SHORTEST << k <= total // 4]
+        shares = [(n, 1 / len(lengths)) for n in lengths]
+    elif mix == "short":
+        shares = SHORT_MIX
+    else:
+        raise ValueError(f"mix must be one of {MIXES}, got {mix!r}")
+    docs = []
+    for length, share in shares:
+        docs += [length] * int(total * share // length)
+    rest = total - sum(docs)
+    return tuple(sorted(docs + ([rest] if rest > 0 else []), key=lambda d: (d * 2654435761) % 1000))
+
+
+def _fit(make, target: float, lo: float = 0.05, hi: float = 20.0) -> float:
+    """The scale ``s`` with ``make(s) == target`` for a ``make`` increasing in ``s`` (bisection in log)."""
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if make(mid) < target else (lo, mid)
+    return (lo * hi) ** 0.5
+
+
+def matched(base: Profile, pb: Problem, fwd_s: float, fwd_bwd_s: float) -> Profile:
+    """``base`` with its kernel rates scaled so that one GPU's predicted forward and forward+backward
+    of ``pb`` are ``fwd_s`` and ``fwd_bwd_s``."""
+    def one(**scale):
+        return Simulator(pb, base.with_kernel_scale(**scale)).one_gpu_parts()
+    f = _fit(lambda s: -one(fwd=s)[0], -fwd_s)
+    fb = _fit(lambda s: -sum(one(fwd=f, fwd_bwd=s)), -fwd_bwd_s)
+    return base.with_kernel_scale(fwd=f, fwd_bwd=fb)
+
+
+def own_ring_runs() -> list:
+    """R1, R2 and the same host's allgather: predicted against measured ms."""
+    rows = []
+    h200 = load_profile("h200")
+    runs = [("R1", 32768, True, (16.57, 80.03), (10.57, 47.98)),
+            ("R1", 32768, False, (34.76, 158.10), (18.80, 86.38)),
+            ("R2", 131072, True, (259.33, 1254.58), (140.81, 658.98))]
+    for run, s, causal, one, ring in runs:
+        pb = Problem((s,), causal, 32, 32, 128)
+        sim = Simulator(pb, matched(h200, pb, one[0] * 1e-3, one[1] * 1e-3))
+        r = sim.run(Candidate("ring", "zigzag", 1, 2))
+        case = f"{s // 1024}k {'causal' if causal else 'full'}"
+        rows.append(Check(f"splitsoftmax ring ({run})", case + " fwd", ring[0], r.fwd_s * 1e3, "ms"))
+        rows.append(Check(f"splitsoftmax ring ({run})", case + " fwd+bwd", ring[1], r.total_s * 1e3, "ms"))
+    return rows
+
+
+def torch_cp_runs() -> list:
+    """The first 2-GPU run (27e894a): splitsoftmax's allgather and torch CP over SDPA flash, 32k causal."""
+    h200 = load_profile("h200")
+    pb = Problem((32768,), True, 32, 32, 128)
+    rows = []
+    ss = Simulator(pb, matched(h200, pb, 16.57e-3, 80.47e-3))
+    ag = ss.run(Candidate("allgather", "zigzag", 1, 2))
+    note = ("that commit's host-side wait slept in steps of up to 2 ms after ~50 polls "
+            "(BENCHMARKS.md history), which the model does not have")
+    rows.append(Check("splitsoftmax allgather (27e894a)", "32k causal fwd", 11.90, ag.fwd_s * 1e3, "ms", note))
+    rows.append(Check("splitsoftmax allgather (27e894a)", "32k causal fwd+bwd", 52.57, ag.total_s * 1e3, "ms"))
+    flash = Simulator(pb, matched(h200, pb, 25.53e-3, 95.09e-3))
+    for name, cand, fwd, both in (("torch CP, all-gather rotation", "allgather", 14.98, 55.77),
+                                  ("torch CP, all-to-all rotation", "ring", 15.17, 55.75)):
+        r = flash.run(Candidate(cand, "zigzag", 1, 2))
+        rows.append(Check(name, "32k causal fwd", fwd, r.fwd_s * 1e3, "ms"))
+        rows.append(Check(name, "32k causal fwd+bwd", both, r.total_s * 1e3, "ms"))
+    return rows
+
+
+def _tflops(sim: Simulator, cand: Candidate, pas: str) -> float:
+    r = sim.run(cand)
+    t = r.fwd_s if pas == "fwd" else r.bwd_s
+    return (1.0 if pas == "fwd" else 2.5) * sim.pb.flops() / (cand.world * t) / 1e12
+
+
+def published_runs() -> list:
+    """MagiAttention's published benchmark: ring, Ulysses and USP, causal and packed documents."""
+    h100 = load_profile("h100").with_tiles(packed=False)  # FlashAttention-3 varlen: a document's own tiles
+    rows = []
+
+    def problem(world, docs):
+        return Problem(docs((8192 * world)), True, 64, 8, 128)
+
+    def systems(world):
+        usp = Candidate("heads+ring", "zigzag", 8, world // 8) if world > 8 else Candidate("heads", "contiguous", 8, 1)
+        return {"P2P ring": Candidate("ring", "zigzag", 1, world), "Ulysses": Candidate("heads", "contiguous", world, 1),
+                "USP": usp}
+
+    def fed(docs, pas, system, target):
+        pb = problem(8, docs)
+        key = "fwd" if pas == "fwd" else "fwd_bwd"
+        s = _fit(lambda k: _tflops(Simulator(pb, h100.with_kernel_scale(**{key: k})), systems(8)[system], pas), target)
+        return h100.with_kernel_scale(**{key: s})
+
+    one_doc = lambda total: (total,)  # noqa: E731
+    measured = {("causal", "bwd"): {"P2P ring": (432, 457), "Ulysses": (582, 585), "USP": (572, 571)},
+                ("documents", "fwd"): {"P2P ring": (89, 29), "USP": (261, 192)},
+                ("documents", "bwd"): {"P2P ring": (97, 29), "Ulysses": (332, 249), "USP": (325, 195)}}
+    feeds = {("causal", "bwd"): "Ulysses", ("documents", "fwd"): "USP", ("documents", "bwd"): "Ulysses"}
+    for (mask, pas), table in measured.items():
+        for mix in (None,) if mask == "causal" else MIXES:
+            docs = one_doc if mix is None else (lambda total, mix=mix: packed(total, mix))
+            prof = fed(docs, pas, feeds[(mask, pas)], table[feeds[(mask, pas)]][0])
+            for system, values in table.items():
+                for world, value in zip((8, 64), values):
+                    if systems(world)[system] == systems(8)[feeds[(mask, pas)]]:
+                        continue  # the run the kernel was fed from
+                    sim = Simulator(problem(world, docs), prof)
+                    case = f"{mask}{'' if mix is None else f' ({mix})'} {pas}, {world} H100s"
+                    rows.append(Check(system, case, value, _tflops(sim, systems(world)[system], pas), "TFLOP/s/GPU"))
+    return rows
+
+
+# why the model misses a published run by more than 20% (system, words of the case) -> reason
+MISSES = {
+    ("P2P ring", "causal"): "the ring P2P measured here (Megatron's, over FA3) runs each step as its own kernel "
+                            "calls and corrects the output and lse between steps in separate kernels; the "
+                            "model's step is one launch at the kernel's rate",
+    ("P2P ring", "documents"): "the document lengths are assumed (two mixes bracket the measurement at 64 GPUs); "
+                               "at 8 GPUs both mixes predict the measured ring's 1.2-1.3x: the per-step work of its "
+                               "varlen calls on per-document chunks is not in the model",
+    ("USP", "documents"): "the document lengths are assumed: the two mixes bracket the measurement (long documents "
+                          "keep the kernels busy and hide the transfers; short ones do not)",
+    ("Ulysses", "documents"): "the document lengths are assumed: the two mixes bracket the measurement",
+}
+
+
+def explained(rows: list, limit: float = 0.20) -> list:
+    """``rows`` with the reason of :data:`MISSES` noted on every check off by more than ``limit``."""
+    for c in rows:
+        if abs(c.error) > limit and not c.note:
+            c.note = next((why for (system, words), why in MISSES.items()
+                           if c.system == system and words in c.case), "")
+    return rows
+
+
+def all_checks() -> list:
+    return explained(own_ring_runs() + torch_cp_runs() + published_runs())
+
+
+def table(rows: list) -> str:
+    """The checks as a markdown table (every predicted number a prediction of the model)."""
+    out = ["| system | case | measured | predicted | unit | error | why, where over 20% |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for c in rows:
+        out.append(f"| {c.system} | {c.case} | {c.measured:g} | {c.predicted:.3g} | {c.unit} | {c.error:+.1%} | "
+                   f"{c.note if abs(c.error) > 0.20 else ''} |")
+    return "\n".join(out)
+
+
+def predictions(worlds=(8, 64, 512), tokens: int = 1 << 20, profile: str = "h100") -> list:
+    """For the record (predictions, not measurements): Llama-3-8B attention (H 32, Hkv 8, D 128) on
+    ``tokens`` tokens, one causal sequence and :func:`packed` documents, the plan on each world and
+    the best pure ring and pure heads beside it."""
+    from .plan import plan_attention
+    cu = [0]
+    for n in packed(tokens, "octaves"):
+        cu.append(cu[-1] + n)
+    rows = []
+    for mask, kw in (("causal", dict(seq_len=tokens)), ("documents", dict(cu_seqlens=cu))):
+        for world in worlds:
+            plan = plan_attention(world, heads=32, kv_heads=8, head_dim=128, profile=profile, **kw)
+            sim = Simulator(Problem(tuple(cu[i + 1] - cu[i] for i in range(len(cu) - 1)) if "cu_seqlens" in kw
+                                    else (tokens,), True, 32, 8, 128), load_profile(profile))
+            ring = min((r for r in plan.candidates if r.candidate.schedule == "ring"), key=lambda r: r.total_s)
+            heads = next(r for r in plan.candidates if r.candidate.schedule == "heads")
+            exact = [r if not r.bound else sim.score(sim.run(r.candidate), plan.one_gpu_s) for r in (plan.best, ring, heads)]
+            rows.append({"mask": mask, "gpus": world, "plan": exact[0], "ring": exact[1], "heads": exact[2]})
+    return rows
+
+
+def predictions_table(rows: list) -> str:
+    """:func:`predictions` as a markdown table."""
+    out = ["| mask | H100s | plan (heads x sequence, layout) | fwd + bwd ms | TFLOP/s a GPU | eff | kshare | peak GiB | "
+           "best pure ring: eff / kshare | pure heads: eff / kshare |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        p, ring, heads = row["plan"], row["ring"], row["heads"]
+        c = p.candidate
+        out.append(f"| {row['mask']} | {row['gpus']} | {c.schedule} {c.heads_degree}x{c.seq_degree} {c.layout} | "
+                   f"{p.fwd_s * 1e3:.1f} + {p.bwd_s * 1e3:.1f} | {p.tflops_per_gpu:.0f} | {p.efficiency:.0%} | "
+                   f"{p.kernel_share:.0%} | {p.peak_bytes / 2 ** 30:.2f} | {ring.candidate.layout}: "
+                   f"{ring.efficiency:.0%} / {ring.kernel_share:.0%} | {heads.efficiency:.0%} / {heads.kernel_share:.0%} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(table(all_checks()))
+    print()
+    print(predictions_table(predictions()))

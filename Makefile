@@ -21,15 +21,21 @@ PY      := .venv/bin/python
 PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 OLD_PY  := .venv-oldest/bin/python
 NPROC   ?= 4
-# The interpreter lane runs in full on the newest torch's triton; on the others it leaves out the
-# softmax paths' 1000-column rows and the many-partials merges, and of each test function only the
-# cases that bring a parameter value not run yet (tests/conftest.py's --each-value): every function
-# and every value of every parameter still run there, not every combination.
-SUBSET  := -k "not 1000 and not many_partials" --each-value
+# The interpreter lanes run a subset on every pinned triton: they leave out the softmax paths'
+# 1000-column rows, the many-partials merges and the checks of how the host orders a grid's programs
+# (launch order, the atomic backward against the deterministic one: host logic, the same on every
+# triton; `make test-interpreter-full` runs them), and of each test function keep only the cases that
+# bring a parameter value not run yet (tests/conftest.py's --each-value): every function and every
+# value of every parameter still run on every triton, not every combination.
+SUBSET   := -k "not 1000 and not many_partials and not launch_order and not atomic_matches" --each-value
 CPU_LANE := -m "not interpreter and not gpu and not mpi"
+# kernels compiled for sm_90 without a GPU (no torch of that version needed, only its triton): the
+# cpu lanes run them on the oldest and newest triton, test-between on the others
+SM90_TESTS := tests/test_attention_smem.py tests/test_attention_fwd_compile.py tests/test_attention_bwd_compile.py \
+              tests/test_vocab_sm90.py tests/test_sampling_sm90.py tests/test_sampling_compile.py
 
-.PHONY: venv verify test test-cpu test-mpi test-interpreter test-oldest test-interpreter-oldest \
-        test-interpreter-between test-gpu clean
+.PHONY: venv verify test test-cpu test-mpi test-interpreter test-interpreter-full test-oldest \
+        test-interpreter-oldest $(foreach v,$(TRITON_BETWEEN),test-triton-$(v)) test-gpu clean
 
 venv: .venv/.done
 
@@ -61,18 +67,23 @@ venv: .venv/.done
 verify: venv
 	$(PY) -m splitsoftmax verify --nproc $(NPROC)
 
-# (the longest lanes first: under -j2 each takes a slot and the rest fill in)
-test: test-interpreter test-cpu test-oldest test-interpreter-oldest test-interpreter-between test-mpi
+# (the longest lanes first: under -j each takes a slot and the rest fill in)
+test: test-cpu test-oldest test-interpreter test-interpreter-oldest $(foreach v,$(TRITON_BETWEEN),test-triton-$(v)) \
+      test-mpi
 
-# newest torch: the cpu lane (with the sm_90 compile checks on its triton) and the interpreter lane
+# newest torch: the whole cpu lane (sm_90 compile checks on its triton included), the interpreter
+# subset and the MPI lane
 test-cpu: venv
 	$(PYTEST) $(CPU_LANE)
 
+test-interpreter: venv
+	TRITON_INTERPRET=1 $(PYTEST) -m interpreter $(SUBSET)
+
+test-interpreter-full: venv
+	TRITON_INTERPRET=1 $(PYTEST) -m interpreter
+
 test-mpi: venv
 	$(PYTEST) -m "mpi and not interpreter and not gpu"
-
-test-interpreter: venv
-	TRITON_INTERPRET=1 $(PYTEST) -m interpreter
 
 # oldest torch, its triton and the oldest transformers: the whole cpu lane (transformers tests and
 # sm_90 compile checks included), then the interpreter subset
@@ -84,13 +95,11 @@ test-interpreter-oldest: .venv-oldest/.done
 	SPLITSOFTMAX_TEST_TORCH=$(TORCH_OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) TRITON_INTERPRET=1 \
 	    $(OLD_PY) -m pytest -q -p no:cacheprovider -m interpreter $(SUBSET)
 
-# the tritons that torch 2.12 to 2.14 pin: the interpreter subset. Their sm_90 compile checks are
-# not in `make test` yet: the Gluon kernels spill there where 3.6.0 and 3.9.0 do not (to mend).
-test-interpreter-between: $(foreach v,$(TRITON_BETWEEN),.triton-$(v)/.done)
-	set -e; for v in $(TRITON_BETWEEN); do \
-	    PYTHONPATH=$(CURDIR)/.triton-$$v SPLITSOFTMAX_TEST_TRITON=$$v TRITON_INTERPRET=1 \
-	        $(PYTEST) -m interpreter $(SUBSET); \
-	done
+# the tritons that torch 2.12 to 2.14 pin, first on .venv's path: the sm_90 compile checks and the
+# interpreter subset
+test-triton-%: .triton-%/.done
+	PYTHONPATH=$(CURDIR)/.triton-$* SPLITSOFTMAX_TEST_TRITON=$* $(PYTEST) $(SM90_TESTS) tests/test_triton_range.py
+	PYTHONPATH=$(CURDIR)/.triton-$* SPLITSOFTMAX_TEST_TRITON=$* TRITON_INTERPRET=1 $(PYTEST) -m interpreter $(SUBSET)
 
 # GPU lane: run on a CUDA machine (see scripts/gpu_check.sh); skipped in CI.
 test-gpu:

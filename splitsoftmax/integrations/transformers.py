@@ -29,6 +29,7 @@ custom mask patterns, padding with holes) raises ``ValueError``; nothing silentl
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional
 
@@ -425,7 +426,7 @@ def _plan_layers(group, shape: tuple, cu, model: Optional[tuple]):
     the deterministic planner gives each the same plan, and each builds the same mesh."""
     import os
 
-    from ..planning.plan import plan_attention
+    from .. import plan_attention
     if _LAYERS["planned"] is not None:
         return _LAYERS["planned"][0]
     comm = as_comm(group)
@@ -444,22 +445,23 @@ def _plan_layers(group, shape: tuple, cu, model: Optional[tuple]):
     plan = plan_attention(comm.size, **batch, heads=model[0], kv_heads=model[1], head_dim=model[2], dtype=model[3],
                           gpus_per_host=hosts)
     cand = next(r.candidate for r in plan.candidates if r.candidate.layout == "zigzag" or r.candidate.schedule == "heads")
-    mesh = group if cand.schedule in _SCHEDULES_1D else _build_mesh(comm, cand.heads_degree, cand.seq_degree)
+    mesh = group if cand.schedule in _SCHEDULES_1D else \
+        _build_mesh(comm, dataclasses.replace(plan, mesh=(cand.heads_degree, cand.seq_degree)))
     _LAYERS["planned"] = (mesh, cand.schedule, plan, cand)
     return mesh
 
 
-def _build_mesh(comm, heads_degree: int, seq_degree: int) -> tuple:
-    """``(seq_group, heads_group)`` of this rank in a ``seq_degree x heads_degree`` mesh over the
-    ranks of ``comm`` (heads groups contiguous, ``planning.plan.rank_groups``): every rank creates
-    its two groups, sequence first, with ``torch.distributed.new_group``."""
+def _build_mesh(comm, plan) -> tuple:
+    """``(seq_group, heads_group)`` of this rank in ``plan``'s mesh over the ranks of ``comm`` (heads
+    groups contiguous, ``Plan.rank_groups``): every rank creates its two groups, sequence first,
+    with ``torch.distributed.new_group``."""
     from ..distributed.comm import TorchComm
-    from ..planning.plan import rank_groups
     if not isinstance(comm, TorchComm):
+        heads_degree, seq_degree = plan.mesh
         raise ValueError(f"register(plan='auto') chose a {seq_degree} x {heads_degree} mesh, which it builds with "
                          f"torch.distributed.new_group; group must then be a torch.distributed group, got "
                          f"{type(comm).__name__}")
     ranks = comm.dist.get_process_group_ranks(comm.group)
-    seq_groups, heads_groups = rank_groups(heads_degree, seq_degree)
+    seq_groups, heads_groups = plan.rank_groups()
     mine = [next(g for g in groups if comm.rank in g) for groups in (seq_groups, heads_groups)]
     return tuple(comm.dist.new_group([ranks[i] for i in g], use_local_synchronization=True) for g in mine)

@@ -35,7 +35,9 @@ class Plan:
         contract lays a 2-D mesh out (dimension 0 sequence, dimension 1 heads: rank ``s * H + j``), so
         that a heads group is contiguous ranks. Build process groups (or a ``DeviceMesh`` of shape
         ``(seq_degree, heads_degree)``) from them."""
-        return rank_groups(*self.mesh)
+        hd, sd = self.mesh
+        return ([[s * hd + j for s in range(sd)] for j in range(hd)],
+                [[s * hd + j for j in range(hd)] for s in range(sd)])
 
     def table(self) -> str:
         """The ranking as text, one candidate a line."""
@@ -67,13 +69,6 @@ class Plan:
         return {"world": self.world, "profile": self.profile, "schedule": self.schedule, "mesh": list(self.mesh),
                 "layout": self.layout, "one_gpu_ms": self.one_gpu_s * 1e3, "prediction": True,
                 "candidates": [row(r) for r in self.candidates]}
-
-
-def rank_groups(heads_degree: int, seq_degree: int) -> tuple[list, list]:
-    """``(sequence_groups, heads_groups)`` of a ``heads_degree x seq_degree`` mesh (:meth:`Plan.rank_groups`)."""
-    hd, sd = heads_degree, seq_degree
-    return ([[s * hd + j for s in range(sd)] for j in range(hd)],
-            [[s * hd + j for j in range(hd)] for s in range(sd)])
 
 
 def _positive(name: str, value) -> int:

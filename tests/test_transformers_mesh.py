@@ -156,3 +156,18 @@ def test_register_refuses_bad_plan_and_schedules():
     sst.register(schedule="heads")
     assert sst._layers() == (None, "heads")
     sst.register()
+
+
+def test_plan_reads_the_model_and_lays_the_rows_end_to_end():
+    """What plan="auto" gives the planner: the model's heads, kv heads, head dim and dtype (from a
+    model or its config), and the batch's rows as documents laid end to end."""
+    ref, _ = pair(num_key_value_heads=1, head_dim=8)
+    assert sst._model_shape(ref) == (4, 1, 8, torch.float32)
+    assert sst._model_shape(ref.config)[:3] == (4, 1, 8)
+    assert sst._model_shape(ref.to(torch.float64))[3] == torch.float64
+    with pytest.raises(ValueError, match="pass config=model.config"):
+        sst._model_shape(None)
+    assert sst._planned_lengths(1, 9, None) == {"seq_len": 9}
+    assert torch.equal(sst._planned_lengths(2, 9, None)["cu_seqlens"], torch.tensor([0, 9, 18]))
+    assert torch.equal(sst._planned_lengths(2, 9, torch.tensor([0, 4, 9]))["cu_seqlens"],
+                       torch.tensor([0, 4, 9, 13, 18]))

@@ -53,7 +53,8 @@ NAME = "splitsoftmax"
 SP_NAME = "splitsoftmax_sp"
 WHO = "attn_implementation='splitsoftmax'"
 _CONFIG = {"group": None, "sequence_parallel": False}
-# the sequence-parallel layers' schedule; plan="auto", and what it chose: (group or mesh, schedule, Plan)
+# the sequence-parallel layers' schedule; plan="auto", and what it chose: (group or mesh, schedule, Plan,
+# the candidate taken)
 _LAYERS = {"schedule": "ring", "plan": None, "planned": None}
 _SCHEDULES_1D = ("ring", "allgather", "heads")
 _SCHEDULES_2D = ("heads+ring", "heads+allgather")
@@ -368,9 +369,10 @@ def shard_inputs(input_ids: Tensor, position_ids: Optional[Tensor] = None, label
 
     ``dp_group``: the data-parallel group whose ranks hold the other batches (every rank of it
     calls collectively); ``num_items_in_batch`` then counts the tokens of all of them. The result's
-    ``loss_scale`` (``dp_group``'s size times ``group``'s, or the mesh's rank count) is what to multiply the loss by where DDP
-    or FSDP averages gradients over those ranks: ``(out.loss * inputs.loss_scale).backward()`` then
-    gives the gradient of the global mean loss, as one process on every batch computes it.
+    ``loss_scale`` (``dp_group``'s size times ``group``'s, or the mesh's rank count) is what to
+    multiply the loss by where DDP or FSDP averages gradients over those ranks: ``(out.loss *
+    inputs.loss_scale).backward()`` then gives the gradient of the global mean loss, as one process
+    on every batch computes it.
     """
     planning = group is None and _LAYERS["plan"] is not None
     group = _CONFIG["group"] if group is None else group
@@ -437,18 +439,22 @@ def _plan_layers(group, shape: tuple, cu, model: Optional[tuple]):
                               "cu_seqlens": attn_meta.docs_code(None if cu is None else tuple(cu.tolist())),
                               "heads": model[0], "kv_heads": model[1], "head_dim": model[2],
                               "dtype": encode_dtype(model[3]), "gpus per host": hosts})
-    if cu is None and b == 1:
-        batch = {"seq_len": s}
-    else:  # the rows laid end to end, each its documents
-        rows = cu if cu is not None else torch.tensor([0, s])
-        batch = {"cu_seqlens": torch.cat([rows[:-1] + r * s for r in range(b)] + [torch.tensor([b * s])])}
-    plan = plan_attention(comm.size, **batch, heads=model[0], kv_heads=model[1], head_dim=model[2], dtype=model[3],
+    plan = plan_attention(comm.size, **_planned_lengths(b, s, cu), heads=model[0], kv_heads=model[1], head_dim=model[2], dtype=model[3],
                           gpus_per_host=hosts)
     cand = next(r.candidate for r in plan.candidates if r.candidate.layout == "zigzag" or r.candidate.schedule == "heads")
     mesh = group if cand.schedule in _SCHEDULES_1D else \
         _build_mesh(comm, dataclasses.replace(plan, mesh=(cand.heads_degree, cand.seq_degree)))
     _LAYERS["planned"] = (mesh, cand.schedule, plan, cand)
     return mesh
+
+
+def _planned_lengths(b: int, s: int, cu: Optional[Tensor]) -> dict:
+    """The planner's ``seq_len`` (one row, one document) or ``cu_seqlens`` (the ``b`` rows of ``s``
+    laid end to end, each with the documents of ``cu``)."""
+    if cu is None and b == 1:
+        return {"seq_len": s}
+    rows = cu if cu is not None else torch.tensor([0, s])
+    return {"cu_seqlens": torch.cat([rows[:-1] + r * s for r in range(b)] + [torch.tensor([b * s])])}
 
 
 def _build_mesh(comm, plan) -> tuple:

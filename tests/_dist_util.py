@@ -8,9 +8,12 @@ group that is left, so a failing test never leaves processes behind.
 """
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import importlib.util
+import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -68,21 +71,148 @@ def _start(cmd: list, env: dict) -> tuple:
                             start_new_session=True), log
 
 
+class _Forked:
+    """A worker forked by the zygote, waited on like a ``subprocess.Popen``: the zygote reaps it
+    and writes its exit code (``-signal`` when killed) to ``rc_path``."""
+
+    def __init__(self, pid: int, rc_path: str):
+        self.pid, self.rc_path, self.returncode = pid, rc_path, None
+
+    def poll(self):
+        if self.returncode is None and os.path.exists(self.rc_path):
+            with open(self.rc_path) as f:
+                text = f.read()
+            if text.endswith("\n"):
+                self.returncode = int(text)
+                os.unlink(self.rc_path)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked worker {self.pid}", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+
+class _Zygote:
+    """One process per test session with torch and torch.distributed imported, that forks the Gloo
+    workers: each worker starts in milliseconds instead of importing torch again (seconds of CPU
+    each, most of the cpu lane's time). A forked worker is what a started one is: its own session
+    (process group), this module's ``_worker`` on its environment, its output in its log, its exit
+    code; only the import is shared (nothing else runs in the zygote before the fork)."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, HERE, "zygote", "-"], env=worker_env(), cwd=ROOT,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        self.dir = tempfile.mkdtemp(prefix="splitsoftmax-zygote-")
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the zygote (it exits when its input closes) and remove its folder."""
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def start(self, argv: list, env: dict) -> tuple:
+        log = tempfile.NamedTemporaryFile(dir=self.dir)
+        rc_path = log.name + ".rc"
+        self.proc.stdin.write(json.dumps({"argv": argv, "env": env, "log": log.name, "rc": rc_path}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the test zygote exited (rc {self.proc.wait()})")
+        return _Forked(int(line), rc_path), log
+
+
+_ZYGOTE: list = []
+
+
+def _zygote():
+    """The session's zygote, started on first use (``SPLITSOFTMAX_TEST_NO_ZYGOTE=1``: none)."""
+    if os.environ.get("SPLITSOFTMAX_TEST_NO_ZYGOTE") == "1":
+        return None
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        _ZYGOTE[:] = [_Zygote()]
+    return _ZYGOTE[0]
+
+
+def _serve_forks() -> None:
+    """The zygote's loop: for each request line fork a worker, answer its pid; reap the workers
+    and write each exit code; end when the test session closes the pipe."""
+    import torch  # noqa: F401  (what every worker imports first; the package itself, which reads
+    import torch._dynamo  # noqa: F401  its environment on import, is imported by each worker)
+    import torch.distributed  # noqa: F401
+    rc_paths = {}
+
+    def reap(*_):
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            path = rc_paths.pop(pid, None)
+            if path is not None:
+                with open(path + ".tmp", "w") as f:
+                    f.write(f"{os.waitstatus_to_exitcode(status)}\n")
+                os.replace(path + ".tmp", path)
+    signal.signal(signal.SIGCHLD, reap)
+    for line in sys.stdin:
+        req = json.loads(line)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
+        pid = os.fork()
+        if pid == 0:
+            _forked_worker(req)
+        rc_paths[pid] = req["rc"]
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+        reap()
+        sys.stdout.write(f"{pid}\n")
+        sys.stdout.flush()
+
+
+def _forked_worker(req: dict) -> None:
+    """In the forked child: a session of its own, the request's environment and log, a fresh
+    random seed, then the worker; never returns."""
+    code = 1
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGCHLD])
+        os.setsid()
+        fd = os.open(req["log"], os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        random.seed()
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed()
+        sys.argv = [HERE, *req["argv"]]
+        _main(req["argv"])
+    finally:
+        os._exit(code)
+
+
 def spawn(size: int, target: str, *, timeout: float = 120.0, env: dict | None = None,
           backend: str = "gloo") -> list:
     """``size`` workers running ``target`` (``"tests/file.py:function"``) in a ``backend`` group.
 
-    ``backend="nccl"``: rank ``r`` on GPU ``r``, and ``SPLITSOFTMAX_TEST_DEVICE=cuda`` so the
-    cases build their tensors there.
+    Gloo workers are forked by the session's zygote (torch imported once); ``backend="nccl"``:
+    rank ``r`` on GPU ``r`` in a process started afresh, and ``SPLITSOFTMAX_TEST_DEVICE=cuda`` so
+    the cases build their tensors there.
     """
     port = free_port()
     device = {"SPLITSOFTMAX_TEST_DEVICE": "cuda"} if backend == "nccl" else {}
+    zygote = _zygote() if backend == "gloo" else None
     procs, logs = [], []
     for r in range(size):
         e = worker_env({"RANK": str(r), "WORLD_SIZE": str(size), "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": str(port), "SPLITSOFTMAX_TEST_DEADLINE": str(timeout), **device,
                         **(env or {})})
-        p, log = _start([sys.executable, HERE, backend, target], e)
+        p, log = zygote.start([backend, target], e) if zygote else _start([sys.executable, HERE, backend, target], e)
         procs.append(p)
         logs.append(log)
     return _collect(procs, logs, timeout)
@@ -157,11 +287,19 @@ def _worker(mode: str, target: str) -> None:
     os._exit(0)  # skip teardown: fault cases may leave transfers pending
 
 
-if __name__ == "__main__":
+def _main(argv: list) -> None:
+    """A worker's entry: ``_worker(mode, target)``, or exit 1 with the traceback."""
     try:
-        _worker(sys.argv[1], sys.argv[2])
+        _worker(argv[0], argv[1])
     except BaseException:
         traceback.print_exc()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "zygote":
+        _serve_forks()
+    else:
+        _main(sys.argv[1:])

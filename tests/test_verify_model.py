@@ -51,11 +51,13 @@ def assert_passes(r, world: int):
 def test_candidates_take_every_training_schedule_the_package_accepts(monkeypatch):
     assert vm.candidates(2) == [("ring", (2, 1)), ("allgather", (2, 1)), ("heads", (1, 2))]
     assert vm.candidates(1) == [("ring", (1, 1)), ("allgather", (1, 1)), ("heads", (1, 1))]
-    # a 2-D schedule is one line of MESHES, run once the package accepts it
-    monkeypatch.setitem(vm.MESHES, "heads+ring", lambda p: [(p // h, h) for h in range(2, p) if p % h == 0])
-    assert ("heads+ring", (2, 2)) not in vm.candidates(4)
-    monkeypatch.setattr(vm, "SCHEDULES", (*vm.SCHEDULES, "heads+ring"))
+    # the 2-D schedules: every mesh with both degrees above 1 (none on 2 or 3 ranks)
+    assert vm.candidates(3) == [("ring", (3, 1)), ("allgather", (3, 1)), ("heads", (1, 3))]
+    assert vm.candidates(4)[3:] == [("heads+ring", (2, 2)), ("heads+allgather", (2, 2))]
     assert [c for c in vm.candidates(8) if c[0] == "heads+ring"] == [("heads+ring", (4, 2)), ("heads+ring", (2, 4))]
+    # a schedule the package does not accept is not run, whatever MESHES says
+    monkeypatch.setattr(vm, "SCHEDULES", tuple(s for s in vm.SCHEDULES if s != "heads+allgather"))
+    assert [c[0] for c in vm.candidates(4)] == ["ring", "allgather", "heads", "heads+ring"]
 
 
 def test_tolerance_is_float32_sized_and_catches_a_small_error():

@@ -110,19 +110,24 @@ def post_gather(comm: Communicator, mine: Tensor, tag: int) -> tuple[list, list]
     return rows, comm.post([(mine, q) for q in peers], [(rows[q], q) for q in peers], tag)
 
 
+def is_mesh(group) -> bool:
+    """Whether ``group`` is given as a 2-D mesh: a 2-D DeviceMesh or a tuple (list) of groups."""
+    return (type(group).__name__ == "DeviceMesh" and group.ndim == 2) or isinstance(group, (tuple, list))
+
+
 def as_group(group) -> Communicator:
     """:func:`~splitsoftmax.distributed.comm.as_comm`, or a :class:`Mesh` for a 2-D DeviceMesh or a
     tuple ``(seq_group, heads_group)``."""
-    if type(group).__name__ == "DeviceMesh" and group.ndim == 2:
+    if not is_mesh(group):
+        return as_comm(group)
+    if type(group).__name__ == "DeviceMesh":
         return Mesh(as_comm(group.get_group(0)), as_comm(group.get_group(1)))
-    if isinstance(group, (tuple, list)):
-        if len(group) != 2:
-            raise ValueError(f"group: a mesh is a tuple (seq_group, heads_group), got {len(group)} groups")
-        seq, heads = as_comm(group[0]), as_comm(group[1])
-        if isinstance(seq, Mesh) or isinstance(heads, Mesh):
-            raise ValueError("group: each group of a (seq_group, heads_group) tuple must be 1-d")
-        return Mesh(seq, heads)
-    return as_comm(group)
+    if len(group) != 2:
+        raise ValueError(f"group: a mesh is a tuple (seq_group, heads_group), got {len(group)} groups")
+    seq, heads = as_comm(group[0]), as_comm(group[1])
+    if isinstance(seq, Mesh) or isinstance(heads, Mesh):
+        raise ValueError("group: each group of a (seq_group, heads_group) tuple must be 1-d")
+    return Mesh(seq, heads)
 
 
 def mesh_shape(comm: Communicator) -> int:

@@ -50,12 +50,14 @@ CONFIGS = {
     # every expert on every token: a near tie of the router cannot flip a top-k between runs
     "gpt-oss": ("gpt_oss", dict(sliding_window=WINDOW, num_local_experts=2, num_experts_per_tok=2)),
 }
-# schedule -> the mesh shapes (sequence degree, heads degree) it runs on P ranks; a 2-D schedule is
-# one more line, e.g. "heads+ring": lambda p: [(p // h, h) for h in range(2, p) if p % h == 0]
+# schedule -> the mesh shapes (sequence degree, heads degree) it runs on P ranks; the 2-D schedules
+# run every mesh with both degrees above 1
 MESHES = {
     "ring": lambda p: [(p, 1)],
     "allgather": lambda p: [(p, 1)],
     "heads": lambda p: [(1, p)],  # any head counts: tensor_split of the heads, Hkv < P allowed
+    "heads+ring": lambda p: [(p // h, h) for h in range(2, p) if p % h == 0],
+    "heads+allgather": lambda p: [(p // h, h) for h in range(2, p) if p % h == 0],
 }
 TOLERANCE = ("rel = max |sharded - one rank| / max(1, max |one rank|), per quantity (the loss; each parameter's "
              "gradient, the row showing the one nearest its tolerance);\ntolerance = (1 + log2 P) * (k * e + floor) "

@@ -25,7 +25,7 @@ import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.abspath(__file__)
-VENV_BIN = os.path.join(ROOT, ".venv", "bin")
+VENV_BIN = os.path.dirname(sys.executable)  # torchrun and mpirun of the environment the tests run in
 
 
 def free_port() -> int:

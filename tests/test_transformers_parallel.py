@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _dist_util import ROOT, _collect, _start, assert_ok, spawn, worker_env  # noqa: E402
+from _dist_util import ROOT, VENV_BIN, _collect, _start, assert_ok, spawn, worker_env  # noqa: E402
 from _hf_util import CLOSE, SMALL, VOCAB, classes, ids_of, packed_positions, pair  # noqa: E402
 
 import splitsoftmax as ss  # noqa: E402
@@ -153,7 +153,7 @@ def test_shard_inputs_loss_scale_on_one_process():
 def test_trainer_recipe_matches_one_process(dp):
     """examples/trainer_sp_example.py: transformers.Trainer, two SGD steps, sp 2 (and dp 2 x sp 2)."""
     pytest.importorskip("accelerate")
-    exe = os.path.join(ROOT, ".venv", "bin", "torchrun")
+    exe = os.path.join(VENV_BIN, "torchrun")
     cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "torch.distributed.run"]
     env = worker_env({"TORCHELASTIC_ERROR_FILE": os.devnull, "HF_HUB_OFFLINE": "1", "SPLITSOFTMAX_TIMEOUT": "60"})
     example = os.path.join(ROOT, "examples", "trainer_sp_example.py")

@@ -37,12 +37,14 @@ def build(args, device: str = "cuda", **dims):
     ``DIMS`` (``dims`` overrides them). Built in bf16 as transformers' loaders build it: the rotary
     frequencies (a buffer outside the state dict) stay float32; ``.to(dtype=torch.bfloat16)`` would
     round them, and a RoPE off by that rounding times the position is no attention error."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, __version__
+    # the keyword is ``dtype`` from transformers 4.56 on, ``torch_dtype`` before (the hf extra allows 4.53)
+    key = "dtype" if tuple(int(n) for n in __version__.split(".")[:2]) >= (4, 56) else "torch_dtype"
     config = LlamaConfig(**{**DIMS, **dims}, vocab_size=args.vocab, intermediate_size=args.intermediate,
                          num_hidden_layers=args.layers, max_position_embeddings=max(s for s, _ in args.shapes),
                          rope_theta=500000.0, attention_dropout=0.0, tie_word_embeddings=False)
     torch.manual_seed(0)
-    return LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).to(device)
+    return LlamaForCausalLM._from_config(config, **{key: torch.bfloat16}).to(device)
 
 
 def _backend(name: str):

@@ -30,9 +30,9 @@ from torch import Tensor
 
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
+from .._triton.algebra import LOG2E
 from .._triton.launch import Launcher
 
-_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -52,8 +52,8 @@ def _online(m, l, x):
     """Fold tile ``x [BLOCK_R, BLOCK_N]`` (float32) into the running ``(m, l)`` ([BLOCK_R])."""
     m_new = tl.maximum(m, tl.max(x, axis=1))
     ref = _ref(m_new)
-    p = tl.math.exp2((x - ref[:, None]) * _LOG2E)  # [BLOCK_R, BLOCK_N]
-    l = l * tl.math.exp2((m - ref) * _LOG2E) + tl.sum(p, axis=1)
+    p = tl.math.exp2((x - ref[:, None]) * LOG2E)  # [BLOCK_R, BLOCK_N]
+    l = l * tl.math.exp2((m - ref) * LOG2E) + tl.sum(p, axis=1)
     return m_new, l
 
 
@@ -103,7 +103,7 @@ def _norm_tile(x, lse, m, c, LOG: tl.constexpr):
     if LOG:
         y = tl.where(empty, float("-inf"), x - lse[:, None])
     else:
-        y = tl.where(empty, 0.0, tl.math.exp2((x - m[:, None]) * _LOG2E) * c[:, None])
+        y = tl.where(empty, 0.0, tl.math.exp2((x - m[:, None]) * LOG2E) * c[:, None])
     return y
 
 
@@ -119,7 +119,7 @@ def _tile_state(x, LOG: tl.constexpr):
     held on chip, and what its output is made from (:func:`_tile_out`): ``exp(x - m)`` for softmax,
     so one exp per element, or ``x`` for log-softmax."""
     m = tl.max(x, axis=1)
-    p = tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E)  # [BLOCK_R, BLOCK_N]
+    p = tl.math.exp2((x - _ref(m)[:, None]) * LOG2E)  # [BLOCK_R, BLOCK_N]
     return (x if LOG else p), m, tl.sum(p, axis=1)
 
 
@@ -131,7 +131,7 @@ def _tile_out(t, m_tile, lse, m, inv, LOG: tl.constexpr):
     if LOG:
         y = _norm_tile(t, lse, m, inv, True)
     else:
-        y = t * (tl.math.exp2((m_tile - m) * _LOG2E) * inv)[:, None]
+        y = t * (tl.math.exp2((m_tile - m) * LOG2E) * inv)[:, None]
     return y
 
 
@@ -158,7 +158,7 @@ def _merge_states(pm, pl):
     """Merged ``(m, l)`` [BLOCK_R] of the partial states ``pm, pl [BLOCK_R, BLOCK_S]`` (absent ones
     ``(-inf, 0)``)."""
     m = tl.max(pm, axis=1)
-    l = tl.sum(pl * tl.math.exp2((pm - _ref(m)[:, None]) * _LOG2E), axis=1)
+    l = tl.sum(pl * tl.math.exp2((pm - _ref(m)[:, None]) * LOG2E), axis=1)
     return m, l
 
 
@@ -351,7 +351,7 @@ def _grad_terms(y, dy, LOG: tl.constexpr):
 def _dx(y, dy, s, empty, LOG: tl.constexpr):
     """``dx [BLOCK_R, BLOCK_N]`` from ``y, dy`` and the row sum ``s [BLOCK_R]``; 0 in empty rows."""
     if LOG:
-        dx = dy - tl.math.exp2(y * _LOG2E) * s[:, None]
+        dx = dy - tl.math.exp2(y * LOG2E) * s[:, None]
     else:
         dx = y * (dy - s[:, None])
     return tl.where(empty[:, None], 0.0, dx)

@@ -30,9 +30,9 @@ from torch import Tensor
 from ...core.runtime import interpreting
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
+from .._triton.algebra import LOG2E
 from .torch import merge_kl_records, merge_records
 
-LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 NEG = tl.constexpr(float("-inf"))
 

@@ -21,6 +21,13 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def ref_max(m):
+    """The max to subtract: ``m``, or 0 where it is ``-inf`` (every part empty), so that
+    ``exp(-inf - ref) = 0`` and never NaN; any domain."""
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
 def inv_or_zero(s):
     """``1 / s`` of a weight sum, 0 where it is exactly 0 (every part empty); NaN stays NaN."""
     some = s != 0
@@ -43,7 +50,7 @@ def rescale(m_a, m_b):
     merged sum is ``w_a * l_a + w_b * l_b`` relative to ``ref``. An empty side has weight 0; two
     empty sides give weights 0 and no NaN."""
     m = tl.maximum(m_a, m_b)
-    ref = tl.where(m == float("-inf"), 0.0, m)
+    ref = ref_max(m)
     return m, ref, tl.math.exp2(m_a - ref), tl.math.exp2(m_b - ref)
 
 

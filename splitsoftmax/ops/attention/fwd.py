@@ -54,7 +54,7 @@ from .._triton.device import hopper, sm90, sm_count
 from .._triton.launch import Launcher, Memo, auto_key, fits_int32, geometry
 from ...core.runtime import interpreting
 from ..merge.kernel import merge_into
-from .._triton.algebra import LOG2E, inv_or_zero, lse2_of, online_step, rescale
+from .._triton.algebra import LOG2E, inv_or_zero, lse2_of, online_step, ref_max, rescale
 
 # Triton 3.6's interpreter multiplies bf16 tiles as raw integers: there, tl.dot runs on float32
 # copies of the (already rounded) operands, which is the same product.
@@ -183,7 +183,7 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, kv_row0, kv_hcol, start, 
         else:
             s = tl.where(ok, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far: exp2(-inf - 0) = 0
+        m_use = ref_max(m_new)  # empty so far: exp2(-inf - 0) = 0
     elif SOFTCAP:
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = m_new

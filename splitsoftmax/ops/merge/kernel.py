@@ -30,7 +30,7 @@ from torch import Tensor
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ...core.runtime import interpreting
 from .._triton import configs
-from .._triton.algebra import LOG2E, inv_or_zero, lse2_of, rescale
+from .._triton.algebra import LOG2E, inv_or_zero, lse2_of, ref_max, rescale
 from .._triton.device import hopper, sm_count
 from .._triton.launch import Launcher
 
@@ -62,7 +62,7 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
         m_new, _, w_m, w_x = rescale(m, x)
         s = s * w_m + w_x
         m = m_new
-    m_use = tl.where(m == float("-inf"), 0.0, m)
+    m_use = ref_max(m)
     inv = inv_or_zero(s)  # [BLOCK_R]
     # pass 2: one read of each part's tile with its final weight
     mask2 = rmask[:, None] & (cols[None, :] < DV)
@@ -95,7 +95,7 @@ def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
     o = tl.load(OUTS + parts[:, None] * s_on + row * s_or + cols[None, :] * s_od,
                 mask=pmask[:, None] & (cols < DV)[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_D]
     m = tl.max(x, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
+    m_use = ref_max(m)
     w = tl.math.exp2(x - m_use)  # [BLOCK_P]; 0 for empty parts, NaN for NaN ones
     s = tl.sum(w, 0)
     w = w * inv_or_zero(s)

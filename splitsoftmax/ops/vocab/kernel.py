@@ -30,7 +30,7 @@ from torch import Tensor
 from ...core.runtime import interpreting
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
-from .._triton.algebra import LOG2E
+from .._triton.algebra import LOG2E, ref_max
 from .torch import merge_kl_records, merge_records
 
 LN2 = tl.constexpr(0.6931471805599453)
@@ -38,17 +38,11 @@ NEG = tl.constexpr(float("-inf"))
 
 
 @triton.jit
-def _ref(m):
-    """The max to measure from: ``m``, or 0 where it is ``-inf`` (so ``exp(-inf - ref) = 0``)."""
-    return tl.where(m == float("-inf"), 0.0, m)
-
-
-@triton.jit
 def _fold(m, l, u, x, c, ENTROPY: tl.constexpr):
     """Fold the tile ``x [BLOCK_R, BLOCK_V]`` (raw float32 logits, ``-inf`` padded) into the running
     ``(m, l, u)`` ([BLOCK_R] each; ``u`` in log2 units, measured from ``m``)."""
     m_new = tl.maximum(m, tl.max(x, axis=1))
-    ref = _ref(m_new)
+    ref = ref_max(m_new)
     e = (x - ref[:, None]) * c  # [BLOCK_R, BLOCK_V]
     p = tl.math.exp2(e)
     alpha = tl.math.exp2((m - ref) * c)
@@ -102,13 +96,13 @@ def _fold_kl(mp, lp, u, mq, lq, xp, xq, c):
     measured from ``m_p - m_q``)."""
     mp_new = tl.maximum(mp, tl.max(xp, axis=1))
     mq_new = tl.maximum(mq, tl.max(xq, axis=1))
-    rp, rq = _ref(mp_new), _ref(mq_new)
+    rp, rq = ref_max(mp_new), ref_max(mq_new)
     ep = (xp - rp[:, None]) * c  # [BLOCK_R, BLOCK_V]
     eq = (xq - rq[:, None]) * c
     pp = tl.math.exp2(ep)
     ap = tl.math.exp2((mp - rp) * c)
     aq = tl.math.exp2((mq - rq) * c)
-    shift = tl.where(lp == 0.0, 0.0, ((_ref(mp) - rp) - (_ref(mq) - rq)) * c * lp)
+    shift = tl.where(lp == 0.0, 0.0, ((ref_max(mp) - rp) - (ref_max(mq) - rq)) * c * lp)
     u = ap * (u + shift) + tl.sum(tl.where(pp > 0.0, pp * (ep - eq), 0.0), axis=1)
     lp = ap * lp + tl.sum(pp, axis=1)
     lq = aq * lq + tl.sum(tl.math.exp2(eq), axis=1)
@@ -165,7 +159,7 @@ def _vocab_finish_kernel(REC, T, LOGP, ENT, ROWS, N, ignore_index, BLOCK: tl.con
     full = l != 0.0  # NaN rows count as full: NaN reaches every statistic
     log_l = tl.where(full, tl.log(tl.where(full, l, 1.0)), float("-inf"))
     rel = tl.where(full, u / tl.where(full, l, 1.0), 0.0)  # E_P[z] - m
-    ref = _ref(m)
+    ref = ref_max(m)
     logp = tl.where(full, (zt - ref) - log_l, float("-inf"))
     ent = tl.where(full, log_l - rel, 0.0)
     if TARGET:
@@ -196,9 +190,9 @@ def _kl_finish_kernel(REC, KL, ROWS, N, BLOCK: tl.constexpr):
     rel = tl.where(pf, u / tl.where(pf, lp, 1.0), 0.0)
     tl.store(KL + rows, tl.where(pf, tl.where(qf, rel - log_p + log_q, float("inf")), 0.0), mask=mask)
     out = ROWS + rows * 5
-    tl.store(out, _ref(mp), mask=mask)
+    tl.store(out, ref_max(mp), mask=mask)
     tl.store(out + 1, log_p, mask=mask)
-    tl.store(out + 2, _ref(mq), mask=mask)
+    tl.store(out + 2, ref_max(mq), mask=mask)
     tl.store(out + 3, log_q, mask=mask)
     tl.store(out + 4, rel, mask=mask)
 

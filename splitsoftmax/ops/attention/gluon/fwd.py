@@ -34,7 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..._triton import configs
-from ..._triton.algebra import LOG2E, inv_or_zero, lse2_of, online_step, rescale
+from ..._triton.algebra import LOG2E, inv_or_zero, lse2_of, online_step, ref_max, rescale
 from .bwd import (_batch_bounds, _doc_rows, _key_block, _mma_layout, _q_walk, _store_rows, _tanh, _thread_barrier,
                   _tma_load, launch_order)
 
@@ -343,7 +343,7 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
             ok = (kj[None, :] >= lo_r[:, None]) & (kj[None, :] < hi_r[:, None])
             s = gl.where(ok, _scaled(qk, qk_scale, cap, SOFTCAP, SOFTCAP_APPROX), float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+            m_use = ref_max(m_new)
             p_j, alpha, l_i = online_step(l_i, m_i, m_use, s)
             m_i = m_new
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]

@@ -18,7 +18,6 @@ Same signatures and math as ``ops/vocab/torch.py``.
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import Optional
 
@@ -327,7 +326,7 @@ def vocab_records(logits: Tensor, target: Optional[Tensor], col0: int, inv_t: fl
     if n:
         t = target.contiguous() if target is not None else rec
         _vocab_fwd_kernel[(configs.cdiv(n, block_r), splits)](
-            logits, t, rec, n, v, col0, span, logits.stride(0), n * 4, math.log2(math.e) * inv_t, inv_t,
+            logits, t, rec, n, v, col0, span, logits.stride(0), n * 4, LOG2E.value * inv_t, inv_t,
             BLOCK_R=block_r, BLOCK_V=block_v, STAGES=stages, TARGET=target is not None, ENTROPY=entropy,
             num_warps=warps)
     return rec[0] if splits == 1 else merge_records(rec)
@@ -341,7 +340,7 @@ def kl_records(p: Tensor, q: Tensor, inv_t: float) -> Tensor:
     rec = torch.empty((splits, n, 5), dtype=torch.float32, device=p.device)
     if n:
         _kl_fwd_kernel[(configs.cdiv(n, block_r), splits)](
-            p, q, rec, n, v, span, p.stride(0), q.stride(0), n * 5, math.log2(math.e) * inv_t, inv_t,
+            p, q, rec, n, v, span, p.stride(0), q.stride(0), n * 5, LOG2E.value * inv_t, inv_t,
             BLOCK_R=block_r, BLOCK_V=block_v, STAGES=stages, num_warps=warps)
     return rec[0] if splits == 1 else merge_kl_records(rec)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import math
 import pathlib
 
 import pytest
@@ -234,3 +235,55 @@ def test_the_walk_sees_module_and_late_imports(tmp_path, source, late):
     graph = import_graph(tmp_path)
     assert graph["splitsoftmax.core.state"] == {"splitsoftmax.ops._registry": 2 if late else 1}
     assert set(violations(graph)) == {("splitsoftmax.core.state", "splitsoftmax.ops._registry")}
+
+
+# the one module that defines log2(e) for kernels and host code alike
+ALGEBRA_HOME = "splitsoftmax/ops/_triton/algebra.py"
+
+
+def _name(node) -> str:
+    """The last part of a name or attribute (``math.e`` -> ``e``), else ``""``."""
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+
+
+def log2e_definitions(source: str) -> list:
+    """Line numbers where the code of ``source`` writes ``log2(e)`` itself: a float within 1e-9 of
+    it (any spelling, ``log2(e) / 2`` too), ``math.log2(math.e)``, ``1 / math.log(2)``, or a name
+    holding ``LOG2E`` assigned."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, float) and any(
+                abs(node.value - k * math.log2(math.e)) < 1e-9 for k in (1, 0.5)):
+            found.add(node.lineno)
+        elif isinstance(node, ast.Call) and _name(node.func) == "log2" and [_name(a) for a in node.args] == ["e"]:
+            found.add(node.lineno)
+        elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div) and isinstance(node.right, ast.Call)
+              and _name(node.right.func) == "log" and [ast.unparse(a) for a in node.right.args] == ["2"]):
+            found.add(node.lineno)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and "LOG2E" in t.id.upper() for t in targets):
+                found.add(node.lineno)
+    return sorted(found)
+
+
+def test_log2e_has_one_home():
+    """``log2(e)`` is written only in :data:`ALGEBRA_HOME`; kernels and host code import it."""
+    found = {str(path.relative_to(ROOT)): lines for path in sorted((ROOT / PACKAGE).rglob("*.py"))
+             if (lines := log2e_definitions(path.read_text())) and path.relative_to(ROOT).as_posix() != ALGEBRA_HOME}
+    assert not found, f"log2(e) written outside {ALGEBRA_HOME} (import LOG2E from there): {found}"
+    assert log2e_definitions((ROOT / ALGEBRA_HOME).read_text()), "the home of LOG2E defines it no more"
+
+
+@pytest.mark.parametrize("source, lines", [
+    ("x = y * 1.4426950408889634\n", [1]),
+    ("\nLOG2E = tl.constexpr(1.442695040888963)\n", [2]),
+    ("_LOG2E: float = 1.44269504089\n", [1]),
+    ("k = v * (1.0 + 0.7213475204444817 * v)\n", [1]),
+    ("import math\nc = math.log2(math.e)\n", [2]),
+    ("import math\nc = 1 / math.log(2)\n", [2]),
+    ("def f(t):\n    \"\"\"c = log2(e) / T, the factor\"\"\"\n    return t  # log2(e) in words\n", []),
+    ("from ..ops._triton.algebra import LOG2E\nqk = scale * LOG2E.value\nln2 = 0.6931471805599453\n", []),
+])
+def test_the_log2e_check_finds_each_spelling(source, lines):
+    assert log2e_definitions(source) == lines

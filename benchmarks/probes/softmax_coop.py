@@ -84,7 +84,7 @@ def sec_coop():
 KEEP_P = ("return (x if LOG else p), m, tl.sum(p, axis=1)", """    if LOG:
         y = _norm_tile(t, lse, m, inv, True)
     else:
-        y = t * (tl.math.exp2((m_tile - m) * _LOG2E) * inv)[:, None]
+        y = t * (tl.math.exp2((m_tile - m) * LOG2E) * inv)[:, None]
 """)
 KEEP_X = ("return x, m, tl.sum(p, axis=1)", """    y = _norm_tile(t, lse, m, inv, LOG)
 """)

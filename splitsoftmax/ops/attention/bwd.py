@@ -45,6 +45,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
+from .._triton.algebra import LOG2E
 from ...core.runtime import interpreting
 from ...core.mask import NO_MASK, Mask
 from ...core.state import stat_dtype
@@ -53,7 +54,7 @@ from .._triton.device import hopper, sm_count
 from .bwd_common import (_batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _sink_flush, _sink_keys,
                          _tile, _tma_ok, q_walk, row_blocks, sink_args, sink_buffers, sink_sums)
 from . import bwd_plain as attention_bwd_plain
-from .fwd import LOG2E, _dot, _load_rows as _load, _program_order
+from .fwd import _dot, _load_rows as _load, _program_order
 from .._triton.launch import Launcher, fits_int32
 
 
@@ -89,7 +90,7 @@ def _kv_tile(dk, dv, k, ks, v, cs, Q, DO, GQ, LSE, DELTA, ROWS, SNK, s_r, b, b64
     e_base = DELTA + b64 * s_eb + h * s_eh
     q = _tile(q_src, b, h, m0, qi, offs_d, qmask, dmask, s_qs, BLOCK_M, BLOCK_D, EVEN_D, TMA)
     do = _tile(do_src, b, h, m0, qi, offs_dv, qmask, dvmask, s_ds, BLOCK_M, BLOCK_DV, EVEN_DV, TMA)
-    lse2 = tl.load(l_base + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.load(l_base + qi * s_ls, mask=qmask, other=float("inf")) * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty or inactive row: p = 0
     delta = tl.load(e_base + qi * s_es, mask=qmask, other=0.0) * scale  # [BLOCK_M]
     qk_t = _dot(k, tl.trans(q), None, PREC)  # [BLOCK_N, BLOCK_M]
@@ -210,7 +211,7 @@ def _attn_bwd_kv_kernel(Q, K, KS, V, DO, LSE, DELTA, GQ, GK, GV, KVR, QOFF, ROWS
         ks = KS.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
     cs = qk_scale
     if SOFTCAP:
-        cs = scale / cap2 * 1.4426950408889634  # s / c
+        cs = scale / cap2 * LOG2E  # s / c
     kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
     first, end, ia, ib = _kv_rows(RB, pid_n, n0, n0 + BLOCK_N, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, CAUSAL,
                                   HAS_LO, HAS_ROWS)
@@ -320,7 +321,7 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ, KVR, QOFF, ROWS,
     q = _load(Q + b64 * s_qb + h * s_qh + qi[:, None] * s_qs + offs_d[None, :], qmask, dmask, True, BLOCK_D != D)
     do = _load(DO + b64 * s_db + h * s_dh + qi[:, None] * s_ds + offs_dv[None, :], qmask, dvmask, True,
                BLOCK_DV != DV)
-    lse2 = tl.load(LSE + b64 * s_lb + h * s_lh + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.load(LSE + b64 * s_lb + h * s_lh + qi * s_ls, mask=qmask, other=float("inf")) * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty or inactive row: p = 0
     delta = tl.load(DELTA + b64 * s_eb + h * s_eh + qi * s_es, mask=qmask, other=0.0) * scale
     kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
@@ -329,7 +330,7 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ, KVR, QOFF, ROWS,
     n_pre = ia - first
     cs = qk_scale
     if SOFTCAP:
-        cs = scale / cap2 * 1.4426950408889634
+        cs = scale / cap2 * LOG2E
     offs_n = tl.arange(0, BLOCK_N)
     k_base = K + b64 * s_kb + kvh * s_kh + offs_d[None, :]
     v_base = V + b64 * s_vb + kvh * s_vh + offs_dv[None, :]
@@ -498,7 +499,7 @@ def _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale: float, causal: 
     lo = mask.lo if mask.lo is not None else 0
     grid = (configs.cdiv(sk, bn), b * hkv * nh * nq)
     gh = head_group(*grid, q, causal, warps)
-    args = (*ops, *grads, kvr, off, rows, rb, *strides, sq, sk, diag, lo, scale * LOG2E, scale, mask.softcap * LOG2E,
+    args = (*ops, *grads, kvr, off, rows, rb, *strides, sq, sk, diag, lo, scale * LOG2E.value, scale, mask.softcap * LOG2E.value,
             gh, *sink_args(sink))
     key = _key((*args[:14], *args[-5:-3]), (*strides, *args[-3:], fits_int32(sq, sk, diag, lo, gh)))
     _KV(grid, key, args,
@@ -519,8 +520,8 @@ def _launch_q(q, k, v, dout, lse, delta, dq, scale: float, causal: bool, diag: i
     lo = mask.lo if mask.lo is not None else 0
     grid = (configs.cdiv(sq, bm), b * h)
     gh = head_group(*grid, q, causal, warps)
-    args = (q, k, v, dout, lse, delta, dq, kvr, off, rows, *strides, sq, sk, diag, lo, scale * LOG2E, scale,
-            mask.softcap * LOG2E, gh)
+    args = (q, k, v, dout, lse, delta, dq, kvr, off, rows, *strides, sq, sk, diag, lo, scale * LOG2E.value, scale,
+            mask.softcap * LOG2E.value, gh)
     key = _key(args[:10], (*strides, fits_int32(sq, sk, diag, lo, gh)))
     _Q(grid, key, args,
        dict(D=d, DV=dvd, BLOCK_D=pad_dim(d), BLOCK_DV=pad_dim(dvd), BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal,

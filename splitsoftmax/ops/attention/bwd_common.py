@@ -24,6 +24,7 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
+from .._triton.algebra import LOG2E
 from ...core.mask import Mask
 from .decode import pad_dim
 from .fwd import _load_rows as _load
@@ -53,7 +54,7 @@ def _sink_keys(pdp_t, lse2, sink):
     """``[keys]``: ``sum_rows p_sink * pdp_t`` of a ``[keys, rows]`` tile ``pdp_t`` of ``P * dP``
     (float32, 0 at hidden pairs), ``p_sink = exp(sink - lse)`` from the rows' ``lse2 = lse * log2(e)``
     (``+inf`` in empty rows and past the end: there ``p_sink = 0``)."""
-    p_sink = tl.math.exp2(sink * 1.4426950408889634 - lse2)  # [rows]
+    p_sink = tl.math.exp2(sink * LOG2E - lse2)  # [rows]
     return tl.sum(pdp_t * p_sink[None, :], 1)
 
 

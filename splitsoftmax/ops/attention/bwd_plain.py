@@ -24,10 +24,11 @@ from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._triton import configs
+from .._triton.algebra import LOG2E
 from ...core.runtime import interpreting
 from ...core.mask import NO_MASK, Mask, row_reach
 from ...core.state import stat_dtype
-from .fwd import LOG2E, _dot, _load_rows, _program_order
+from .fwd import _dot, _load_rows, _program_order
 from .bwd_common import (_batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _sink_keys, _tile, _tma_ok,
                          q_walk, row_blocks, sink_args, sink_buffers, sink_sums)
 from .decode import attn_tile, dot_precision, head_group, pad_dim
@@ -49,7 +50,7 @@ def _bwd_kv_tile(dk, dv, k, v, q_src, do_src, l_base, e_base, b, h, m0, kj, Sq, 
     qmask = qi < Sq
     q = _tile(q_src, b, h, m0, qi, offs_d, qmask, dmask, s_qs, BLOCK_M, BLOCK_D, EVEN_D, TMA)  # [BLOCK_M, BLOCK_D]
     do = _tile(do_src, b, h, m0, qi, offs_dv, qmask, dvmask, s_ds, BLOCK_M, BLOCK_DV, EVEN_DV, TMA)
-    lse2 = tl.load(l_base + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.load(l_base + qi * s_ls, mask=qmask, other=float("inf")) * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty or inactive row: p = 0
     delta = tl.load(e_base + qi * s_es, mask=qmask, other=0.0)
     qk_t = _dot(k, tl.trans(q), None, PREC)  # [BLOCK_N, BLOCK_M]
@@ -212,7 +213,7 @@ def _attn_bwd_q_kernel(Q, K, V, DO, LSE, DELTA, GQ,
                    qmask, dmask, True, BLOCK_D != D)  # [BLOCK_M, BLOCK_D]
     do = _load_rows(DO + b * s_db + h * s_dh + qi[:, None] * s_ds + offs_dv[None, :] * s_dd,
                     qmask, dvmask, True, BLOCK_DV != DV)  # [BLOCK_M, BLOCK_DV]
-    lse2 = tl.load(LSE + b * s_lb + h * s_lh + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
+    lse2 = tl.load(LSE + b * s_lb + h * s_lh + qi * s_ls, mask=qmask, other=float("inf")) * LOG2E
     lse2 = tl.where(lse2 == float("-inf"), float("inf"), lse2)  # empty row: p = 0
     delta = tl.load(DELTA + b * s_eb + h * s_eh + qi * s_es, mask=qmask, other=0.0)
     mid, hi = _q_keys(m0, Sq, Sk, diag, BLOCK_M, BLOCK_N, CAUSAL)
@@ -444,13 +445,13 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
     if piece:
         mts = _mask_piece(mts, mask, piece)
     mstrides, flags = _mask_args(mask, q, lse)[3:]
-    lo, cap2 = mask.lo if mask.lo is not None else 0, mask.softcap * LOG2E
+    lo, cap2 = mask.lo if mask.lo is not None else 0, mask.softcap * LOG2E.value
     ds = _ds_shape(q, k, gkv, (dq, dk, dv), mask, causal, diag)
     if (dk.numel() or dv.numel()) and gkv:
         nkb = configs.cdiv(sk, gkv[1])
         # three warpgroups of num_warps (and a producer warp) per program, their registers within an SM's
         scalars = (*stats, *dk.stride()[:3], *dv.stride()[:3], *mstrides, hkv, h // hkv, sq, sk, diag, lo,
-                   scale * LOG2E, scale, cap2, head_group(nkb, b * hkv, q, causal, 3 * gkv[2]))
+                   scale * LOG2E.value, scale, cap2, head_group(nkb, b * hkv, q, causal, 3 * gkv[2]))
         kv = _gluon_launch(gkv, (nkb, b * hkv), scalars, (lse, delta, dk, dv, *mts), causal, d, dtypes,
                            maxnreg=configs.ATTN_BWD_KV_WS_MAXNREG, DS_OUT=ds is not None,
                            DS_ALIGN=configs.ATTN_TILES[("bwd_q_ds", 2, d)][0], **flags,
@@ -459,7 +460,7 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
         bm, bn, warps, stages = attn_tile("bwd_kv", q.dtype, d, dv_)
         kv_rows = bm
         nkb = configs.cdiv(sk, bn)
-        scalars = (*strides, *dk.stride(), *dv.stride(), hkv, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+        scalars = (*strides, *dk.stride(), *dv.stride(), hkv, h // hkv, sq, sk, diag, scale * LOG2E.value, scale,
                    head_group(nkb, b * hkv, q, causal, warps))
         kv = ((nkb, b * hkv), (auto_key((q, k, v, dout, lse, delta, dk, dv, *scalars)), dtypes),
               scalars, dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common,
@@ -476,14 +477,14 @@ def _launches(q, k, v, dout, lse, delta, dq, dk, dv, scale: float, causal: bool,
         ds = (*ds, gkv[1], gkv[0], bm)
     elif dq.numel() and gq:
         nqb = configs.cdiv(sq, gq[0])
-        scalars = (*stats, *dq.stride()[:3], *mstrides, h, h // hkv, sq, sk, diag, lo, scale * LOG2E, scale, cap2,
+        scalars = (*stats, *dq.stride()[:3], *mstrides, h, h // hkv, sq, sk, diag, lo, scale * LOG2E.value, scale, cap2,
                    head_group(nqb, b * h, q, causal, gq[2]))
         qp = _gluon_launch(gq, (nqb, b * h), scalars, (lse, delta, dq, *mts[:3]), causal, d, dtypes, **flags)
     elif dq.numel():
         bm, bn, warps, stages = attn_tile("bwd_q", q.dtype, d, dv_)
         q_rows = bn
         nqb = configs.cdiv(sq, bm)
-        scalars = (*strides, *dq.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E, scale,
+        scalars = (*strides, *dq.stride(), h, h // hkv, sq, sk, diag, scale * LOG2E.value, scale,
                    head_group(nqb, b * h, q, causal, warps))
         qp = ((nqb, b * h), (auto_key((q, k, v, dout, lse, delta, dq, *scalars)), dtypes), scalars,
               dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages, **common))

@@ -53,9 +53,9 @@ from .decode import Plan, dot_precision, head_group, pad_dim, plan
 from .._triton.device import hopper, sm90, sm_count
 from .._triton.launch import Launcher, Memo, auto_key, fits_int32, geometry
 from ...core.runtime import interpreting
-from ..merge.kernel import inv_or_zero, lse2_of, merge_into
+from ..merge.kernel import merge_into
+from .._triton.algebra import LOG2E, inv_or_zero, lse2_of, online_step, ref_max, rescale
 
-LOG2E = 1.4426950408889634
 # Triton 3.6's interpreter multiplies bf16 tiles as raw integers: there, tl.dot runs on float32
 # copies of the (already rounded) operands, which is the same product.
 _DOT_F32 = tl.constexpr(interpreting())
@@ -183,21 +183,19 @@ def _fwd_tile(acc, l_i, m_i, q, k_src, v_src, kb, kvh, kv_row0, kv_hcol, start, 
         else:
             s = tl.where(ok, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty so far: exp2(-inf - 0) = 0
-        p = tl.math.exp2(s - m_use[:, None])
+        m_use = ref_max(m_new)  # empty so far: exp2(-inf - 0) = 0
     elif SOFTCAP:
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_use = m_new
-        p = tl.math.exp2(qk - m_use[:, None])
+        s = qk
     else:
         if POS_SCALE:
             m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         else:
             m_new = tl.maximum(m_i, tl.max(qk * qk_scale, 1))
         m_use = m_new
-        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
-    alpha = tl.math.exp2(m_i - m_use)  # [BLOCK_M]
-    l_i = l_i * alpha + tl.sum(p, 1)
+        s = qk * qk_scale
+    p, alpha, l_i = online_step(l_i, m_i, m_use, s)  # [BLOCK_M, BLOCK_N], [BLOCK_M], [BLOCK_M]
     if not TMA:
         v = _load_tile(v_src, kb, kvh, kv_row0, kv_hcol, start, kmask, dvmask, kj.shape[0], acc.shape[1], MASKED,
                        not EVEN_DV, TMA, ROW2D)  # [BLOCK_N, BLOCK_DV]
@@ -234,9 +232,10 @@ def _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, firs
     for start in tl.range(first, end, BLOCK_N, num_stages=1 if GUARD else None):
         kj = start + offs_n  # [BLOCK_N]
         k_src, v_src = _kv_src(k_base, v_base, kj, s_ks, s_vs, TMA)
-        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b32, kvh, kv_row0, kv_hcol, start, kj, pos, hi,
-                                  diag, lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, CAUSAL, MASKED, EVEN_D,
-                                  EVEN_DV, POS_SCALE, PREC, TMA, ROW2D, GUARD, BAND, SOFTCAP, SOFTCAP_APPROX)
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, k_src, v_src, b32, kvh, kv_row0, kv_hcol, start, kj, pos, hi, diag,
+                                  lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, CAUSAL=CAUSAL, MASKED=MASKED,
+                                  EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, POS_SCALE=POS_SCALE, PREC=PREC, TMA=TMA, ROW2D=ROW2D,
+                                  GUARD=GUARD, BAND=BAND, SOFTCAP=SOFTCAP, SOFTCAP_APPROX=SOFTCAP_APPROX)
     return acc, l_i, m_i
 
 
@@ -248,12 +247,16 @@ def _fwd_edges(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0,
                SOFTCAP_APPROX: tl.constexpr):
     """The masked tiles of rows ``[lo_r, hi_r)`` (see attn_mask.band_tiles): ``[a0, a1)`` below the
     unmasked ones, then ``[a2, end)`` above them."""
-    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0, a1, end, lo_r,
-                              diag, lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N, CAUSAL,
-                              True, EVEN_D, EVEN_DV, POS_SCALE, PREC, TMA, ROW2D, GUARD, True, SOFTCAP, SOFTCAP_APPROX)
-    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a2, end, end, lo_r,
-                              diag, lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N, CAUSAL,
-                              True, EVEN_D, EVEN_DV, POS_SCALE, PREC, TMA, ROW2D, GUARD, True, SOFTCAP, SOFTCAP_APPROX)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0, a1, end, lo_r, diag,
+                              lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N=BLOCK_N,
+                              CAUSAL=CAUSAL, MASKED=True, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, POS_SCALE=POS_SCALE,
+                              PREC=PREC, TMA=TMA, ROW2D=ROW2D, GUARD=GUARD, BAND=True, SOFTCAP=SOFTCAP,
+                              SOFTCAP_APPROX=SOFTCAP_APPROX)
+    acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a2, end, end, lo_r, diag,
+                              lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N=BLOCK_N,
+                              CAUSAL=CAUSAL, MASKED=True, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, POS_SCALE=POS_SCALE,
+                              PREC=PREC, TMA=TMA, ROW2D=ROW2D, GUARD=GUARD, BAND=True, SOFTCAP=SOFTCAP,
+                              SOFTCAP_APPROX=SOFTCAP_APPROX)
     return acc, l_i, m_i
 
 
@@ -342,14 +345,16 @@ def _attn_fwd_kernel(Q, K, V, O, L,
                                 Q_OFFSET, ROW_BOUNDS)  # [BLOCK_M] each
         a0, a1, a2, end = band_tiles(lo_r, hi_r, row_ok, BLOCK_N)
         # the masked tiles at the intervals' edges first, so that the bounds are dead in the unmasked loop
-        acc, l_i, m_i = _fwd_edges(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0, a1, a2, end,
-                                   diag, lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N,
-                                   CAUSAL, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, False, SOFTCAP,
-                                   SOFTCAP_APPROX)
-        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a1, a2, end, pos,
-                                  diag, pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N,
-                                  CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, False,
-                                  True, SOFTCAP, SOFTCAP_APPROX)
+        acc, l_i, m_i = _fwd_edges(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0, a1, a2, end, diag,
+                                   lo_r, hi_r, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N=BLOCK_N,
+                                   CAUSAL=CAUSAL, EVEN_D=BLOCK_D == D, EVEN_DV=BLOCK_DV == DV, POS_SCALE=POS_SCALE,
+                                   PREC=PREC, TMA=TMA, ROW2D=ROW2D, GUARD=False, SOFTCAP=SOFTCAP,
+                                   SOFTCAP_APPROX=SOFTCAP_APPROX)
+        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a1, a2, end, pos, diag,
+                                  pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N=BLOCK_N,
+                                  CAUSAL=CAUSAL, MASKED=False, EVEN_D=BLOCK_D == D, EVEN_DV=BLOCK_DV == DV,
+                                  POS_SCALE=POS_SCALE, PREC=PREC, TMA=TMA, ROW2D=ROW2D, GUARD=False, BAND=True,
+                                  SOFTCAP=SOFTCAP, SOFTCAP_APPROX=SOFTCAP_APPROX)
         # a NaN/Inf value a row cannot see must not reach it through 0 * NaN in a masked tile; such a
         # value makes a NaN in every row of that tile's product (p >= 0) and so of the result
         if not (tl.abs(tl.sum(tl.sum(acc, 1), 0)) < float("inf")):  # rare: all again, the edges guarded
@@ -357,13 +362,15 @@ def _attn_fwd_kernel(Q, K, V, O, L,
                                     KV_RANGE, Q_OFFSET, ROW_BOUNDS)
             acc, l_i, m_i = _fwd_edges(tl.zeros_like(acc), tl.zeros_like(l_i), tl.zeros_like(m_i) - float("inf"), q,
                                        k_base, v_base, b32, kvh, kv_row0, kv_hcol, a0, a1, a2, end, diag, lo_r, hi_r,
-                                       qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N, CAUSAL,
-                                       BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, True, SOFTCAP,
-                                       SOFTCAP_APPROX)
-            acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a1, a2, end,
-                                      pos, diag, pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs,
-                                      BLOCK_N, CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA,
-                                      ROW2D, True, True, SOFTCAP, SOFTCAP_APPROX)
+                                       qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N=BLOCK_N,
+                                       CAUSAL=CAUSAL, EVEN_D=BLOCK_D == D, EVEN_DV=BLOCK_DV == DV, POS_SCALE=POS_SCALE,
+                                       PREC=PREC, TMA=TMA, ROW2D=ROW2D, GUARD=True, SOFTCAP=SOFTCAP,
+                                       SOFTCAP_APPROX=SOFTCAP_APPROX)
+            acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, a1, a2, end, pos,
+                                      diag, pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs,
+                                      BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, MASKED=False, EVEN_D=BLOCK_D == D,
+                                      EVEN_DV=BLOCK_DV == DV, POS_SCALE=POS_SCALE, PREC=PREC, TMA=TMA, ROW2D=ROW2D,
+                                      GUARD=True, BAND=True, SOFTCAP=SOFTCAP, SOFTCAP_APPROX=SOFTCAP_APPROX)
     else:
         full_hi = hi
         if CAUSAL:
@@ -371,21 +378,24 @@ def _attn_fwd_kernel(Q, K, V, O, L,
             full_hi = tl.minimum(hi, pos_lo + diag + 1)
         mid = lo + (tl.maximum(full_hi - lo, 0) // BLOCK_N) * BLOCK_N
         # tiles every row sees whole, then those crossing the diagonal or the range end (masked)
-        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, lo, mid, hi, pos,
-                                  diag, pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N,
-                                  CAUSAL, False, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, False,
-                                  False, SOFTCAP, SOFTCAP_APPROX)
+        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, lo, mid, hi, pos, diag,
+                                  pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N=BLOCK_N,
+                                  CAUSAL=CAUSAL, MASKED=False, EVEN_D=BLOCK_D == D, EVEN_DV=BLOCK_DV == DV,
+                                  POS_SCALE=POS_SCALE, PREC=PREC, TMA=TMA, ROW2D=ROW2D, GUARD=False, BAND=False,
+                                  SOFTCAP=SOFTCAP, SOFTCAP_APPROX=SOFTCAP_APPROX)
         acc0, l0, m0 = acc, l_i, m_i
-        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, mid, hi, hi, pos,
-                                  diag, pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N,
-                                  CAUSAL, True, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA, ROW2D, False,
-                                  False, SOFTCAP, SOFTCAP_APPROX)
+        acc, l_i, m_i = _fwd_loop(acc, l_i, m_i, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, mid, hi, hi, pos, diag,
+                                  pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs, BLOCK_N=BLOCK_N,
+                                  CAUSAL=CAUSAL, MASKED=True, EVEN_D=BLOCK_D == D, EVEN_DV=BLOCK_DV == DV,
+                                  POS_SCALE=POS_SCALE, PREC=PREC, TMA=TMA, ROW2D=ROW2D, GUARD=False, BAND=False,
+                                  SOFTCAP=SOFTCAP, SOFTCAP_APPROX=SOFTCAP_APPROX)
         if CAUSAL:  # a NaN/Inf value a row cannot see must not reach it through 0 * NaN in a diagonal tile
             if not (tl.abs(tl.sum(tl.sum(acc, 1), 0)) < float("inf")):  # rare: the masked tiles again, guarded
-                acc, l_i, m_i = _fwd_loop(acc0, l0, m0, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, mid, hi, hi,
-                                          pos, diag, pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs,
-                                          BLOCK_N, CAUSAL, True, BLOCK_D == D, BLOCK_DV == DV, POS_SCALE, PREC, TMA,
-                                          ROW2D, True, False, SOFTCAP, SOFTCAP_APPROX)
+                acc, l_i, m_i = _fwd_loop(acc0, l0, m0, q, k_base, v_base, b32, kvh, kv_row0, kv_hcol, mid, hi, hi, pos,
+                                          diag, pos, pos, qk_scale, cap_in, cap_out, dmask, dvmask, s_ks, s_vs,
+                                          BLOCK_N=BLOCK_N, CAUSAL=CAUSAL, MASKED=True, EVEN_D=BLOCK_D == D,
+                                          EVEN_DV=BLOCK_DV == DV, POS_SCALE=POS_SCALE, PREC=PREC, TMA=TMA, ROW2D=ROW2D,
+                                          GUARD=True, BAND=False, SOFTCAP=SOFTCAP, SOFTCAP_APPROX=SOFTCAP_APPROX)
     # epilogue: (out, lse) of this block; an empty row (l exactly 0) is (0, -inf); a NaN l stays NaN,
     # never "empty": merges skip empty parts, and a NaN must reach the rows that depend on it
     out = acc / tl.where(l_i != 0, l_i, 1.0)[:, None]  # [BLOCK_M, BLOCK_DV]
@@ -397,11 +407,8 @@ def _attn_fwd_kernel(Q, K, V, O, L,
         o_ptrs = O + pid_s * s_osplit + b * s_ob + head[:, None] * s_oh + pos[:, None] * s_os + offs_dv[None, :] * s_od
         st_mask = row_ok[:, None] & dvmask[None, :]
         if ACC:  # merge into the running float32 state (out, lse) held at O, L
-            old2 = tl.load(l_ptrs, mask=row_ok, other=float("-inf")) * 1.4426950408889634
-            m2 = tl.maximum(old2, lse2)
-            m2 = tl.where(m2 == float("-inf"), 0.0, m2)
-            w_old = tl.math.exp2(old2 - m2)
-            w_new = tl.math.exp2(lse2 - m2)
+            old2 = tl.load(l_ptrs, mask=row_ok, other=float("-inf")) * LOG2E
+            _, m2, w_old, w_new = rescale(old2, lse2)
             tot = w_old + w_new
             inv = inv_or_zero(tot)  # [BLOCK_M]
             o_old = tl.load(o_ptrs, mask=st_mask & (w_old > 0)[:, None], other=0.0)
@@ -542,7 +549,7 @@ def _fwd_launch(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale
                   PACK=p.pack, ACC=acc, POS_SCALE=scale > 0, PREC=dot_precision(q.dtype), TMA=tma is not None,
                   O_TMA=o_tma, ROW2D=row2d, TRIGGER=split_dim and configs.ATTN_SPLIT_TRIGGER and hopper(q),
                   SEQ_ROWS=seq, **km.flags, num_warps=warps, num_stages=stages)
-    return _FwdLaunch(grid, key, specs, (*strides, sq, sk, diag, p.chunk, scale * LOG2E),
+    return _FwdLaunch(grid, key, specs, (*strides, sq, sk, diag, p.chunk, scale * LOG2E.value),
                       (km.lo_off, p.start, km.cap_in, km.cap_out, gh), kwargs)
 
 
@@ -594,7 +601,7 @@ def _gluon_fwd_launch(q: Tensor, k: Tensor, out: Tensor, lse: Tensor, scale: flo
     mask_strides = (*(km.kvr.stride() if f["KV_RANGE"] else (0, 0)), km.qoff.stride(0) if f["Q_OFFSET"] else 0,
                     km.rows.stride(0) if f["ROW_BOUNDS"] else 0)
     scalars = (*out.stride()[:3], *lse.stride(), *mask_strides, h, h // hkv, nb, b * h, sq, sk, diag, km.lo_off,
-               scale * LOG2E, km.cap_in, km.cap_out, head_group(nb, b * h, q, causal, 2 * warps))
+               scale * LOG2E.value, km.cap_in, km.cap_out, head_group(nb, b * h, q, causal, 2 * warps))
     # maxnreg: the second consumer's warpgroup and the producer's, within an SM's registers
     return _GluonFwdLaunch(grid, (auto_key((out, lse, km.kvr, km.qoff, km.rows, *scalars)), q.dtype), (bm, bn),
                            scalars, dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, **f, ACC=acc,

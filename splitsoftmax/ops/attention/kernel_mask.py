@@ -20,8 +20,8 @@ import triton.language as tl
 from torch import Tensor
 
 from ...core.mask import NO_MASK, Mask
+from .._triton.algebra import LOG2E
 
-LOG2E = 1.4426950408889634
 BIG = tl.constexpr(1 << 30)  # beyond any key index a kernel takes (int32 coordinates)
 
 
@@ -140,7 +140,7 @@ def kernel_mask(mask: Mask, q: Tensor, scale: float, dummy: Tensor, approx: bool
                  Q_OFFSET=mask.q_offset is not None, ROW_BOUNDS=mask.rows is not None, SOFTCAP=cap > 0,
                  SOFTCAP_APPROX=cap > 0 and approx)
     lo = 0 if mask.lo is None else int(mask.lo)
-    return KernelMask(kvr, qoff, rows, lo, scale / cap if cap else 1.0, cap * LOG2E if cap else 1.0, flags)
+    return KernelMask(kvr, qoff, rows, lo, scale / cap if cap else 1.0, cap * LOG2E.value if cap else 1.0, flags)
 
 
 def key_range(sq: int, sk: int, causal: bool, diag: int, mask: Mask) -> tuple[int, int]:

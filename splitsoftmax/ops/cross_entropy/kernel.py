@@ -31,12 +31,12 @@ from ...core.runtime import interpreting
 from .torch import merge_ce_stats
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
+from .._triton.algebra import LOG2E
 from .._triton.configs import CE_BWD_TILE, CE_FWD_TILE, CE_INTERPRET_SMS, CE_PROGRAMS_PER_SM, CE_TILE_INTERPRET
 from .._triton.device import sm_count
 from .._triton.launch import Launcher
 from ..softmax.kernel import _lse, _merge_states, _stats
 
-LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit(do_not_specialize=["col0", "s_sp", "s_sn"])
 def _ce_fwd_kernel(X, T, STATS, V, col0, span, s_xn, s_sp, s_sn, BLOCK_V: tl.constexpr, STAGES: tl.constexpr,

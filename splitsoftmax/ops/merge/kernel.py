@@ -30,23 +30,9 @@ from torch import Tensor
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from ...core.runtime import interpreting
 from .._triton import configs
+from .._triton.algebra import LOG2E, inv_or_zero, lse2_of, ref_max, rescale
 from .._triton.device import hopper, sm_count
 from .._triton.launch import Launcher
-
-
-@triton.jit
-def inv_or_zero(s):
-    """``1 / s`` of a weight sum, 0 where it is exactly 0 (every part empty); NaN stays NaN."""
-    some = s != 0
-    return tl.where(some, 1.0 / tl.where(some, s, 1.0), 0.0)
-
-
-@triton.jit
-def lse2_of(m, s):
-    """``lse`` in the log2 domain from a max ``m`` (0 where every part is empty) and the weight
-    sum ``s`` relative to it: ``m + log2(s)``, ``-inf`` where ``s`` is exactly 0, NaN stays NaN."""
-    some = s != 0
-    return tl.where(some, m + tl.math.log2(tl.where(some, s, 1.0)), float("-inf"))
 
 
 @triton.jit
@@ -72,19 +58,18 @@ def _merge_fwd_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_R], tl.float32)
     for i in range(N):
-        x = tl.load(LSES + i * s_ln + rows64 * s_lr, mask=rmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
-        m_new = tl.maximum(m, x)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        s = s * tl.math.exp2(m - m_use) + tl.math.exp2(x - m_use)
+        x = tl.load(LSES + i * s_ln + rows64 * s_lr, mask=rmask, other=float("-inf")).to(tl.float32) * LOG2E
+        m_new, _, w_m, w_x = rescale(m, x)
+        s = s * w_m + w_x
         m = m_new
-    m_use = tl.where(m == float("-inf"), 0.0, m)
+    m_use = ref_max(m)
     inv = inv_or_zero(s)  # [BLOCK_R]
     # pass 2: one read of each part's tile with its final weight
     mask2 = rmask[:, None] & (cols[None, :] < DV)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     optr = OUTS + rows64[:, None] * s_or + cols[None, :] * s_od  # [BLOCK_R, BLOCK_D]
     for i in range(N):
-        x = tl.load(LSES + i * s_ln + rows64 * s_lr, mask=rmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+        x = tl.load(LSES + i * s_ln + rows64 * s_lr, mask=rmask, other=float("-inf")).to(tl.float32) * LOG2E
         w = tl.math.exp2(x - m_use) * inv  # [BLOCK_R]; 0 for empty parts
         o = tl.load(optr + i * s_on, mask=mask2 & (w > 0)[:, None], other=0.0).to(tl.float32)
         acc += w[:, None] * o
@@ -106,11 +91,11 @@ def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
     cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D]
     parts = tl.arange(0, BLOCK_P)  # [BLOCK_P]
     pmask = parts < N
-    x = tl.load(LSES + parts * s_ln + row * s_lr, mask=pmask, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    x = tl.load(LSES + parts * s_ln + row * s_lr, mask=pmask, other=float("-inf")).to(tl.float32) * LOG2E
     o = tl.load(OUTS + parts[:, None] * s_on + row * s_or + cols[None, :] * s_od,
                 mask=pmask[:, None] & (cols < DV)[None, :], other=0.0).to(tl.float32)  # [BLOCK_P, BLOCK_D]
     m = tl.max(x, 0)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
+    m_use = ref_max(m)
     w = tl.math.exp2(x - m_use)  # [BLOCK_P]; 0 for empty parts, NaN for NaN ones
     s = tl.sum(w, 0)
     w = w * inv_or_zero(s)

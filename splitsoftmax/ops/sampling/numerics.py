@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .._triton.algebra import LOG2E
+
 STREAM = 0x53414D50            # Philox counter word 3: this library's sampling stream
 ROWS = 0x524F5753              # and of the row keys of a batch seed
 KEY_A, KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -64,7 +66,7 @@ def to_f32(x: float) -> float:
 
 def temperature_scale(temperature: float) -> float:
     """``c = float32(log2(e) / T)``, the factor turning a logit into its base-2 scaled logit ``zz``."""
-    return to_f32(math.log2(math.e) / temperature)
+    return to_f32(LOG2E.value / temperature)
 
 
 def f32(value: float, like: Tensor) -> Tensor:

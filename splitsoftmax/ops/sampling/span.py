@@ -29,6 +29,7 @@ import triton.language as tl
 
 from ...core.runtime import interpreting
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
+from .._triton.algebra import LOG2E
 from .jit import INT32_MIN, NEG_INF, NONE, U32, _gumbel, _ord32, _qmass, _seed_of, _top
 
 NAN_KEY = tl.constexpr(0x7FFFFFFF << 32)      # the packed high word of a NaN key
@@ -231,7 +232,7 @@ def _approx_noise(word):
     a bound for pruning, never the draw itself."""
     v = word.to(tl.float32) * 2.3283064365386963e-10
     v = tl.minimum(tl.maximum(v, 1.1641532182693481e-10), 0.9999999403953552)
-    e = tl.where(v < 0.0078125, v * (1.4426950408889634 + 0.7213475204444817 * v), -_log2_approx(1.0 - v))
+    e = tl.where(v < 0.0078125, v * (LOG2E + 0.5 * LOG2E * v), -_log2_approx(1.0 - v))
     return -_log2_approx(e)
 
 

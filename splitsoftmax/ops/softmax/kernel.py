@@ -30,30 +30,24 @@ from torch import Tensor
 
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
+from .._triton.algebra import LOG2E, ref_max
 from .._triton.launch import Launcher
 
-_LOG2E = tl.constexpr(1.4426950408889634)
-
-
-@triton.jit
-def _ref(m):
-    """The max to subtract: ``m``, or 0 in an empty row (so ``exp(-inf - ref) = 0``, not NaN)."""
-    return tl.where(m == float("-inf"), 0.0, m)
 
 
 @triton.jit
 def _lse(m, l):
     """Natural ``lse`` from ``(m, l)`` ([BLOCK_R] each); ``-inf`` where ``l = 0``, NaN stays NaN."""
-    return tl.where(l == 0.0, float("-inf"), _ref(m) + tl.log(l))
+    return tl.where(l == 0.0, float("-inf"), ref_max(m) + tl.log(l))
 
 
 @triton.jit
 def _online(m, l, x):
     """Fold tile ``x [BLOCK_R, BLOCK_N]`` (float32) into the running ``(m, l)`` ([BLOCK_R])."""
     m_new = tl.maximum(m, tl.max(x, axis=1))
-    ref = _ref(m_new)
-    p = tl.math.exp2((x - ref[:, None]) * _LOG2E)  # [BLOCK_R, BLOCK_N]
-    l = l * tl.math.exp2((m - ref) * _LOG2E) + tl.sum(p, axis=1)
+    ref = ref_max(m_new)
+    p = tl.math.exp2((x - ref[:, None]) * LOG2E)  # [BLOCK_R, BLOCK_N]
+    l = l * tl.math.exp2((m - ref) * LOG2E) + tl.sum(p, axis=1)
     return m_new, l
 
 
@@ -103,14 +97,14 @@ def _norm_tile(x, lse, m, c, LOG: tl.constexpr):
     if LOG:
         y = tl.where(empty, float("-inf"), x - lse[:, None])
     else:
-        y = tl.where(empty, 0.0, tl.math.exp2((x - m[:, None]) * _LOG2E) * c[:, None])
+        y = tl.where(empty, 0.0, tl.math.exp2((x - m[:, None]) * LOG2E) * c[:, None])
     return y
 
 
 @triton.jit
 def _scale(m, l, g):
     """``(m, g / l)`` for :func:`_norm_tile` from a row state ``(m, l)``; 0 in empty rows."""
-    return _ref(m), tl.where(l == 0.0, 0.0, g / l)
+    return ref_max(m), tl.where(l == 0.0, 0.0, g / l)
 
 
 @triton.jit
@@ -119,7 +113,7 @@ def _tile_state(x, LOG: tl.constexpr):
     held on chip, and what its output is made from (:func:`_tile_out`): ``exp(x - m)`` for softmax,
     so one exp per element, or ``x`` for log-softmax."""
     m = tl.max(x, axis=1)
-    p = tl.math.exp2((x - _ref(m)[:, None]) * _LOG2E)  # [BLOCK_R, BLOCK_N]
+    p = tl.math.exp2((x - ref_max(m)[:, None]) * LOG2E)  # [BLOCK_R, BLOCK_N]
     return (x if LOG else p), m, tl.sum(p, axis=1)
 
 
@@ -131,7 +125,7 @@ def _tile_out(t, m_tile, lse, m, inv, LOG: tl.constexpr):
     if LOG:
         y = _norm_tile(t, lse, m, inv, True)
     else:
-        y = t * (tl.math.exp2((m_tile - m) * _LOG2E) * inv)[:, None]
+        y = t * (tl.math.exp2((m_tile - m) * LOG2E) * inv)[:, None]
     return y
 
 
@@ -158,7 +152,7 @@ def _merge_states(pm, pl):
     """Merged ``(m, l)`` [BLOCK_R] of the partial states ``pm, pl [BLOCK_R, BLOCK_S]`` (absent ones
     ``(-inf, 0)``)."""
     m = tl.max(pm, axis=1)
-    l = tl.sum(pl * tl.math.exp2((pm - _ref(m)[:, None]) * _LOG2E), axis=1)
+    l = tl.sum(pl * tl.math.exp2((pm - ref_max(m)[:, None]) * LOG2E), axis=1)
     return m, l
 
 
@@ -334,7 +328,7 @@ def _normalize_fwd_kernel(x_ptr, y_ptr, lse_ptr, g_ptr, pm_ptr, pl_ptr, R, N, st
         m, c = _scale(m, l, g)
     else:
         lse = tl.load(lse_ptr + rows, mask=rmask, other=0.0).to(tl.float32)
-        m, c = _ref(lse), g
+        m, c = ref_max(lse), g
     start = s * chunk
     _normalize_range(x_ptr + rows[:, None].to(tl.int64) * stride_x,
                      y_ptr + rows[:, None].to(tl.int64) * stride_y,
@@ -351,7 +345,7 @@ def _grad_terms(y, dy, LOG: tl.constexpr):
 def _dx(y, dy, s, empty, LOG: tl.constexpr):
     """``dx [BLOCK_R, BLOCK_N]`` from ``y, dy`` and the row sum ``s [BLOCK_R]``; 0 in empty rows."""
     if LOG:
-        dx = dy - tl.math.exp2(y * _LOG2E) * s[:, None]
+        dx = dy - tl.math.exp2(y * LOG2E) * s[:, None]
     else:
         dx = y * (dy - s[:, None])
     return tl.where(empty[:, None], 0.0, dx)

@@ -18,7 +18,6 @@ Same signatures and math as ``ops/vocab/torch.py``.
 """
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 from typing import Optional
 
@@ -30,17 +29,11 @@ from torch import Tensor
 from ...core.runtime import interpreting
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
+from .._triton.algebra import LOG2E, ref_max
 from .torch import merge_kl_records, merge_records
 
-LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 NEG = tl.constexpr(float("-inf"))
-
-
-@triton.jit
-def _ref(m):
-    """The max to measure from: ``m``, or 0 where it is ``-inf`` (so ``exp(-inf - ref) = 0``)."""
-    return tl.where(m == float("-inf"), 0.0, m)
 
 
 @triton.jit
@@ -48,7 +41,7 @@ def _fold(m, l, u, x, c, ENTROPY: tl.constexpr):
     """Fold the tile ``x [BLOCK_R, BLOCK_V]`` (raw float32 logits, ``-inf`` padded) into the running
     ``(m, l, u)`` ([BLOCK_R] each; ``u`` in log2 units, measured from ``m``)."""
     m_new = tl.maximum(m, tl.max(x, axis=1))
-    ref = _ref(m_new)
+    ref = ref_max(m_new)
     e = (x - ref[:, None]) * c  # [BLOCK_R, BLOCK_V]
     p = tl.math.exp2(e)
     alpha = tl.math.exp2((m - ref) * c)
@@ -102,13 +95,13 @@ def _fold_kl(mp, lp, u, mq, lq, xp, xq, c):
     measured from ``m_p - m_q``)."""
     mp_new = tl.maximum(mp, tl.max(xp, axis=1))
     mq_new = tl.maximum(mq, tl.max(xq, axis=1))
-    rp, rq = _ref(mp_new), _ref(mq_new)
+    rp, rq = ref_max(mp_new), ref_max(mq_new)
     ep = (xp - rp[:, None]) * c  # [BLOCK_R, BLOCK_V]
     eq = (xq - rq[:, None]) * c
     pp = tl.math.exp2(ep)
     ap = tl.math.exp2((mp - rp) * c)
     aq = tl.math.exp2((mq - rq) * c)
-    shift = tl.where(lp == 0.0, 0.0, ((_ref(mp) - rp) - (_ref(mq) - rq)) * c * lp)
+    shift = tl.where(lp == 0.0, 0.0, ((ref_max(mp) - rp) - (ref_max(mq) - rq)) * c * lp)
     u = ap * (u + shift) + tl.sum(tl.where(pp > 0.0, pp * (ep - eq), 0.0), axis=1)
     lp = ap * lp + tl.sum(pp, axis=1)
     lq = aq * lq + tl.sum(tl.math.exp2(eq), axis=1)
@@ -165,7 +158,7 @@ def _vocab_finish_kernel(REC, T, LOGP, ENT, ROWS, N, ignore_index, BLOCK: tl.con
     full = l != 0.0  # NaN rows count as full: NaN reaches every statistic
     log_l = tl.where(full, tl.log(tl.where(full, l, 1.0)), float("-inf"))
     rel = tl.where(full, u / tl.where(full, l, 1.0), 0.0)  # E_P[z] - m
-    ref = _ref(m)
+    ref = ref_max(m)
     logp = tl.where(full, (zt - ref) - log_l, float("-inf"))
     ent = tl.where(full, log_l - rel, 0.0)
     if TARGET:
@@ -196,9 +189,9 @@ def _kl_finish_kernel(REC, KL, ROWS, N, BLOCK: tl.constexpr):
     rel = tl.where(pf, u / tl.where(pf, lp, 1.0), 0.0)
     tl.store(KL + rows, tl.where(pf, tl.where(qf, rel - log_p + log_q, float("inf")), 0.0), mask=mask)
     out = ROWS + rows * 5
-    tl.store(out, _ref(mp), mask=mask)
+    tl.store(out, ref_max(mp), mask=mask)
     tl.store(out + 1, log_p, mask=mask)
-    tl.store(out + 2, _ref(mq), mask=mask)
+    tl.store(out + 2, ref_max(mq), mask=mask)
     tl.store(out + 3, log_q, mask=mask)
     tl.store(out + 4, rel, mask=mask)
 
@@ -333,7 +326,7 @@ def vocab_records(logits: Tensor, target: Optional[Tensor], col0: int, inv_t: fl
     if n:
         t = target.contiguous() if target is not None else rec
         _vocab_fwd_kernel[(configs.cdiv(n, block_r), splits)](
-            logits, t, rec, n, v, col0, span, logits.stride(0), n * 4, math.log2(math.e) * inv_t, inv_t,
+            logits, t, rec, n, v, col0, span, logits.stride(0), n * 4, LOG2E.value * inv_t, inv_t,
             BLOCK_R=block_r, BLOCK_V=block_v, STAGES=stages, TARGET=target is not None, ENTROPY=entropy,
             num_warps=warps)
     return rec[0] if splits == 1 else merge_records(rec)
@@ -347,7 +340,7 @@ def kl_records(p: Tensor, q: Tensor, inv_t: float) -> Tensor:
     rec = torch.empty((splits, n, 5), dtype=torch.float32, device=p.device)
     if n:
         _kl_fwd_kernel[(configs.cdiv(n, block_r), splits)](
-            p, q, rec, n, v, span, p.stride(0), q.stride(0), n * 5, math.log2(math.e) * inv_t, inv_t,
+            p, q, rec, n, v, span, p.stride(0), q.stride(0), n * 5, LOG2E.value * inv_t, inv_t,
             BLOCK_R=block_r, BLOCK_V=block_v, STAGES=stages, num_warps=warps)
     return rec[0] if splits == 1 else merge_kl_records(rec)
 

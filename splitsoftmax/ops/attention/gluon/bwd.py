@@ -20,6 +20,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from ..._triton.algebra import LOG2E
+
 # Names that changed across the Triton versions this package takes: the TMA load of a tile into
 # shared memory and its store (`async_load`, `async_store` in newer releases) and the barrier of a
 # program's threads (`barrier`)
@@ -42,7 +44,7 @@ def _row_stats(LSE, DELTA, l_off, e_off, m0, Sq, s_ls, s_es, layout: gl.constexp
     (``lse = -inf``) get ``+inf``, so that their ``p`` is 0."""
     qi = m0 + gl.arange(0, BLOCK_M, layout=layout)
     qmask = qi < Sq
-    lse2 = gl.load(LSE + l_off + qi * s_ls, mask=qmask, other=float("inf")) * 1.4426950408889634
+    lse2 = gl.load(LSE + l_off + qi * s_ls, mask=qmask, other=float("inf")) * LOG2E
     lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
     delta = gl.load(DELTA + e_off + qi * s_es, mask=qmask, other=0.0)
     return lse2, delta
@@ -272,7 +274,7 @@ def _attn_bwd_q_gluon(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GQ, KVR, QOFF
     T = n_in + ia - first + end - ib
     cs = qk_scale
     if SOFTCAP:
-        cs = scale / cap2 * 1.4426950408889634  # s / c
+        cs = scale / cap2 * LOG2E  # s / c
 
     mbarrier.expect(q_bar, 2 * BLOCK_M * D * 2)
     _tma_load(q_desc, [b, h, m0, 0], q_bar, q_smem)

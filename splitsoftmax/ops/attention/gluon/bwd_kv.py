@@ -38,6 +38,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from ..._triton.algebra import LOG2E
 from .bwd import (_batch_bounds, _doc_rows, _finite_or_zero_smem, _mma_layout, _probs, _program_order, _row_stats,
                   _score_grad, _seen, _store_rows, _thread_barrier, _tma_load, _tma_store)
 
@@ -149,7 +150,7 @@ def _sink_keys(pdp_t, lse2, sink):
     """``bwd_common._sink_keys``: ``[keys]``, ``sum_rows exp(sink - lse) * pdp_t`` of a ``[keys, rows]``
     tile ``pdp_t`` of ``P * dP`` (0 at hidden pairs) from the rows' ``lse2 = lse * log2(e)`` (``+inf``:
     ``p_sink = 0``)."""
-    p_sink = gl.exp2(sink * 1.4426950408889634 - lse2)
+    p_sink = gl.exp2(sink * LOG2E - lse2)
     return gl.sum(pdp_t * p_sink[None, :], 1)
 
 
@@ -340,7 +341,7 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     T = Tm + G * n_in
     cs = qk_scale
     if SOFTCAP:
-        cs = scale / cap2 * 1.4426950408889634  # s / c
+        cs = scale / cap2 * LOG2E  # s / c
     ds_col0 = 0  # DS_OUT: this key block's first row in the causal band, rounded down to DS_ALIGN
     if CAUSAL:
         ds_col0 = gl.maximum(n0 - dg, 0) // BLOCK_M * BLOCK_M // DS_ALIGN * DS_ALIGN

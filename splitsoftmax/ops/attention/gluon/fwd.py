@@ -34,6 +34,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from ..._triton import configs
+from ..._triton.algebra import LOG2E, inv_or_zero, lse2_of, online_step, ref_max, rescale
 from .bwd import (_batch_bounds, _doc_rows, _key_block, _mma_layout, _q_walk, _store_rows, _tanh, _thread_barrier,
                   _tma_load, launch_order)
 
@@ -78,9 +79,8 @@ def _online(qk, m_i, l_i, qk_scale, cap, SOFTCAP: gl.constexpr, APPROX: gl.const
     else:
         s = qk * qk_scale
         m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale)
-    p = gl.exp2(s - m_new[:, None])
-    alpha = gl.exp2(m_i - m_new)
-    return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+    p, alpha, l_i = online_step(l_i, m_i, m_new, s)
+    return p, alpha, m_new, l_i
 
 
 @gluon.jit
@@ -343,10 +343,8 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
             ok = (kj[None, :] >= lo_r[:, None]) & (kj[None, :] < hi_r[:, None])
             s = gl.where(ok, _scaled(qk, qk_scale, cap, SOFTCAP, SOFTCAP_APPROX), float("-inf"))
             m_new = gl.maximum(m_i, gl.max(s, 1))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-            p_j = gl.exp2(s - m_use[:, None])
-            alpha = gl.exp2(m_i - m_use)
-            l_i = l_i * alpha + gl.sum(p_j, 1)
+            m_use = ref_max(m_new)
+            p_j, alpha, l_i = online_step(l_i, m_i, m_use, s)
             m_i = m_new
             acc = acc * gl.convert_layout(alpha, o_rows)[:, None]
             v_t = _ws_take(v_ring, v_full, base + u, BLOCK_N, D, STAGES)
@@ -368,7 +366,7 @@ def _ws_rows(p, mk, bounds, C: gl.constexpr, b, h, r0, walk, T, base, q_phase, B
         mbarrier.arrive(q_empty.index(C), count=1)
 
     some = l_i != 0
-    lse2 = gl.where(some, m_i + gl.log2(gl.where(some, l_i, 1.0)), float("-inf"))
+    lse2 = lse2_of(m_i, l_i)
     inv = 1.0 / gl.where(some, l_i, 1.0)
     out = acc * gl.convert_layout(inv, o_rows)[:, None]
     s_ob, s_oh, s_os, s_lb, s_lh = _own(s_ob), _own(s_oh), _own(s_os), _own(s_lb), _own(s_lh)
@@ -390,19 +388,15 @@ def _merged(O, l_ptrs, ok, out, lse2, b, h, r0, Sq, s_ob, s_oh, s_os, o_layout: 
     rows: gl.constexpr = gl.SliceLayout(1, o_layout)  # [BLOCK_M]
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))  # [D]
     r = r0 + gl.arange(0, BLOCK_M, layout=rows)
-    old2 = gl.load(l_ptrs, mask=ok, other=float("-inf")) * 1.4426950408889634
-    m2 = gl.maximum(old2, lse2)
-    m2 = gl.where(m2 == float("-inf"), 0.0, m2)
-    w_old = gl.exp2(old2 - m2)
-    w_new = gl.exp2(lse2 - m2)
+    old2 = gl.load(l_ptrs, mask=ok, other=float("-inf")) * LOG2E
+    _, m2, w_old, w_new = rescale(old2, lse2)
     tot = w_old + w_new
-    some = tot != 0
-    inv = gl.where(some, 1.0 / gl.where(some, tot, 1.0), 0.0)
+    inv = inv_or_zero(tot)
     keep = gl.convert_layout(w_old > 0, rows) & (r < Sq)
     o_old = gl.load(O + b.to(gl.int64) * s_ob + h.to(gl.int64) * s_oh + r[:, None].to(gl.int64) * s_os + cols[None, :],
                     mask=keep[:, None] & (cols < D)[None, :], other=0.0)  # [BLOCK_M, D]
     out = o_old * gl.convert_layout(w_old * inv, rows)[:, None] + out * gl.convert_layout(w_new * inv, rows)[:, None]
-    return out, gl.where(some, m2 + gl.log2(gl.where(some, tot, 1.0)), float("-inf"))
+    return out, lse2_of(m2, tot)
 
 
 @gluon.jit

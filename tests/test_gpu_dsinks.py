@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
 
 import splitsoftmax as ss  # noqa: E402
 from splitsoftmax.distributed import LoopbackWorld  # noqa: E402
-from test_variants import _rule_written_out  # noqa: E402
+from _dsinks_rule import _err, _grads, _loss, _references, _within_rule  # noqa: E402
 
 DEV = "cuda"
 BF16 = torch.bfloat16
@@ -34,21 +34,6 @@ def _docs(s, seed):
     return [0, *sorted(r.sample(range(1, s), r.randint(8, 11))), s]
 
 
-def _loss(out, lse, dout, dlse):
-    return (out.double() * dout.double()).sum() + (lse.double() * dlse.double()).masked_fill(lse == NEG_INF, 0).sum()
-
-
-def _grads(fn, q, k, v, dout, dlse, sinks, dtype, sinks_dtype, kw):
-    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.to(sinks_dtype).requires_grad_()]
-    out, lse = fn(*leaves[:3], sinks=leaves[3], **kw)
-    return list(torch.autograd.grad(_loss(out, lse, dout, dlse), leaves))
-
-
-def _err(x, want):
-    assert not x.isnan().any()
-    return (x.double() - want).abs().max().item()
-
-
 def _inputs(b, h, hkv, s, d, seed):
     g = torch.Generator(device=DEV).manual_seed(seed)
     q, dout = (torch.randn(b, h, s, d, generator=g, device=DEV).to(BF16) for _ in range(2))
@@ -56,17 +41,6 @@ def _inputs(b, h, hkv, s, d, seed):
     sinks = torch.randn(h, generator=g, device=DEV) * 2
     dlse = torch.randn(b, h, s, generator=g, device=DEV)
     return q, k, v, dout, dlse, sinks
-
-
-def _references(q, k, v, dout, dlse, sinks, scale, kw, sinks_dtype=torch.float32):
-    written = lambda q, k, v, **w: _rule_written_out(q, k, v, scale, **w)  # noqa: E731
-    return (_grads(written, q, k, v, dout, dlse, sinks, torch.float64, torch.float64, kw),
-            _grads(written, q, k, v, dout, dlse, sinks, BF16, sinks_dtype, kw))
-
-
-def _within_rule(got, want, peer, what):
-    bound = 2 * _err(peer, want) + 2 * _err(want.to(got.dtype), want)
-    assert _err(got, want) <= bound, (what, _err(got, want), _err(peer, want))
 
 
 CASES = [(2, 2, 2), (1, 8, 2)]  # (B, H, Hkv): the reported shape, and GQA

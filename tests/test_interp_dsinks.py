@@ -31,7 +31,7 @@ from splitsoftmax.ops._triton import configs  # noqa: E402
 from splitsoftmax.ops.attention import bwd as AB  # noqa: E402
 from splitsoftmax.ops.attention import bwd_plain as ABP  # noqa: E402
 from splitsoftmax.ops.attention.op import backward_stats  # noqa: E402
-from test_variants import _rule_written_out  # noqa: E402
+from _dsinks_rule import _err, _grads, _loss, _references, _within_rule  # noqa: E402
 
 BF16 = torch.bfloat16
 NEG_INF = float("-inf")
@@ -46,37 +46,6 @@ def _inputs(b, h, hkv, s, d, seed):
     return q, k, v, dout, sinks, dlse
 
 
-def _loss(out, lse, dout, dlse):
-    return (out.double() * dout.double()).sum() + (lse.double() * dlse.double()).masked_fill(lse == NEG_INF, 0).sum()
-
-
-def _grads(fn, q, k, v, dout, sinks, dlse, dtype, sinks_dtype, kw):
-    """``[dq, dk, dv, dsinks]`` of ``fn`` on the inputs in ``dtype`` (the sinks in ``sinks_dtype``),
-    cotangents ``dout`` and ``dlse`` (on finite rows)."""
-    leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.to(sinks_dtype).requires_grad_()]
-    out, lse = fn(*leaves[:3], sinks=leaves[3], **kw)
-    return list(torch.autograd.grad(_loss(out, lse, dout, dlse), leaves))
-
-
-def _err(x, want):
-    assert not x.isnan().any()
-    return (x.double() - want).abs().max().item()
-
-
-def _references(q, k, v, dout, sinks, dlse, scale, kw, sinks_dtype=torch.float32):
-    """``(want, peer)``: the rule written out's gradients in float64, and in bf16 (sinks in ``sinks_dtype``)."""
-    written = lambda q, k, v, **w: _rule_written_out(q, k, v, scale, **w)  # noqa: E731
-    return (_grads(written, q, k, v, dout, sinks, dlse, torch.float64, torch.float64, kw),
-            _grads(written, q, k, v, dout, sinks, dlse, BF16, sinks_dtype, kw))
-
-
-def _within_rule(got, want, peer, what):
-    """FlashAttention's rule: at most 2x the same-precision peer's error, plus twice the rounding of the
-    exact result to ``got``'s dtype."""
-    bound = 2 * _err(peer, want) + 2 * _err(want.to(got.dtype), want)
-    assert _err(got, want) <= bound, (what, _err(got, want), _err(peer, want))
-
-
 def _old_formula(q, k, v, dout, sinks, dlse, scale, kw):
     """The sinks' gradient from ``delta = rowsum(dout * out) - dlse`` of the rounded bf16 output: the
     formula the Triton path used before its kernels summed ``P dP``."""
@@ -88,8 +57,8 @@ def _old_formula(q, k, v, dout, sinks, dlse, scale, kw):
 def _check(q, k, v, dout, sinks, dlse, kw, what, sinks_dtype=torch.float32, old=True):
     scale = 1 / math.sqrt(q.shape[-1])
     ours = lambda q, k, v, **w: ss.attention(q, k, v, scale=scale, return_lse=True, **w)  # noqa: E731
-    got = _grads(ours, q, k, v, dout, sinks, dlse, BF16, sinks_dtype, kw)
-    want, peer = _references(q, k, v, dout, sinks, dlse, scale, kw, sinks_dtype)
+    got = _grads(ours, q, k, v, dout, dlse, sinks, BF16, sinks_dtype, kw)
+    want, peer = _references(q, k, v, dout, dlse, sinks, scale, kw, sinks_dtype)
     for name, a, w, p in zip(("dq", "dk", "dv", "dsinks"), got, want, peer):
         assert a.dtype == (sinks_dtype if name == "dsinks" else BF16), (what, name)
         _within_rule(a, w, p, (what, name))
@@ -173,7 +142,7 @@ def test_sharded(schedule, causal):
         kw = dict(causal=True, window_size=(20, 0)) if causal else dict(causal=False, kv_range=torch.tensor([[3, 64]]))
     got = _sharded_dsinks(schedule, q, k, v, dout, dlse, sinks, kw)
     scale = 1 / math.sqrt(16)
-    want, peer = _references(q, k, v, dout, sinks, dlse, scale, kw)
+    want, peer = _references(q, k, v, dout, dlse, sinks, scale, kw)
     total = got[0] if schedule == "tree" else got[0] + got[1]
     if schedule == "tree":
         assert torch.equal(got[0], got[1])
@@ -192,5 +161,5 @@ def test_heads_rank_shares_are_their_rows():
     for r, rows in enumerate((slice(0, 24), slice(24, 48))):
         sel = torch.zeros(48)
         sel[rows] = 1
-        want, peer = _references(q, k, v, dout * sel[:, None].to(BF16), sinks, dlse * sel, scale, kw)
+        want, peer = _references(q, k, v, dout * sel[:, None].to(BF16), dlse * sel, sinks, scale, kw)
         _within_rule(got[r], want[3], peer[3], ("heads rank", r))

@@ -5,7 +5,7 @@ memory accesses and shuffles.
 
     PYTHONPATH=.:tests python3 benchmarks/probes/sampling_records_ptx.py
 
-(with Triton 3.6.0 first on the path for the GPU machines' compiler, e.g. ``.venv-triton-oldest``)
+(with Triton 3.6.0 first on the path for the GPU machines' compiler, e.g. ``.triton-3.6.0`` beside a newer torch)
 
 Numbers in docs/benchmarks/vocab-sampling.md (what the 64-record pass costs).
 

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .._triton.algebra import LOG2E
 
 STREAM = 0x53414D50            # Philox counter word 3: this library's sampling stream
 ROWS = 0x524F5753              # and of the row keys of a batch seed
@@ -66,6 +65,7 @@ def to_f32(x: float) -> float:
 
 def temperature_scale(temperature: float) -> float:
     """``c = float32(log2(e) / T)``, the factor turning a logit into its base-2 scaled logit ``zz``."""
+    from .._triton.algebra import LOG2E  # its one home, imported where used: the package imports without triton
     return to_f32(LOG2E.value / temperature)
 
 

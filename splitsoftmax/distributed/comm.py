@@ -217,10 +217,11 @@ class TorchComm(Communicator):
 
     def _start(self, kinds: set, start: Callable[[], list], peers: list) -> list[Handle]:
         """Handles of ``start()``'s works (one per entry of ``peers``). Once transfers of these
-        ``kinds`` have completed, ``start`` runs here. The first time it runs on the poster thread:
+        ``kinds`` have completed, ``start`` runs here (after any start still queued on the poster, so
+        that transfers keep the order they were started in). The first time it runs on the poster thread:
         NCCL connects to the peers inside that call, on the host, and waits there without end if one
         is gone -- the handles (polled against the deadline by ``wait``) report it instead."""
-        if kinds <= _NCCL_WARM:
+        if kinds <= _NCCL_WARM and _nccl_poster().idle():
             return [self._handle(w, p) for w, p in zip(start(), peers)]
         started = _nccl_poster().submit(_on_stream, torch.cuda.current_stream(), start)
 
@@ -267,6 +268,8 @@ class _Poster:
 
     def __init__(self):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.pending = 0  # jobs submitted and not yet run (a later start that skipped them would overtake them)
+        self.lock = threading.Lock()
         threading.Thread(target=self._run, daemon=True, name="splitsoftmax-nccl-post").start()
 
     def _run(self) -> None:
@@ -276,11 +279,20 @@ class _Poster:
                 fut.set_result(fn(*args))
             except BaseException as e:  # reported through the future to the waiting handles
                 fut.set_exception(e)
+            with self.lock:
+                self.pending -= 1
 
     def submit(self, fn: Callable, *args) -> Future:
         fut: Future = Future()
+        with self.lock:
+            self.pending += 1
         self.jobs.put((fn, args, fut))
         return fut
+
+    def idle(self) -> bool:
+        """Whether every job submitted has run (transfers started now come after theirs)."""
+        with self.lock:
+            return self.pending == 0
 
 
 def _nccl_poster() -> _Poster:

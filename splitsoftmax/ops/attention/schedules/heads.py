@@ -29,7 +29,7 @@ the rounded ``out`` would carry its rounding into the sinks' gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import NamedTuple, Optional
 
 import torch
@@ -38,7 +38,7 @@ from torch import Tensor
 from ....core import state
 from ....distributed import layout as lay
 from ....distributed import work
-from ....distributed.alltoall import exchange
+from ....distributed.alltoall import Arriving, Started, exchange, start_exchange
 from ....distributed.attn_meta import Keywords
 from ....distributed.comm import Communicator
 from ....distributed.mesh import seq_lengths
@@ -48,6 +48,7 @@ from .allgather import allgather_attention_bwd, allgather_attention_fwd
 from .ring import ring_attention_bwd, ring_attention_fwd
 
 TAG_QKV, TAG_OUT, TAG_DOUT, TAG_GRAD = 51, 52, 53, 54
+CHUNKS = 2  # the query-head chunks q arrives in (the first visit starts on the first)
 _SEQUENCE = {"ring": (ring_attention_fwd, ring_attention_bwd),
              "allgather": (allgather_attention_fwd, allgather_attention_bwd)}
 
@@ -82,6 +83,27 @@ def head_split(h: int, hkv: int, p: int) -> tuple:
 def kv_shared(split: tuple, hkv: int) -> bool:
     """Whether some kv head is read by more than one rank."""
     return sum(s.nkv for s in split) > hkv
+
+
+def local_kv(hd: Heads, g: int) -> int:
+    """The kv heads the local op of ``hd`` reads: its own, or one per query head where the local
+    grouping is uneven (:func:`kv_runs`, the kv heads expanded)."""
+    return hd.nkv if kv_runs(hd, g) is None else hd.nq
+
+
+@lru_cache(maxsize=64)
+def q_chunks(split: tuple, g: int) -> tuple:
+    """Every rank's local query-head bounds ``(0, ..., nq)`` of the chunks its q arrives in, as many
+    on every rank (padded with empty chunks): up to ``CHUNKS`` runs of whole kv groups (each local kv
+    head with the query heads that read it), of query heads where the local op reads one kv head."""
+    each = []
+    for hd in split:
+        nkv = local_kv(hd, g)
+        units = nkv if nkv > 1 else hd.nq
+        per = hd.nq // units if units else 0
+        each.append(tuple(per * a for a in lay.starts(lay.split_sizes(units, max(1, min(CHUNKS, units))))) + (hd.nq,))
+    n = max(len(b) for b in each)
+    return tuple(b + (b[-1],) * (n - len(b)) for b in each)
 
 
 def kv_runs(hd: Heads, g: int) -> Optional[tuple]:
@@ -158,6 +180,22 @@ class HeadsSpec:
     def mine(self) -> Heads:
         return self.split[self.comm.rank]
 
+    @property
+    def chunks(self) -> tuple:
+        """Every rank's :func:`q_chunks`."""
+        return q_chunks(self.split, self.h // self.hkv)
+
+    def q_heads(self, r: int) -> tuple:
+        return self.split[r].q0, self.split[r].q1
+
+    def kv_heads(self, r: int) -> tuple:
+        return self.split[r].k0, self.split[r].k1
+
+    def q_chunk(self, c: int, r: int) -> tuple:
+        """The query heads ``(a, b)`` of rank ``r``'s chunk ``c``."""
+        b = self.chunks[r]
+        return self.split[r].q0 + b[c], self.split[r].q0 + b[c + 1]
+
 
 def sequence_op(comm: Communicator, schedule: str, b: int, hd: Heads, d: int, dv: int, scale: float,
                 causal: bool, layout: str, kw: Keywords, q_lens: tuple, k_lens: tuple, local_kv: int) -> tuple:
@@ -188,15 +226,25 @@ def _fold(dk: Tensor, runs: Optional[tuple]) -> Tensor:
     return torch.stack([dk[:, s:e].sum(1) for s, e in runs], 1)
 
 
-def _to_heads(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int) -> list:
-    """Sequence shards -> heads: each ``(tensor, kv?)`` of ``tensors`` (dims ``(B, heads, S_r, ...)``)
-    sent by query or kv heads, assembled along dim 2 by ``places``."""
-    p, me = hs.comm.size, hs.mine
-    sends = [[t[:, s.k0:s.k1] if kv else t[:, s.q0:s.q1] for t, kv in tensors] for s in hs.split]
-    specs = [[((t.shape[0], me.nkv if kv else me.nq, pl.lens[o], *t.shape[3:]), t.dtype)
-              for (t, kv), pl in zip(tensors, places)] for o in range(p)]
-    got = exchange(hs.comm, sends, specs, step, tag, tensors[0][0].device)
-    return [pl.assemble([g[i] for g in got]) for i, pl in enumerate(places)]
+def _to_heads(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int) -> Started:
+    """Sequence shards -> heads, started: each ``(tensor, heads)`` of ``tensors`` (dims ``(B, H, S_r,
+    ...)``; ``heads(r)``: the heads ``(a, b)`` rank ``r`` receives) assembled along dim 2 by ``places``
+    once waited for."""
+    p, r = hs.comm.size, hs.comm.rank
+    sends = [[t[:, slice(*heads(o))] for t, heads in tensors] for o in range(p)]
+    mine = [heads(r) for _, heads in tensors]
+    specs = [[((t.shape[0], b - a, pl.lens[o], *t.shape[3:]), t.dtype)
+              for (t, _), (a, b), pl in zip(tensors, mine, places)] for o in range(p)]
+    started = start_exchange(hs.comm, sends, specs, step, tag, tensors[0][0].device)
+    return started.then(lambda got: [pl.assemble([g[i] for g in got]) for i, pl in enumerate(places)])
+
+
+def _queries(hs: HeadsSpec, q: Tensor) -> Arriving:
+    """q to heads, started chunk by chunk (:func:`q_chunks`), each its own exchange."""
+    bounds = hs.chunks[hs.comm.rank]
+    return Arriving(bounds, [_to_heads(hs, [(q, partial(hs.q_chunk, c))], [hs.q_place],
+                                       f"heads forward: q to heads, chunk {c}", TAG_QKV)
+                             for c in range(len(bounds) - 1)])
 
 
 def _to_seq(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int) -> list:
@@ -230,15 +278,21 @@ class HeadsAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, hs: HeadsSpec):
         me, acc = hs.mine, state.stat_dtype(q.dtype)
-        qh, kh, vh = _to_heads(hs, [(q, False), (k, True), (v, True)], [hs.q_place, hs.k_place, hs.k_place],
-                               "heads forward: q, k, v to heads", TAG_QKV)
-        runs = kv_runs(me, hs.h // hs.hkv)
-        if me.nq:
-            outh, lseh = hs.inner[0](qh, _expand(kh, runs), _expand(vh, runs))
-            if sinks is not None:
-                outh, lseh = state.add_sinks(outh, lseh, sinks[me.q0:me.q1])
-        else:
+        kv = _to_heads(hs, [(k, hs.kv_heads), (v, hs.kv_heads)], [hs.k_place, hs.k_place],
+                       "heads forward: k, v to heads", TAG_QKV)
+        qa, runs = _queries(hs, q), kv_runs(me, hs.h // hs.hkv)
+        try:
+            kh, vh = kv.wait()
+            if me.nq:  # (the sequence schedule starts its transfers, then takes q chunk by chunk)
+                outh, lseh = hs.inner[0](qa, _expand(kh, runs), _expand(vh, runs))
+            (qh,) = qa.whole()
+        except BaseException:
+            qa.abandon()
+            raise
+        if not me.nq:
             outh, lseh = qh.new_empty((hs.b, 0, hs.q_place.total, hs.dv)), qh.new_empty((hs.b, 0, hs.q_place.total))
+        elif sinks is not None:
+            outh, lseh = state.add_sinks(outh, lseh, sinks[me.q0:me.q1])
         outs, lses = _to_seq(hs, [(outh, False, q.dtype), (lseh, False, acc)], [hs.q_place, hs.q_place],
                              "heads forward: out to sequence shards", TAG_OUT)
         out, lse = torch.cat(outs, 1), torch.cat(lses, 1)
@@ -252,14 +306,19 @@ class HeadsAttentionFn(torch.autograd.Function):
         qh, kh, vh, out, lse, sinks, exact = ctx.saved_tensors
         hs, me = ctx.hs, ctx.hs.mine
         lse, delta = backward_stats(out, lse, dout.contiguous(), dlse)
-        douth, lseh, deltah = _to_heads(hs, [(dout, False), (lse, False), (delta, False)], [hs.q_place] * 3,
-                                        "heads backward: dout to heads", TAG_DOUT)
+        rows = Arriving((0, me.nq), [_to_heads(hs, [(dout, hs.q_heads), (lse, hs.q_heads), (delta, hs.q_heads)],
+                                               [hs.q_place] * 3, "heads backward: dout to heads", TAG_DOUT)])
         runs, shared = kv_runs(me, hs.h // hs.hkv), kv_shared(hs.split, hs.hkv)
-        if me.nq:
-            dqh, dkh, dvh = hs.inner[1](qh, _expand(kh, runs), _expand(vh, runs), douth, lseh, deltah)
-            dkh, dvh = _fold(dkh, runs), _fold(dvh, runs)
-        else:
-            dqh, dkh, dvh = qh, kh, vh  # (empty)
+        try:
+            if me.nq:  # (the sequence schedule starts its transfers, then waits for dout)
+                dqh, dkh, dvh = hs.inner[1](qh, _expand(kh, runs), _expand(vh, runs), rows, None, None)
+                dkh, dvh = _fold(dkh, runs), _fold(dvh, runs)
+            else:
+                dqh, dkh, dvh = qh, kh, vh  # (empty)
+            douth = rows.whole()[0]
+        except BaseException:
+            rows.abandon()
+            raise
         qdt, kdt, vdt = ctx.dtypes
         acc = state.stat_dtype(qdt)
         grads = [(dqh, False, qdt), (dkh, True, acc if shared else kdt), (dvh, True, acc if shared else vdt)]
@@ -284,9 +343,8 @@ def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: 
     q_lens, k_lens = tuple(lens[0]), tuple(lens[1])
     split = head_split(h, hkv, comm.size)
     me = split[comm.rank]
-    runs = kv_runs(me, h // hkv)
     inner = sequence_op(_Solo(), "ring", b, me, d, dv, scale, causal, "contiguous", kw, (sum(q_lens),),
-                        (sum(k_lens),), me.nkv if runs is None else me.nq)
+                        (sum(k_lens),), local_kv(me, h // hkv))
     hs = HeadsSpec(comm, b, h, hkv, d, dv, split, sequence_placement(layout, q_lens, docs),
                    sequence_placement(layout, k_lens, docs), inner)
     return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)
@@ -303,8 +361,7 @@ def mesh_attention(mesh, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: 
     q_seq, k_seq = (tuple(seq_lengths(x, mesh.shape)) for x in lens)
     split = head_split(h, hkv, ph)
     me = split[mesh.heads.rank]
-    runs = kv_runs(me, h // hkv)
     inner = sequence_op(mesh.seq, schedule.split("+")[1], b, me, d, dv, scale, causal, layout, kw, q_seq, k_seq,
-                        me.nkv if runs is None else me.nq)
+                        local_kv(me, h // hkv))
     hs = HeadsSpec(mesh.heads, b, h, hkv, d, dv, split, Placement(q_mine, None), Placement(k_mine, None), inner)
     return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)

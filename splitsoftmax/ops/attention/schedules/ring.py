@@ -28,6 +28,7 @@ from ....core import state
 from ....core.log import LOG, clock, nbytes
 from ..._registry import masked_op
 from ..op import bwd_call
+from ....distributed.alltoall import Arriving
 from ....distributed.comm import Communicator
 from ....distributed.work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
 
@@ -109,35 +110,73 @@ def direct_loop(comm: Communicator, spec: AttnSpec, k: Tensor, v: Tensor, visit:
             done(s, res)
 
 
-def attn_fwd_visit(spec: AttnSpec, q: Tensor, acc: list) -> Callable:
+def attn_fwd_visit(spec: AttnSpec, q, acc: list) -> Callable:
     """Visit for the forward: merge each call's attention into the running state ``acc[0] = (out,
     lse)`` in place (None until a call writes it: the first call covering every row writes its own
-    state, as merging it into the empty one would, with no empty state made first)."""
+    state, as merging it into the empty one would, with no empty state made first).
+
+    ``q``: the queries, or the queries still arriving by heads (:class:`Arriving` of ``(q,)``): the
+    first visit then runs chunk by chunk as each arrives (each chunk's heads against the kv heads
+    they read; every head's result as the whole call gives it), later visits on the whole."""
+    cur = [q]
+
     def visit(s: int, k: Tensor, v: Tensor) -> None:
-        for c in spec.calls(s, q.device):
-            qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
-            if acc[0] is None and (c.q, c.nq) == (0, q.shape[2]):
-                acc[0] = masked_op("attn_fwd", q, c.mask)(q, k[:, :, ks], v[:, :, ks], spec.scale, c.causal, c.diag)
-                continue
-            out, lse = acc[0] = state_of(acc, spec, q)
-            masked_op("attn_fwd_acc", q, c.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], spec.scale, c.causal, c.diag,
-                                                 out[:, :, qs], lse[:, :, qs])
+        if isinstance(cur[0], Tensor):
+            return fwd_calls(spec, s, cur[0], k, v, acc)
+        parts = []
+        for lo, hi, (qc,) in cur[0].chunks():
+            part, (k0, k1) = [None], kv_heads(spec, lo, hi)
+            fwd_calls(spec, s, qc, k[:, k0:k1], v[:, k0:k1], part)
+            parts.append(part[0])
+        cur[0] = cur[0].whole()[0]
+        if parts[0] is not None:  # (each chunk runs the same calls: all written or none)
+            acc[0] = tuple(torch.cat(x, 1) for x in zip(*parts))
     return visit
 
 
-def state_of(acc: list, spec: AttnSpec, q: Tensor) -> tuple[Tensor, Tensor]:
+def kv_heads(spec: AttnSpec, lo: int, hi: int) -> tuple:
+    """The kv heads ``(k0, k1)`` that query heads ``[lo, hi)`` read (whole groups, or within one)."""
+    g = spec.h // spec.hkv
+    return lo // g, (hi - 1) // g + 1
+
+
+def fwd_calls(spec: AttnSpec, s: int, q: Tensor, k: Tensor, v: Tensor, acc: list) -> None:
+    """Step ``s``'s calls on ``q`` (any number of heads, ``k``, ``v`` those they read), merged into ``acc``."""
+    for c in spec.calls(s, q.device):
+        qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
+        if acc[0] is None and (c.q, c.nq) == (0, q.shape[2]):
+            acc[0] = masked_op("attn_fwd", q, c.mask)(q, k[:, :, ks], v[:, :, ks], spec.scale, c.causal, c.diag)
+            continue
+        out, lse = acc[0] = state_of(acc, spec, q)
+        masked_op("attn_fwd_acc", q, c.mask)(q[:, :, qs], k[:, :, ks], v[:, :, ks], spec.scale, c.causal, c.diag,
+                                             out[:, :, qs], lse[:, :, qs])
+
+
+def state_of(acc: list, spec: AttnSpec, q) -> tuple[Tensor, Tensor]:
     """The forward's running state ``acc[0]``, the empty one (:func:`empty_acc`) where no call wrote it."""
-    return acc[0] if acc[0] is not None else empty_acc(spec, q)
+    return acc[0] if acc[0] is not None else empty_acc(spec, arrived(q))
 
 
-def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout: Tensor, lse: Tensor, delta: Tensor, dq: list,
+def arrived(x):
+    """``x``, or where it is still arriving (:class:`Arriving`), its whole first tensor."""
+    return x.whole()[0] if isinstance(x, Arriving) else x
+
+
+def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout, lse: Optional[Tensor], delta: Optional[Tensor], dq: list,
                    sink: Optional[list] = None) -> Callable:
     """Visit for the backward: add to ``dq[0]`` (float32; None until a call adds to it), return the
     buffer's ``(dk, dv)`` (float32) packed as one flat buffer (:func:`work.pack`'s layout). The first
     call's gradients are taken as they are where they cover every row (the queries' for ``dq``, the
     buffer's for dK/dV), not added to zeros. ``sink``: the sums for the sinks' gradient, as
-    ``op.bwd_call`` adds them."""
+    ``op.bwd_call`` adds them. ``dout`` may be still arriving (:class:`Arriving` of ``(dout, lse,
+    delta)``, ``lse`` and ``delta`` None): the first visit waits for it, after its schedule has
+    started its first transfers."""
+    rows = [dout, lse, delta]
+
     def visit(s: int, k: Tensor, v: Tensor) -> Tensor:
+        if isinstance(rows[0], Arriving):
+            rows[:] = rows[0].whole()
+        dout, lse, delta = rows
         n, buf = k.shape[2], None
         for c in spec.calls(s, q.device):
             qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
@@ -181,8 +220,8 @@ def empty_acc(spec: AttnSpec, q: Tensor) -> tuple[Tensor, Tensor]:
     """The empty running state ``(out = 0 (B,H,Sq,Dv), lse = -inf (B,H,Sq))`` of this rank's queries,
     in the accumulation dtype (float32; float64 for float64 inputs)."""
     dt = state.stat_dtype(q.dtype)
-    out = torch.zeros((spec.b, spec.h, q.shape[2], spec.dv), dtype=dt, device=q.device)
-    return out, torch.full((spec.b, spec.h, q.shape[2]), float("-inf"), dtype=dt, device=q.device)
+    out = torch.zeros((*q.shape[:3], spec.dv), dtype=dt, device=q.device)
+    return out, torch.full(q.shape[:3], float("-inf"), dtype=dt, device=q.device)
 
 
 def by_origin(spec: AttnSpec, visit: Callable) -> Callable:

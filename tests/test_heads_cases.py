@@ -18,7 +18,7 @@ from splitsoftmax import sharded_attention
 from splitsoftmax.core import reference as ref
 from splitsoftmax.distributed import LoopbackWorld, as_comm, shard, unshard
 from splitsoftmax.distributed.alltoall import message
-from splitsoftmax.ops.attention.schedules.heads import head_split, kv_runs
+from splitsoftmax.ops.attention.schedules.heads import head_split, kv_runs, q_chunks
 from test_dist_cases import DEVICE, F32, F64, _randn, uneven_lengths
 from test_dist_variants import _loss, _oracle, documents, random_keywords
 
@@ -199,9 +199,10 @@ def _pad(n: int) -> int:
 
 
 def _expected(p: int, h: int, hkv: int, lens: list, fsize: int) -> tuple:
-    """``({tag: messages}, {tag: bytes})`` of one call and its backward, from the head split and the
-    lengths alone: a message for every pair with something to carry, each kv head to its readers."""
-    split = head_split(h, hkv, p)
+    """``({tag: messages}, {tag: bytes})`` of one call and its backward, from the head split, its
+    query-head chunks and the lengths alone: a message for every pair with something to carry, each
+    kv head to its readers; k and v in one message, then q in one message per chunk."""
+    split, chunks = head_split(h, hkv, p), q_chunks(head_split(h, hkv, p), h // hkv)
     sends, nbytes = {}, {}
 
     def add(tag, parts):
@@ -214,7 +215,9 @@ def _expected(p: int, h: int, hkv: int, lens: list, fsize: int) -> tuple:
                 continue
             n, m = hd.nq * lens[r], hd.nkv * lens[r]
             shared = sum(x.nkv for x in split) > hkv
-            add("qkv", [B * n * D * fsize, B * m * D * fsize, B * m * DV * fsize])
+            add("qkv", [B * m * D * fsize, B * m * DV * fsize])
+            for a, b in zip(chunks[t], chunks[t][1:]):
+                add("qkv", [B * (b - a) * lens[r] * D * fsize])
             add("out", [B * n * DV * fsize, B * n * 4])
             add("dout", [B * n * DV * fsize, B * n * 4, B * n * 4])
             gk = 4 if shared else fsize
@@ -257,6 +260,17 @@ def test_head_split():
                                                                       (2, 2, 0, 0)]
     assert [kv_runs(s, 2) for s in head_split(6, 3, 2)] == [((0, 2), (2, 3)), ((0, 1), (1, 3))]
     assert [kv_runs(s, 2) for s in head_split(8, 4, 2)] == [None, None]  # 2 query heads per kv head
+
+
+def test_q_chunks():
+    """q arrives in two chunks of whole kv groups where the local op reads several kv heads, of
+    query heads where it reads one (or each its own, the grouping uneven); as many on every rank."""
+    assert q_chunks(head_split(8, 2, 1), 4) == ((0, 4, 8),)  # two kv groups of 4
+    assert q_chunks(head_split(12, 6, 2), 2) == ((0, 4, 6), (0, 4, 6))  # 3 kv groups of 2: 2 + 1
+    assert q_chunks(head_split(8, 1, 2), 8) == ((0, 2, 4), (0, 2, 4))  # one kv head: query heads
+    assert q_chunks(head_split(6, 3, 2), 2) == ((0, 2, 3), (0, 2, 3))  # uneven grouping: kv expanded
+    assert q_chunks(head_split(2, 1, 4), 2) == ((0, 1), (0, 1), (0, 0), (0, 0))  # one head: one chunk
+    assert q_chunks(head_split(3, 3, 2), 1) == ((0, 1, 2), (0, 1, 1))  # padded with an empty chunk
 
 
 def test_message_layout():

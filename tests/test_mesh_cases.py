@@ -159,24 +159,29 @@ TAG_KV, TAG_QKV, TAG_GATHER = 21, 51, 31
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_transfer_count(shape):
-    """A forward call: the all-to-all of q, k, v within each heads group (one message per pair of
-    its ranks whose receiver holds heads), the ring's ``Ps - 1`` K/V transfers per rank over each sequence group whose heads
+    """A forward call: the all-to-all of k, v then of q within each heads group (k and v in one
+    message per pair of its ranks whose receiver holds heads, q in one more per query-head chunk of
+    the receiver), the ring's ``Ps - 1`` K/V transfers per rank over each sequence group whose heads
     rank holds heads, and nothing on the all-gather's tag; ``heads+allgather`` sends nothing on the
-    ring's."""
+    ring's. ``H = Ph - 1``: the last heads rank holds no head, the others one (one chunk); ``H = 2 Ph``
+    over one kv head: two query heads on every rank, in two chunks."""
     ps, ph = shape
-    h, hkv, s = ph - 1, 1, 4 * ps * ph  # the last heads rank holds no head
-    q, k, v, _, _ = _inputs(1, s, h, hkv)
-    for schedule in ("heads+ring", "heads+allgather"):
-        world = LoopbackWorld(ps * ph)
+    s = 4 * ps * ph
+    for h, holders, chunks in ((ph - 1, ph - 1, 1), (2 * ph, ph, 2)):
+        q, k, v, _, _ = _inputs(1, s, h, 1)
+        for schedule in ("heads+ring", "heads+allgather"):
+            world = LoopbackWorld(ps * ph)
 
-        def run(c):
-            m = c.mesh(*shape)
-            sharded_attention(*(shard(t, 2, group=m) for t in (q, k, v)), causal=True, group=m, schedule=schedule)
-        world.run(run)
-        assert world.sends[TAG_QKV] == ps * (ph - 1) ** 2, (schedule, dict(world.sends))
-        ring = (ph - 1) * ps * (ps - 1)
-        assert world.sends[TAG_KV] == (ring if schedule == "heads+ring" else 0), (schedule, dict(world.sends))
-        assert (world.sends[TAG_GATHER] > 0) == (schedule == "heads+allgather"), (schedule, dict(world.sends))
+            def run(c):
+                m = c.mesh(*shape)
+                sharded_attention(*(shard(t, 2, group=m) for t in (q, k, v)), causal=True, group=m,
+                                  schedule=schedule)
+            world.run(run)
+            what = (schedule, h, dict(world.sends))
+            assert world.sends[TAG_QKV] == ps * holders * (ph - 1) * (1 + chunks), what
+            ring = holders * ps * (ps - 1)
+            assert world.sends[TAG_KV] == (ring if schedule == "heads+ring" else 0), what
+            assert (world.sends[TAG_GATHER] > 0) == (schedule == "heads+allgather"), what
 
 
 @pytest.mark.parametrize("shape", [(1, 3), (3, 1)], ids=lambda s: f"{s[0]}x{s[1]}")

@@ -3,10 +3,12 @@
 ``q``, ``k``, ``v`` arrive as this rank's sequence shards with every head, in any layout the ring
 takes. Query heads are split over the ranks as ``torch.tensor_split`` splits them (uneven, zero
 heads allowed); a rank receives the kv heads its query heads read (a kv head read by several ranks
-goes to each of them). Four all-to-alls per call, two each way (:mod:`.alltoall`):
+goes to each of them). Four all-to-alls per call, two each way (:mod:`.alltoall`), the first in
+pieces:
 
-1. q, k, v: sequence shards -> heads; the receiver assembles the full sequence of its heads in the
-   order of :class:`Placement` (1-D: global positions, the layout undone);
+1. k and v, then q in up to ``CHUNKS`` chunks of heads (:func:`q_chunks`): sequence shards -> heads;
+   the receiver assembles the full sequence of its heads in the order of :class:`Placement` (1-D:
+   global positions, the layout undone);
 2. ``(out, lse)`` of the local op: heads -> sequence shards;
 3. backward: ``dout`` and the rows' ``(lse, delta)``: sequence shards -> heads;
 4. ``(dq, dk, dv)`` (with sinks, and each row's float32 ``rowsum(dout * out)``): heads -> sequence
@@ -25,6 +27,24 @@ rank's rows' share (as under ``"ring"``), from the ``lse`` of its sequence shard
 ``rowsum(dout * out)`` taken on the heads' side from the output before rounding (kept for the
 backward in the accumulation dtype where there are sinks), which travels back with the gradients:
 the rounded ``out`` would carry its rounding into the sinks' gradient.
+
+Overlap. Every piece of the first exchange is started at once (k and v first), and the inner op
+takes q still arriving (:class:`~splitsoftmax.distributed.alltoall.Arriving`): once k and v are
+there the ring posts its first K/V send (the all-gather its gather, the one-rank plan nothing), and
+its first visit computes each chunk of q as it lands, its heads against the kv heads they read; the
+whole q (one copy, joined) serves the later visits and the backward. The backward starts ``dout``'s
+exchange, and the inner op posts its first transfers before its first visit waits for it. Why
+chunks of heads, not of rows or of the whole schedule: each head's attention is independent, so a
+chunk is the same computation as the whole call (to the local op's rounding: the torch path's
+batched products round with the number of heads they batch), every variant keyword and plan is
+unchanged, and the ring still moves each K/V buffer once. Chunks are whole kv groups (each local kv
+head with its query heads) where the local op reads several kv heads, so no kv head is split; where
+it reads one (the usual GQA case at a large heads degree) they are runs of query heads over that one
+kv head. The backward does not chunk ``dout``: a kv head's dK/dV would then be summed over chunks
+in another order than the kernel's. Exchanges started one after another are matched in that order
+on every transport (NCCL and MPI collectives in issue order, Gloo's and the loopback's per-tag
+order); an error while pieces are in flight gives them up as a timeout does (their buffers kept).
+A call sends k and v in one message per pair, and q in one more per chunk.
 """
 from __future__ import annotations
 

@@ -16,10 +16,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_loopback_mesh_on_cuda():
-    """tests/test_mesh_cases.py with its tensors on the GPU (SPLITSOFTMAX_TEST_DEVICE=cuda)."""
+    """tests/test_mesh_cases.py and tests/test_mesh_overlap.py (the heads exchanges overlapping the
+    ring, q arriving in head chunks into the Triton kernels) with their tensors on the GPU
+    (SPLITSOFTMAX_TEST_DEVICE=cuda)."""
     env = {**os.environ, "SPLITSOFTMAX_TEST_DEVICE": "cuda"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_mesh_cases.py"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_mesh_cases.py",
+                          "tests/test_mesh_overlap.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
 
 

@@ -227,8 +227,9 @@ def _expected(p: int, h: int, hkv: int, lens: list, fsize: int) -> tuple:
 
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
 def test_alltoall_count(size):
-    """Two all-to-alls forward (q, k, v to heads; out and lse back) and two backward (dout with the
-    rows' statistics; dq, dk, dv back): each one message per pair with something to carry, of
+    """Two all-to-alls forward (k, v then q in head chunks to heads; out and lse back) and two
+    backward (dout with the rows' statistics; dq, dk, dv back): each one message per pair with
+    something to carry (q: one per chunk), of
     exactly its bytes (every kv head only to the ranks that read it; bfloat16 rows, float32
     statistics, and float32 dK/dV where a kv head has several readers); nothing on the ring's or the
     tree's tags; one handshake (P-1 sends per rank) per call."""

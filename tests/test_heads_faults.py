@@ -19,7 +19,7 @@ from test_dist_cases import DEVICE
 pytestmark = pytest.mark.distributed
 TIMEOUT = 6
 HERE = "tests/test_heads_faults.py"
-STEP = "heads forward: q, k, v to heads"
+STEP = "heads forward: k, v to heads"
 
 
 def _call(group):
@@ -35,8 +35,8 @@ def _warm_on_nccl(group):
 
 
 def _victim(action) -> None:
-    """This rank runs ``action`` instead of its first all-to-all (after the handshake)."""
-    heads.exchange = lambda *args: action()
+    """This rank runs ``action`` instead of starting its first all-to-all (after the handshake)."""
+    heads.start_exchange = lambda *args: action()
 
 
 def _survive(group, how: str, within: float):

@@ -14,6 +14,8 @@ from splitsoftmax import sharded_attention
 from splitsoftmax.distributed import LoopbackWorld, shard
 from splitsoftmax.distributed.comm import LoopbackComm
 from splitsoftmax.ops.attention.schedules import heads, ring
+from splitsoftmax.ops._registry import use_triton
+from test_dist_cases import DEVICE, F32
 from test_heads_cases import _inputs, sinks_of
 
 TAG_KV, TAG_GATHER = 21, 31
@@ -142,7 +144,9 @@ def _results(shape, schedule, h, hkv, kw) -> list:
 def test_chunks_as_whole(monkeypatch, shape, schedule, h, hkv, kw):
     """q in head chunks gives every result as q in one piece (one chunk: the order of old), to the
     last bits: the same computation per head, the torch path's batched products rounding a little
-    differently for another number of heads (1e-14 here; the oracle's float64 tolerance is 1e-10)."""
+    differently for another number of heads (1e-14; the oracle's float64 tolerance is 1e-10). The
+    Triton kernels may split the keys of fewer heads over more programs: their own float32 bar."""
+    tol = F32 if use_triton(torch.zeros(0, device=DEVICE)) else dict(atol=1e-14, rtol=1e-14)
     chunked = _results(shape, schedule, h, hkv, kw)
     monkeypatch.setattr(heads, "CHUNKS", 1)
     heads.q_chunks.cache_clear()
@@ -153,4 +157,4 @@ def test_chunks_as_whole(monkeypatch, shape, schedule, h, hkv, kw):
     for r, (a, b) in enumerate(zip(chunked, whole)):
         for i, (x, y) in enumerate(zip(a, b)):
             what = (shape, schedule, h, hkv, sorted(kw), r, i)
-            torch.testing.assert_close(x, y, atol=1e-14, rtol=1e-14, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(x, y, **tol, msg=lambda m: f"{what}: {m}")

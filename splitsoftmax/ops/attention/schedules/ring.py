@@ -15,7 +15,9 @@ are already in flight, so the transfers overlap the compute.
 
 The visits (``attn_fwd_visit``, ``attn_bwd_visit``) run the local ops of ``splitsoftmax.ops._registry`` (``masked_op``)
 on the calls of ``work.step_calls``; partial results stay float32 states merged by
-``splitsoftmax.core.state``. The allgather schedule reuses the same visits.
+``splitsoftmax.core.state``. The allgather schedule reuses the same visits. Under the heads
+schedules the queries (the backward: ``dout``) may still be arriving when a schedule starts: both
+loops post their first transfers before the first visit, which waits for them (``Arriving``).
 """
 from __future__ import annotations
 
@@ -117,7 +119,7 @@ def attn_fwd_visit(spec: AttnSpec, q, acc: list) -> Callable:
 
     ``q``: the queries, or the queries still arriving by heads (:class:`Arriving` of ``(q,)``): the
     first visit then runs chunk by chunk as each arrives (each chunk's heads against the kv heads
-    they read; every head's result as the whole call gives it), later visits on the whole."""
+    they read: per head the computation of the whole call), later visits on the whole."""
     cur = [q]
 
     def visit(s: int, k: Tensor, v: Tensor) -> None:

@@ -201,8 +201,9 @@ def _pad(n: int) -> int:
 def _expected(p: int, h: int, hkv: int, lens: list, fsize: int) -> tuple:
     """``({tag: messages}, {tag: bytes})`` of one call and its backward, from the head split, its
     query-head chunks and the lengths alone: a message for every pair with something to carry, each
-    kv head to its readers; k and v in one message, then q in one message per chunk."""
-    split, chunks = head_split(h, hkv, p), q_chunks(head_split(h, hkv, p), h // hkv)
+    kv head to its readers; k and v in one message, then q and dout in one message per chunk."""
+    split = head_split(h, hkv, p)
+    chunks, groups = q_chunks(split, h // hkv), q_chunks(split, h // hkv, True)
     sends, nbytes = {}, {}
 
     def add(tag, parts):
@@ -219,7 +220,8 @@ def _expected(p: int, h: int, hkv: int, lens: list, fsize: int) -> tuple:
             for a, b in zip(chunks[t], chunks[t][1:]):
                 add("qkv", [B * (b - a) * lens[r] * D * fsize])
             add("out", [B * n * DV * fsize, B * n * 4])
-            add("dout", [B * n * DV * fsize, B * n * 4, B * n * 4])
+            for a, b in zip(groups[t], groups[t][1:]):
+                add("dout", [B * (b - a) * lens[r] * x for x in (DV * fsize, 4, 4)])
             gk = 4 if shared else fsize
             add("grads", [B * n * D * fsize, B * m * D * gk, B * m * DV * gk])
     return sends, nbytes
@@ -228,8 +230,8 @@ def _expected(p: int, h: int, hkv: int, lens: list, fsize: int) -> tuple:
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
 def test_alltoall_count(size):
     """Two all-to-alls forward (k, v then q in head chunks to heads; out and lse back) and two
-    backward (dout with the rows' statistics; dq, dk, dv back): each one message per pair with
-    something to carry (q: one per chunk), of
+    backward (dout with the rows' statistics, in chunks; dq, dk, dv back): each one message per pair
+    with something to carry (q and dout: one per chunk), of
     exactly its bytes (every kv head only to the ranks that read it; bfloat16 rows, float32
     statistics, and float32 dK/dV where a kv head has several readers); nothing on the ring's or the
     tree's tags; one handshake (P-1 sends per rank) per call."""
@@ -265,13 +267,16 @@ def test_head_split():
 
 def test_q_chunks():
     """q arrives in two chunks of whole kv groups where the local op reads several kv heads, of
-    query heads where it reads one (or each its own, the grouping uneven); as many on every rank."""
+    query heads where it reads one (or each its own, the grouping uneven); as many on every rank.
+    dout: whole kv groups only."""
     assert q_chunks(head_split(8, 2, 1), 4) == ((0, 4, 8),)  # two kv groups of 4
     assert q_chunks(head_split(12, 6, 2), 2) == ((0, 4, 6), (0, 4, 6))  # 3 kv groups of 2: 2 + 1
     assert q_chunks(head_split(8, 1, 2), 8) == ((0, 2, 4), (0, 2, 4))  # one kv head: query heads
     assert q_chunks(head_split(6, 3, 2), 2) == ((0, 2, 3), (0, 2, 3))  # uneven grouping: kv expanded
     assert q_chunks(head_split(2, 1, 4), 2) == ((0, 1), (0, 1), (0, 0), (0, 0))  # one head: one chunk
     assert q_chunks(head_split(3, 3, 2), 1) == ((0, 1, 2), (0, 1, 1))  # padded with an empty chunk
+    assert q_chunks(head_split(8, 1, 2), 8, True) == ((0, 4), (0, 4))  # dout: whole kv groups only
+    assert q_chunks(head_split(12, 6, 2), 2, True) == ((0, 4, 6), (0, 4, 6))
 
 
 def test_message_layout():

@@ -1,6 +1,6 @@
 """The heads all-to-all overlaps the sequence schedule, as behaviour: an event record of each rank's
 posts, waits and local-op launches (loopback worlds) shows the ring's first K/V send posted and the
-first compute launched before the last piece of q is waited for (the backward: before dout is), and
+first compute launched before the last piece of q is waited for (the backward: of dout), and
 the chunked path gives every result as q exchanged whole does."""
 from __future__ import annotations
 
@@ -102,8 +102,10 @@ def test_forward_overlap(world_of, schedule):
 
 
 def test_backward_overlap(world_of):
-    """The backward: the ring's first K/V send is posted before dout is waited for."""
-    q, k, v, _, _ = _inputs(2, 16, 4, 2)
+    """The backward, 4 heads over 4 kv heads (dout in two chunks of kv groups): the ring's first K/V
+    send is posted before dout is waited for, and the first launch (one chunk's heads) made before
+    dout's last chunk is."""
+    q, k, v, _, _ = _inputs(2, 16, 4, 4)
     world = world_of(4)
 
     def run(c):
@@ -115,7 +117,8 @@ def test_backward_overlap(world_of):
     world.run(run)
     for r, ev in world.events.items():
         assert _first(ev, lambda e: e == ("post", TAG_KV)) < _first(ev, _is_wait("dout to heads")), (r, ev)
-        assert _first(ev, _is_wait("dout to heads")) < _first(ev, lambda e: e[0] == "compute"), (r, ev)
+        first = _first(ev, lambda e: e[0] == "compute")
+        assert first < _last(ev, _is_wait("dout to heads, chunk")) and ev[first] == ("compute", 1), (r, ev)
 
 
 def _results(shape, schedule, h, hkv, kw) -> list:

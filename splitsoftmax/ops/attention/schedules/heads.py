@@ -10,7 +10,8 @@ pieces:
    the receiver assembles the full sequence of its heads in the order of :class:`Placement` (1-D:
    global positions, the layout undone);
 2. ``(out, lse)`` of the local op: heads -> sequence shards;
-3. backward: ``dout`` and the rows' ``(lse, delta)``: sequence shards -> heads;
+3. backward: ``dout`` and the rows' ``(lse, delta)``, in up to ``CHUNKS`` chunks of whole kv groups:
+   sequence shards -> heads;
 4. ``(dq, dk, dv)`` (with sinks, and each row's float32 ``rowsum(dout * out)``): heads -> sequence
    shards; the dK/dV of a kv head that several ranks read travel in float32 and are summed in rank
    order, then cast once.
@@ -32,19 +33,20 @@ Overlap. Every piece of the first exchange is started at once (k and v first), a
 takes q still arriving (:class:`~splitsoftmax.distributed.alltoall.Arriving`): once k and v are
 there the ring posts its first K/V send (the all-gather its gather, the one-rank plan nothing), and
 its first visit computes each chunk of q as it lands, its heads against the kv heads they read; the
-whole q (one copy, joined) serves the later visits and the backward. The backward starts ``dout``'s
-exchange, and the inner op posts its first transfers before its first visit waits for it. Why
-chunks of heads, not of rows or of the whole schedule: each head's attention is independent, so a
-chunk is the same computation as the whole call (to the local op's rounding: the torch path's
-batched products round with the number of heads they batch), every variant keyword and plan is
-unchanged, and the ring still moves each K/V buffer once. Chunks are whole kv groups (each local kv
-head with its query heads) where the local op reads several kv heads, so no kv head is split; where
-it reads one (the usual GQA case at a large heads degree) they are runs of query heads over that one
-kv head. The backward does not chunk ``dout``: a kv head's dK/dV would then be summed over chunks
-in another order than the kernel's. Exchanges started one after another are matched in that order
+whole q (one copy, joined) serves the later visits and the backward. The backward alike: every
+chunk of ``dout`` started at once, the inner op posting its first transfers before its first visit
+takes the chunks as they land. Why chunks of heads, not of rows or of the whole schedule: each
+head's attention is independent, so a chunk is the same computation as the whole call (to the
+local op's rounding: the torch path's batched products round with the number of heads they batch,
+the Triton kernels may split fewer heads' keys over more programs), every variant keyword and plan
+is unchanged, and the ring still moves each K/V buffer once. Chunks are whole kv groups (each local
+kv head with its query heads) where the local op reads several kv heads, so no kv head is split;
+where it reads one (the usual GQA case at a large heads degree) q's chunks are runs of query heads
+over that one kv head, and ``dout`` comes in one piece (its dK/dV would be summed over chunks in
+another order than the kernel's). Exchanges started one after another are matched in that order
 on every transport (NCCL and MPI collectives in issue order, Gloo's and the loopback's per-tag
 order); an error while pieces are in flight gives them up as a timeout does (their buffers kept).
-A call sends k and v in one message per pair, and q in one more per chunk.
+A call sends k and v in one message per pair, q and ``dout`` in one per chunk.
 """
 from __future__ import annotations
 
@@ -112,14 +114,15 @@ def local_kv(hd: Heads, g: int) -> int:
 
 
 @lru_cache(maxsize=64)
-def q_chunks(split: tuple, g: int) -> tuple:
+def q_chunks(split: tuple, g: int, groups: bool = False) -> tuple:
     """Every rank's local query-head bounds ``(0, ..., nq)`` of the chunks its q arrives in, as many
     on every rank (padded with empty chunks): up to ``CHUNKS`` runs of whole kv groups (each local kv
-    head with the query heads that read it), of query heads where the local op reads one kv head."""
+    head with the query heads that read it), of query heads where the local op reads one kv head
+    (with ``groups``, as ``dout`` arrives: one chunk there, a kv head's dK/dV never split)."""
     each = []
     for hd in split:
         nkv = local_kv(hd, g)
-        units = nkv if nkv > 1 else hd.nq
+        units = nkv if nkv > 1 or groups else hd.nq
         per = hd.nq // units if units else 0
         each.append(tuple(per * a for a in lay.starts(lay.split_sizes(units, max(1, min(CHUNKS, units))))) + (hd.nq,))
     n = max(len(b) for b in each)
@@ -200,21 +203,16 @@ class HeadsSpec:
     def mine(self) -> Heads:
         return self.split[self.comm.rank]
 
-    @property
-    def chunks(self) -> tuple:
+    def chunks(self, groups: bool = False) -> tuple:
         """Every rank's :func:`q_chunks`."""
-        return q_chunks(self.split, self.h // self.hkv)
-
-    def q_heads(self, r: int) -> tuple:
-        return self.split[r].q0, self.split[r].q1
+        return q_chunks(self.split, self.h // self.hkv, groups)
 
     def kv_heads(self, r: int) -> tuple:
         return self.split[r].k0, self.split[r].k1
 
-    def q_chunk(self, c: int, r: int) -> tuple:
-        """The query heads ``(a, b)`` of rank ``r``'s chunk ``c``."""
-        b = self.chunks[r]
-        return self.split[r].q0 + b[c], self.split[r].q0 + b[c + 1]
+    def chunk(self, bounds: tuple, c: int, r: int) -> tuple:
+        """The query heads ``(a, b)`` of rank ``r``'s chunk ``c`` of ``bounds`` (:meth:`chunks`)."""
+        return self.split[r].q0 + bounds[r][c], self.split[r].q0 + bounds[r][c + 1]
 
 
 def sequence_op(comm: Communicator, schedule: str, b: int, hd: Heads, d: int, dv: int, scale: float,
@@ -259,12 +257,13 @@ def _to_heads(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int) -
     return started.then(lambda got: [pl.assemble([g[i] for g in got]) for i, pl in enumerate(places)])
 
 
-def _queries(hs: HeadsSpec, q: Tensor) -> Arriving:
-    """q to heads, started chunk by chunk (:func:`q_chunks`), each its own exchange."""
-    bounds = hs.chunks[hs.comm.rank]
-    return Arriving(bounds, [_to_heads(hs, [(q, partial(hs.q_chunk, c))], [hs.q_place],
-                                       f"heads forward: q to heads, chunk {c}", TAG_QKV)
-                             for c in range(len(bounds) - 1)])
+def _arriving(hs: HeadsSpec, tensors: list, bounds: tuple, step: str, tag: int) -> Arriving:
+    """``tensors`` (by query heads, dims ``(B, H, S_r, ...)``) to heads, started chunk by chunk of
+    ``bounds`` (:meth:`HeadsSpec.chunks`), each chunk its own exchange."""
+    n = len(bounds[0]) - 1
+    return Arriving(bounds[hs.comm.rank], [_to_heads(hs, [(t, partial(hs.chunk, bounds, c)) for t in tensors],
+                                                     [hs.q_place] * len(tensors), f"{step}, chunk {c}", tag)
+                                           for c in range(n)])
 
 
 def _to_seq(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int) -> list:
@@ -300,7 +299,8 @@ class HeadsAttentionFn(torch.autograd.Function):
         me, acc = hs.mine, state.stat_dtype(q.dtype)
         kv = _to_heads(hs, [(k, hs.kv_heads), (v, hs.kv_heads)], [hs.k_place, hs.k_place],
                        "heads forward: k, v to heads", TAG_QKV)
-        qa, runs = _queries(hs, q), kv_runs(me, hs.h // hs.hkv)
+        qa = _arriving(hs, [q], hs.chunks(), "heads forward: q to heads", TAG_QKV)
+        runs = kv_runs(me, hs.h // hs.hkv)
         try:
             kh, vh = kv.wait()
             if me.nq:  # (the sequence schedule starts its transfers, then takes q chunk by chunk)
@@ -326,11 +326,10 @@ class HeadsAttentionFn(torch.autograd.Function):
         qh, kh, vh, out, lse, sinks, exact = ctx.saved_tensors
         hs, me = ctx.hs, ctx.hs.mine
         lse, delta = backward_stats(out, lse, dout.contiguous(), dlse)
-        rows = Arriving((0, me.nq), [_to_heads(hs, [(dout, hs.q_heads), (lse, hs.q_heads), (delta, hs.q_heads)],
-                                               [hs.q_place] * 3, "heads backward: dout to heads", TAG_DOUT)])
+        rows = _arriving(hs, [dout, lse, delta], hs.chunks(groups=True), "heads backward: dout to heads", TAG_DOUT)
         runs, shared = kv_runs(me, hs.h // hs.hkv), kv_shared(hs.split, hs.hkv)
         try:
-            if me.nq:  # (the sequence schedule starts its transfers, then waits for dout)
+            if me.nq:  # (the sequence schedule starts its transfers, then takes dout chunk by chunk)
                 dqh, dkh, dvh = hs.inner[1](qh, _expand(kh, runs), _expand(vh, runs), rows, None, None)
                 dkh, dvh = _fold(dkh, runs), _fold(dvh, runs)
             else:

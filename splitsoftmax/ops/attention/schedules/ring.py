@@ -16,11 +16,13 @@ are already in flight, so the transfers overlap the compute.
 The visits (``attn_fwd_visit``, ``attn_bwd_visit``) run the local ops of ``splitsoftmax.ops._registry`` (``masked_op``)
 on the calls of ``work.step_calls``; partial results stay float32 states merged by
 ``splitsoftmax.core.state``. The allgather schedule reuses the same visits. Under the heads
-schedules the queries (the backward: ``dout``) may still be arriving when a schedule starts: both
-loops post their first transfers before the first visit, which waits for them (``Arriving``).
+schedules the queries (the backward: ``dout``) may still be arriving by heads when a schedule
+starts: both loops post their first transfers before the first visit, which runs chunk by chunk as
+they land (``Arriving``).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Optional
 
 import torch
@@ -170,36 +172,53 @@ def attn_bwd_visit(spec: AttnSpec, q: Tensor, dout, lse: Optional[Tensor], delta
     buffer's ``(dk, dv)`` (float32) packed as one flat buffer (:func:`work.pack`'s layout). The first
     call's gradients are taken as they are where they cover every row (the queries' for ``dq``, the
     buffer's for dK/dV), not added to zeros. ``sink``: the sums for the sinks' gradient, as
-    ``op.bwd_call`` adds them. ``dout`` may be still arriving (:class:`Arriving` of ``(dout, lse,
-    delta)``, ``lse`` and ``delta`` None): the first visit waits for it, after its schedule has
-    started its first transfers."""
+    ``op.bwd_call`` adds them.
+
+    ``dout`` may be still arriving by heads (:class:`Arriving` of ``(dout, lse, delta)``, ``lse`` and
+    ``delta`` None; its chunks whole kv groups): the first visit then runs chunk by chunk as each
+    arrives, after its schedule has posted its first transfers; later visits on the whole."""
     rows = [dout, lse, delta]
 
     def visit(s: int, k: Tensor, v: Tensor) -> Tensor:
-        if isinstance(rows[0], Arriving):
-            rows[:] = rows[0].whole()
-        dout, lse, delta = rows
-        n, buf = k.shape[2], None
-        for c in spec.calls(s, q.device):
-            qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
-            dqp, dkp, dvp = bwd_call(masked_op("attn_bwd", q, c.mask),
-                                     (q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs], lse[:, :, qs],
-                                      delta[:, :, qs], spec.scale, c.causal, c.diag), sink)
-            dq[0] = added(dq[0], dqp, qs, q.shape[2])
-            whole = buf is None and (c.k, c.nk) == (0, n)
-            if buf is None:
-                buf = (torch.empty if whole else torch.zeros)(spec.rows_numel(n), dtype=dkp.dtype, device=q.device)
-            dk, dv = unpack_rows(buf, spec, n)
-            if whole:
-                dk.copy_(dkp)
-                dv.copy_(dvp)
-            else:
-                dk[:, :, ks] += dkp
-                dv[:, :, ks] += dvp
-        if buf is None:
-            buf = torch.zeros(spec.rows_numel(n), dtype=state.stat_dtype(q.dtype), device=q.device)
-        return buf
+        if not isinstance(rows[0], Arriving):
+            return bwd_calls(spec, s, q, k, v, *rows, dq, sink)
+        parts, grads = [], []
+        for lo, hi, got in rows[0].chunks():
+            (k0, k1), part = kv_heads(spec, lo, hi), [None]
+            sub = replace(spec, h=hi - lo, hkv=k1 - k0, _calls=spec._calls)
+            buf = bwd_calls(sub, s, q[:, lo:hi], k[:, k0:k1], v[:, k0:k1], *got, part, sink)
+            grads.append(unpack_rows(buf, sub, k.shape[2]))
+            parts.append(part[0])
+        rows[:] = rows[0].whole()
+        dq[0] = None if parts[0] is None else torch.cat(parts, 1)  # (each chunk runs the same calls)
+        return pack(*(torch.cat(x, 1) for x in zip(*grads)))
     return visit
+
+
+def bwd_calls(spec: AttnSpec, s: int, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+              dq: list, sink: Optional[list]) -> Tensor:
+    """Step ``s``'s calls on ``q`` (``spec.h`` heads; ``k``, ``v`` the ``spec.hkv`` they read): ``dq``
+    added to, the buffer's packed ``(dk, dv)`` returned (:func:`attn_bwd_visit`)."""
+    n, buf = k.shape[2], None
+    for c in spec.calls(s, q.device):
+        qs, ks = slice(c.q, c.q + c.nq), slice(c.k, c.k + c.nk)
+        dqp, dkp, dvp = bwd_call(masked_op("attn_bwd", q, c.mask),
+                                 (q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs], lse[:, :, qs],
+                                  delta[:, :, qs], spec.scale, c.causal, c.diag), sink)
+        dq[0] = added(dq[0], dqp, qs, q.shape[2])
+        whole = buf is None and (c.k, c.nk) == (0, n)
+        if buf is None:
+            buf = (torch.empty if whole else torch.zeros)(spec.rows_numel(n), dtype=dkp.dtype, device=q.device)
+        dk, dv = unpack_rows(buf, spec, n)
+        if whole:
+            dk.copy_(dkp)
+            dv.copy_(dvp)
+        else:
+            dk[:, :, ks] += dkp
+            dv[:, :, ks] += dvp
+    if buf is None:
+        buf = torch.zeros(spec.rows_numel(n), dtype=state.stat_dtype(q.dtype), device=q.device)
+    return buf
 
 
 def added(total: Optional[Tensor], part: Tensor, rows: slice, n: int) -> Tensor:

@@ -83,7 +83,6 @@ class Started:
         if not self._done and pending:
             self.comm.abandon(pending, self.step)
 
-
     def then(self, fn: Callable) -> "Started":
         """The same transfers, ``wait()`` returning ``fn`` of this one's result."""
         return Started(self.comm, self.handles, lambda: fn(self.finish()), self.step)

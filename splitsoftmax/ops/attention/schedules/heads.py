@@ -107,7 +107,7 @@ def kv_shared(split: tuple, hkv: int) -> bool:
     return sum(s.nkv for s in split) > hkv
 
 
-def local_kv(hd: Heads, g: int) -> int:
+def kv_count(hd: Heads, g: int) -> int:
     """The kv heads the local op of ``hd`` reads: its own, or one per query head where the local
     grouping is uneven (:func:`kv_runs`, the kv heads expanded)."""
     return hd.nkv if kv_runs(hd, g) is None else hd.nq
@@ -121,7 +121,7 @@ def q_chunks(split: tuple, g: int, groups: bool = False) -> tuple:
     (with ``groups``, as ``dout`` arrives: one chunk there, a kv head's dK/dV never split)."""
     each = []
     for hd in split:
-        nkv = local_kv(hd, g)
+        nkv = kv_count(hd, g)
         units = nkv if nkv > 1 or groups else hd.nq
         per = hd.nq // units if units else 0
         each.append(tuple(per * a for a in lay.starts(lay.split_sizes(units, max(1, min(CHUNKS, units))))) + (hd.nq,))
@@ -363,7 +363,7 @@ def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: 
     split = head_split(h, hkv, comm.size)
     me = split[comm.rank]
     inner = sequence_op(_Solo(), "ring", b, me, d, dv, scale, causal, "contiguous", kw, (sum(q_lens),),
-                        (sum(k_lens),), local_kv(me, h // hkv))
+                        (sum(k_lens),), kv_count(me, h // hkv))
     hs = HeadsSpec(comm, b, h, hkv, d, dv, split, sequence_placement(layout, q_lens, docs),
                    sequence_placement(layout, k_lens, docs), inner)
     return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)
@@ -381,6 +381,6 @@ def mesh_attention(mesh, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: 
     split = head_split(h, hkv, ph)
     me = split[mesh.heads.rank]
     inner = sequence_op(mesh.seq, schedule.split("+")[1], b, me, d, dv, scale, causal, layout, kw, q_seq, k_seq,
-                        local_kv(me, h // hkv))
+                        kv_count(me, h // hkv))
     hs = HeadsSpec(mesh.heads, b, h, hkv, d, dv, split, Placement(q_mine, None), Placement(k_mine, None), inner)
     return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)

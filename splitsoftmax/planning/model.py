@@ -15,6 +15,11 @@ float32 state instead of writing a final output, and may be another kernel than 
 package: the forward's merge in the Gluon kernel's epilogue; before it, a Triton kernel of its own). The
 profile's ``step_rate`` (per pass, default 1) scales the kernel's rates for such launches: measured as a
 ring of one rank, or as a ring whose communicator moves nothing, against one GPU's call on the same work.
+A ring whose steps merge in kernels of their own (separate corrections of the output and its
+statistics, dQ sums, copies of half of the rows; FlashAttention's backward pre- and post-processing
+per call) moves ``step_bytes`` (per pass, per query row and head of a rank) through HBM each step, at
+the profile's ``hbm_gbs``. ``grad_bytes``: bytes per element of the dK/dV sums a ring passes on and an
+all-gather reduce-scatters (this package: float32).
 
 Transfers. ``t = latency + bytes / rate`` for the link class (``"intra"``: inside a host, ``"inter"``:
 across hosts) and the collective (``"p2p"``, ``"alltoall"``, ``"allgather"``).
@@ -118,6 +123,13 @@ class Profile:
         self.step_rate = {p: float(k.get("step_rate", {}).get(p, 1.0)) for p in PASSES}
         if any(not v > 0 for v in self.step_rate.values()):
             raise ValueError(f"profile {self.name!r}: kernel.step_rate needs positive values, got {self.step_rate}")
+        self.step_bytes = {p: float(k.get("step_bytes", {}).get(p, 0.0)) for p in ("fwd", "bwd")}
+        self.grad_bytes = float(k.get("grad_bytes", 4))
+        self.hbm = float(data.get("hbm_gbs", 0.0)) * 1e9
+        if any(v < 0 for v in self.step_bytes.values()) or self.grad_bytes <= 0 or (
+                any(self.step_bytes.values()) and not self.hbm > 0):
+            raise ValueError(f"profile {self.name!r}: kernel.step_bytes needs values >= 0 and hbm_gbs > 0, "
+                             f"kernel.grad_bytes > 0; got {self.step_bytes}, {data.get('hbm_gbs')}, {self.grad_bytes}")
         self._tables = {p: sorted((float(s), float(r)) for s, r in k[p]["full"]) for p in PASSES}
         for p, t in self._tables.items():
             if len(t) < 2 or any(r <= 0 for _, r in t):
@@ -164,6 +176,12 @@ class Profile:
             return fwd + np.asarray(work.launches) * k["launch_us"]["fwd"] * 1e-6
         both = 3.5 * walk * tile_flops / (self.rate("fwd_bwd", kbar) * sr["fwd_bwd"] * 1e12)
         return np.maximum(both - fwd, 0.0) + np.asarray(work.launches) * k["launch_us"]["bwd"] * 1e-6
+
+    def step_bytes_s(self, rows, heads: float, pas: str) -> np.ndarray:
+        """Seconds of a ring step's merge passes outside its kernel for ``rows`` query rows and ``heads``
+        heads (``step_bytes`` at ``hbm_gbs``; 0 where the profile has none)."""
+        b = self.step_bytes["fwd" if pas == "fwd" else "bwd"]
+        return np.asarray(rows, dtype=float) * heads * b / self.hbm if b else np.zeros(np.shape(rows))
 
     def overhead_s(self, what: str, pas: str) -> float:
         """Host seconds of one ``what`` (``"step_us"``: a ring step, ``"call_us"``: a call) in pass ``pas``."""

@@ -11,7 +11,8 @@ compute stream and a transfer stream:
   the first ring step before the whole all-to-all is done is faster than predicted).
 - ring (sequence groups): step 0 computes a rank's own keys; a step's K/V block travels to the next
   rank while the step computes (two receive buffers: a block may arrive only once the step two
-  before has finished); backward, K/V travel the same way and each block's float32 dK/dV follow it
+  before has finished); backward, K/V travel the same way and each block's dK/dV sums (the profile's
+  ``grad_bytes`` an element: float32 here, the inputs' dtype in other rings) follow it
   once the sender has added its share, and go home after the last step. Steps empty on every rank
   are skipped. Every rank of a sequence group is simulated (numpy over ranks); the heads group's
   rank with the most heads stands for the others (they wait for it at the all-to-all).
@@ -256,8 +257,10 @@ class Simulator:
         if key not in self._costs:
             sp = self.split(layout, p)
             costs = []
+            rows = float(sp.rows.max())
             for pas in ("fwd", "bwd"):
-                ovh = self.prof.overhead_s("step_us", pas) if p > 1 else 0.0  # one rank: the local op alone
+                # one rank: the local op alone; more: a step's host work and its merge passes
+                ovh = self.prof.overhead_s("step_us", pas) + float(self.prof.step_bytes_s(rows, h, pas)) if p > 1 else 0.0
                 costs.append(lambda w, pas=pas, ovh=ovh: self._kernel(w, h, pas, p > 1) + ovh * (np.asarray(w.launches) > 0))
             costs += [lambda w: np.asarray(w.visible, dtype=float), lambda w: np.asarray(w.touched, dtype=float)]
             self._costs[key] = sp.costed_many(costs)
@@ -271,7 +274,7 @@ class Simulator:
 
         def hop(nbytes):
             return np.where(inter, prof.transfer_s(nbytes, "inter", "p2p"), prof.transfer_s(nbytes, "intra", "p2p"))
-        return hop(sent * self.pb.elem), hop(sent * 4), inter
+        return hop(sent * self.pb.elem), hop(sent * prof.grad_bytes), inter
 
     def _ring_pass(self, cand, sp, h, kv_row, exact=True):
         cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
@@ -283,7 +286,8 @@ class Simulator:
         else:
             fwd, bwd = self._ring_bounds(cf, cb, xf, xd)
         hops = len(cf.steps)
-        per_rank = float(sp.send_rows.max()) * kv_row * ((2 * self.pb.elem + 4) * hops + 4 * (hops > 0))
+        g = self.prof.grad_bytes
+        per_rank = float(sp.send_rows.max()) * kv_row * ((2 * self.pb.elem + g) * hops + g * (hops > 0))
         cls = "inter" if inter.any() else "intra"
         return fwd, bwd, comp, {"intra": per_rank * (cls == "intra"), "inter": per_rank * (cls == "inter")}
 
@@ -303,7 +307,7 @@ class Simulator:
         (gather, scatter), cls = self._gather_s(cand, sp, kv_row)
         cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
         f, b = float((cf.c0 + cf.total).max()), float((cb.c0 + cb.total).max())
-        per_rank = (cand.seq_degree - 1) * float(sp.send_rows.max()) * kv_row * (2 * self.pb.elem + 4)
+        per_rank = (cand.seq_degree - 1) * float(sp.send_rows.max()) * kv_row * (2 * self.pb.elem + self.prof.grad_bytes)
         return gather + f, gather + b + scatter, f + b, {"intra": per_rank * (cls == "intra"), "inter": per_rank * (cls == "inter")}
 
     def _gather_s(self, cand, sp, kv_row) -> tuple:
@@ -313,7 +317,8 @@ class Simulator:
         cls = "inter" if _hop_inter(cand, self.g).any() else "intra"
         shard = float(sp.send_rows.max()) * kv_row
         bw, lat = self.prof.link(cls, "allgather")
-        return tuple((p - 1) * (lat + shard * b / bw) if p > 1 else 0.0 for b in (self.pb.elem, 4)), cls
+        return tuple((p - 1) * (lat + shard * b / bw) if p > 1 else 0.0
+                     for b in (self.pb.elem, self.prof.grad_bytes)), cls
 
     def _alltoall(self, cand, sp, sizes, kv, replicated):
         """(forward s, backward s) of the heads group's all-to-alls and the bytes a rank sends by class."""

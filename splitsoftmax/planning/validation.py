@@ -161,10 +161,20 @@ FA3_H100 = {"fwd": {"full": [[1024, 557], [2048, 670], [4096, 674], [8192, 670],
                     "causal": [[1024, 208], [2048, 352], [4096, 461], [8192, 516], [16384, 561], [32768, 582]]}}
 
 
+# The peers' ring (MagiAttention's exps/dist_attn/baselines/ring_attn.py, FA3RingAttnFunc, as
+# TransformerEngine's): its dK/dV travel in the inputs' dtype (``grad_bytes``), and each step moves,
+# besides its FA3 call, per query row and head (D=128, bf16; steps on half the rows counted at half):
+# forward, the output's correction (reads the step's output, reads and writes the running one, 768 B),
+# the lse's (12 B) and copies of half of q (128 B); backward, FA3's pre-processing (reads O and dO,
+# writes dPsum and LSE, zeroes the float32 dQ accumulator: 1032 B) and post-processing (reads it,
+# writes dQ: 768 B), the ring's dQ sum (768 B) and copies of half of q, O and dO (384 B).
+FA3_RING = {"step_bytes": {"fwd": 908, "bwd": 2952}, "grad_bytes": 2}
+
+
 def fa3_profile() -> Profile:
     """The shipped H100 profile (links, overheads) with :data:`FA3_H100` as its kernel: forward+backward
     rates ``3.5 / (1 / fwd + 2.5 / bwd)``; varlen: a document's pieces have tiles of their own; its ring
-    steps call the same kernel (``step_rate`` 1)."""
+    steps call the same kernel (``step_rate`` 1) and merge as :data:`FA3_RING` counts."""
     data = copy.deepcopy(load_profile("h100").data)
     k = data["kernel"]
     for mask in ("full", "causal"):
@@ -173,6 +183,7 @@ def fa3_profile() -> Profile:
                               zip(FA3_H100["fwd"][mask], FA3_H100["bwd"][mask])]
     k["packs_documents"] = False
     k["step_rate"] = {"fwd": 1.0, "fwd_bwd": 1.0}
+    k.update(copy.deepcopy(FA3_RING))
     data["name"] = "h100-fa3"
     return Profile(data)
 

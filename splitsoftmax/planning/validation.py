@@ -278,12 +278,12 @@ MISSES = {
     ("P2P ring", "documents fwd, 64 H100s"):
         "every document cut into 128 chunks: 91% of the tile area the steps walk is masked and the ring is "
         "compute-bound (free links change nothing); the model prices those near-empty tiles at FA3's rate "
-        "extrapolated below its 1k bar (k / (k + k0) from the B=1 1k and 2k bars), too dear: the same model "
-        "predicts FA3's own varlen forward chart (one GPU, documents drawn alike) 7-21% low at 4k-32k",
+        "extrapolated below its shortest published bar (k / (k + k0) from the B=1 1k and 2k bars; no "
+        "published number times a tile of a few rows): the measurement needs them 1.36x cheaper",
     ("P2P ring", "documents bwd, 64 H100s"):
         "as the forward at 64 GPUs, deeper: FA3's backward falls faster below 2k (its 1k bar 334 against 452 "
-        "at 2k; forward 557 against 670), so the extrapolated price of a near-empty tile is higher; the same "
-        "model predicts FA3's own varlen backward chart 16-31% low at 4k-32k",
+        "at 2k; forward 557 against 670), so the extrapolated price of a near-empty tile is higher: the "
+        "measurement needs them 1.9x cheaper",
 }
 
 

@@ -114,3 +114,82 @@ def test_timeline_is_the_simulated_layer(cand):
     for e in compute:
         if (e["pass"], e["step"]) in arrive:
             assert e["start_ms"] >= arrive[(e["pass"], e["step"])] - 1e-9
+
+
+def _free(prof):
+    from splitsoftmax.planning.validation import free_links
+    return free_links(prof)
+
+
+@pytest.mark.parametrize("docs", [(65536,), (512, 3000, 8192, 700) * 8])
+def test_allgather_runs_the_ring_steps_after_its_gather(docs):
+    """With links free the allgather's compute is the ring's steps back to back (the schedule visits
+    the gathered keys as the ring does); with real links every gather and reduce-scatter adds in
+    full: nothing overlaps, and the backward gathers K/V again."""
+    pb = Problem(docs, True, 32, 8, 128)
+    prof = load_profile("h100")
+    ring, gather = Candidate("ring", "zigzag", 1, 8), Candidate("allgather", "zigzag", 1, 8)
+    free = Simulator(pb, _free(prof))
+    assert free.run(gather).fwd_s == pytest.approx(free.run(ring).fwd_s, rel=1e-9)
+    sim = Simulator(pb, prof)
+    (move, scatter), _ = sim._gather_s(gather, sim.split("zigzag", 8), 2 * 8 * 128)
+    assert move > 0 and scatter > move
+    got, alone = sim.run(gather), free.run(gather)
+    assert got.fwd_s == pytest.approx(alone.fwd_s + move, rel=1e-9)
+    assert got.bwd_s == pytest.approx(alone.bwd_s + move + scatter, rel=1e-9)
+    events = [e["event"] for e in sim.timeline(gather) if e["pass"] == "bwd"]
+    assert events.index("gather") < events.index("compute") < events.index("reduce-scatter")
+
+
+def test_step_rate_slows_ring_steps_only():
+    """A slower step kernel lengthens every ring step, not one GPU's call nor a heads group's one call."""
+    pb = Problem((65536,), True, 32, 8, 128)
+    base = load_profile("h100").with_step_rate(fwd=1.0, fwd_bwd=1.0)
+    slow = base.with_step_rate(fwd=0.5, fwd_bwd=0.5)
+    a, b = Simulator(pb, _free(base)), Simulator(pb, _free(slow))
+    assert a.one_gpu_parts() == b.one_gpu_parts()
+    heads = Candidate("heads", "contiguous", 8, 1)
+    assert a.run(heads).total_s == b.run(heads).total_s
+    ring = Candidate("ring", "zigzag", 1, 8)
+    ra, rb = a.run(ring), b.run(ring)
+    assert rb.fwd_s > 1.8 * ra.fwd_s and rb.bwd_s > 1.8 * ra.bwd_s  # all but the host overheads doubled
+    with pytest.raises(ValueError, match="unknown pass"):
+        base.with_step_rate(bwd=1.0)
+
+
+def test_step_bytes_cost_each_active_step_at_hbm_rate():
+    """Merge passes outside the kernel: ``rows x heads x bytes / hbm`` on each step a rank computes,
+    so a ring pays them once a step and a heads group (one call) not at all."""
+    import copy
+    from splitsoftmax.planning.model import Profile
+    pb = Problem((65536,), True, 32, 8, 128)
+    base = _free(load_profile("h100"))
+    data = copy.deepcopy(base.data)
+    data["kernel"]["step_bytes"] = {"fwd": 1000.0, "bwd": 3000.0}
+    dear = Profile(data)
+    for p in (4, 8):
+        ring = Candidate("ring", "zigzag", 1, p)
+        a, b = Simulator(pb, base).run(ring), Simulator(pb, dear).run(ring)
+        per_step = (65536 / p) * 32 * np.array([1000.0, 3000.0]) / (dear.data["hbm_gbs"] * 1e9)
+        assert b.fwd_s - a.fwd_s == pytest.approx(p * per_step[0], rel=1e-6)
+        assert b.bwd_s - a.bwd_s == pytest.approx(p * per_step[1], rel=1e-6)
+    heads = Candidate("heads", "contiguous", 8, 1)
+    assert Simulator(pb, base).run(heads).total_s == Simulator(pb, dear).run(heads).total_s
+    data["kernel"]["step_bytes"] = {"fwd": -1.0}
+    with pytest.raises(ValueError, match="step_bytes"):
+        Profile(data)
+
+
+def test_grad_bytes_set_the_dkv_transfers():
+    """dK/dV sums in the inputs' dtype halve what follows each block backward; the forward is unchanged."""
+    import copy
+    from splitsoftmax.planning.model import Profile
+    pb = Problem((65536,), True, 32, 8, 128)
+    wide = load_profile("h100")
+    data = copy.deepcopy(wide.data)
+    data["kernel"]["grad_bytes"] = 2
+    narrow = Profile(data)
+    ring = Candidate("ring", "zigzag", 1, 16)  # two hosts: the hop across them is slow
+    a, b = Simulator(pb, wide).run(ring), Simulator(pb, narrow).run(ring)
+    assert a.fwd_s == b.fwd_s and b.bwd_s < a.bwd_s
+    assert b.bytes["inter"] / a.bytes["inter"] == pytest.approx(((2 * 2 + 2) * 15 + 2) / ((2 * 2 + 4) * 15 + 4), rel=1e-6)

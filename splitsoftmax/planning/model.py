@@ -10,6 +10,17 @@ longest row tile's chain of key tiles on one SM. Below the table's shortest leng
 ``k / (k + k0)`` (fitted to its two shortest points). The causal tables are not used by the model:
 they check it (tests/test_plan_model.py).
 
+Step kernel. A launch of a ring step (or an all-gather's visit of one rank's keys) merges into a running
+float32 state instead of writing a final output, and may be another kernel than the one-call one (this
+package: the forward's merge in the Gluon kernel's epilogue; before it, a Triton kernel of its own). The
+profile's ``step_rate`` (per pass, default 1) scales the kernel's rates for such launches: measured as a
+ring of one rank, or as a ring whose communicator moves nothing, against one GPU's call on the same work.
+A ring whose steps merge in kernels of their own (separate corrections of the output and its
+statistics, dQ sums, copies of half of the rows; FlashAttention's backward pre- and post-processing
+per call) moves ``step_bytes`` (per pass, per query row and head of a rank) through HBM each step, at
+the profile's ``hbm_gbs``. ``grad_bytes``: bytes per element of the dK/dV sums a ring passes on and an
+all-gather reduce-scatters (this package: float32).
+
 Transfers. ``t = latency + bytes / rate`` for the link class (``"intra"``: inside a host, ``"inter"``:
 across hosts) and the collective (``"p2p"``, ``"alltoall"``, ``"allgather"``).
 """
@@ -109,6 +120,16 @@ class Profile:
         self.sms = int(data["sms"])
         self.memory = float(data["memory_gib"]) * 2 ** 30
         self.scale = {p: 1.0 for p in PASSES}
+        self.step_rate = {p: float(k.get("step_rate", {}).get(p, 1.0)) for p in PASSES}
+        if any(not v > 0 for v in self.step_rate.values()):
+            raise ValueError(f"profile {self.name!r}: kernel.step_rate needs positive values, got {self.step_rate}")
+        self.step_bytes = {p: float(k.get("step_bytes", {}).get(p, 0.0)) for p in ("fwd", "bwd")}
+        self.grad_bytes = float(k.get("grad_bytes", 4))
+        self.hbm = float(data.get("hbm_gbs", 0.0)) * 1e9
+        if any(v < 0 for v in self.step_bytes.values()) or self.grad_bytes <= 0 or (
+                any(self.step_bytes.values()) and not self.hbm > 0):
+            raise ValueError(f"profile {self.name!r}: kernel.step_bytes needs values >= 0 and hbm_gbs > 0, "
+                             f"kernel.grad_bytes > 0; got {self.step_bytes}, {data.get('hbm_gbs')}, {self.grad_bytes}")
         self._tables = {p: sorted((float(s), float(r)) for s, r in k[p]["full"]) for p in PASSES}
         for p, t in self._tables.items():
             if len(t) < 2 or any(r <= 0 for _, r in t):
@@ -130,29 +151,37 @@ class Profile:
         low = r1 * (keys / (keys + k0)) / (k1 / (k1 + k0))
         return np.where(keys < k1, low, out) * self.scale[pas]
 
-    def kernel_s(self, work: Work, heads: float, head_dim: int, pas: str) -> np.ndarray:
-        """Seconds of the forward (``pas="fwd"``) or the backward (``"bwd"``) of ``work`` for ``heads`` heads."""
+    def kernel_s(self, work: Work, heads: float, head_dim: int, pas: str, step: bool = False) -> np.ndarray:
+        """Seconds of the forward (``pas="fwd"``) or the backward (``"bwd"``) of ``work`` for ``heads`` heads
+        (``step``: launches of a ring step, at the profile's ``step_rate``)."""
         touched = np.asarray(work.touched, dtype=float)
         if touched.size > 256:  # many ranks (and steps), most of them idle: time only those with work
             out = np.zeros(touched.shape)
             some = np.nonzero(touched > 0)
             out[some] = self._kernel_s(Work(*(np.broadcast_to(np.asarray(getattr(work, f), dtype=float),
                                                                touched.shape)[some] for f in FIELDS)),
-                                       heads, head_dim, pas)
+                                       heads, head_dim, pas, step)
             return out
-        return self._kernel_s(work, heads, head_dim, pas)
+        return self._kernel_s(work, heads, head_dim, pas, step)
 
-    def _kernel_s(self, work: Work, heads: float, head_dim: int, pas: str) -> np.ndarray:
+    def _kernel_s(self, work: Work, heads: float, head_dim: int, pas: str, step: bool) -> np.ndarray:
         tile_flops = 4.0 * head_dim * self.tile * self.tile
         touched = np.asarray(work.touched, dtype=float)
         kbar = self.tile * touched / np.maximum(np.asarray(work.rowtiles, dtype=float), 1e-9)
         walk = np.maximum(touched * heads, np.asarray(work.chain, dtype=float) * self.sms * (heads > 0))
-        fwd = walk * tile_flops / (self.rate("fwd", kbar) * 1e12)
+        sr = self.step_rate if step else {p: 1.0 for p in PASSES}
+        fwd = walk * tile_flops / (self.rate("fwd", kbar) * sr["fwd"] * 1e12)
         k = self.data["kernel"]
         if pas == "fwd":
             return fwd + np.asarray(work.launches) * k["launch_us"]["fwd"] * 1e-6
-        both = 3.5 * walk * tile_flops / (self.rate("fwd_bwd", kbar) * 1e12)
+        both = 3.5 * walk * tile_flops / (self.rate("fwd_bwd", kbar) * sr["fwd_bwd"] * 1e12)
         return np.maximum(both - fwd, 0.0) + np.asarray(work.launches) * k["launch_us"]["bwd"] * 1e-6
+
+    def step_bytes_s(self, rows, heads: float, pas: str) -> np.ndarray:
+        """Seconds of a ring step's merge passes outside its kernel for ``rows`` query rows and ``heads``
+        heads (``step_bytes`` at ``hbm_gbs``; 0 where the profile has none)."""
+        b = self.step_bytes["fwd" if pas == "fwd" else "bwd"]
+        return np.asarray(rows, dtype=float) * heads * b / self.hbm if b else np.zeros(np.shape(rows))
 
     def overhead_s(self, what: str, pas: str) -> float:
         """Host seconds of one ``what`` (``"step_us"``: a ring step, ``"call_us"``: a call) in pass ``pas``."""
@@ -173,6 +202,18 @@ class Profile:
         """A copy whose kernel packs documents into shared tiles (``True``) or gives each its own."""
         data = copy.deepcopy(self.data)
         data["kernel"]["packs_documents"] = bool(packed)
+        out = Profile(data)
+        out.scale = dict(self.scale)
+        return out
+
+    def with_step_rate(self, **rate: float) -> "Profile":
+        """A copy whose ring-step launches run at ``rate`` times the one-call kernel's rates, per pass
+        (``fwd=..., fwd_bwd=...``; the others kept)."""
+        data = copy.deepcopy(self.data)
+        for p, v in rate.items():
+            if p not in PASSES:
+                raise ValueError(f"with_step_rate: unknown pass {p!r}, expected one of {PASSES}")
+            data["kernel"].setdefault("step_rate", {})[p] = float(v)
         out = Profile(data)
         out.scale = dict(self.scale)
         return out

@@ -11,12 +11,18 @@ compute stream and a transfer stream:
   the first ring step before the whole all-to-all is done is faster than predicted).
 - ring (sequence groups): step 0 computes a rank's own keys; a step's K/V block travels to the next
   rank while the step computes (two receive buffers: a block may arrive only once the step two
-  before has finished); backward, K/V travel the same way and each block's float32 dK/dV follow it
+  before has finished); backward, K/V travel the same way and each block's dK/dV sums (the profile's
+  ``grad_bytes`` an element: float32 here, the inputs' dtype in other rings) follow it
   once the sender has added its share, and go home after the last step. Steps empty on every rank
   are skipped. Every rank of a sequence group is simulated (numpy over ranks); the heads group's
   rank with the most heads stands for the others (they wait for it at the all-to-all).
-- all-gather: K/V gathered (ring all-gather over the group's slowest link), one launch over every
-  key; backward one launch, then a reduce-scatter of float32 dK/dV.
+- all-gather: K/V gathered (ring all-gather over the group's slowest link), then the ring's steps'
+  launches back to back, one rank's keys at a time (the schedule visits the gathered buffers as the
+  ring does, ``ops/attention/schedules/allgather.py``); backward: K/V gathered again (the forward
+  keeps none of them), the steps, then a reduce-scatter of float32 dK/dV. Nothing overlaps.
+
+Launches of a sequence group of more than one rank merge into a running state: they run at the
+profile's ``step_rate`` (``model.py``).
 
 Times are seconds. The slowest rank sets a pass's time.
 """
@@ -203,7 +209,7 @@ class Simulator:
     def timeline(self, cand: Candidate) -> list:
         """The events of one layer (forward, then backward) on its slowest rank, as dicts of ``pass``,
         ``event`` (``host``: a call's host time, ``alltoall``, ``compute``, ``kv block``, ``dK/dV``,
-        ``dK/dV home``, ``gather``, ``reduce-scatter``),
+        ``dK/dV home``, ``gather`` (K/V, forward and backward), ``reduce-scatter``),
         ``step`` and ``start_ms`` / ``end_ms``: where the transfers hide behind compute and where not."""
         sizes, kv, replicated = head_split(self.pb.heads, self.pb.kv_heads, cand.heads_degree)
         h, k = float(sizes.max()), float(kv.max())
@@ -219,16 +225,13 @@ class Simulator:
 
     def _seq_events(self, events, pas, cand, sp, h, kv_row, clock) -> float:
         """The sequence group's events of one pass from ``clock``; returns when its slowest rank ends."""
-        if cand.schedule in ("allgather", "heads+allgather") and cand.seq_degree > 1:
-            move = self._gather_s(cand, sp, kv_row)[0][0 if pas == "fwd" else 1]
-            w = self._kernel(sp.all_keys(), h, pas).max()
-            if pas == "fwd":
-                clock = _event(events, pas, "gather", None, clock, clock + move)
-                return _event(events, pas, "compute", None, clock, clock + float(w))
-            clock = _event(events, pas, "compute", None, clock, clock + float(w))
-            return _event(events, pas, "reduce-scatter", None, clock, clock + move)
         cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
         c = cf if pas == "fwd" else cb
+        if cand.schedule in ("allgather", "heads+allgather") and cand.seq_degree > 1:
+            (gather, scatter), _ = self._gather_s(cand, sp, kv_row)
+            clock = _event(events, pas, "gather", None, clock, clock + gather)
+            clock = _event(events, pas, "compute", None, clock, clock + float((c.c0 + c.total).max()))
+            return _event(events, pas, "reduce-scatter", None, clock, clock + scatter) if pas == "bwd" else clock
         xf, xd, _ = self._links(cand, sp, kv_row)
         log: list = []
         end = _ring(c.c0, c.steps, c.at, xf, xd if pas == "bwd" else None, log)
@@ -243,8 +246,8 @@ class Simulator:
             _event(events, pas, "dK/dV home", None, clock + end[r] - xd[r], clock + end[r])
         return clock + float(end.max())
 
-    def _kernel(self, w: Work, h: float, pas: str) -> np.ndarray:
-        return self.prof.kernel_s(w, h, self.pb.head_dim, pas)
+    def _kernel(self, w: Work, h: float, pas: str, step: bool = False) -> np.ndarray:
+        return self.prof.kernel_s(w, h, self.pb.head_dim, pas, step)
 
     def _costed(self, layout: str, p: int, h: float) -> tuple:
         """:class:`~.work.Costed` forward and backward seconds (step overheads included), visible pairs and
@@ -254,9 +257,11 @@ class Simulator:
         if key not in self._costs:
             sp = self.split(layout, p)
             costs = []
+            rows = float(sp.rows.max())
             for pas in ("fwd", "bwd"):
-                ovh = self.prof.overhead_s("step_us", pas) if p > 1 else 0.0  # one rank: the local op alone
-                costs.append(lambda w, pas=pas, ovh=ovh: self._kernel(w, h, pas) + ovh * (np.asarray(w.launches) > 0))
+                # one rank: the local op alone; more: a step's host work and its merge passes
+                ovh = self.prof.overhead_s("step_us", pas) + float(self.prof.step_bytes_s(rows, h, pas)) if p > 1 else 0.0
+                costs.append(lambda w, pas=pas, ovh=ovh: self._kernel(w, h, pas, p > 1) + ovh * (np.asarray(w.launches) > 0))
             costs += [lambda w: np.asarray(w.visible, dtype=float), lambda w: np.asarray(w.touched, dtype=float)]
             self._costs[key] = sp.costed_many(costs)
         return self._costs[key]
@@ -269,7 +274,7 @@ class Simulator:
 
         def hop(nbytes):
             return np.where(inter, prof.transfer_s(nbytes, "inter", "p2p"), prof.transfer_s(nbytes, "intra", "p2p"))
-        return hop(sent * self.pb.elem), hop(sent * 4), inter
+        return hop(sent * self.pb.elem), hop(sent * prof.grad_bytes), inter
 
     def _ring_pass(self, cand, sp, h, kv_row, exact=True):
         cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
@@ -281,7 +286,8 @@ class Simulator:
         else:
             fwd, bwd = self._ring_bounds(cf, cb, xf, xd)
         hops = len(cf.steps)
-        per_rank = float(sp.send_rows.max()) * kv_row * ((2 * self.pb.elem + 4) * hops + 4 * (hops > 0))
+        g = self.prof.grad_bytes
+        per_rank = float(sp.send_rows.max()) * kv_row * ((2 * self.pb.elem + g) * hops + g * (hops > 0))
         cls = "inter" if inter.any() else "intra"
         return fwd, bwd, comp, {"intra": per_rank * (cls == "intra"), "inter": per_rank * (cls == "inter")}
 
@@ -297,11 +303,12 @@ class Simulator:
         return (low_f, up_f), (low_b, up_b)
 
     def _allgather_pass(self, cand, sp, h, kv_row):
+        """Forward: gather, then the steps; backward: gather again, the steps, reduce-scatter."""
         (gather, scatter), cls = self._gather_s(cand, sp, kv_row)
-        w = sp.all_keys()
-        cf, cb = float(self._kernel(w, h, "fwd").max()), float(self._kernel(w, h, "bwd").max())
-        per_rank = (cand.seq_degree - 1) * float(sp.send_rows.max()) * kv_row * (self.pb.elem + 4)
-        return gather + cf, cb + scatter, cf + cb, {"intra": per_rank * (cls == "intra"), "inter": per_rank * (cls == "inter")}
+        cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
+        f, b = float((cf.c0 + cf.total).max()), float((cb.c0 + cb.total).max())
+        per_rank = (cand.seq_degree - 1) * float(sp.send_rows.max()) * kv_row * (2 * self.pb.elem + self.prof.grad_bytes)
+        return gather + f, gather + b + scatter, f + b, {"intra": per_rank * (cls == "intra"), "inter": per_rank * (cls == "inter")}
 
     def _gather_s(self, cand, sp, kv_row) -> tuple:
         """((all-gather of K/V s, reduce-scatter of float32 dK/dV s), link class): ring collectives
@@ -310,7 +317,8 @@ class Simulator:
         cls = "inter" if _hop_inter(cand, self.g).any() else "intra"
         shard = float(sp.send_rows.max()) * kv_row
         bw, lat = self.prof.link(cls, "allgather")
-        return tuple((p - 1) * (lat + shard * b / bw) if p > 1 else 0.0 for b in (self.pb.elem, 4)), cls
+        return tuple((p - 1) * (lat + shard * b / bw) if p > 1 else 0.0
+                     for b in (self.pb.elem, self.prof.grad_bytes)), cls
 
     def _alltoall(self, cand, sp, sizes, kv, replicated):
         """(forward s, backward s) of the heads group's all-to-alls and the bytes a rank sends by class."""

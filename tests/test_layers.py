@@ -39,7 +39,8 @@ LAYERS = (
 )
 
 # layer -> the layers it may import (planning: the cost model and planner behind ``plan_attention``,
-# pure host arithmetic on profiles and lengths; the root exports it and tools' commands drive it,
+# pure host arithmetic on profiles and lengths; the root exports it, tools' commands drive it and
+# the transformers integration's plan="auto" loads its profiles,
 # and it imports nothing of the package, so that planning a run never loads a kernel) ("own family": any module of the importer's family folder, "own
 # family kernels": its kernel files, "algebra families": any module of merge/ and softmax/). The
 # settings (configs.py: tile sizes and algorithm sizes as data) are read by host and kernel files alike.
@@ -55,7 +56,7 @@ MAY_IMPORT = {
     "registry": {"registry", "core"},
     "host": {"own family", "algebra families", "registry", "distributed", "settings", "core"},
     "kernel": {"own family kernels", "algebra families", "settings", "triton", "core"},
-    "integrations": {"integrations", "root", "host", "distributed", "core"},
+    "integrations": {"integrations", "root", "host", "distributed", "core", "planning"},
 }
 
 # (importer, imported) -> why it is still there; each entry must still be a violation

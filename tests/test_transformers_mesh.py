@@ -1,6 +1,7 @@
 """The transformers integration on 2-D meshes (sequence x heads) and under ``register(plan="auto")``:
 a tiny Llama on 4 Gloo ranks as 2 x 2 (a tuple of groups, a 2-D DeviceMesh; heads+ring and
 heads+allgather) against one process; the planner's choice built and run; refusals on a mesh."""
+import copy
 import os
 import sys
 
@@ -15,6 +16,7 @@ from _hf_util import CLOSE, VOCAB, ids_of, pair  # noqa: E402
 
 import splitsoftmax as ss  # noqa: E402
 from splitsoftmax.integrations import transformers as sst  # noqa: E402
+from splitsoftmax.planning.model import load_profile  # noqa: E402
 
 
 def _sum(t):
@@ -92,16 +94,29 @@ def _mesh_cases():
     assert out.logits.shape == (2, 3, VOCAB) and torch.isfinite(out.loss)
 
 
+def dear_alltoall_across_hosts() -> dict:
+    """The shipped H100 profile with an all-to-all across hosts of 1 GB/s and 5 ms."""
+    data = copy.deepcopy(load_profile("h100").data)
+    data["links"]["inter"]["alltoall"] = dict(gbs=1.0, latency_us=5000, source="test: made dear")
+    return data
+
+
 def _plan_cases():
-    """plan="auto" (LOCAL_WORLD_SIZE=2: two hosts of two): a model of 4 heads of 32 and one sequence
-    of 2048, where the planner's best zigzag candidate is a 2 x 2 mesh; it is built, run, and kept
-    for the next batch."""
+    """plan="auto" (LOCAL_WORLD_SIZE=2: two hosts of two) with a profile whose all-to-all across
+    hosts is dear: a model of 4 heads of 32 and one sequence of 2048, where the planner's best zigzag
+    candidate is a 2 x 2 mesh (the heads' all-to-all inside a host); it is built, run, and kept for
+    the next batch. Profiles that differ across ranks are refused on every rank."""
     ref, ours = _sp_pair(num_key_value_heads=4, head_dim=32)
-    sst.register(plan="auto")
+    rank = torch.distributed.get_rank()
+    sst.register(plan="auto", profile="h200" if rank == 2 else dear_alltoall_across_hosts())
+    with pytest.raises(ValueError, match=r"profile"):
+        sst.shard_inputs(ids_of(1, 8), config=ours)
+    sst.register(plan="auto", profile=dear_alltoall_across_hosts())
     with pytest.raises(ValueError, match="no plan yet"):
         ours(ids_of(1, 8))
     s = 2048
-    plan = ss.plan_attention(4, seq_len=s, heads=4, kv_heads=4, head_dim=32, dtype=torch.float32, gpus_per_host=2)
+    plan = ss.plan_attention(4, seq_len=s, heads=4, kv_heads=4, head_dim=32, dtype=torch.float32, gpus_per_host=2,
+                             profile=dear_alltoall_across_hosts())
     best = next(r.candidate for r in plan.candidates if r.candidate.layout == "zigzag" or r.candidate.schedule == "heads")
     assert (best.schedule, best.heads_degree) in (("heads+ring", 2), ("heads+allgather", 2)), plan.table()
     ids = ids_of(1, s)
@@ -151,6 +166,10 @@ def test_register_refuses_bad_plan_and_schedules():
         sst.register((None, None), schedule="ring")
     with pytest.raises(ValueError, match=r"schedule='tree'"):
         sst.register(schedule="tree")
+    with pytest.raises(ValueError, match=r"profile is the planner's: it goes with plan='auto'"):
+        sst.register(profile="h100")
+    with pytest.raises(ValueError, match=r"profile 'h300': no such file"):
+        sst.register(plan="auto", profile="h300")
     sst.register()
     assert sst._layers() == (None, "ring") and sst.planned() is None  # a 1-d group: ring, as before
     sst.register(schedule="heads")

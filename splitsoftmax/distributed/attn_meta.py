@@ -8,7 +8,6 @@ the softcap's bits, the sinks' dtype and length) and, for the device tensors ``k
 """
 from __future__ import annotations
 
-import hashlib
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -17,7 +16,7 @@ from torch import Tensor
 from ..core import checks as _checks
 from ..core import keywords as vs
 from . import layout as lay
-from .mesh import Mesh, mesh_shape, seq_lengths
+from .mesh import Mesh, mesh_shape, seq_lengths, value_code
 from .handshake import LOCAL_ERRORS, _BITS, encode_dtype, encode_float, encode_sinks, encode_window, start_handshake
 
 _M, _A, _C = 2147483629, 48271, 12345  # fingerprint modulus (prime < 2^31) and weights
@@ -62,10 +61,7 @@ def doc_values(cu_seqlens) -> Optional[tuple]:
 
 def docs_code(docs: Optional[tuple]) -> int:
     """The handshake field of ``cu_seqlens``: -1 when absent, else a fingerprint of its values."""
-    if docs is None:
-        return -1
-    digest = hashlib.blake2b(repr(docs).encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "little")
+    return -1 if docs is None else value_code(docs)
 
 
 def _kv_shape(kv_range, b: int, device) -> Optional[Tensor]:

@@ -69,10 +69,15 @@ def _whole(seq: Communicator, heads: Communicator, size: int) -> tuple:
     return None, None
 
 
+def value_code(value) -> int:
+    """A handshake field (< 2^56) for a value of many parts (lengths, members, a profile): a
+    fingerprint of its ``repr``, equal on two ranks where their values are."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "little")
+
+
 def groups_code(seq_members: tuple, heads_members: tuple) -> int:
     """A code (< 2^56) of a rank's groups' members, in group rank order."""
-    digest = hashlib.blake2b(repr((tuple(seq_members), tuple(heads_members))).encode(), digest_size=7).digest()
-    return int.from_bytes(digest, "little")
+    return value_code((tuple(seq_members), tuple(heads_members)))
 
 
 def mesh_order(op: str, shape: tuple, coords: list, codes: list) -> list:

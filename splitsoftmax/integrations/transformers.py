@@ -41,7 +41,7 @@ from ..distributed import attn_meta
 from ..distributed.comm import as_comm
 from ..distributed.handshake import encode_dtype, handshake
 from ..distributed.layout import shard_lengths, split_sizes
-from ..distributed.mesh import Mesh, as_group, is_mesh
+from ..distributed.mesh import Mesh, as_group, is_mesh, value_code
 from ..distributed.shard import shard_as
 from ..distributed.tree import allreduce_sum
 from ..ops.attention.api import attention
@@ -55,13 +55,13 @@ WHO = "attn_implementation='splitsoftmax'"
 _CONFIG = {"group": None, "sequence_parallel": False}
 # the sequence-parallel layers' schedule; plan="auto", and what it chose: (group or mesh, schedule, Plan,
 # the candidate taken)
-_LAYERS = {"schedule": "ring", "plan": None, "planned": None}
+_LAYERS = {"schedule": "ring", "plan": None, "profile": None, "planned": None}
 _SCHEDULES_1D = ("ring", "allgather", "heads")
 _SCHEDULES_2D = ("heads+ring", "heads+allgather")
 
 
 def register(group=None, *, sequence_parallel: bool = False, schedule: Optional[str] = None,
-             plan: Optional[str] = None) -> str:
+             plan: Optional[str] = None, profile=None) -> str:
     """Register ``attn_implementation="splitsoftmax"`` and ``"splitsoftmax_sp"`` with transformers;
     returns ``"splitsoftmax"``.
 
@@ -80,7 +80,9 @@ def register(group=None, *, sequence_parallel: bool = False, schedule: Optional[
     candidate is the plan's best one with layout ``"zigzag"`` (or ``"heads"``, whose all-to-all
     gives every rank the whole sequence, so that its layout costs nothing): where the plan's best is
     ``"balanced"`` or ``"contiguous"``, the best zigzag candidate is taken. :func:`planned` tells
-    what was chosen.
+    what was chosen. ``profile`` (with ``plan="auto"`` only): the planner's rates, as
+    ``ss.plan_attention`` takes them (a shipped name, the JSON of ``python -m splitsoftmax calibrate
+    --out FILE``, a dict); the ranks must give the same one (the handshake refuses otherwise).
     """
     from transformers import AttentionInterface, AttentionMaskInterface
 
@@ -91,7 +93,12 @@ def register(group=None, *, sequence_parallel: bool = False, schedule: Optional[
     if plan is not None and (schedule is not None or is_mesh(group)):
         raise ValueError(f"plan='auto' chooses the schedule and the mesh itself: give a 1-d group and no schedule, "
                          f"got schedule={schedule!r} and a {'2-D mesh' if is_mesh(group) else '1-d group'}")
-    _LAYERS.update(schedule=_layer_schedule(group, schedule), plan=plan, planned=None)
+    if profile is not None and plan is None:
+        raise ValueError("profile is the planner's: it goes with plan='auto'")
+    if profile is not None:
+        from ..planning.model import load_profile
+        profile = load_profile(profile)
+    _LAYERS.update(schedule=_layer_schedule(group, schedule), plan=plan, profile=profile, planned=None)
     _CONFIG.update(group=group, sequence_parallel=sequence_parallel)
     AttentionInterface.register(NAME, attention_forward)
     AttentionInterface.register(SP_NAME, sharded_attention_forward)
@@ -429,8 +436,10 @@ def _plan_layers(group, shape: tuple, cu, model: Optional[tuple]):
     import os
 
     from .. import plan_attention
+    from ..planning.model import load_profile
     if _LAYERS["planned"] is not None:
         return _LAYERS["planned"][0]
+    profile = load_profile(_LAYERS["profile"])
     comm = as_comm(group)
     b, s = shape
     cu = None if cu is None else torch.as_tensor(cu).to(torch.int64)
@@ -438,9 +447,10 @@ def _plan_layers(group, shape: tuple, cu, model: Optional[tuple]):
     handshake(comm, "shard", {"input_ids.shape[0]": b, "input_ids.shape[1]": s,
                               "cu_seqlens": attn_meta.docs_code(None if cu is None else tuple(cu.tolist())),
                               "heads": model[0], "kv_heads": model[1], "head_dim": model[2],
-                              "dtype": encode_dtype(model[3]), "gpus per host": hosts})
+                              "dtype": encode_dtype(model[3]), "gpus per host": hosts,
+                              "profile": value_code(sorted(profile.data.items()))})
     plan = plan_attention(comm.size, **_planned_lengths(b, s, cu), heads=model[0], kv_heads=model[1], head_dim=model[2], dtype=model[3],
-                          gpus_per_host=hosts)
+                          gpus_per_host=hosts, profile=profile)
     cand = next(r.candidate for r in plan.candidates if r.candidate.layout == "zigzag" or r.candidate.schedule == "heads")
     mesh = group if cand.schedule in _SCHEDULES_1D else \
         _build_mesh(comm, dataclasses.replace(plan, mesh=(cand.heads_degree, cand.seq_degree)))

@@ -17,9 +17,8 @@ from ..core import checks as _checks
 from ..core import keywords as vs
 from . import layout as lay
 from .mesh import Mesh, mesh_shape, seq_lengths, value_code
-from .handshake import LOCAL_ERRORS, _BITS, encode_dtype, encode_float, encode_sinks, encode_window, start_handshake
-
-_M, _A, _C = 2147483629, 48271, 12345  # fingerprint modulus (prime < 2^31) and weights
+from .handshake import (LOCAL_ERRORS, encode_dtype, encode_float, encode_sinks, encode_window, fingerprint,
+                        start_handshake)
 
 
 class Keywords(NamedTuple):
@@ -31,22 +30,6 @@ class Keywords(NamedTuple):
     sinks: Optional[Tensor] = None
     kv_range: Optional[Tensor] = None
     q_offset: Union[None, int, Tensor] = None
-
-
-def fingerprint(t: Tensor) -> Tensor:
-    """A 0-d int64 fingerprint in ``[0, 2^31)`` of an integer tensor's values, on its device."""
-    v = torch.remainder(t.reshape(-1).to(torch.int64), _M)
-    w = torch.remainder(torch.arange(1, v.numel() + 1, device=t.device, dtype=torch.int64) * _A + _C, _M)
-    return torch.remainder(torch.remainder(v * w, _M).sum(), _M)
-
-
-def replica_fingerprint(t: Tensor):
-    """:func:`fingerprint` of the bits of ``t`` (any dtype): 0-d, on its device, for a tensor every rank
-    must hold alike (the tree's ``q``); 0 for a meta tensor (no values to compare)."""
-    if t.is_meta:
-        return 0
-    flat = t.detach().contiguous().reshape(-1)
-    return fingerprint(flat.view(_BITS[flat.element_size()]) if flat.is_floating_point() else flat)
 
 
 def doc_values(cu_seqlens) -> Optional[tuple]:
@@ -173,7 +156,7 @@ def start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords: 
         agree = {"B": b, "H": h, "Hkv": hkv, "D": d, "Dv": dv, "dtype": encode_dtype(q.dtype),
                  "causal": int(causal), "scale": encode_float(s), "schedule": _checks.SCHEDULES.index(schedule),
                  "layout": _checks.LAYOUTS.index(layout), "Sq": sq if schedule == "tree" else 0,
-                 "q": replica_fingerprint(q) if schedule == "tree" else 0, "mesh shape": mesh_shape(comm)}
+                 "q": fingerprint(q) if schedule == "tree" else 0, "mesh shape": mesh_shape(comm)}
         extra_agree, extra_per = _fields(kw, b)
         agree.update(extra_agree)
         per = {"Sq_local": sq, "Sk_local": k.shape[2], **extra_per}

@@ -89,17 +89,22 @@ FINGERPRINTS = ("target", "q", "x", "input_ids", "position_ids", "labels")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def fingerprint(t: torch.Tensor) -> int:
-    """A position-weighted checksum of the bits of ``t`` (any dtype), to catch ranks whose copies of
-    a tensor that must be replicated differ. One pass over ``t`` and one read to the host; 0 for a
-    meta tensor (no data to compare)."""
+_M, _A, _C = 2147483629, 48271, 12345  # fingerprint modulus (prime < 2^31) and weights
+
+
+def fingerprint(t: torch.Tensor):
+    """A position-weighted checksum in ``[0, 2^31)`` of the bits of ``t`` (any dtype), to catch ranks
+    whose copies of a tensor that must agree differ: a 0-d int64 tensor on ``t``'s device (the
+    handshake reads it with its exchange: no synchronisation of its own); 0 for a meta tensor (no
+    data to compare)."""
     if t.is_meta:
         return 0
     flat = t.detach().contiguous().reshape(-1)
     if flat.is_floating_point():
         flat = flat.view(_BITS[flat.element_size()])
-    w = torch.arange(1, flat.numel() + 1, device=flat.device, dtype=torch.int64)
-    return int((flat.to(torch.int64) * w).sum() % (2**61 - 1))
+    v = torch.remainder(flat.to(torch.int64), _M)
+    w = torch.remainder(torch.arange(1, v.numel() + 1, device=t.device, dtype=torch.int64) * _A + _C, _M)
+    return torch.remainder(torch.remainder(v * w, _M).sum(), _M)
 
 
 def encode_dtype(dtype: torch.dtype) -> int:

@@ -27,6 +27,7 @@ import torch
 
 from . import handshake as hs
 from .comm import Communicator, is_mpi, mpi_attrs
+from .mesh import value_code
 from .tree import allgather
 
 POISON = -1                    # the fingerprint word of a poison buffer (real fingerprints are >= 0)
@@ -40,15 +41,6 @@ class ConfigMismatch(ValueError):
 
 class _Poisoned(Exception):
     """A peer's configuration changed: the handshake must run (then the call again)."""
-
-
-def fingerprint(values) -> int:
-    """A process-independent 63-bit hash (FNV-1a) of integers."""
-    h = 0xCBF29CE484222325
-    for v in values:
-        for byte in int(v).to_bytes(9, "little", signed=True):
-            h = ((h ^ byte) * 0x100000001B3) % 2 ** 64
-    return h >> 1
 
 
 class Guard:
@@ -128,4 +120,4 @@ def collective(comm: Communicator, group, op: str, agree: Optional[dict], per_ra
 
 def _run(s: Session, body, extra: tuple):
     values = [*(v for _, v in s.config[0]), *(x for vals in s.meta.values() for x in vals), *extra]
-    return body(s.meta, Guard(s, fingerprint(values)))
+    return body(s.meta, Guard(s, value_code(tuple(int(v) for v in values))))

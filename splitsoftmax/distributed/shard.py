@@ -12,7 +12,7 @@ from ..core import keywords as vs
 from . import attn_meta
 from . import layout as lay
 from .comm import eager
-from .handshake import LOCAL_ERRORS, encode_dtype, handshake
+from .handshake import LOCAL_ERRORS, encode_dtype, fingerprint, handshake
 from .mesh import Mesh, as_group, mesh_shape, seq_lengths
 from .tree import allgather_var
 
@@ -106,7 +106,7 @@ def _seq_meta(name: str, x, dim, group, layout, cu_seqlens, arg: str = "x"):
                  "cu_seqlens": attn_meta.docs_code(docs), "mesh shape": mesh_shape(comm),
                  **other_sizes(list(x.shape), d)}
         if name == "shard":
-            agree.update({f"x.shape[{d}]": x.shape[d], arg: attn_meta.replica_fingerprint(x)})
+            agree.update({f"x.shape[{d}]": x.shape[d], arg: fingerprint(x)})
         per = {"length": x.shape[d]}
     except LOCAL_ERRORS as e:
         err = e

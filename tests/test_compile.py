@@ -1,9 +1,12 @@
 """``torch.compile``: the single-device ops compile with ``fullgraph=True`` and Dynamo warns of
 nothing in the package's own code; the collective ops run eagerly (a clean graph break, and a
-refusal naming the reason under ``fullgraph=True``)."""
+refusal naming the reason under ``fullgraph=True``), and importing the package loads no Dynamo."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -61,3 +64,18 @@ def test_collective_ops_run_eagerly_under_compile():
 def test_every_collective_op_is_marked_eager(name):
     fn = getattr(ss, name)
     assert getattr(fn, "_torchdynamo_disable", False), f"ss.{name} is traced by Dynamo"
+
+
+def test_import_loads_no_dynamo():
+    """Dynamo (as long to import as torch itself) is loaded by ``torch.compile``, not by ``import
+    splitsoftmax``; a collective op called without it runs as it is."""
+    code = ("import sys, torch, splitsoftmax as ss\n"
+            "from splitsoftmax.distributed import LoopbackWorld\n"
+            "x = torch.randn(2, 5, dtype=torch.float64)\n"
+            "(y,) = LoopbackWorld(1).run(lambda comm: ss.sharded_softmax(x, group=comm))\n"
+            "assert 'torch._dynamo' not in sys.modules, 'Dynamo loaded'\n"
+            "assert torch.allclose(y, torch.softmax(x, -1))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -20,8 +20,10 @@ process, counting every transfer, for tests).
 """
 from __future__ import annotations
 
+import functools
 import os
 import queue
+import sys
 import threading
 import time
 from collections import defaultdict, deque
@@ -38,9 +40,26 @@ DEFAULT_TIMEOUT = 300.0
 def eager(fn: Callable) -> Callable:
     """A public collective op, run eagerly under ``torch.compile``: Dynamo breaks the graph around
     it (``fullgraph=True`` refuses it, naming this reason). Its handshakes, bounded waits and
-    host-side plans read clocks and agreed values on the host, which a traced graph cannot."""
-    return torch.compiler.disable(fn, reason=f"splitsoftmax.{fn.__name__} is a collective across ranks: it runs "
-                                             "eagerly, outside the compiled graph")
+    host-side plans read clocks and agreed values on the host, which a traced graph cannot.
+
+    Dynamo is imported by ``torch.compile``, not by this package (it doubles the import time of
+    every process): the mark that makes Dynamo break the graph at the op is set here, and the op
+    goes through ``torch.compiler.disable`` (made at its first call with Dynamo loaded) only where
+    Dynamo is loaded; without it nothing can be tracing, and the op runs as it is."""
+    reason = f"splitsoftmax.{fn.__name__} is a collective across ranks: it runs eagerly, outside the compiled graph"
+    disabled = []
+
+    @functools.wraps(fn)
+    def op(*args, **kwargs):
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn, reason=reason))
+        return disabled[0](*args, **kwargs)
+
+    op._torchdynamo_disable = True
+    op._torchdynamo_disable_msg = reason
+    return op
 
 
 def timeout_s() -> float:

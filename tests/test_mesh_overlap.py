@@ -142,8 +142,9 @@ def _results(shape, schedule, h, hkv, kw) -> list:
     ((2, 3), "heads+ring", 7, 7, dict(window_size=(5, 0), softcap=1.5)),
     ((2, 2), "heads+ring", 6, 3, dict(cu_seqlens=(0, 7, 19))),
     ((2, 3), "heads+allgather", 7, 1, dict(sinks=sinks_of(7))),
+    ((2, 2), "heads+ring", 8, 4, dict(sinks=sinks_of(8))),
     ((1, 3), "heads", 6, 2, {}),
-], ids=["2x3-ring-mha", "2x2-ring-gqa", "2x3-allgather-sinks", "1d"])
+], ids=["2x3-ring-mha", "2x2-ring-gqa", "2x3-allgather-sinks", "2x2-ring-gqa-sinks", "1d"])
 def test_chunks_as_whole(monkeypatch, shape, schedule, h, hkv, kw):
     """q in head chunks gives every result as q in one piece (one chunk: the order of old), to the
     last bits: the same computation per head, the torch path's batched products rounding a little

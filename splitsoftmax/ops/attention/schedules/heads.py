@@ -208,6 +208,7 @@ class HeadsSpec:
         return q_chunks(self.split, self.h // self.hkv, groups)
 
     def kv_heads(self, r: int) -> tuple:
+        """The kv heads ``(k0, k1)`` rank ``r`` receives."""
         return self.split[r].k0, self.split[r].k1
 
     def chunk(self, bounds: tuple, c: int, r: int) -> tuple:

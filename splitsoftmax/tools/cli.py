@@ -15,9 +15,11 @@ BENCH_HELP = {
     "host": "host time per call at short lengths beside torch",
     "model": "a Hugging Face training step of a Llama-shaped model with random weights",
     "vocab": "the vocabulary statistics (log-probabilities, entropy, KL) beside torch, in parts",
+    "placement": "one rank's share of packed documents under each placement, 16 to 1024 ranks, on one GPU "
+                 "(toy sizes on CPU)",
 }
 BENCHES = tuple(BENCH_HELP)
-# benches that time one GPU (ring also runs on CPU ranks)
+# benches that time one GPU (ring also runs on CPU ranks, placement at toy sizes on CPU)
 CUDA_BENCHES = ("softmax", "attention", "cross_entropy", "host", "model", "vocab")
 HELP = {
     "trace": "the online-softmax state trace of a small row, against a two-pass softmax and the wrong "
@@ -61,7 +63,7 @@ def _bench_parser() -> argparse.ArgumentParser:
     width = max(map(len, BENCHES))
     parser = argparse.ArgumentParser(
         prog="splitsoftmax bench", description="benchmarks of splitsoftmax against its peers; "
-        f"{', '.join(CUDA_BENCHES)} time one CUDA device, ring runs on GPUs or CPU ranks",
+        f"{', '.join(CUDA_BENCHES)} time one CUDA device, ring runs on GPUs or CPU ranks, placement on one GPU (or toy sizes on CPU)",
         epilog="\n".join(f"{b:<{width}}  {v}" for b, v in BENCH_HELP.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=BENCHES, help="the benchmark (listed below)")

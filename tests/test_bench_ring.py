@@ -10,7 +10,7 @@ import torch
 pytestmark = pytest.mark.distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SS_METHODS = {"ss-ring", "ss-allgather", "ss-ring-nocomm"}
+SS_METHODS = {"ss-ring", "ss-allgather", "ss-ring-nocomm", "ss-heads"}
 CP_METHODS = {f"torch-cp-{b}-{rot}" for b in ("flash", "cudnn") for rot in ("allgather", "alltoall")}
 ONE_GPU_PEERS = {"1gpu-sdpa-flash", "1gpu-sdpa-cudnn"}
 ONE = "1cpu-ss"  # splitsoftmax on one device: a CPU rank here
@@ -36,8 +36,8 @@ def test_gate_passed_on_every_schedule(bench):
     data, _, _ = bench
     assert data["meta"]["world"] == 2 and data["meta"]["backend"] == "gloo" and data["complete"] is True
     ops = {(g["op"], g["schedule"]) for g in data["gate"]}
-    assert {s for _, s in ops} == {"ring", "allgather", "tree"}
-    assert len(data["gate"]) == 10  # ring, allgather x causal, non-causal x fwd, bwd; tree fwd, bwd
+    assert {s for _, s in ops} == {"ring", "allgather", "heads", "tree"}
+    assert len(data["gate"]) == 14  # ring, allgather, heads x causal, non-causal x fwd, bwd; tree fwd, bwd
     for g in data["gate"]:
         assert g["ok"] and g["err"] <= g["tol"], g
 
@@ -91,6 +91,7 @@ def test_derived_and_decode(bench):
         assert d["efficiency_vs_1cpu-ss"] == pytest.approx(by[(*key, ONE)] / (2 * ring))
         assert "efficiency_vs_1gpu-ss" not in d
         assert d["ring_over_nocomm"] == pytest.approx(ring / by[(*key, "ss-ring-nocomm")])
+        assert d["ss-heads_over_ring"] == pytest.approx(by[(*key, "ss-heads")] / ring)
         assert "ring_over_torch_cp_best" not in d  # no torch CP on CPU
     dec = data["decode"]
     assert dec["keys"] == 4096 and dec["max_abs_diff_vs_1gpu"] < 1e-5
@@ -101,7 +102,7 @@ def test_derived_and_decode(bench):
 def test_table_and_plots(bench):
     _, stdout, out = bench
     assert "ss-ring-nocomm" in stdout and "decode 4096 keys" in stdout
-    assert stdout.count(" ok") >= 10
+    assert stdout.count(" ok") >= 14
     assert "1gpu-ss" not in stdout and f" {ONE} " in stdout  # no GPU ran here
     reason = "torch context parallel over FlexAttention needs CUDA and an NCCL group"
     assert any(line.endswith(reason) for line in stdout.splitlines())  # the reason whole
@@ -209,3 +210,35 @@ def test_single_device_row_named_for_its_device():
     base = {"S": 64, "Hkv": 4, "variant": "plain", "causal": True, "mode": "fwd"}
     d, = derived([base | {"method": "ss-ring", "ms": 2.0}, base | {"method": "1cpu-ss", "ms": 3.0}], 2)
     assert d["efficiency_vs_1cpu-ss"] == pytest.approx(0.75)
+
+
+def test_mesh_shapes():
+    """The 2-D schedules run on every mesh with both degrees above 1; one rank runs the 1 x 1 mesh."""
+    from splitsoftmax.tools.bench.ring import World
+    w = object.__new__(World)
+    for size, shapes in ((1, [(1, 1)]), (2, []), (3, []), (4, [(2, 2)]), (6, [(3, 2), (2, 3)]),
+                         (8, [(4, 2), (2, 4)])):
+        w.size = size
+        assert w.mesh_shapes() == shapes
+
+
+def test_one_rank_runs_every_schedule(tmp_path):
+    """On one rank every splitsoftmax schedule takes its single-rank path, the 2-D ones on the 1 x 1
+    mesh, and is timed beside today's ring."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", SPLITSOFTMAX_TIMEOUT="60")
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run([sys.executable, "-m", "splitsoftmax", "bench", "ring", "--nproc", "1", "--seqs", "32",
+                        "--kv-heads", "2", "--causal", "--fwd-only", "--variants", "documents", "--decode-keys", "0",
+                        "--out", str(tmp_path), "--deadline", "100"], capture_output=True, text=True, timeout=120,
+                       cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(tmp_path / "ring_p1.json") as f:
+        data = json.load(f)
+    assert all(g["ok"] for g in data["gate"]) and {g["schedule"] for g in data["gate"]} >= {"heads"}
+    mesh = {"ss-heads+ring-1x1", "ss-heads+allgather-1x1"}
+    for variant in ("plain", "documents"):
+        here = {x["method"]: x for x in data["results"] if x["variant"] == variant}
+        for m in SS_METHODS | mesh:
+            assert here[m]["ms"] > 0 and here[m]["P"] == 1, here[m]
+        d = next(x for x in data["derived"] if x["variant"] == variant)
+        assert {f"{m}_over_ring" for m in mesh | {"ss-heads"}} <= set(d)

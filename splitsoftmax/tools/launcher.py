@@ -68,6 +68,26 @@ def init_ranks(kind: str, device: Optional[str] = None):
     return None, device, rank, world
 
 
+def mesh_groups(group, rank: int, seq: int, heads: int):
+    """The ``group`` of a ``seq x heads`` mesh of the launched ranks for the ss.* calls: ``group``
+    itself (``init_ranks``'s: the MPI communicator, or None for torch.distributed's world) for a
+    1-D shape; else ``(seq_group, heads_group)`` of rank ``rank`` (heads groups are contiguous
+    ranks, as a 2-D DeviceMesh's last dimension), MPI communicators split from ``group`` or
+    torch.distributed groups (every rank creates every group, in the same order: call it on all)."""
+    if seq == 1 or heads == 1:
+        return group
+    if group is not None:  # MPI
+        return group.Split(rank % heads, rank), group.Split(rank // heads, rank)
+    import torch.distributed as dist
+    mine = []
+    for ranks in [[s * heads + h for s in range(seq)] for h in range(heads)] + \
+                 [[s * heads + h for h in range(heads)] for s in range(seq)]:
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            mine.append(g)
+    return tuple(mine)
+
+
 def finish_ranks(kind: str) -> None:
     """End this rank's part of a torchrun job: every rank arrives, then the process group is taken
     down before exit (a Gloo group left to the interpreter's exit can abort the process when its

@@ -8,6 +8,10 @@ Hkv, causal and not, forward and forward+backward, it times
 - ``ss-ring``, ``ss-allgather``: ``sharded_attention`` on zigzag shards;
 - ``ss-ring-nocomm``: the same public call with a communicator that drops the K/V and dK/dV
   messages (compute only; the gap to ``ss-ring`` is the communication the overlap did not hide);
+- ``ss-heads``: head parallelism (all-to-all) on the same shards;
+  ``ss-heads+ring-<s>x<h>``, ``ss-heads+allgather-<s>x<h>``: the 2-D schedules on every
+  ``s x h`` mesh of the ranks with both degrees above 1 (on one rank the ``1 x 1`` mesh: the
+  single-rank paths), zigzag over the sequence dimension, split over the heads dimension;
 - ``torch-cp-<backend>-allgather``, ``torch-cp-<backend>-alltoall``: torch's ``context_parallel``
   over a 1-d DeviceMesh with SDPA's ``flash`` or ``cudnn`` backend inside (``enable_gqa`` where
   Hkv < H), one per rotate method; the fastest of them is the peer. Non-causal under torch's
@@ -17,7 +21,7 @@ Hkv, causal and not, forward and forward+backward, it times
 
 Then the variants across the ranks (``--variants``; causal, every S and Hkv): ``documents``
 (``--docs`` equal packed documents, per-document zigzag shards) and ``window`` (``--window`` keys),
-``ss-ring`` and ``ss-allgather`` against ``torch-cp-flex`` (torch's context parallelism over compiled
+splitsoftmax's schedules against ``torch-cp-flex`` (torch's context parallelism over compiled
 FlexAttention: its attention module wrapper and sharded block mask, no load balancing) and
 ``1gpu-ss`` / ``1gpu-flex`` on the full sequence; their TFLOP/s count the visible pairs. The
 documents also run as ``ss-ring-balanced``: the ring on ``layout="balanced"`` shards (short
@@ -67,6 +71,7 @@ class World:
         self.cuda = self.device.type == "cuda"
         self.nccl = kind == "torchrun" and self.cuda
         self.mesh = None  # torch CP's 1-d DeviceMesh, made on first use
+        self.meshes: dict = {}  # splitsoftmax's 2-D groups by (seq, heads), made on first use
         if not self.cuda:  # ranks share the cores: oversubscribed threads make CPU timings meaningless
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.size))
 
@@ -90,6 +95,21 @@ class World:
     def say(self, msg: str) -> None:
         if self.rank == 0:
             print(msg, file=sys.stderr, flush=True)
+
+    def mesh_shapes(self) -> list:
+        """The 2-D meshes ``(seq, heads)`` the 2-D schedules run on: every one with both degrees
+        above 1; on one rank the ``1 x 1`` mesh (the 2-D schedules' single-rank path)."""
+        if self.size == 1:
+            return [(1, 1)]
+        return [(self.size // h, h) for h in range(2, self.size) if self.size % h == 0]
+
+    def mesh_group(self, seq: int, heads: int):
+        """splitsoftmax's ``group`` of the ``seq x heads`` mesh (made once; every rank asks for the
+        same shapes in the same order)."""
+        if (seq, heads) not in self.meshes:
+            self.meshes[seq, heads] = (self.group, self.group) if self.size == 1 else \
+                launcher.mesh_groups(self.group, self.rank, seq, heads)
+        return self.meshes[seq, heads]
 
 
 def single_ss(w: World) -> str:
@@ -198,7 +218,24 @@ def ss_methods(w: World, local: list, causal: bool, backward: bool, opts, kw: Op
 
     return [("ss-ring", lambda: sharded_call("ring", w.group)),
             ("ss-allgather", lambda: sharded_call("allgather", w.group)),
-            ("ss-ring-nocomm", lambda: sharded_call("ring", NoBulkTransfers(ss.distributed.as_comm(w.group))))]
+            ("ss-ring-nocomm", lambda: sharded_call("ring", NoBulkTransfers(ss.distributed.as_comm(w.group)))),
+            ("ss-heads", lambda: sharded_call("heads", w.group))]
+
+
+MESH_SCHEDULES = ("heads+ring", "heads+allgather")
+
+
+def ss_mesh(w: World, full: Callable, causal: bool, backward: bool, schedule: str, shape: tuple, kw: dict):
+    """splitsoftmax's 2-D ``schedule`` on the ``seq x heads`` mesh ``shape``: zigzag shards (per
+    document with ``cu_seqlens``) over the sequence dimension, each split over the heads dimension."""
+    @contextlib.contextmanager
+    def make():
+        mesh = w.mesh_group(*shape)
+        local = [ss.shard(t, 2, group=mesh, layout="zigzag", cu_seqlens=kw.get("cu_seqlens")) for t in full()]
+        f = lambda q, k, v: ss.sharded_attention(q, k, v, causal=causal, group=mesh,  # noqa: E731
+                                                 schedule=schedule, layout="zigzag", **kw)
+        yield step(f, local, backward)
+    return make
 
 
 def ss_balanced(w: World, full: Callable, backward: bool, kw: dict):
@@ -372,6 +409,8 @@ def bench_shape(w: World, s: int, hkv: int, causal: bool, backward: bool, opts,
     kw = variant.kw if variant else None
     local = [variant.shard(w, t) if variant else ss.shard(t, 2, group=w.group, layout="zigzag") for t in full()]
     methods = ss_methods(w, local, causal, backward, opts, kw)
+    methods += [(f"ss-{sched}-{a}x{b}", ss_mesh(w, full, causal, backward, sched, (a, b), kw or {}))
+                for sched in MESH_SCHEDULES for a, b in w.mesh_shapes()]
     if variant and "cu_seqlens" in kw:
         methods.append(("ss-ring-balanced", ss_balanced(w, full, backward, kw)))
     if variant:
@@ -428,6 +467,9 @@ def derived(rows: list, world: int) -> list:
                     d[f"efficiency_vs_{base}"] = ms[base] / (world * ring)
             if "ss-ring-nocomm" in ms:
                 d["ring_over_nocomm"] = ring / ms["ss-ring-nocomm"]
+            for m in sorted(ms):
+                if m.startswith("ss-heads"):
+                    d[f"{m}_over_ring"] = ms[m] / ring
         out.append(d)
     return out
 
@@ -479,7 +521,7 @@ def gate(w: World, opts) -> list:
                   lambda t: ss.shard(t, 2, group=w.group, layout="zigzag"),
                   lambda t: ss.unshard(t, 2, group=w.group, layout="zigzag"))
     rows = []
-    for schedule in ("ring", "allgather"):
+    for schedule in ("ring", "allgather", "heads"):
         for causal in opts.causal:
             f = lambda q, k, v, c=causal, sc=schedule: ss.sharded_attention(  # noqa: E731
                 q, k, v, causal=c, group=w.group, schedule=sc, layout="zigzag")

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ...core.checks import SCHEDULES
+from .. import launcher
 from .compare import GRAD_FACTOR, floor, rel_err
 from .job import Job
 
@@ -161,24 +162,6 @@ def one_rank(model, ids: Tensor, docs: Optional[list[int]]) -> tuple[Tensor, lis
     return loss.detach(), _grads(model)
 
 
-def groups(job: Job, mesh: tuple[int, int]):
-    """The ``group`` of a mesh shape: the world (None, or the MPI communicator) for a 1-D one; for
-    ``(seq, heads)`` both above 1, the tuple ``(seq_group, heads_group)`` (heads groups contiguous)."""
-    seq, heads = mesh
-    if seq == 1 or heads == 1:
-        return job.group
-    if job.group is not None:  # MPI
-        return job.group.Split(job.rank % heads, job.rank), job.group.Split(job.rank // heads, job.rank)
-    import torch.distributed as dist
-    mine = []
-    for ranks in [[s * heads + h for s in range(seq)] for h in range(heads)] + \
-                 [[s * heads + h for h in range(heads)] for s in range(seq)]:
-        g = dist.new_group(ranks)
-        if job.rank in ranks:
-            mine.append(g)
-    return tuple(mine)
-
-
 def sharded(model, job: Job, schedule: str, group, ids: Tensor, docs: Optional[list[int]]) -> tuple:
     """This rank's shard through the sequence-parallel model; loss and gradients summed over ranks."""
     from ...distributed.comm import as_comm
@@ -281,7 +264,7 @@ def model_rows(job: Job, config) -> list[ModelRow]:
             print(f"[{i}/{len(todo)}] {config.model_type} {name} {schedule} {mesh[0]}x{mesh[1]} on {job.world} "
                   f"ranks ({job.device.type})", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        got = sharded(model, job, schedule, groups(job, mesh), ids, docs)
+        got = sharded(model, job, schedule, launcher.mesh_groups(job.group, job.rank, *mesh), ids, docs)
         runs.append((name, schedule, f"{mesh[0]}x{mesh[1]}", got, time.perf_counter() - start, ids, docs))
     if job.rank:
         return []

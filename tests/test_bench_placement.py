@@ -39,6 +39,7 @@ def test_end_to_end_on_cpu(tmp_path, capsys):
     with open(tmp_path / "placement.json") as f:
         data = json.load(f)
     rows, lines = data["rows"], data["summary"]
+    assert data["complete"] is True
     assert [(r["pack"], r["P"]) for r in rows if r["P"] == 1] == [("uniform", 1)]
     packs = {"uniform": bp.uniform_pack(512)}
     for pack, lengths in packs.items():

@@ -19,8 +19,9 @@ most and the least loaded by causal pairs and the median one (every rank where `
 Shapes: Llama-3-8B's attention (B 1, H 32, Hkv 8, D 128, bf16), causal within each document.
 Times per rank: ``eager`` (CUDA events around the rank's calls, launches included: host time shows
 where a rank's pieces are many and small) and ``graph`` (the same calls replayed from a CUDA graph:
-the device time alone), forward and forward+backward, medians. Rank 0 of nothing: it runs on one
-process and writes ``placement.json`` to ``--out``, then prints a table.
+the device time alone), forward and forward+backward, medians. It runs in one process and writes
+``placement.json`` to ``--out`` after every rank timed (``complete`` false until the end), then
+prints a table.
 """
 from __future__ import annotations
 
@@ -168,14 +169,16 @@ def timed(fn: Callable, cuda: bool, graph: bool, rep: int) -> float:
     return graph_ms(fn, rep=rep) if graph else best_ms(fn, rep=rep)
 
 
-def bench_pack(name: str, lengths: tuple, opts, device) -> list:
-    """Rows of one pack: the whole pack on one GPU, then per ``P`` and placement the timed ranks."""
-    docs, cuda, rows = boundaries(lengths), device.type == "cuda", []
+def bench_pack(name: str, lengths: tuple, opts, device, rows: list, save: Callable[[], None]) -> None:
+    """Append to ``rows`` one pack's: the whole pack on one GPU, then per ``P`` and placement the
+    timed ranks; ``save()`` after each row (a run stopped early keeps what it measured)."""
+    docs, cuda = boundaries(lengths), device.type == "cuda"
     fwd, fwd_bwd = whole_pack(docs, opts, device)
     one = {"fwd": timed(fwd, cuda, False, opts.rep), "fwd+bwd": timed(fwd_bwd, cuda, False, opts.rep)}
     print(f"{name}: {len(lengths)} documents, {docs[-1]} tokens; one GPU fwd {one['fwd']:.2f} ms, "
           f"fwd+bwd {one['fwd+bwd']:.2f} ms", file=sys.stderr, flush=True)
     rows.append({"pack": name, "P": 1, "layout": "one GPU", "docs": len(lengths), "tokens": docs[-1], **one})
+    save()
     for p in opts.ranks:
         for layout in LAYOUTS:
             lens = shard_lengths(docs[-1], p, layout, docs)
@@ -192,12 +195,15 @@ def bench_pack(name: str, lengths: tuple, opts, device) -> list:
                 for mode, fn in (("fwd", work.forward), ("fwd+bwd", work.fwd_bwd)):
                     row[mode] = timed(fn, cuda, False, opts.rep)
                     if cuda:
-                        row[f"{mode}_graph"] = timed(fn, cuda, True, opts.rep)
+                        try:
+                            row[f"{mode}_graph"] = timed(fn, cuda, True, opts.rep)
+                        except RuntimeError as e:  # recorded: the summary then has no graph column
+                            row[f"{mode}_graph_error"] = f"{type(e).__name__}: {e}"[:300]
                 rows.append(row)
+                save()
                 print(f"  P={p} {layout} rank {r}: pairs/mean {row['pairs_vs_mean']:.3f}, {work.launches} launches, "
                       f"fwd {row['fwd']:.3f} ms, fwd+bwd {row['fwd+bwd']:.3f} ms", file=sys.stderr, flush=True)
                 del work
-    return rows
 
 
 def summary(rows: list) -> list:
@@ -242,16 +248,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     device = torch.device(opts.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     opts.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     packs = {"published": lambda: published_packs(opts.tokens, 1)[0], "uniform": lambda: uniform_pack(opts.tokens)}
-    rows = []
-    for name in opts.packs:
-        rows += bench_pack(name, packs[name](), opts, device)
-    lines = summary(rows)
     os.makedirs(opts.out, exist_ok=True)
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "shape": {"H": opts.heads, "Hkv": opts.kv_heads, "D": opts.dim, "dtype": str(opts.dtype)},
             "argv": list(sys.argv[1:] if argv is None else argv)}
-    with open(os.path.join(opts.out, "placement.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "summary": lines}, f, indent=1)
+    rows: list = []
+
+    def save(complete: bool = False) -> list:
+        lines = summary(rows)
+        with open(os.path.join(opts.out, "placement.json"), "w") as f:
+            json.dump({"meta": meta, "complete": complete, "rows": rows, "summary": lines}, f, indent=1)
+        return lines
+    for name in opts.packs:
+        bench_pack(name, packs[name](), opts, device, rows, save)
+    lines = save(complete=True)
     print(f"{'pack':<10} {'P':>5} {'layout':<9} {'max/mean':>8} {'launches':>8} "
           f"{'fwd eff':>8} {'f+b eff':>8} {'fwd dev':>8} {'f+b dev':>8}")
     for ln in lines:

@@ -80,6 +80,15 @@ class Memo(dict):
         return value
 
 
+def launch_bound(memo: Memo, geo: Hashable, make: Callable, args: tuple, live: tuple) -> None:
+    """Launch the bound launch that ``memo`` keeps under ``geo`` (``make(*args)`` on its first use,
+    a :class:`BoundLaunch`) with the live arguments ``live``: one dict hit per call."""
+    bound = memo.get(geo)
+    if bound is None:
+        bound = memo.put(geo, make(*args))
+    bound(*live)
+
+
 class Launcher:
     """``fn[grid](*args, **kwargs)`` through a cache of compiled kernels keyed by the caller.
 

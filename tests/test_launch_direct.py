@@ -332,3 +332,18 @@ def test_tritons_descriptor_encoding_is_reached_with_its_own_parameters():
     desc = TensorDescriptor.from_tensor(torch.zeros(32, 8), [4, 8])
     out = launch._descriptor_encoder()(desc, None)
     assert out[0] is desc.base and list(out[1:5]) == [32, 8, 8, 1]
+
+
+def test_bench_host_targets_and_table():
+    """``bench host``: a ratio target against the peer's host time, an absolute one in microseconds,
+    and the table shows the unbound column and the verdict."""
+    from splitsoftmax.tools.bench import host
+    row = {"case": "c", "peer": "p", "host_us": 30.0, "wall_us": 40.0, "unbound_host_us": 50.0,
+           "peer_host_us": 20.0, "peer_wall_us": 25.0}
+    assert host.target_met(row, ("x", 2.0)) is True
+    assert host.target_met(row, ("x", 1.4)) is False
+    assert host.target_met(row, ("us", 25.0)) is False
+    assert host.target_met({"host_us": 30.0}, ("x", 2.0)) is None and host.target_met(row, None) is None
+    row.update(target="<=2x", met=True)
+    line = host.table([row]).splitlines()[1].split()
+    assert line[1:8] == ["30.0", "40.0", "50.0", "20.0", "25.0", "<=2x", "yes"]

@@ -324,6 +324,8 @@ class BoundLaunch:
     def _bind_direct(self) -> None:
         device_fn, stream_fn = _cuda_current()
         kernel = self.launcher.fn.warmup(*self.args, grid=self.grid, **self.kwargs)
+        if kernel is None:  # (compiling in the background: the launcher's path until a later bind)
+            return
         run = kernel.run
         form = launcher_form(run)
         c = None if form is None else _c_entry(run.launch)

@@ -46,7 +46,7 @@ def _launch(monkeypatch, causal: bool, sq: int, views: bool, gluon: bool = True,
     monkeypatch.setattr(A, "sm_count", lambda t: 132)
     monkeypatch.setattr(A, "_FWD_LAUNCHES", launch.Memo())
     runs = [] if runs is None else runs
-    monkeypatch.setattr(A, "_run_gluon_fwd", lambda run, q, k, v, out, lse, masks: runs.append(run) or captured.append(
+    monkeypatch.setattr(A, "_run_gluon_fwd", lambda run, q, k, v, out, lse, masks, bound=None: runs.append(run) or captured.append(
         (A._gluon_fwd_launcher().fn, (descriptor(q, run.rows[0]), descriptor(k, run.rows[1]),
                                       descriptor(v, run.rows[1]), out, lse, torch.zeros(2, dtype=torch.int32),
                                       *masks, *run.scalars), run.kwargs)))

@@ -188,6 +188,13 @@ ATTN_SPLIT_TRIGGER = True
 # Check each launch that `ops._triton.launch.Launcher` takes from its cache against the kernel Triton's
 # own lookup picks (costs that lookup again; the GPU tests turn it on).
 LAUNCH_VERIFY = False
+# Launches bound to a geometry (`Launcher.bind`) go straight to the compiled kernel's C launcher with
+# integer pointers and cached TMA descriptors; False: every launch takes `Launcher.__call__`'s path
+# (the compiled kernel's Python launcher, which reads each tensor's pointer and encodes each
+# descriptor again). Host time per call: docs/benchmarks/host.md.
+LAUNCH_DIRECT = True
+# ... each bound TMA descriptor keeps the encodings of at most this many base pointers
+LAUNCH_DESCRIPTORS = 16
 
 # ---- softmax: Triton softmax / log-softmax / logsumexp, forward and backward ----
 from dataclasses import dataclass  # noqa: E402

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 from ...core import checks as _checks, keywords as variants
@@ -48,7 +49,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
     else:
         out, lse = _variant_attention(q, k, v, s, causal, cu_seqlens=cu_seqlens, window_size=window_size,
                                       softcap=softcap, sinks=sinks, kv_range=kv_range, q_offset=q_offset)
-    return (out, lse.float()) if return_lse else out
+    return (out, lse if lse.dtype == torch.float32 else lse.float()) if return_lse else out
 
 
 def _variant_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, **keywords):

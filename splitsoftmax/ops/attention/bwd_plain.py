@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import NamedTuple, Optional
+from typing import Hashable, NamedTuple, Optional
 
 import torch
 import triton
@@ -361,7 +361,7 @@ def _gluon_launcher(name: str) -> Launcher:
 
 def _gluon_operands(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, kwargs: dict) -> tuple:
     """The Gluon descriptors ``(q, dout, k, v)`` of a launch with tile ``kwargs``."""
-    from .gluon.bwd import descriptor
+    descriptor = _gluon_descriptor()
     bm, bn = kwargs["BLOCK_M"], kwargs["BLOCK_N"]
     return descriptor(q, bm), descriptor(dout, bm), descriptor(k, bn), descriptor(v, bn)
 
@@ -512,16 +512,17 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
            attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
            *(configs.ATTN_TILES.get((kind, 2, d)) for kind in ("bwd_kv_ws", "bwd_q_gluon", "bwd_q_ds")),
            sinks is not None)
-    plan = _LAUNCHES.get(geo)
-    if plan is None:
-        plan = _LAUNCHES.put(geo, _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask,
-                                        sinks is not None))
+    hit = _LAUNCHES.get(geo)
+    if hit is None:
+        plan = _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, sinks is not None)
+        hit = _LAUNCHES.put(geo, (plan, tuple({} for _ in plan)))
+    plan, bounds = hit
     kv = plan[0][1].kv
     sink = sink_buffers(sinks, q, _GLUON_PARTS if plan[0][1].gluon[0] else 1,
                         configs.cdiv(k.shape[2], kv[3]["BLOCK_N"]) * kv[3]["BLOCK_N"]) if kv else None
     ops = (q, k, v, dout, lse, delta, dq, dk, dv, *_sink_ops(sink, q))
     mts = _mask_tensors(mask, q, k, lse) if mts else None
-    _run_pieces(plan, ops, mask, mts)
+    _run_pieces(plan, ops, mask, mts, bounds)
     return sink_sums((dq, dk, dv), sink)
 
 
@@ -539,16 +540,19 @@ def _sink_ops(sink: Optional[tuple], q: Tensor) -> tuple:
     return sink[0].expand(q.shape[0], -1), sink[1]
 
 
-def _run_pieces(plan: tuple, ops: tuple, mask: Mask, mts: Optional[tuple]) -> None:
+def _run_pieces(plan: tuple, ops: tuple, mask: Mask, mts: Optional[tuple], bounds: Optional[tuple] = None) -> None:
     """Make the launches of each piece of ``plan`` on its views of ``ops`` (all of them for a piece
     None; after the gradients, the sinks' operands of :func:`_sink_ops` where there are sinks); a
     part of one kv head's query heads (:func:`_is_part`) writes its dK, dV into float32 buffers,
-    summed over the kv head's parts in order into its gradients after its last part."""
+    summed over the kv head's parts in order into its gradients after its last part. ``bounds``: per
+    piece, where :func:`_run` keeps its bound launches (None: the launchers' path)."""
     acc = None
-    for piece, run in plan:
+    for i, (piece, run) in enumerate(plan):
         views = _piece(ops, piece)
         pm = _mask_piece(mts, mask, piece)
         sink = {"sink": views[9:]} if views[9:] else {}
+        if bounds is not None:
+            sink["bound"] = bounds[i]
         if not _is_part(piece):
             _run(run, *views[:9], pm, **sink)
             continue
@@ -656,34 +660,81 @@ def _ds_descriptor(ds: Tensor, block: tuple) -> TensorDescriptor:
 
 
 def _run(run: _Launches, q, k, v, dout, lse, delta, dq, dk, dv, mts: Optional[tuple] = None,
-         sink: tuple = ()) -> None:
+         sink: tuple = (), bound: Optional[dict] = None) -> None:
     """Make the launches ``run`` (of :func:`_launches`) on these tensors (``mts``: the mask's, of
     :func:`_mask_tensors`; None: a plain mask's, ``lse`` standing in; ``sink``: the sinks' two
-    operands of :func:`_sink_ops` where ``run`` sums their gradient)."""
+    operands of :func:`_sink_ops` where ``run`` sums their gradient). ``bound``: where the launches
+    bound to this geometry are kept (:meth:`Launcher.bind`), by kernel and the sinks' alignment."""
     mts = mts or (lse,) * 4
     ds = torch.empty(run.ds[:2], dtype=q.dtype, device=q.device) if run.ds else None
     if run.kv is not None:
-        grid, key, scalars, kwargs = run.kv
-        if sink:  # (a piece's views of them start anywhere)
-            key = (key, *(t.data_ptr() % 16 == 0 for t in sink))
-        sk = sink_args(sink or None)
+        salign = tuple(t.data_ptr() % 16 == 0 for t in sink)  # (a piece's views of them start anywhere)
         if run.gluon[0]:
-            from .gluon.bwd import tile_descriptor
-            ops = _gluon_operands(q, k, v, dout, kwargs)
-            ds_desc = tile_descriptor(ds, run.ds[2:4]) if run.ds else ops[2]  # (unread without DS_OUT)
-            _gluon_launcher(run.gluon[0])(grid, key, (*ops, lse, delta, dk, dv, *mts, ds_desc, *scalars, *sk),
-                                          kwargs)
+            live = (q, dout, k, v, lse, delta, dk, dv, *mts, ds if run.ds else k, *sink)
         else:
-            qt, dt = (_descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])) if run.tma else (q, dout)
-            _KV(grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars, *sk), kwargs)
+            live = (q, k, v, dout, lse, delta, dk, dv, *sink)
+        _launch(bound, ("kv", salign), _kv_launch, (run, q, k, v, dout, lse, delta, dk, dv, mts, ds, sink, salign),
+                live)
     if run.q is not None:
-        grid, key, scalars, kwargs = run.q
         if run.ds:
-            _QDS(grid, key, (_ds_descriptor(ds, (run.ds[2], run.ds[4])), _descriptor(k, run.ds[2]), dq, *mts[:3],
-                             *scalars), kwargs)
+            live = (ds, k, dq, *mts[:3])
         elif run.gluon[1]:
-            _gluon_launcher(run.gluon[1])(grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dq,
-                                                      *mts[:3], *scalars), kwargs)
+            live = (q, dout, k, v, lse, delta, dq, *mts[:3])
         else:
-            kt, vt = (_descriptor(k, run.tma[1]), _descriptor(v, run.tma[1])) if run.tma else (k, v)
-            _Q(grid, key, (q, kt, vt, dout, lse, delta, dq, *scalars), kwargs)
+            live = (q, k, v, dout, lse, delta, dq)
+        _launch(bound, "q", _q_launch, (run, q, k, v, dout, lse, delta, dq, mts, ds), live)
+
+
+def _launch(bound: Optional[dict], name: Hashable, make, args: tuple, live: tuple) -> None:
+    """Launch ``make(*args)`` (``(launcher, grid, key, arguments, kwargs)``): through the bound launch
+    ``bound`` keeps under ``name`` (bound on its first use), or without ``bound`` the launcher's path."""
+    hit = None if bound is None else bound.get(name)
+    if hit is None:
+        launcher, grid, key, launch_args, kwargs = make(*args)
+        if bound is None:
+            launcher(grid, key, launch_args, kwargs)
+            return
+        hit = bound[name] = launcher.bind(grid, key, launch_args, kwargs)
+    hit(*live)
+
+
+def _kv_launch(run: _Launches, q, k, v, dout, lse, delta, dk, dv, mts: tuple, ds, sink: tuple, salign: tuple):
+    """The dK/dV launch of ``run`` on these tensors: ``(launcher, grid, key, arguments, kwargs)``."""
+    grid, key, scalars, kwargs = run.kv
+    if sink:
+        key = (key, *salign)
+    sk = sink_args(sink or None)
+    if run.gluon[0]:
+        ops = _gluon_operands(q, k, v, dout, kwargs)
+        ds_desc = _gluon_tile_descriptor()(ds, run.ds[2:4]) if run.ds else ops[2]  # (unread without DS_OUT)
+        return (_gluon_launcher(run.gluon[0]), grid, key, (*ops, lse, delta, dk, dv, *mts, ds_desc, *scalars, *sk),
+                kwargs)
+    qt, dt = (_descriptor(q, run.tma[0]), _descriptor(dout, run.tma[0])) if run.tma else (q, dout)
+    return _KV, grid, key, (qt, k, v, dt, lse, delta, dk, dv, *scalars, *sk), kwargs
+
+
+def _q_launch(run: _Launches, q, k, v, dout, lse, delta, dq, mts: tuple, ds):
+    """The dQ launch of ``run`` on these tensors: ``(launcher, grid, key, arguments, kwargs)``."""
+    grid, key, scalars, kwargs = run.q
+    if run.ds:
+        return (_QDS, grid, key, (_ds_descriptor(ds, (run.ds[2], run.ds[4])), _descriptor(k, run.ds[2]), dq,
+                                  *mts[:3], *scalars), kwargs)
+    if run.gluon[1]:
+        return (_gluon_launcher(run.gluon[1]), grid, key, (*_gluon_operands(q, k, v, dout, kwargs), lse, delta, dq,
+                                                           *mts[:3], *scalars), kwargs)
+    kt, vt = (_descriptor(k, run.tma[1]), _descriptor(v, run.tma[1])) if run.tma else (k, v)
+    return _Q, grid, key, (q, kt, vt, dout, lse, delta, dq, *scalars), kwargs
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_tile_descriptor():
+    """Gluon's 2-D tile descriptor maker (imported on first use: Gluon needs a CUDA build)."""
+    from .gluon.bwd import tile_descriptor
+    return tile_descriptor
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_descriptor():
+    """Gluon's ``(B, H, S, D)`` descriptor maker (imported on first use: Gluon needs a CUDA build)."""
+    from .gluon.bwd import descriptor
+    return descriptor

@@ -75,9 +75,28 @@ def visible_keys(sq: int, sk: int, causal: bool, diag: int) -> int:
     return max(0, min(sk, sq - 1 + diag + 1)) if causal else sk
 
 
+# plans of the plain mask by shapes, dtype, device and the settings they read: a repeated call is one
+# lookup (``configs.ATTN_TILES`` is read once per shape: an entry changed in place reaches new shapes)
+_PLANS: dict = {}
+
+
 def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int, mask: Mask = NO_MASK) -> Plan:
     """Tiles, packing and split for ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v``; the splits
     cover the keys some row may see (``attn_mask.key_range``)."""
+    if mask is not NO_MASK:
+        return _plan(q, k, v, causal, diag, mask)
+    key = (q.shape, k.shape, v.shape[-1], q.dtype, q.get_device(), causal, diag, configs.ATTN_SHORT_CAUSAL_SQ,
+           configs.ATTN_SPLIT_PROGRAMS_PER_SM, configs.ATTN_SPLIT_MIN_TILES, configs.ATTN_SHORT_SPLIT_TILES,
+           configs.ATTN_SHORT_SPLIT_STAGES, id(configs.ATTN_TILES), sm_count(q))
+    p = _PLANS.get(key)
+    if p is None:
+        if len(_PLANS) >= 1024:
+            _PLANS.clear()
+        p = _PLANS[key] = _plan(q, k, v, causal, diag, mask)
+    return p
+
+
+def _plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int, mask: Mask) -> Plan:
     b, h, sq, d = q.shape
     hkv, sk, dv = k.shape[1], k.shape[2], v.shape[-1]
     pack = sq <= ATTN_PACK_MAX_SQ

@@ -621,20 +621,49 @@ _TILE_COUNTERS: dict = {}
 def tile_counter(t: Tensor) -> Tensor:
     """The Gluon forward's tile counter for ``t``'s device and its current stream: two int32 zeros,
     which every launch leaves zero (launches on one stream run in turn; each stream has its own)."""
-    key = (t.device, torch.cuda.current_stream(t.device).cuda_stream)
+    index = t.get_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index))
     ctr = _TILE_COUNTERS.get(key)
     if ctr is None:
         ctr = _TILE_COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=t.device)
     return ctr
 
 
-def _run_gluon_fwd(run: _GluonFwdLaunch, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   mask_tensors: tuple) -> None:
-    """Launch ``run`` on these operands; ``mask_tensors``: the mask's ``(kvr, qoff, rows)``."""
-    from .gluon.bwd import descriptor
+def _gluon_fwd_args(run: _GluonFwdLaunch, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                    mask_tensors: tuple, counter: bool = True) -> tuple:
+    """The Gluon forward's arguments for ``run`` on these operands (``mask_tensors``: the mask's
+    ``(kvr, qoff, rows)``; the tile counter a stand-in of its dtype unless ``counter``)."""
+    descriptor = _gluon_descriptor()
     bm, bn = run.rows
-    _gluon_fwd_launcher()(run.grid, run.key, (descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), out, lse,
-                                              tile_counter(q), *mask_tensors, *run.scalars), run.kwargs)
+    ctr = tile_counter(q) if counter else torch.zeros(2, dtype=torch.int32)
+    return (descriptor(q, bm), descriptor(k, bn), descriptor(v, bn), out, lse, ctr, *mask_tensors, *run.scalars)
+
+
+@functools.lru_cache(maxsize=None)
+def _gluon_descriptor():
+    """The Gluon descriptor maker (imported on first use: Gluon needs a CUDA build)."""
+    from .gluon.bwd import descriptor
+    return descriptor
+
+
+def _run_gluon_fwd(run: _GluonFwdLaunch, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                   mask_tensors: tuple, bound=None) -> None:
+    """Launch ``run`` on these operands (``mask_tensors``: the mask's ``(kvr, qoff, rows)``), through
+    ``bound`` (its :func:`_bind`) where given."""
+    if bound is not None:
+        bound(q, k, v, out, lse, tile_counter(q), *mask_tensors)
+        return
+    _gluon_fwd_launcher()(run.grid, run.key, _gluon_fwd_args(run, q, k, v, out, lse, mask_tensors), run.kwargs)
+
+
+def _bind(run, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask_tensors: tuple):
+    """``run`` (a Triton or Gluon forward launch) bound to its geometry (:meth:`Launcher.bind`);
+    called with ``(q, k, v, out, lse, [tile counter,] kvr, qoff, rows)``."""
+    if isinstance(run, _GluonFwdLaunch):
+        return _gluon_fwd_launcher().bind(run.grid, run.key, _gluon_fwd_args(run, q, k, v, out, lse, mask_tensors,
+                                                                             counter=q.is_cuda), run.kwargs)
+    return _FWD.bind(run.grid, run.key, (*_operands((q, k, v, out), run.specs), lse, *run.scalars, *mask_tensors,
+                                         *run.tail), run.kwargs)
 
 
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
@@ -646,23 +675,28 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     into the state already in ``out``/``lse``. ``mask``: the variant's visibility (splitsoftmax.core.mask).
     """
     if mask is NO_MASK:  # its kernel arguments are ``lse`` as the absent tensors, and constants
-        kvr = qoff = rows = lse
         geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
                configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES,
                configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_MIN_SQ,
                configs.ATTN_FWD_GLUON_PERSISTENT, configs.ATTN_FWD_GLUON_ACC,
                configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])))
-        run = _FWD_LAUNCHES.get(geo)
-        if run is None:
+        hit = _FWD_LAUNCHES.get(geo)
+        if hit is None:
             km = _kernel_mask(mask, q, scale, lse)
             tile = _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
-            run = _FWD_LAUNCHES.put(geo, _launch_of(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km,
-                                                    tile))
-    else:
-        km = _kernel_mask(mask, q, scale, lse)
-        kvr, qoff, rows = km.kvr, km.qoff, km.rows
-        tile = configs.ATTN_FWD_GLUON_VARIANTS and _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
-        run = _launch_of(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km, tile)
+            run = _launch_of(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km, tile)
+            hit = _FWD_LAUNCHES.put(geo, (_bind(run, q, k, v, out, lse, (lse, lse, lse)),
+                                          run if isinstance(run, _GluonFwdLaunch) else None))
+        bound, gluon = hit
+        if gluon is None:
+            bound(q, k, v, out, lse, lse, lse, lse)
+        else:
+            _run_gluon_fwd(gluon, q, k, v, out, lse, (lse, lse, lse), bound)
+        return
+    km = _kernel_mask(mask, q, scale, lse)
+    kvr, qoff, rows = km.kvr, km.qoff, km.rows
+    tile = configs.ATTN_FWD_GLUON_VARIANTS and _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
+    run = _launch_of(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km, tile)
     if isinstance(run, _GluonFwdLaunch):
         _run_gluon_fwd(run, q, k, v, out, lse, (kvr, qoff, rows))
         return

@@ -86,7 +86,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     fn = masked_op("attn_bwd", q, mask)
     if sinks is None:
         return (*_bwd_outs(fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype), q, k, v),
-                q.new_empty((0,)))
+                _no_sinks_grad(q))
     if use_triton(q):
         dq, dk, dv, weighted = fn(q, k, v, dout, lse, delta, scale, causal, diag, out_dtype=q.dtype, sinks=sinks)
         return (*_bwd_outs((dq, dk, dv), q, k, v), state.sink_grad(lse, _minus(dlse), sinks, weighted))
@@ -94,6 +94,19 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     dq, dk, dv = fn(q, k, v, dout, lse, delta, scale, causal, diag, rowsum=sums)
     lse, delta = _exact_row_stats(lse, sums, sinks, dlse)
     return (*_bwd_outs((dq, dk, dv), q, k, v), state.sink_grad(lse, delta, sinks))
+
+
+_NO_SINKS_GRADS: dict = {}
+
+
+def _no_sinks_grad(q: Tensor) -> Tensor:
+    """The ``dsinks`` of a backward without sinks: an empty ``(0,)`` tensor like ``q``, one per device
+    and dtype (it holds no data: made once, not on every backward)."""
+    key = (q.dtype, q.device)
+    t = _NO_SINKS_GRADS.get(key)
+    if t is None:
+        t = _NO_SINKS_GRADS[key] = q.new_empty((0,))
+    return t
 
 
 def _minus(dlse: Optional[Tensor]) -> Optional[Tensor]:
@@ -186,10 +199,13 @@ def setup_attention(ctx, inputs, output) -> None:
     saves tensors and scalars."""
     q, k, v, scale, causal, diag, lo, softcap, kv_range, q_offset, rows, sinks = _attn_inputs(inputs)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_range, q_offset, rows, sinks)
+    extra = (kv_range, q_offset, rows, sinks)
+    ctx.extra = None if all(t is None for t in extra) else tuple(t is not None for t in extra)  # (no None saved)
+    ctx.save_for_backward(q, k, v, out, lse, *(t for t in extra if t is not None))
     ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros made and read
     ctx.args = (scale, causal, diag, lo, softcap)
     ctx.sinks_grad = sinks is not None and sinks.requires_grad  # (not needs_input_grad: call() shifts it)
+
 
 
 def _attn_inputs(inputs) -> tuple:
@@ -200,7 +216,13 @@ def _attn_inputs(inputs) -> tuple:
 def attention_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
     """``(dq, dk, dv)``, no gradient for the scalars and the mask, and the sinks' gradient
     ``-sum_rows p_sink * delta`` (``attn_bwd``, :func:`splitsoftmax.core.state.sink_grad`)."""
-    q, k, v, out, lse, kv_range, q_offset, rows, sinks = ctx.saved_tensors
+    saved = ctx.saved_tensors
+    q, k, v, out, lse = saved[:5]
+    if ctx.extra is None:
+        kv_range = q_offset = rows = sinks = None
+    else:
+        rest = iter(saved[5:])
+        kv_range, q_offset, rows, sinks = (next(rest) if present else None for present in ctx.extra)
     scale, causal, diag, lo, softcap = ctx.args
     sinks = sinks if ctx.sinks_grad else None
     dq, dk, dv, dsinks = attention_grads(q, k, v, out, lse, dout, dlse, scale, causal, diag, lo, softcap, kv_range,

@@ -16,7 +16,7 @@ from torch import Tensor
 from .._triton import _interpreter  # noqa: F401  (interpreter work-arounds, before any kernel)
 from .._triton import configs
 from .._triton.configs import ATTN_PREP_TILE_ELEMS
-from .._triton.launch import Launcher, Memo, auto_key, geometry
+from .._triton.launch import Launcher, Memo, auto_key, geometry, launch_bound
 
 
 @triton.jit(do_not_specialize=["S", "s_lb", "s_lh", "s_gb", "s_gh"])
@@ -47,19 +47,19 @@ def _attn_bwd_prep_kernel(O, DO, LSE, DLSE, LSE_OUT, DELTA, s_ob, s_oh, s_os, s_
 
 
 _PREP = Launcher(_attn_bwd_prep_kernel)
-# launches by geometry: ``(grid, key, scalars, kwargs)``
+# bound launches by geometry
 _LAUNCHES = Memo()
 
 
-def _launch(out: Tensor, dout: Tensor, lse: Tensor, dl: Tensor, lse_out: Tensor, delta: Tensor,
-            has_dlse: bool) -> tuple:
-    """The prep launch for these operands, all but its tensors."""
+def _bind(out: Tensor, dout: Tensor, lse: Tensor, dl: Tensor, lse_out: Tensor, delta: Tensor, has_dlse: bool):
+    """The prep launch for these operands, bound (:meth:`Launcher.bind`)."""
     b, h, s, dv = out.shape
     block_dv = configs.next_pow2(max(dv, 1))
     block_r = max(1, min(configs.next_pow2(s), ATTN_PREP_TILE_ELEMS // block_dv))
     scalars = (*out.stride()[:3], *dout.stride()[:3], *lse.stride(), *dl.stride(), h, s)
-    return ((configs.cdiv(s, block_r), b * h), auto_key((out, dout, lse, dl, lse_out, delta, *scalars)), scalars,
-            dict(DV=dv, HAS_DLSE=has_dlse, BLOCK_R=block_r, BLOCK_DV=block_dv))
+    args = (out, dout, lse, dl, lse_out, delta, *scalars)
+    return _PREP.bind((configs.cdiv(s, block_r), b * h), auto_key(args), args,
+                      dict(DV=dv, HAS_DLSE=has_dlse, BLOCK_R=block_r, BLOCK_DV=block_dv))
 
 
 def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]) -> tuple[Tensor, Tensor]:
@@ -73,12 +73,10 @@ def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]
     lse_out = torch.empty((b, h, s), dtype=torch.float32, device=out.device)
     delta = torch.empty_like(lse_out)
     if lse_out.numel():
-        lse1 = lse.float()
-        dl = lse1 if dlse is None else dlse.float()
+        lse1 = lse if lse.dtype == torch.float32 else lse.float()
+        dl = lse1 if dlse is None else dlse if dlse.dtype == torch.float32 else dlse.float()
+        # (lse_out, delta: fresh, 16-byte aligned, contiguous)
         geo = (geometry(out, dout, lse1, dl), dlse is not None)
-        run = _LAUNCHES.get(geo)
-        if run is None:
-            run = _LAUNCHES.put(geo, _launch(out, dout, lse1, dl, lse_out, delta, dlse is not None))
-        grid, key, scalars, kwargs = run
-        _PREP(grid, key, (out, dout, lse1, dl, lse_out, delta, *scalars), kwargs)
+        live = (out, dout, lse1, dl, lse_out, delta)
+        launch_bound(_LAUNCHES, geo, _bind, (*live, dlse is not None), live)
     return lse_out, delta

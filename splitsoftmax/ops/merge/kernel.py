@@ -108,8 +108,8 @@ def _merge_parts_kernel(OUTS, LSES, OUT, LSE, N, R, DV,
 
 _MERGE_ROWS, _MERGE_PARTS = Launcher(_merge_fwd_kernel), Launcher(_merge_parts_kernel)
 _KERNELS = {"rows": _MERGE_ROWS, "parts": _MERGE_PARTS}
-# (N, R, Dv, strides, dtypes, device, configs) -> (launcher, grid, kwargs): what a merge of that
-# geometry launches, worked out once (cleared when full, like the launch cache)
+# (N, R, Dv, strides, dtypes, device, configs, 16-byte alignments) -> the bound launch of a merge of that
+# geometry, worked out once (cleared when full, like the launch cache)
 _PLANS: dict = {}
 _MAX_PLANS = 1024
 _PLAN_IDS = itertools.count()  # a plan's number: the launch cache's key for its geometry and dtypes
@@ -145,28 +145,28 @@ def _configs() -> tuple:
             configs.MERGE_PARTS_MIN_BLOCK, configs.MERGE_PDL)
 
 
-def _new_plan(key: tuple, outs: Tensor) -> tuple:
-    """Work out and keep the launch of the merge ``key`` (see :data:`_PLANS`)."""
-    n, r, dv = key[:3]
+def _new_plan(key: tuple, outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor):
+    """Work out, bind and keep the launch of the merge ``key`` (see :data:`_PLANS`)."""
+    n, r, dv, strides = key[:4]
     kind, grid, kwargs = merge_plan(n, r, dv, sm_count(outs), configs.MERGE_PDL and hopper(outs))
     if len(_PLANS) >= _MAX_PLANS:
         _PLANS.clear()
-    plan = _PLANS[key] = (_KERNELS[kind], grid, kwargs, next(_PLAN_IDS))
-    return plan
+    # the launch cache's key: the plan's number (its integers by value, its dtypes) and the tensors'
+    # 16-byte alignment
+    bound = _PLANS[key] = _KERNELS[kind].bind(grid, (next(_PLAN_IDS), *key[-4:]),
+                                              (outs, lses, out, lse, n, r, dv, *strides), kwargs)
+    return bound
 
 
 def _launch(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, n: int, r: int, dv: int, strides: tuple) -> None:
     """The merge of ``n`` parts of ``r`` rows of ``dv`` columns; ``strides``: the kernels' eight (parts,
     rows and columns of ``outs``; parts and rows of ``lses``; rows and columns of ``out``; rows of ``lse``)."""
-    key = (n, r, dv, strides, outs.dtype, lses.dtype, out.dtype, lse.dtype, outs.device, _configs())
-    plan = _PLANS.get(key)
-    if plan is None:
-        plan = _new_plan(key, outs)
-    launcher, grid, kwargs, number = plan
-    # the launch cache's key: the plan's number (its integers by value, its dtypes) and the tensors'
-    # 16-byte alignment
-    launcher(grid, (number, outs.data_ptr() % 16 == 0, lses.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
-                    lse.data_ptr() % 16 == 0), (outs, lses, out, lse, n, r, dv, *strides), kwargs)
+    key = (n, r, dv, strides, outs.dtype, lses.dtype, out.dtype, lse.dtype, outs.get_device(), _configs(),
+           outs.data_ptr() % 16 == 0, lses.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0)
+    bound = _PLANS.get(key)
+    if bound is None:
+        bound = _new_plan(key, outs, lses, out, lse)
+    bound(outs, lses, out, lse)
 
 
 def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, rows: Optional[tuple] = None) -> None:

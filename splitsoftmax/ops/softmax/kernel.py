@@ -529,11 +529,12 @@ def normalize(x: Tensor, lse: Tensor, log: bool) -> Tensor:
     return _normalize(x, lse.contiguous(), None, log)
 
 
-def _fwd_launch(x: Tensor, log: bool) -> tuple:
-    """``(plan, grid, kwargs)`` of :func:`softmax_fwd` over ``x (R, N)`` (the kwargs of whole rows)."""
+def _fwd_launch(x: Tensor, log: bool) -> list:
+    """``[plan, grid, kwargs, bound launch]`` of :func:`softmax_fwd` over ``x (R, N)`` (the kwargs of
+    whole rows; the launch bound at its first use)."""
     p = _plan(x)
-    return p, _grid(x, p), dict(LOG=log, BLOCK_R=p.block_r, BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass",
-                                STAGES=p.stages, num_warps=p.num_warps)
+    return [p, _grid(x, p), dict(LOG=log, BLOCK_R=p.block_r, BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass",
+                                 STAGES=p.stages, num_warps=p.num_warps), None]
 
 
 def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
@@ -542,7 +543,9 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     R, N = x.shape
     if R == 0 or N == 0:
         return torch.empty((R, N), dtype=x.dtype, device=x.device), lse_rows(x)
-    p, grid, kwargs = _memo(("fwd", R, N, x.dtype, x.get_device(), log), _fwd_launch, x, log)
+    sx = x.stride(0)
+    run = _memo(("fwd", R, N, x.dtype, x.get_device(), log, sx, x.data_ptr() % 16 == 0), _fwd_launch, x, log)
+    p = run[0]
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if p.path == "split":
         return _normalize(x, lse, None, log, _partials(x, p)), lse
@@ -550,9 +553,11 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     if p.path == "coop":
         _coop(x, y, lse, log, p)
         return y, lse
-    sx = x.stride(0)
-    key = (x.dtype, x.data_ptr() % 16 == 0, y.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, R < _INT32, N, sx)
-    _L_softmax_fwd(grid, key, (x, y, lse, R, N, sx, N), kwargs)
+    bound = run[3]
+    if bound is None:  # (fresh outputs: 16-byte aligned)
+        key = (x.dtype, x.data_ptr() % 16 == 0, True, True, R < _INT32, N, sx)
+        bound = run[3] = _L_softmax_fwd.bind(run[1], key, (x, y, lse, R, N, sx, N), run[2])
+    bound(x, y, lse)
     return y, lse
 
 
@@ -589,15 +594,16 @@ def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:
     return out[:, 0] if p.splits == 1 else out.sum(1)
 
 
-def _bwd_launch(y: Tensor, log: bool, local_sum: bool) -> tuple:
-    """``(plan, fused, grid, kwargs)`` of :func:`softmax_bwd`: ``fused`` where the tile holds whole
-    rows and the row sum is the local one."""
+def _bwd_launch(y: Tensor, log: bool, local_sum: bool) -> list:
+    """``[plan, fused, grid, kwargs, bound launches]`` of :func:`softmax_bwd`: ``fused`` where the
+    tile holds whole rows and the row sum is the local one; the launches bound at their first use,
+    by the 16-byte alignment of ``lse`` and the row sums."""
     p = _plan(y)
     fused = local_sum and p.path == "one_pass"
     if not fused:
         p = _plan(y, stats_only=True)
-    return p, fused, _grid(y, p), dict(LOG=log, FUSED_SUM=fused, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
-                                       num_warps=p.num_warps)
+    return [p, fused, _grid(y, p), dict(LOG=log, FUSED_SUM=fused, BLOCK_R=p.block_r, BLOCK_N=p.block_n,
+                                        num_warps=p.num_warps), {}]
 
 
 def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool, rowsum: Optional[Tensor] = None) -> Tensor:
@@ -608,18 +614,22 @@ def softmax_bwd(y: Tensor, dy: Tensor, lse: Tensor, log: bool, rowsum: Optional[
     dx = torch.empty((R, N), dtype=y.dtype, device=y.device)
     if R == 0 or N == 0:
         return dx
-    p, fused, grid, kwargs = _memo(("bwd", R, N, y.dtype, y.get_device(), log, rowsum is None), _bwd_launch, y, log,
-                                   rowsum is None)
+    sy, sd = y.stride(0), dy.stride(0)
+    p, fused, grid, kwargs, bound = _memo(("bwd", R, N, y.dtype, dy.dtype, y.get_device(), log, rowsum is None, sy,
+                                           sd, y.data_ptr() % 16 == 0, dy.data_ptr() % 16 == 0), _bwd_launch, y, log,
+                                          rowsum is None)
     lse = lse.contiguous()
     if fused:
         rs = lse
     else:
         rs = (softmax_rowsum(y, dy, log) if rowsum is None else rowsum).contiguous()
-    sy, sd = y.stride(0), dy.stride(0)
-    key = (y.dtype, dy.dtype, lse.dtype, rs.dtype, y.data_ptr() % 16 == 0, dy.data_ptr() % 16 == 0,
-           dx.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0, rs.data_ptr() % 16 == 0, R < _INT32, N, sy, sd,
-           p.chunk < _INT32)
-    _L_softmax_bwd(grid, key, (y, dy, dx, lse, rs, R, N, sy, sd, N, p.chunk), kwargs)
+    geo = (lse.dtype, rs.dtype, lse.data_ptr() % 16 == 0, rs.data_ptr() % 16 == 0)
+    run = bound.get(geo)
+    if run is None:  # (dx: fresh, 16-byte aligned)
+        key = (y.dtype, dy.dtype, *geo[:2], y.data_ptr() % 16 == 0, dy.data_ptr() % 16 == 0, True, *geo[2:],
+               R < _INT32, N, sy, sd, p.chunk < _INT32)
+        run = bound[geo] = _L_softmax_bwd.bind(grid, key, (y, dy, dx, lse, rs, R, N, sy, sd, N, p.chunk), kwargs)
+    run(y, dy, dx, lse, rs)
     return dx
 
 

@@ -2,7 +2,10 @@
 
 Host time is the wall time of ``CALLS`` back-to-back calls with no synchronisation between them,
 divided by ``CALLS`` (the device is synchronised before the first); wall time adds the final
-synchronisation. A row is host-bound where host time is close to wall time. With ``--profile``
+synchronisation. A row is host-bound where host time is close to wall time. Each splitsoftmax row
+is timed twice in the same run, bound launches on and off (``configs.LAUNCH_DIRECT``), beside its
+peer; its target (softmax within 1.5x torch's host time, attention within 2x cuDNN's, decode within
+2x SDPA's, the merge within 25 us) is marked met or not. With ``--profile``
 each splitsoftmax row is also profiled with cProfile (the top functions by cumulative time go to
 the JSON). ``--compiles`` records, for causal attention forward+backward at a few new lengths,
 how many Triton kernels each first call compiled and its time.
@@ -92,18 +95,43 @@ def _cross_entropy_case():
         (lambda: F.cross_entropy(logits, target).backward())
 
 
+# (case, peer, make, target): the target a host time per call, ("x", r): within r times the peer's,
+# or ("us", t): within t microseconds; None: none set
 CASES = [
-    ("attention causal B=1 H=8 S=512 fwd", "SDPA cuDNN", lambda: _attention_case(1, 8, 512, False)),
-    ("attention causal B=1 H=8 S=512 fwd+bwd", "SDPA cuDNN", lambda: _attention_case(1, 8, 512, True)),
-    ("attention causal B=1 H=16 S=1024 fwd", "SDPA cuDNN", lambda: _attention_case(1, 16, 1024, False)),
-    ("attention causal B=1 H=16 S=1024 fwd+bwd", "SDPA cuDNN", lambda: _attention_case(1, 16, 1024, True)),
-    ("attention causal B=2 H=32 S=2048 fwd", "SDPA cuDNN", lambda: _attention_case(2, 32, 2048, False)),
-    ("attention causal B=2 H=32 S=2048 fwd+bwd", "SDPA cuDNN", lambda: _attention_case(2, 32, 2048, True)),
-    ("decode B=8 H=32/8 Sq=1 Sk=4096", "SDPA", _decode_case),
-    ("softmax 8x4096 fp32", "torch.softmax", _softmax_case),
-    ("merge_states 4 x (8,32,1,128)", "", _merge_case),
-    ("cross_entropy 4096x32000 bf16 fwd+bwd", "F.cross_entropy", _cross_entropy_case),
+    ("attention causal B=1 H=8 S=512 fwd", "SDPA cuDNN", lambda: _attention_case(1, 8, 512, False), ("x", 2.0)),
+    ("attention causal B=1 H=8 S=512 fwd+bwd", "SDPA cuDNN", lambda: _attention_case(1, 8, 512, True), ("x", 2.0)),
+    ("attention causal B=1 H=16 S=1024 fwd", "SDPA cuDNN", lambda: _attention_case(1, 16, 1024, False), ("x", 2.0)),
+    ("attention causal B=1 H=16 S=1024 fwd+bwd", "SDPA cuDNN", lambda: _attention_case(1, 16, 1024, True),
+     ("x", 2.0)),
+    ("attention causal B=2 H=32 S=2048 fwd", "SDPA cuDNN", lambda: _attention_case(2, 32, 2048, False), ("x", 2.0)),
+    ("attention causal B=2 H=32 S=2048 fwd+bwd", "SDPA cuDNN", lambda: _attention_case(2, 32, 2048, True),
+     ("x", 2.0)),
+    ("decode B=8 H=32/8 Sq=1 Sk=4096", "SDPA", _decode_case, ("x", 2.0)),
+    ("softmax 8x4096 fp32", "torch.softmax", _softmax_case, ("x", 1.5)),
+    ("merge_states 4 x (8,32,1,128)", "", _merge_case, ("us", 25.0)),
+    ("cross_entropy 4096x32000 bf16 fwd+bwd", "F.cross_entropy", _cross_entropy_case, None),
 ]
+
+
+def target_met(row: dict, target) -> "bool | None":
+    """Whether ``row``'s host time (bound launches on) meets ``target`` (None: no target, or no peer)."""
+    if target is None:
+        return None
+    kind, value = target
+    if kind == "us":
+        return row["host_us"] <= value
+    return row["host_us"] <= value * row["peer_host_us"] if "peer_host_us" in row else None
+
+
+def _timed(fn, direct: bool) -> tuple[float, float]:
+    """:func:`per_call_us` of ``fn`` with ``configs.LAUNCH_DIRECT`` set to ``direct`` (restored after)."""
+    from ...ops._triton import configs
+    was = configs.LAUNCH_DIRECT
+    configs.LAUNCH_DIRECT = direct
+    try:
+        return per_call_us(fn)
+    finally:
+        configs.LAUNCH_DIRECT = was
 
 
 def _profile(fn, calls: int = 100) -> str:
@@ -121,12 +149,15 @@ def _profile(fn, calls: int = 100) -> str:
 
 def run_rows(profile: bool) -> list:
     rows = []
-    for name, peer_name, make in CASES:
+    for name, peer_name, make, target in CASES:
         mine, peer = make()
-        host, wall = per_call_us(mine)
+        host, wall = _timed(mine, True)
         row = {"case": name, "peer": peer_name, "host_us": host, "wall_us": wall}
+        row["unbound_host_us"], row["unbound_wall_us"] = _timed(mine, False)
         if peer is not None:
             row["peer_host_us"], row["peer_wall_us"] = per_call_us(peer)
+        row["target"] = None if target is None else f"<={target[1]:g}{target[0]}"
+        row["met"] = target_met(row, target)
         if profile:
             row["profile"] = _profile(mine)
         rows.append(row)
@@ -153,10 +184,15 @@ def run_compiles(lengths=(1001, 1024, 1100, 2049, 3000)) -> list:
 
 
 def table(rows: list) -> str:
-    lines = [f"{'case':42s} {'ss host':>8s} {'ss wall':>8s} {'peer host':>9s} {'peer wall':>9s}  peer"]
+    """Host and wall microseconds per call: splitsoftmax bound (``LAUNCH_DIRECT``), unbound, the peer;
+    the target and whether it is met."""
+    lines = [f"{'case':42s} {'ss host':>8s} {'ss wall':>8s} {'unbound':>8s} {'peer host':>9s} {'peer wall':>9s} "
+             f"{'target':>9s} {'met':>4s}  peer"]
     for r in rows:
         peer = (f"{r['peer_host_us']:9.1f} {r['peer_wall_us']:9.1f}" if "peer_host_us" in r else " " * 19)
-        lines.append(f"{r['case']:42s} {r['host_us']:8.1f} {r['wall_us']:8.1f} {peer}  {r['peer']}")
+        met = {True: "yes", False: "NO", None: "-"}[r.get("met")]
+        lines.append(f"{r['case']:42s} {r['host_us']:8.1f} {r['wall_us']:8.1f} {r.get('unbound_host_us', 0):8.1f} "
+                     f"{peer} {r.get('target') or '-':>9s} {met:>4s}  {r['peer']}")
     return "\n".join(lines)
 
 

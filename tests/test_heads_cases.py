@@ -295,3 +295,35 @@ def test_context_parallel_heads(p):
         check_training(group, 16, "zigzag", "heads")
         check_training(group, 13, "contiguous", "heads")
     LoopbackWorld(p).run(case)
+
+
+@pytest.mark.parametrize("seq", [1, 2, 3])
+def test_heads_degree_one_is_the_sequence_schedule(seq):
+    """Where the heads degree is 1 (``"heads"`` on one rank, a 2-D mesh ``seq x 1``) no all-to-all
+    runs: the call is the sequence schedule's (the ring's on one rank), bit for bit, forward and
+    backward, with documents and sinks."""
+    h, hkv, s = 4, 2, 24
+    q, k, v, dout, _ = _inputs(5, s, h, hkv, torch.bfloat16)
+    docs = [0, 5, 5, 17, s]
+    sinks = sinks_of(h)
+    results = {}
+
+    def run(c, schedule, group):
+        mine = [shard(t, 2, group=c, layout="zigzag", cu_seqlens=docs).clone().requires_grad_() for t in (q, k, v)]
+        sk = sinks.clone().requires_grad_()
+        out = sharded_attention(*mine, causal=True, group=group, schedule=schedule, layout="zigzag",
+                                cu_seqlens=docs, sinks=sk)
+        out.backward(shard(dout, 2, group=c, layout="zigzag", cu_seqlens=docs))
+        results.setdefault(schedule, {})[c.rank] = [out, *(t.grad for t in mine), sk.grad]
+
+    cases = [("ring", lambda c: c), ("allgather", lambda c: c)] + ([("heads", lambda c: c)] if seq == 1 else []) + \
+        [(f"heads+{inner}", lambda c: c.mesh(seq, 1)) for inner in ("ring", "allgather")]
+    for schedule, group in cases:
+        world = LoopbackWorld(seq)
+        world.run(lambda c, sc=schedule, g=group: run(c, sc, g(c)))
+        assert not any(world.sends.get(TAGS[t]) for t in ("qkv", "out", "dout", "grads")), (schedule, world.sends)
+    for schedule, got in results.items():
+        want = results["allgather" if schedule.endswith("allgather") else "ring"]
+        for r in range(seq):
+            for a, b in zip(got[r], want[r]):
+                assert torch.equal(a, b), (schedule, r)

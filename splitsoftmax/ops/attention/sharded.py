@@ -109,6 +109,10 @@ def sharded_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
         _complete(finish)
         raise
     lens = finish()
+    if schedule == "heads" and comm.size == 1:  # every head is this rank's: the ring's one-rank path
+        schedule = "ring"
+    elif schedule in MESH_SCHEDULES and comm.shape[1] == 1:  # heads degree 1: the sequence schedule
+        comm, schedule = comm.seq, schedule.split("+")[1]
     if schedule == "heads":
         out, lse = heads_attention(comm, q, k, v, s, causal, layout, kw, lens)
     elif schedule in MESH_SCHEDULES:

@@ -46,7 +46,9 @@ over that one kv head, and ``dout`` comes in one piece (its dK/dV would be summe
 another order than the kernel's). Exchanges started one after another are matched in that order
 on every transport (NCCL and MPI collectives in issue order, Gloo's and the loopback's per-tag
 order); an error while pieces are in flight gives them up as a timeout does (their buffers kept).
-A call sends k and v in one message per pair, q and ``dout`` in one per chunk.
+A call sends k and v in one message per pair, q and ``dout`` in one per chunk. Where the heads
+degree is 1 (one rank; a ``seq x 1`` mesh) ``sharded_attention`` runs the sequence schedule instead
+(the ring's one-rank path on one rank): nothing to exchange, and no copy into heads order.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from splitsoftmax.ops._triton import configs, launch  # noqa: E402
 from splitsoftmax.core.mask import Mask  # noqa: E402
 
 SM90_SMEM = 227 * 1024
-TY = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
 
 
 def _signature(fn, args, kwargs):
@@ -63,7 +63,7 @@ def _signature(fn, args, kwargs):
 
 
 def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False, causal: bool = True,
-              ds: bool = True, sinks: bool = False):
+              ds: bool = True, sinks: bool = False, dtype: torch.dtype = torch.bfloat16):
     from splitsoftmax.ops.attention import bwd_plain as ABP
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
@@ -76,10 +76,10 @@ def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: b
     monkeypatch.setattr(configs, "ATTN_BWD_ATOMIC", atomic)
     monkeypatch.setattr(configs, "ATTN_BWD_TMA", tma)
     monkeypatch.setattr(configs, "ATTN_BWD_DS", ds)
-    q, dout = (torch.randn(1, 16, 512, 128).to(torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(1, 4, 512, 128).to(torch.bfloat16) for _ in range(2))
+    q, dout = (torch.randn(1, 16, 512, 128).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, 4, 512, 128).to(dtype) for _ in range(2))
     lse, delta = torch.randn(1, 16, 512), torch.randn(1, 16, 512)
-    AB.attn_bwd(q, k, v, dout, lse, delta, 0.1, causal, 0, mask, out_dtype=torch.bfloat16,
+    AB.attn_bwd(q, k, v, dout, lse, delta, 0.1, causal, 0, mask, out_dtype=dtype,
                 sinks=torch.randn(16) if sinks else None)
     return captured
 

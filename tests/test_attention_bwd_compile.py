@@ -172,6 +172,62 @@ def _check_compiled(launches, atomic, mask, tma, gluon, ds, kv_spills):
             assert kwargs["maxnreg"] * 4 * 128 <= 64 * 1024  # (three warpgroups and the producer's, padded)
 
 
+# The fused backward's launch (configs.ATTN_BWD_FUSED) by (visibility, mask): ptxas's spill stores on
+# sm_90 as Triton 3.9 compiles it, at 240 registers per MMA warpgroup and 24 for the producer warp. Those
+# at 0 are in configs.ATTN_BWD_FUSED_MASKS; the causal one spills in the loop of its masked tiles (the
+# guards' and the mask's values beside the tile) and takes the pair.
+FUSED_SPILLS = {("full", "plain"): 0, ("causal", "plain"): 56}
+FUSED_MASKS = {"plain": Mask()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("vis,mask", list(FUSED_SPILLS), ids=[f"{v}-{m}" for v, m in FUSED_SPILLS])
+def test_fused_backward_compiles_for_sm90(vis, mask, dtype, monkeypatch):
+    """With ``configs.ATTN_BWD_FUSED`` (and the visibility and mask allowed) a Hopper backward of 2-byte
+    inputs at D=128 (GQA 16/4) is one launch of the fused kernel, which compiles for sm_90 within an
+    SM's shared memory, its products not serialized, its registers moved to 240 per MMA warpgroup and
+    24 for the producer (``setmaxnreg``) out of ``maxnreg`` 168, spilling no more than
+    :data:`FUSED_SPILLS` (0 where dispatched); without the allowance the pair runs."""
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED", True)
+    causal = vis == "causal"
+    allowed = FUSED_SPILLS[(vis, mask)] == 0
+    assert (vis in configs.ATTN_BWD_FUSED_MASKS) == allowed
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED_MASKS", frozenset({vis}))
+    launches = _launches(monkeypatch, False, FUSED_MASKS[mask], True, True, causal, dtype=dtype)
+    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_attn_bwd_fused"]
+    fn, args, kwargs = launches[0]
+    sig, consts, attrs = _signature(fn, args, kwargs)
+    opts = {k: kwargs[k] for k in ("num_warps", "maxnreg")}
+    kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=opts)
+    assert kernel.metadata.shared <= SM90_SMEM, kernel.metadata.shared
+    ptx = kernel.asm["ptx"]
+    report = ptxas_report(ptx)
+    assert "wgmma.mma_async instructions are serialized" not in report, report
+    assert spill_stores(report) <= FUSED_SPILLS[(vis, mask)], report
+    regs = {int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    assert kwargs["maxnreg"] == 168 and ".maxnreg 168" in ptx and 240 in regs, regs
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED_MASKS", frozenset())
+    assert [fn.fn.__name__ for fn, _, _ in _launches(monkeypatch, False, FUSED_MASKS[mask], True, True, causal,
+                                                     dtype=dtype)] != ["_attn_bwd_fused"]
+
+
+def test_fused_backward_keeps_the_pair_when_deterministic(monkeypatch):
+    """Under ``torch.use_deterministic_algorithms(True)`` the fused backward, though on, is not taken:
+    the atomic-free Gluon pair runs (bitwise reproducible)."""
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED", True)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        launches = _launches(monkeypatch, False, Mask(), True, True, False)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_attn_bwd_kv_ws", "_attn_bwd_q_ds_kernel"]
+    assert [fn.fn.__name__ for fn, _, _ in _launches(monkeypatch, False, Mask(), True, True, False)] == [
+        "_attn_bwd_fused"]
+
+
 def test_deterministic_algorithms_keep_the_gluon_pair(monkeypatch):
     """Under ``torch.use_deterministic_algorithms(True)`` a Hopper launch that would take the
     five-product kernel (``ATTN_BWD_ATOMIC``) takes the Gluon pair, atomic-free and so bitwise

@@ -82,9 +82,13 @@ ATTN_BWD_ATOMIC_MAX_DIM = 128
 # The fused backward on sm_90 (ops/attention/gluon/bwd_fused.py): one Gluon kernel of five products per
 # tile pair (dS handed to the dQ product in shared memory, P^T and dS^T fed to dV and dK from registers,
 # dQ reduce-added in float32 by TMA), for 2-byte inputs of a head dim with a "bwd_fused" tile, the masks
-# of bwd_plain.FUSED_MASKS, no sinks; never under deterministic algorithms (the pair runs). Off: not
-# timed yet (benchmarks/probes/bwd_fused_check.py).
+# of ATTN_BWD_FUSED_MASKS, no sinks; never under deterministic algorithms (the pair runs). Off: not
+# timed yet (benchmarks/probes/bwd_fused_check.py) ...
 ATTN_BWD_FUSED = False
+# ... for these visibilities ("full", "causal") and mask fields ("lo", "kv_range", "q_offset", "rows",
+# "softcap"): those whose launches compile for sm_90 without spilling (tests/test_attention_bwd_compile.py;
+# docs/benchmarks/attention-backward-fused.md has each one's count); the others take the pair.
+ATTN_BWD_FUSED_MASKS = frozenset({"full"})
 # ... and both backwards split a key block's work across programs (query heads, then query range)
 # while fewer than this many dK/dV programs per SM would run, each range piece at least this many
 # query blocks long (not timed).

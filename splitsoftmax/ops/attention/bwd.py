@@ -546,7 +546,7 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         zeros = (torch.zeros_like(q, dtype=od), torch.zeros_like(k, dtype=od), torch.zeros_like(v, dtype=od))
         return sink_sums(zeros, sink_buffers(sinks, q, 1, 0))
-    if attention_bwd_plain.fused(q, k, v, dout, mask, sinks):  # one kernel, dQ in arrival order
+    if attention_bwd_plain.fused(q, k, v, dout, causal, mask, sinks):  # one kernel, dQ in arrival order
         from .gluon.bwd_fused import attn_bwd as fused_bwd
         return fused_bwd(q, k, v, dout, lse, delta, scale, causal, diag, od, mask)
     atomic = _atomic(q, k, v)

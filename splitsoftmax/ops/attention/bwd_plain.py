@@ -337,24 +337,20 @@ def takes(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: Mask) -> bool:
                                                             for kind in ("bwd_kv_ws", "bwd_q_gluon")))
 
 
-# The masks the fused backward takes (``fused``), by their fields: plain (full or causal) ...
-FUSED_MASKS = frozenset()
-
-
-def fused(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: Mask, sinks: Optional[Tensor]) -> bool:
+def fused(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, causal: bool, mask: Mask, sinks: Optional[Tensor]) -> bool:
     """Whether the fused five-product Gluon kernel (``gluon/bwd_fused.py``) takes the backward:
     ``configs.ATTN_BWD_FUSED``, not under deterministic algorithms (its dQ sums in arrival order),
     a Hopper GPU (sm_90), bfloat16 or float16 inputs of one dtype that TMA can address, a head dim
-    (equal for keys and values) with a ``"bwd_fused"`` tile, no sinks, and a mask that is plain or
-    uses only the variants of :data:`FUSED_MASKS` (a window ``lo``, ``kv_range``, ``q_offset``,
-    document ``rows``, ``softcap``). Elsewhere the pair runs."""
+    (equal for keys and values) with a ``"bwd_fused"`` tile, no sinks, and a visibility (full or
+    causal) and mask fields all in ``configs.ATTN_BWD_FUSED_MASKS``. Elsewhere the pair runs."""
     if not configs.ATTN_BWD_FUSED or torch.are_deterministic_algorithms_enabled() or sinks is not None:
         return False
     d = q.shape[-1]
     if (interpreting() or q.dtype not in (torch.float16, torch.bfloat16) or v.shape[-1] != d
             or ("bwd_fused", 2, d) not in configs.ATTN_TILES or not sm90(q)):
         return False
-    return _use_tma(q, k, v, dout) and all(f in FUSED_MASKS for f in _mask_fields(mask))
+    used = ("causal" if causal else "full", *_mask_fields(mask))
+    return _use_tma(q, k, v, dout) and all(f in configs.ATTN_BWD_FUSED_MASKS for f in used)
 
 
 def _mask_fields(mask: Mask) -> tuple:

@@ -42,7 +42,7 @@ from ..._triton.algebra import LOG2E
 from ..._triton.launch import Launcher, auto_key
 from ..bwd_common import _mask_args, row_blocks
 from ..decode import head_group
-from .bwd import (_batch_bounds, _doc_rows, _mma_layout, _probs, _program_order, _score_grad, _seen, _store_rows,
+from .bwd import (_DEFAULTS, _batch_bounds, _doc_rows, _mma_layout, _probs, _program_order, _score_grad, _seen, _store_rows,
                   _thread_barrier, _tma_load, descriptor)
 from .bwd_kv import _kv_walk, _tile_of
 
@@ -62,11 +62,10 @@ def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, 
               STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
     """K and V once, then every tile's Q and dO into the ring's next stage once both warpgroups have
     released it (the constexprs but the tile's unused: the partitions share one signature)."""
-    (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_bar, q_full, q_empty, info, n0, tiles,
-     SQP, r0) = p
+    (q_desc, do_desc, k_desc, v_desc, st_desc, q_ring, do_ring, st_ring, k_smem, v_smem, kv_bar, q_full, q_empty,
+     info, n0, tiles) = p
     b, kvh, G, first, n_pre, n_in, nmk, Tm, T = tiles
     one: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
-    f = gl.arange(0, 4, layout=one)
     mbarrier.expect(kv_bar, 2 * BLOCK_N * D * 2)
     _tma_load(k_desc, [b, kvh, n0, 0], kv_bar, k_smem)
     _tma_load(v_desc, [b, kvh, n0, 0], kv_bar, v_smem)
@@ -75,13 +74,16 @@ def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, 
         mbarrier.wait(q_empty.index(s), ((t // STAGES) & 1) ^ 1)  # a fresh barrier counts as released
         gi, m0 = _tile_of(t, tiles, BLOCK_M)
         h = kvh * G + gi
-        # the tile's (batch element, query head, first row, its statistics' offset), read before the release
-        info.index(s).store(gl.where(f == 0, b, gl.where(f == 1, h, gl.where(f == 2, m0, (r0 + gi) * 2 * SQP + m0))))
+        # the tile's (batch element, query head, first row), read before the release
+        info.index(s).slice(0, 1).store(gl.full([1], b, gl.int32, one))
+        info.index(s).slice(1, 1).store(gl.full([1], h, gl.int32, one))
+        info.index(s).slice(2, 1).store(gl.full([1], m0, gl.int32, one))
         _thread_barrier()  # written before the arrival that the TMA loads complete
         full = q_full.index(s)
-        mbarrier.expect(full, 2 * BLOCK_M * D * 2)
-        _tma_load(q_desc, [b, kvh * G + gi, m0, 0], full, q_ring.index(s))
-        _tma_load(do_desc, [b, kvh * G + gi, m0, 0], full, do_ring.index(s))
+        mbarrier.expect(full, 2 * BLOCK_M * D * 2 + 2 * BLOCK_M * 4)
+        _tma_load(q_desc, [b, h, m0, 0], full, q_ring.index(s))
+        _tma_load(do_desc, [b, h, m0, 0], full, do_ring.index(s))
+        _tma_load(st_desc, [b, h, 0, m0], full, st_ring.index(s))
 
 
 @builtin
@@ -109,17 +111,9 @@ def _meet(meet, k):
 
 
 @gluon.jit
-def _finite_rows(tile, ROWS: gl.constexpr, D: gl.constexpr):
-    """Replace every NaN/Inf of the ``[ROWS, D]`` shared tile by 0, in place (4 warps)."""
-    blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    x = tile.load(blocked)
-    tile.store(gl.where(gl.abs(x.to(gl.float32)) < float("inf"), x, gl.zeros_like(x)))
-
-
-@gluon.jit
 def _finite_copy(src, dst, ROWS: gl.constexpr, COLS: gl.constexpr, CH: gl.constexpr):
-    """``dst = src`` (``[ROWS, COLS]`` shared tiles) with every NaN/Inf replaced by 0, ``CH`` rows at a
-    time (4 warps)."""
+    """``dst = src`` (``[ROWS, COLS]`` shared tiles, possibly the same) with every NaN/Inf replaced by
+    0, ``CH`` rows at a time (4 warps)."""
     blocked: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     for c in gl.static_range(ROWS // CH):
         x = src.slice(c * CH, CH).load(blocked)
@@ -133,8 +127,8 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
     """Tile ``t`` of warpgroup ``W``: ``(dk, dv)`` after its products, its dQ half reduce-added.
     ``MASKED``: each pair checked against the visibility rule, Q, dO guarded in place and dQ reading
     the guarded copy of K's columns that this warpgroup writes into its staging buffer."""
-    (k_w, v_w, k_q, k_g, q_ring, do_ring, ds_ring, stage_w, q_full, q_empty, ds_full, ds_empty, meet, dq_desc, info,
-     STATS, SQP, vis, zeros_s, zeros_q) = p
+    (k_w, v_w, k_q, k_g, q_ring, do_ring, st_ring, ds_ring, stage_w, q_full, q_empty, ds_full, ds_empty, meet,
+     dq_desc, info, vis, zeros_s, zeros_q) = p
     n0, ROWS, s_r, Sq, dg, lw, kv_lo, kv_hi, cs, cap2, scale = vis
     HALF: gl.constexpr = BLOCK_N // 2
     DH: gl.constexpr = D // 2
@@ -152,18 +146,22 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
     b = _field(info.index(s), 0)
     h = _field(info.index(s), 1)
     m0 = _field(info.index(s), 2)
-    row = STATS + _field(info.index(s), 3) + gl.arange(0, BLOCK_M, layout=q_cols)  # lse2, then (+ SQP) delta
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    st = _reinterpret(st_ring.index(s), gl.float32, [2 * BLOCK_M], flat)  # the rows' lse2, then their delta
     if MASKED:
         qk_t = warpgroup_mma(k_w, q_t.permute((1, 0)), zeros_s, use_acc=False)
         tma.store_wait(0)  # (the last reduction has read the staging buffer)
         _finite_copy(k_q, k_g, BLOCK_N, DH, 32)
         _meet(meet, 2 * t)  # both S^T read Q as it is
-        _finite_rows(q_t.slice(W * (BLOCK_M // 2), BLOCK_M // 2), BLOCK_M // 2, D)
-        _finite_rows(do_t.slice(W * (BLOCK_M // 2), BLOCK_M // 2), BLOCK_M // 2, D)
+        q_h = q_t.slice(W * (BLOCK_M // 2), BLOCK_M // 2)
+        do_h = do_t.slice(W * (BLOCK_M // 2), BLOCK_M // 2)
+        _finite_copy(q_h, q_h, BLOCK_M // 2, D, 16)
+        _finite_copy(do_h, do_h, BLOCK_M // 2, D, 16)
         fence_async_shared()
         _meet(meet, 2 * t + 1)  # hidden pairs give exact zeros, never 0 * NaN
-        dp_t = warpgroup_mma(v_w, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        lse2 = gl.load(row)
+        dp_t = warpgroup_mma(v_w, do_t.permute((1, 0)), zeros_s - st.slice(BLOCK_M, BLOCK_M).load(q_cols)[None, :],
+                             is_async=True)
+        lse2 = st.slice(0, BLOCK_M).load(q_cols)
         kj = n0 + W * HALF + gl.arange(0, HALF, layout=k_rows)
         qi = m0 + gl.arange(0, BLOCK_M, layout=q_cols)
         rlo, rhi = _doc_rows(ROWS, s_r, qi, Sq, HAS_ROWS)
@@ -173,17 +171,18 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
         p_t = gl.where(seen, p_t, 0.0)
     else:
         qk_t = warpgroup_mma(k_w, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        dp_t = warpgroup_mma(v_w, do_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        lse2 = gl.load(row)
+        # dP^T - delta: the product added to -delta
+        dp_t = warpgroup_mma(v_w, do_t.permute((1, 0)), zeros_s - st.slice(BLOCK_M, BLOCK_M).load(q_cols)[None, :],
+                             is_async=True)
+        lse2 = st.slice(0, BLOCK_M).load(q_cols)
         qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))  # dP^T runs on while P^T is taken
         p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
-    delta = gl.load(row + SQP)
     dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
-    ds_t = _score_grad(p_t, c_t, dp_t, delta[None, :], SOFTCAP)
+    ds_t = _score_grad(p_t, c_t, dp_t, 0.0, SOFTCAP)
     if MASKED:
         ds_t = gl.where(seen, ds_t, 0.0)
     ds_h = ds_t.to(dtype)
-    p_a = gl.convert_layout(p_t.to(dtype), a_layout)
+    p_h = p_t.to(dtype)
     # this warpgroup's half of the stage, once both dQ products of tile t - STAGES have read it
     ds_s = ds_ring.index(s)
     mbarrier.wait(ds_empty.index(s), ph ^ 1)
@@ -191,7 +190,7 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
     fence_async_shared()
     _thread_barrier()
     mbarrier.arrive(ds_full.index(s), count=1)
-    dv = warpgroup_mma(p_a, do_t, dv, is_async=True)
+    dv = warpgroup_mma(gl.convert_layout(p_h, a_layout), do_t, dv, is_async=True)
     ds_a = gl.convert_layout(ds_h, a_layout)
     mbarrier.wait(ds_full.index(s), ph)
     if MASKED:
@@ -217,8 +216,8 @@ def _mma(p, W: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl
          STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
     """MMA warpgroup ``W`` (of two, 4 warps): keys ``n0 + W * BLOCK_N / 2 ..``' dK and dV over every
     tile, the masked ones first; then their store (dK times the scale)."""
-    (k_smem, v_smem, q_ring, do_ring, ds_ring, stage, kv_bar, q_full, q_empty, ds_full, ds_empty, meet, fin, dq_desc,
-     info, STATS, SQP, Tm, T, vis, out) = p
+    (k_smem, v_smem, q_ring, do_ring, st_ring, ds_ring, stage, kv_bar, q_full, q_empty, ds_full, ds_empty, meet,
+     dq_desc, info, Tm, T, vis, out) = p
     HALF: gl.constexpr = BLOCK_N // 2
     DH: gl.constexpr = D // 2
     dtype: gl.constexpr = q_ring.dtype
@@ -236,36 +235,19 @@ def _mma(p, W: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl
     v_w = v_smem.reshape([BLOCK_N, D]).slice(W * HALF, HALF)
     k_q = k_all.slice(W * DH, DH, dim=1)  # [BLOCK_N, DH]: this warpgroup's columns of K, for dQ
     k_g = _reinterpret(stage_w, dtype, [BLOCK_N, DH], kg_layout)  # their guarded copy (masked tiles)
-    pt = (k_w, v_w, k_q, k_g, q_ring, do_ring, ds_ring, stage_w, q_full, q_empty, ds_full, ds_empty, meet, dq_desc,
-          info, STATS, SQP, vis, zeros_s, zeros_q)
+    pt = (k_w, v_w, k_q, k_g, q_ring, do_ring, st_ring, ds_ring, stage_w, q_full, q_empty, ds_full, ds_empty, meet,
+          dq_desc, info, vis, zeros_s, zeros_q)
     mbarrier.wait(kv_bar, 0)
     for t in range(Tm):
         dk, dv = _tile(dk, dv, t, pt, W, True, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
     for t in range(Tm, T):
         dk, dv = _tile(dk, dv, t, pt, W, False, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
     tma.store_wait(0)
-    # the stores are the first warpgroup's (the kernel's own warps, which read the pointers and strides
-    # where they are used): the second hands its dK, dV over through K's and V's buffers once the
-    # first is done reading them
-    hand_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HALF, D], gl.float32)
-    k_hand = _reinterpret(k_smem, gl.float32, [HALF, D], hand_layout)
-    v_hand = _reinterpret(v_smem, gl.float32, [HALF, D], hand_layout)
-    if W == 0:
-        mbarrier.arrive(fin.index(0), count=1)
-        GK, GV, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, b, kvh, Sk = out
-        n0 = vis[0]
-        scale = vis[10]
-        _store_rows(GK, dk * scale, b, kvh, n0, Sk, s_kgb, s_kgh, s_kgs, o_layout, HALF, D)
-        _store_rows(GV, dv, b, kvh, n0, Sk, s_vgb, s_vgh, s_vgs, o_layout, HALF, D)
-        mbarrier.wait(fin.index(1), 0)
-        _store_rows(GK, k_hand.load(o_layout) * scale, b, kvh, n0 + HALF, Sk, s_kgb, s_kgh, s_kgs, o_layout, HALF, D)
-        _store_rows(GV, v_hand.load(o_layout), b, kvh, n0 + HALF, Sk, s_vgb, s_vgh, s_vgs, o_layout, HALF, D)
-    else:
-        mbarrier.wait(fin.index(0), 0)
-        k_hand.store(dk)
-        v_hand.store(dv)
-        _thread_barrier()
-        mbarrier.arrive(fin.index(1), count=1)
+    GK, GV, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, b, kvh, Sk = out
+    n0 = vis[0]
+    scale = vis[10]
+    _store_rows(GK, dk * scale, b, kvh, n0 + W * HALF, Sk, s_kgb, s_kgh, s_kgs, o_layout, HALF, D)
+    _store_rows(GV, dv, b, kvh, n0 + W * HALF, Sk, s_vgb, s_vgh, s_vgs, o_layout, HALF, D)
 
 
 @gluon.jit
@@ -282,8 +264,8 @@ def _mma1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUS
     _mma(p, 1, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
 
 
-@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH", "SQP"])
-def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, STATS, GK, GV, KVR, QOFF, ROWS, RB, SQP, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
+@gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH"])
+def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, KVR, QOFF, ROWS, RB, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
                     s_kvb, s_kvc, s_off, s_r,
                     HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
@@ -319,6 +301,7 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, STATS, GK, GV, KVR
     # the dQ halves' staging: [2, 1, 1, BLOCK_M, D / 2] float32, one per MMA warpgroup
     q_ring = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_ring = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    st_ring = gl.allocate_shared_memory(gl.float32, [STAGES] + st_desc.block_type.shape, st_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
@@ -326,7 +309,6 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, STATS, GK, GV, KVR
     stage = gl.allocate_shared_memory(gl.float32, [2] + dq_desc.block_type.shape, dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     meet = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    fin = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     info = gl.allocate_shared_memory(gl.int32, [STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -334,8 +316,6 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, STATS, GK, GV, KVR
     ds_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(meet, count=2)
-    mbarrier.init(fin.index(0), count=1)
-    mbarrier.init(fin.index(1), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_full.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=2)
@@ -344,10 +324,10 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, STATS, GK, GV, KVR
     tiles = (b, kvh, G, first, n_pre, n_in, nmk, Tm, T)
     vis = (n0, ROWS, s_r, Sq, dg, lw, kv_lo, kv_hi, cs, cap2, scale)
     out = (GK, GV, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, b, kvh, Sk)
-    pm = (k_smem, v_smem, q_ring, do_ring, ds_ring, stage, kv_bar, q_full, q_empty, ds_full, ds_empty, meet, fin,
-          dq_desc, info, STATS, SQP, Tm, T, vis, out)
-    pp = (q_desc, do_desc, k_desc, v_desc, q_ring, do_ring, k_smem, v_smem, kv_bar, q_full, q_empty, info, n0, tiles,
-          SQP, (b * HKV + kvh) * G)
+    pm = (k_smem, v_smem, q_ring, do_ring, st_ring, ds_ring, stage, kv_bar, q_full, q_empty, ds_full, ds_empty, meet,
+          dq_desc, info, Tm, T, vis, out)
+    pp = (q_desc, do_desc, k_desc, v_desc, st_desc, q_ring, do_ring, st_ring, k_smem, v_smem, kv_bar, q_full, q_empty,
+          info, n0, tiles)
     # workers: the second MMA warpgroup (4 warps) and the producer (1), given the registers asked for
     # each (setmaxnreg) out of the launch's maxnreg per thread; the first MMA warpgroup keeps the rest
     gl.warp_specialize([
@@ -355,6 +335,18 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, STATS, GK, GV, KVR
         (_mma1, (pm, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
         (_producer, (pp, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)),
     ], [4, 1], [240, 24])
+
+
+def stats_descriptor(stats: torch.Tensor, rows: int):
+    """The Gluon descriptor of the rows' statistics (:func:`_row_stats`) reading ``[1, 1, 2, rows]``
+    tiles (a tile's ``lse2`` and ``delta``)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    desc = object.__new__(TensorDescriptor)
+    desc.__dict__.update(_DEFAULTS)
+    desc.base, desc.shape, desc.strides = stats, list(stats.shape), list(stats.stride())
+    desc.block_shape = [1, 1, 2, rows]
+    desc.layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
+    return desc
 
 
 def dq_descriptor(acc: torch.Tensor, rows: int, cols: int):
@@ -371,19 +363,19 @@ _FUSED = Launcher(_attn_bwd_fused)
 
 
 def _row_stats(lse: torch.Tensor, delta: torch.Tensor, bm: int) -> tuple:
-    """``(stats (B * H, 2, SQP) float32, SQP)``: each row's ``lse * log2(e)`` (``+inf`` where ``lse =
+    """``stats (B, H, 2, SQP)`` float32: each row's ``lse * log2(e)`` (``+inf`` where ``lse =
     -inf``: its ``p`` is 0), then its ``delta``, ``SQP`` = ``Sq`` rounded up to ``bm`` (padding:
     ``+inf``, 0), so that a tile's statistics load without a mask."""
     b, h, sq = lse.shape
     sqp = configs.cdiv(sq, bm) * bm
-    stats = torch.empty((b * h, 2, sqp), dtype=torch.float32, device=lse.device)
-    stats[:, 0, sq:] = float("inf")
-    stats[:, 1, sq:] = 0.0
-    lse2 = stats[:, 0, :sq].view(b, h, sq)
+    stats = torch.empty((b, h, 2, sqp), dtype=torch.float32, device=lse.device)
+    stats[:, :, 0, sq:] = float("inf")
+    stats[:, :, 1, sq:] = 0.0
+    lse2 = stats[:, :, 0, :sq]
     torch.mul(lse, LOG2E.value, out=lse2)
     lse2.masked_fill_(lse == float("-inf"), float("inf"))
-    stats[:, 1, :sq].view(b, h, sq).copy_(delta)
-    return stats, sqp
+    stats[:, :, 1, :sq].copy_(delta)
+    return stats
 
 
 def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
@@ -398,7 +390,7 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     bm, bn, warps, stages, maxnreg = configs.ATTN_TILES[("bwd_fused", 2, d)]
     acc = torch.zeros_like(q, dtype=torch.float32)
     dk, dv = torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
-    stats, sqp = _row_stats(lse, delta, bm)
+    stats = _row_stats(lse, delta, bm)
     kvr, off, rows, mstrides, flags = _mask_args(mask, q, lse)
     rb = row_blocks(rows, sk, bn) if flags["HAS_ROWS"] else lse
     nkb = configs.cdiv(sk, bn)
@@ -406,9 +398,9 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     # (three warpgroups' registers in an SM: one program per SM, as two warpgroups of 4 warps each)
     scalars = (*dk.stride()[:3], *dv.stride()[:3], *mstrides, hkv, h // hkv, sq, sk, diag, lo, scale * LOG2E.value,
                scale, mask.softcap * LOG2E.value, head_group(nkb, b * hkv, q, causal, 8))
-    tensors = (stats, dk, dv, kvr, off, rows, rb, sqp)
+    tensors = (dk, dv, kvr, off, rows, rb)
     ops = (descriptor(q, bm), descriptor(dout, bm), descriptor(k, bn), descriptor(v, bn),
-           dq_descriptor(acc, bm, d // 2))
+           dq_descriptor(acc, bm, d // 2), stats_descriptor(stats, bm))
     _FUSED((nkb, b * hkv), (auto_key((*tensors, *scalars)), q.dtype), (*ops, *tensors, *scalars),
            dict(BLOCK_M=bm, BLOCK_N=bn, D=d, CAUSAL=causal, STAGES=stages, num_warps=warps, maxnreg=maxnreg, **flags))
     return acc.to(od), dk, dv

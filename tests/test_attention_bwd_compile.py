@@ -174,25 +174,32 @@ def _check_compiled(launches, atomic, mask, tma, gluon, ds, kv_spills):
 
 # The fused backward's launch (configs.ATTN_BWD_FUSED) by (visibility, mask): ptxas's spill stores on
 # sm_90 as Triton 3.9 compiles it, at 240 registers per MMA warpgroup and 24 for the producer warp. Those
-# at 0 are in configs.ATTN_BWD_FUSED_MASKS; the causal one spills in the loop of its masked tiles (the
-# guards' and the mask's values beside the tile) and takes the pair.
-FUSED_SPILLS = {("full", "plain"): 0, ("causal", "plain"): 56}
-FUSED_MASKS = {"plain": Mask()}
+# at 0 are in configs.ATTN_BWD_FUSED_MASKS; documents (each row's bounds beside the tile) and softcap
+# (tanh's values held from P to dS) spill in the loops of their tiles and take the pair.
+FUSED_MASKS = {"plain": Mask(), "window": Mask(lo=-100), "kv_range": Mask(kv_range=MASK.kv_range),
+               "q_offset": Mask(q_offset=MASK.q_offset),
+               "window-kv_range-q_offset": Mask(lo=-100, kv_range=MASK.kv_range, q_offset=MASK.q_offset),
+               "documents": Mask(rows=MASK.rows), "softcap": Mask(softcap=20.0)}
+FUSED_SPILLS = {**{(v, m): 0 for v in ("full", "causal") for m in list(FUSED_MASKS)[:5]},
+                ("full", "documents"): 112, ("causal", "documents"): 56, ("full", "softcap"): 20,
+                ("causal", "softcap"): 32}
+FUSED_CASES = [(v, m, torch.bfloat16) for v, m in FUSED_SPILLS] + [(v, "plain", torch.float16)
+                                                                   for v in ("full", "causal")]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("vis,mask", list(FUSED_SPILLS), ids=[f"{v}-{m}" for v, m in FUSED_SPILLS])
+@pytest.mark.parametrize("vis,mask,dtype", FUSED_CASES, ids=[f"{v}-{m}-{TY[t]}" for v, m, t in FUSED_CASES])
 def test_fused_backward_compiles_for_sm90(vis, mask, dtype, monkeypatch):
     """With ``configs.ATTN_BWD_FUSED`` (and the visibility and mask allowed) a Hopper backward of 2-byte
     inputs at D=128 (GQA 16/4) is one launch of the fused kernel, which compiles for sm_90 within an
     SM's shared memory, its products not serialized, its registers moved to 240 per MMA warpgroup and
     24 for the producer (``setmaxnreg``) out of ``maxnreg`` 168, spilling no more than
     :data:`FUSED_SPILLS` (0 where dispatched); without the allowance the pair runs."""
+    from splitsoftmax.ops.attention import bwd_plain as ABP
     monkeypatch.setattr(configs, "ATTN_BWD_FUSED", True)
     causal = vis == "causal"
-    allowed = FUSED_SPILLS[(vis, mask)] == 0
-    assert (vis in configs.ATTN_BWD_FUSED_MASKS) == allowed
-    monkeypatch.setattr(configs, "ATTN_BWD_FUSED_MASKS", frozenset({vis}))
+    used = {vis, *ABP._mask_fields(FUSED_MASKS[mask])}
+    assert (used <= configs.ATTN_BWD_FUSED_MASKS) == (FUSED_SPILLS[(vis, mask)] == 0)
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED_MASKS", frozenset(used))
     launches = _launches(monkeypatch, False, FUSED_MASKS[mask], True, True, causal, dtype=dtype)
     assert [fn.fn.__name__ for fn, _, _ in launches] == ["_attn_bwd_fused"]
     fn, args, kwargs = launches[0]

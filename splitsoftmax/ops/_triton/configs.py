@@ -88,7 +88,7 @@ ATTN_BWD_FUSED = False
 # ... for these visibilities ("full", "causal") and mask fields ("lo", "kv_range", "q_offset", "rows",
 # "softcap"): those whose launches compile for sm_90 without spilling (tests/test_attention_bwd_compile.py;
 # docs/benchmarks/attention-backward-fused.md has each one's count); the others take the pair.
-ATTN_BWD_FUSED_MASKS = frozenset({"full"})
+ATTN_BWD_FUSED_MASKS = frozenset({"full", "causal", "lo", "kv_range", "q_offset"})
 # ... and both backwards split a key block's work across programs (query heads, then query range)
 # while fewer than this many dK/dV programs per SM would run, each range piece at least this many
 # query blocks long (not timed).

@@ -128,7 +128,7 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
     ``MASKED``: each pair checked against the visibility rule, Q, dO guarded in place and dQ reading
     the guarded copy of K's columns that this warpgroup writes into its staging buffer."""
     (k_w, v_w, k_q, k_g, q_ring, do_ring, st_ring, ds_ring, stage_w, q_full, q_empty, ds_full, ds_empty, meet,
-     dq_desc, info, vis, zeros_s, zeros_q) = p
+     dq_desc, info, cols, vis, zeros_s, zeros_q) = p
     n0, ROWS, s_r, Sq, dg, lw, kv_lo, kv_hi, cs, cap2, scale = vis
     HALF: gl.constexpr = BLOCK_N // 2
     DH: gl.constexpr = D // 2
@@ -159,16 +159,16 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
         _finite_copy(do_h, do_h, BLOCK_M // 2, D, 16)
         fence_async_shared()
         _meet(meet, 2 * t + 1)  # hidden pairs give exact zeros, never 0 * NaN
-        dp_t = warpgroup_mma(v_w, do_t.permute((1, 0)), zeros_s - st.slice(BLOCK_M, BLOCK_M).load(q_cols)[None, :],
-                             is_async=True)
+        dp_t = warpgroup_mma(v_w, do_t.permute((1, 0)), zeros_s - st.slice(BLOCK_M, BLOCK_M).load(q_cols)[None, :])
         lse2 = st.slice(0, BLOCK_M).load(q_cols)
         kj = n0 + W * HALF + gl.arange(0, HALF, layout=k_rows)
-        qi = m0 + gl.arange(0, BLOCK_M, layout=q_cols)
+        qi = m0 + cols.load(q_cols)  # (read, not held across tiles: its 16 values per thread would spill)
         rlo, rhi = _doc_rows(ROWS, s_r, qi, Sq, HAS_ROWS)
         seen = _seen(kj[:, None], qi[None, :], rlo[None, :], rhi[None, :], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
                      HAS_ROWS)
         p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
-        p_t = gl.where(seen, p_t, 0.0)
+        p_t = gl.where(seen, p_t, 0.0)  # (both masked at once: the mask is not held across the tile)
+        dp_t = gl.where(seen, dp_t, 0.0)
     else:
         qk_t = warpgroup_mma(k_w, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
         # dP^T - delta: the product added to -delta
@@ -177,10 +177,8 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
         lse2 = st.slice(0, BLOCK_M).load(q_cols)
         qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))  # dP^T runs on while P^T is taken
         p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
-    dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
+        dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
     ds_t = _score_grad(p_t, c_t, dp_t, 0.0, SOFTCAP)
-    if MASKED:
-        ds_t = gl.where(seen, ds_t, 0.0)
     ds_h = ds_t.to(dtype)
     p_h = p_t.to(dtype)
     # this warpgroup's half of the stage, once both dQ products of tile t - STAGES have read it
@@ -217,7 +215,7 @@ def _mma(p, W: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl
     """MMA warpgroup ``W`` (of two, 4 warps): keys ``n0 + W * BLOCK_N / 2 ..``' dK and dV over every
     tile, the masked ones first; then their store (dK times the scale)."""
     (k_smem, v_smem, q_ring, do_ring, st_ring, ds_ring, stage, kv_bar, q_full, q_empty, ds_full, ds_empty, meet,
-     dq_desc, info, Tm, T, vis, out) = p
+     dq_desc, info, cols, Tm, T, vis, out) = p
     HALF: gl.constexpr = BLOCK_N // 2
     DH: gl.constexpr = D // 2
     dtype: gl.constexpr = q_ring.dtype
@@ -236,15 +234,18 @@ def _mma(p, W: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl
     k_q = k_all.slice(W * DH, DH, dim=1)  # [BLOCK_N, DH]: this warpgroup's columns of K, for dQ
     k_g = _reinterpret(stage_w, dtype, [BLOCK_N, DH], kg_layout)  # their guarded copy (masked tiles)
     pt = (k_w, v_w, k_q, k_g, q_ring, do_ring, st_ring, ds_ring, stage_w, q_full, q_empty, ds_full, ds_empty, meet,
-          dq_desc, info, vis, zeros_s, zeros_q)
+          dq_desc, info, cols, vis, zeros_s, zeros_q)
     mbarrier.wait(kv_bar, 0)
     for t in range(Tm):
         dk, dv = _tile(dk, dv, t, pt, W, True, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
     for t in range(Tm, T):
         dk, dv = _tile(dk, dv, t, pt, W, False, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
     tma.store_wait(0)
-    GK, GV, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, b, kvh, Sk = out
-    n0 = vis[0]
+    GK, GV, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, prog = out
+    b = _field(prog, 0)  # (read here, not held across the tiles)
+    kvh = _field(prog, 1)
+    n0 = _field(prog, 2)
+    Sk = _field(prog, 3)
     scale = vis[10]
     _store_rows(GK, dk * scale, b, kvh, n0 + W * HALF, Sk, s_kgb, s_kgh, s_kgs, o_layout, HALF, D)
     _store_rows(GV, dv, b, kvh, n0 + W * HALF, Sk, s_vgb, s_vgh, s_vgs, o_layout, HALF, D)
@@ -310,6 +311,12 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, K
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     meet = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     info = gl.allocate_shared_memory(gl.int32, [STAGES, 4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    cols = gl.allocate_shared_memory(gl.int32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    cols.store(gl.arange(0, BLOCK_M, layout=flat))  # a tile's columns
+    prog = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    f = gl.arange(0, 4, layout=flat)
+    prog.store(gl.where(f == 0, b, gl.where(f == 1, kvh, gl.where(f == 2, n0, Sk))))  # for the stores
     q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -323,9 +330,9 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, K
         mbarrier.init(ds_empty.index(i), count=2)
     tiles = (b, kvh, G, first, n_pre, n_in, nmk, Tm, T)
     vis = (n0, ROWS, s_r, Sq, dg, lw, kv_lo, kv_hi, cs, cap2, scale)
-    out = (GK, GV, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, b, kvh, Sk)
+    out = (GK, GV, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, prog)
     pm = (k_smem, v_smem, q_ring, do_ring, st_ring, ds_ring, stage, kv_bar, q_full, q_empty, ds_full, ds_empty, meet,
-          dq_desc, info, Tm, T, vis, out)
+          dq_desc, info, cols, Tm, T, vis, out)
     pp = (q_desc, do_desc, k_desc, v_desc, st_desc, q_ring, do_ring, st_ring, k_smem, v_smem, kv_bar, q_full, q_empty,
           info, n0, tiles)
     # workers: the second MMA warpgroup (4 warps) and the producer (1), given the registers asked for

@@ -150,7 +150,8 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
     st = _reinterpret(st_ring.index(s), gl.float32, [2 * BLOCK_M], flat)  # the rows' lse2, then their delta
     if MASKED:
         qk_t = warpgroup_mma(k_w, q_t.permute((1, 0)), zeros_s, use_acc=False)
-        tma.store_wait(0)  # (the last reduction has read the staging buffer)
+        tma.store_wait(0)
+        _thread_barrier()  # (the last reduction, which some of its warps issued, has read the staging buffer)
         _finite_copy(k_q, k_g, BLOCK_N, DH, 32)
         _meet(meet, 2 * t)  # both S^T read Q as it is
         q_h = q_t.slice(W * (BLOCK_M // 2), BLOCK_M // 2)

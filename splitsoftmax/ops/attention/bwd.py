@@ -24,6 +24,10 @@ Two paths, the same math:
   ran faster still, and so do the variants' masks where that pair's Gluon kernels run (Hopper,
   bfloat16).
 
+- **fused** (``configs.ATTN_BWD_FUSED``, never deterministic; sm_90, 2-byte inputs, D=128, the masks
+  of ``configs.ATTN_BWD_FUSED_MASKS``, no sinks): one Gluon kernel of five products per tile pair
+  (``gluon/bwd_fused.py``), dQ reduce-added in float32 by TMA; ``bwd_plain.fused`` decides.
+
 When too few dK/dV programs would run for two per SM (batch 1, a few kv heads), each key block's
 work is split across programs by query heads (then by query range); their dK/dV partials are added
 into float32 buffers by TMA reductions (atomic path) or summed in split order (deterministic path).

@@ -6,16 +6,19 @@ query tiles of the ``G`` query heads that read it (``bwd_kv._kv_walk``: the mask
 the interior ones, each head-major), so dK and dV sum over the group in registers. Three partitions:
 
 - two MMA warpgroups (240 registers each): warpgroup ``W`` owns keys ``n0 + 64 W ..`` and their dK,
-  dV (``[64, D]`` float32 each), and per tile issues ``S^T = K_W Q^T`` and ``dP^T = V_W dO^T``, takes
-  ``P^T`` while ``dP^T`` runs, then ``dS^T``; it writes ``dS^T`` into its half of the tile's stage of
-  a two-stage ``[BLOCK_N, BLOCK_M]`` ring and issues ``dV += P^T dO`` and ``dK += dS^T Q`` with
-  ``P^T``, ``dS^T`` as register operands. Once both halves of the stage are written it issues its
-  half of the tile's dQ, ``dS K[:, 64 W ..]`` (``[64, D / 2]``: the whole key block, half of the
-  columns), and adds it through its staging buffer into the float32 ``dQ`` by a TMA reduction;
-- one producer warp (24 registers) loads K and V once, then each tile's Q and dO through two stages.
+  dV (``[64, D]`` float32 each), and per tile issues ``S^T = K_W Q^T`` and ``dP^T = V_W dO^T``
+  (accumulated onto ``-delta``), takes ``P^T`` while ``dP^T`` runs, then ``dS^T``; it writes ``dS^T``
+  into its half of the tile's stage of a two-stage ``[BLOCK_N, BLOCK_M]`` ring and issues
+  ``dV += P^T dO`` and ``dK += dS^T Q`` with ``P^T``, ``dS^T`` as register operands. Once both
+  halves of the stage are written it issues its half of the tile's dQ, ``dS K[:, 64 W ..]``
+  (``[64, D / 2]``: the whole key block, half of the columns), and adds it through its staging
+  buffer into the float32 ``dQ`` by a TMA reduction;
+- one producer warp (24 registers) loads K and V once, then each tile's Q, dO and the rows'
+  ``(lse * log2(e), delta)`` by TMA through two stages, and writes the tile's (batch element, query
+  head, first row) into a small table beside them (the MMA warpgroups hold no tile walk).
 
-Barriers: ``q_full[s]`` (the tile's Q and dO landed), ``q_empty[s]`` (both warpgroups' products
-read them: count 2), ``ds_full[s]`` (both halves of the stage written: count 2), ``ds_empty[s]``
+Barriers: ``q_full[s]`` (the tile's Q, dO and statistics landed), ``q_empty[s]`` (both warpgroups'
+products read them: count 2), ``ds_full[s]`` (both halves of the stage written: count 2), ``ds_empty[s]``
 (both dQ products read it: count 2); both warpgroups take every tile, so each sees every phase.
 
 Masked tiles (a pair some row does not see) keep NaN/Inf of hidden pairs out, as the pair's kernels:
@@ -42,8 +45,8 @@ from ..._triton.algebra import LOG2E
 from ..._triton.launch import Launcher, auto_key
 from ..bwd_common import _mask_args, row_blocks
 from ..decode import head_group
-from .bwd import (_DEFAULTS, _batch_bounds, _doc_rows, _mma_layout, _probs, _program_order, _score_grad, _seen, _store_rows,
-                  _thread_barrier, _tma_load, descriptor)
+from .bwd import (_DEFAULTS, _batch_bounds, _doc_rows, _mma_layout, _probs, _program_order, _score_grad, _seen,
+                  _store_rows, _thread_barrier, _tma_load, descriptor)
 from .bwd_kv import _kv_walk, _tile_of
 
 if hasattr(tma, "async_atomic_add"):
@@ -53,7 +56,8 @@ else:  # (older releases: the builder's reduction, which the Gluon function wrap
     def _tma_add(tensor_desc, coord, src, _semantic=None):
         """Add the shared tile ``src`` into ``tensor_desc`` at ``coord`` by a TMA reduction."""
         coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(gl.ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+        from triton._C.libtriton import ir
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
 
 
@@ -267,8 +271,8 @@ def _mma1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUS
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH"])
-def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, KVR, QOFF, ROWS, RB, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs,
-                    s_kvb, s_kvc, s_off, s_r,
+def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, KVR, QOFF, ROWS, RB,
+                    s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, s_kvb, s_kvc, s_off, s_r,
                     HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                     STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr,

@@ -45,7 +45,7 @@ from ..._triton.algebra import LOG2E
 from ..._triton.launch import Launcher, auto_key
 from ..bwd_common import _mask_args, row_blocks
 from ..decode import head_group
-from .bwd import (_DEFAULTS, _batch_bounds, _doc_rows, _mma_layout, _probs, _program_order, _score_grad, _seen,
+from .bwd import (_DEFAULTS, _batch_bounds, _doc_rows, _mma_layout, _probs, _program_order, _seen,
                   _store_rows, _thread_barrier, _tma_load, descriptor)
 from .bwd_kv import _kv_walk, _tile_of
 
@@ -172,8 +172,11 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
         seen = _seen(kj[:, None], qi[None, :], rlo[None, :], rhi[None, :], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
                      HAS_ROWS)
         p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
-        p_t = gl.where(seen, p_t, 0.0)  # (both masked at once: the mask is not held across the tile)
+        p_t = gl.where(seen, p_t, 0.0)  # (all masked at once: the mask is not held across the tile)
         dp_t = gl.where(seen, dp_t, 0.0)
+        if SOFTCAP:  # P^T (1 - tanh^2), taken now: tanh's values are not held beside dP^T
+            g_t = gl.where(seen, p_t * (1.0 - c_t * c_t), 0.0)
+            p_h = p_t.to(dtype)
     else:
         qk_t = warpgroup_mma(k_w, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
         # dP^T - delta: the product added to -delta
@@ -182,10 +185,15 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
         lse2 = st.slice(0, BLOCK_M).load(q_cols)
         qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))  # dP^T runs on while P^T is taken
         p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
+        if SOFTCAP:
+            g_t = p_t * (1.0 - c_t * c_t)
+            p_h = p_t.to(dtype)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
-    ds_t = _score_grad(p_t, c_t, dp_t, 0.0, SOFTCAP)
-    ds_h = ds_t.to(dtype)
-    p_h = p_t.to(dtype)
+    if SOFTCAP:
+        ds_h = (g_t * dp_t).to(dtype)  # dS^T = P^T (dP^T - delta) (1 - tanh^2)
+    else:
+        ds_h = (p_t * dp_t).to(dtype)  # dS^T = P^T (dP^T - delta)
+        p_h = p_t.to(dtype)
     # this warpgroup's half of the stage, once both dQ products of tile t - STAGES have read it
     ds_s = ds_ring.index(s)
     mbarrier.wait(ds_empty.index(s), ph ^ 1)

@@ -31,7 +31,7 @@ from splitsoftmax.ops._triton import configs, launch  # noqa: E402
 from splitsoftmax.core.mask import Mask  # noqa: E402
 
 SM90_SMEM = 227 * 1024
-TY = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "i32"}
+TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
 
 
 def _signature(fn, args, kwargs):
@@ -63,7 +63,7 @@ def _signature(fn, args, kwargs):
 
 
 def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: bool = False, causal: bool = True,
-              ds: bool = True, sinks: bool = False):
+              ds: bool = True, sinks: bool = False, dtype: torch.dtype = torch.bfloat16):
     from splitsoftmax.ops.attention import bwd_plain as ABP
     captured = []
     monkeypatch.setattr(launch.Launcher, "__call__",
@@ -76,10 +76,10 @@ def _launches(monkeypatch, atomic: bool, mask: Mask, tma: bool = False, gluon: b
     monkeypatch.setattr(configs, "ATTN_BWD_ATOMIC", atomic)
     monkeypatch.setattr(configs, "ATTN_BWD_TMA", tma)
     monkeypatch.setattr(configs, "ATTN_BWD_DS", ds)
-    q, dout = (torch.randn(1, 16, 512, 128).to(torch.bfloat16) for _ in range(2))
-    k, v = (torch.randn(1, 4, 512, 128).to(torch.bfloat16) for _ in range(2))
+    q, dout = (torch.randn(1, 16, 512, 128).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, 4, 512, 128).to(dtype) for _ in range(2))
     lse, delta = torch.randn(1, 16, 512), torch.randn(1, 16, 512)
-    AB.attn_bwd(q, k, v, dout, lse, delta, 0.1, causal, 0, mask, out_dtype=torch.bfloat16,
+    AB.attn_bwd(q, k, v, dout, lse, delta, 0.1, causal, 0, mask, out_dtype=dtype,
                 sinks=torch.randn(16) if sinks else None)
     return captured
 
@@ -170,6 +170,94 @@ def _check_compiled(launches, atomic, mask, tma, gluon, ds, kv_spills):
         if fn.fn.__name__ == "_attn_bwd_kv_ws":  # its warpgroups' registers are moved within the launch's
             assert "setmaxnreg.inc" in kernel.asm["ptx"] and f".maxnreg {kwargs['maxnreg']}" in kernel.asm["ptx"]
             assert kwargs["maxnreg"] * 4 * 128 <= 64 * 1024  # (three warpgroups and the producer's, padded)
+
+
+# The fused backward's launch (configs.ATTN_BWD_FUSED) by (visibility, mask): ptxas's spill stores on
+# sm_90 at 240 registers per MMA warpgroup and 24 for the producer warp, by the Triton version (the same
+# in float16 as in bfloat16). Those at 0 are in configs.ATTN_BWD_FUSED_MASKS; with Triton 3.9 documents
+# (each row's bounds beside the tile) and softcap (tanh from exp2 and a division) spill in the loops of
+# their tiles, and Triton 3.6-3.8 spill in every launch: those take the pair.
+FUSED_MASKS = {"plain": Mask(), "window": Mask(lo=-100), "kv_range": Mask(kv_range=MASK.kv_range),
+               "q_offset": Mask(q_offset=MASK.q_offset),
+               "window-kv_range-q_offset": Mask(lo=-100, kv_range=MASK.kv_range, q_offset=MASK.q_offset),
+               "documents": Mask(rows=MASK.rows), "softcap": Mask(softcap=20.0)}
+FUSED_SPILLS_39 = {**{(v, m): 0 for v in ("full", "causal") for m in list(FUSED_MASKS)[:5]},
+                   ("full", "documents"): 112, ("causal", "documents"): 56, ("full", "softcap"): 16,
+                   ("causal", "softcap"): 16}
+FUSED_SPILLS = {
+    (3, 6): {("full", "plain"): 96, ("causal", "plain"): 188,
+             ("full", "window"): 188, ("causal", "window"): 200,
+             ("full", "kv_range"): 192, ("causal", "kv_range"): 196,
+             ("full", "q_offset"): 96, ("causal", "q_offset"): 188,
+             ("full", "window-kv_range-q_offset"): 188, ("causal", "window-kv_range-q_offset"): 196,
+             ("full", "documents"): 200, ("causal", "documents"): 200,
+             ("full", "softcap"): 48, ("causal", "softcap"): 68},
+    (3, 7): {("full", "plain"): 96, ("causal", "plain"): 240,
+             ("full", "window"): 240, ("causal", "window"): 240,
+             ("full", "kv_range"): 200, ("causal", "kv_range"): 232,
+             ("full", "q_offset"): 96, ("causal", "q_offset"): 236,
+             ("full", "window-kv_range-q_offset"): 236, ("causal", "window-kv_range-q_offset"): 236,
+             ("full", "documents"): 248, ("causal", "documents"): 240,
+             ("full", "softcap"): 48, ("causal", "softcap"): 120},
+    (3, 8): {("full", "plain"): 112, ("causal", "plain"): 236,
+             ("full", "window"): 236, ("causal", "window"): 232,
+             ("full", "kv_range"): 200, ("causal", "kv_range"): 228,
+             ("full", "q_offset"): 112, ("causal", "q_offset"): 236,
+             ("full", "window-kv_range-q_offset"): 236, ("causal", "window-kv_range-q_offset"): 236,
+             ("full", "documents"): 412, ("causal", "documents"): 240,
+             ("full", "softcap"): 32, ("causal", "softcap"): 84},
+}.get(configs.TRITON_VERSION[:2], FUSED_SPILLS_39)
+FUSED_CASES = [(v, m, torch.bfloat16) for v, m in FUSED_SPILLS] + [(v, "plain", torch.float16)
+                                                                   for v in ("full", "causal")]
+
+
+@pytest.mark.parametrize("vis,mask,dtype", FUSED_CASES, ids=[f"{v}-{m}-{TY[t]}" for v, m, t in FUSED_CASES])
+def test_fused_backward_compiles_for_sm90(vis, mask, dtype, monkeypatch):
+    """With ``configs.ATTN_BWD_FUSED`` (and the visibility and mask allowed) a Hopper backward of 2-byte
+    inputs at D=128 (GQA 16/4) is one launch of the fused kernel, which compiles for sm_90 within an
+    SM's shared memory, its products not serialized, its registers moved to 240 per MMA warpgroup and
+    24 for the producer (``setmaxnreg``) out of ``maxnreg`` 168, spilling no more than
+    :data:`FUSED_SPILLS` (0 where dispatched); without the allowance the pair runs."""
+    from splitsoftmax.ops.attention import bwd_plain as ABP
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED", True)
+    causal = vis == "causal"
+    used = {vis, *ABP._mask_fields(FUSED_MASKS[mask])}
+    assert (used <= configs.ATTN_BWD_FUSED_MASKS) == (FUSED_SPILLS[(vis, mask)] == 0)
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED_MASKS", frozenset(used))
+    launches = _launches(monkeypatch, False, FUSED_MASKS[mask], True, True, causal, dtype=dtype)
+    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_attn_bwd_fused"]
+    fn, args, kwargs = launches[0]
+    sig, consts, attrs = _signature(fn, args, kwargs)
+    opts = {k: kwargs[k] for k in ("num_warps", "maxnreg")}
+    kernel = triton.compile(GluonASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=opts)
+    assert kernel.metadata.shared <= SM90_SMEM, kernel.metadata.shared
+    ptx = kernel.asm["ptx"]
+    report = ptxas_report(ptx)
+    assert "wgmma.mma_async instructions are serialized" not in report, report
+    assert spill_stores(report) <= FUSED_SPILLS[(vis, mask)], report
+    regs = {int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    assert kwargs["maxnreg"] == 168 and ".maxnreg 168" in ptx and 240 in regs, regs
+    assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED_MASKS", frozenset())
+    assert [fn.fn.__name__ for fn, _, _ in _launches(monkeypatch, False, FUSED_MASKS[mask], True, True, causal,
+                                                     dtype=dtype)] != ["_attn_bwd_fused"]
+
+
+def test_fused_backward_keeps_the_pair_when_deterministic(monkeypatch):
+    """Under ``torch.use_deterministic_algorithms(True)`` the fused backward, though on, is not taken:
+    the atomic-free Gluon pair runs (bitwise reproducible)."""
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED", True)
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED_MASKS", frozenset({"full"}))
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        launches = _launches(monkeypatch, False, Mask(), True, True, False)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert [fn.fn.__name__ for fn, _, _ in launches] == ["_attn_bwd_kv_ws", "_attn_bwd_q_ds_kernel"]
+    assert [fn.fn.__name__ for fn, _, _ in _launches(monkeypatch, False, Mask(), True, True, False)] == [
+        "_attn_bwd_fused"]
 
 
 def test_deterministic_algorithms_keep_the_gluon_pair(monkeypatch):

@@ -473,3 +473,67 @@ def test_dq_from_the_written_ds_masks(name, causal, make, monkeypatch):
     assert ok, nums
     fro = [((g[0].double() - want[0]).norm() / want[0].norm()).item() for g in (grads[True], grads[False])]
     assert fro[0] <= 1.05 * fro[1], fro
+
+
+FUSED_CASES = [
+    # b, h, hkv, s, causal, bshd, dtype, mask
+    (2, 8, 8, 1000, False, False, BF16, None),
+    (1, 16, 4, 2048, True, False, BF16, None),   # GQA: a kv head's four query heads in one program
+    (1, 32, 8, 1111, True, True, BF16, None),    # (B, S, H, D) views, tiles crossing the end
+    (1, 4, 4, 777, True, False, torch.float16, None),
+    (2, 8, 2, 1800, True, False, BF16, "window+kv_range+offset"),
+    (1, 8, 8, 1500, False, False, BF16, "window, full"),
+]
+
+
+def _fused_mask(name, s):
+    if name == "window+kv_range+offset":
+        return Mask(lo=-700, kv_range=torch.tensor([[5, s], [0, s - 333]], dtype=torch.int32, device=DEV),
+                    q_offset=torch.tensor([3, 0], dtype=torch.int32, device=DEV))
+    if name == "window, full":
+        return Mask(lo=-500)
+    return NO_MASK
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=lambda c: f"{c[1]}/{c[2]}x{c[3]}c{int(c[4])}-{c[7] or 'plain'}")
+def test_fused_backward(case, monkeypatch):
+    """The fused five-product kernel (``configs.ATTN_BWD_FUSED``, sm_90, where the Triton in use takes
+    it: ``configs.ATTN_BWD_FUSED_MASKS``): its gradients, written over memory filled with NaN, meet the
+    rule (dQ summed in float32 in arrival order); a NaN/Inf in a row of Q or dO or in a key reaches
+    exactly the gradient entries it reaches through the pair (hidden pairs give exact zeros); under
+    deterministic algorithms the pair runs."""
+    from splitsoftmax.ops.attention import bwd_plain as ABP
+    from splitsoftmax.ops._triton.device import sm90
+    b, h, hkv, s, causal, bshd, dtype, mname = case
+    q, k, v, dout = inputs(b, h, hkv, s, 128, dtype, bshd)
+    mask = _fused_mask(mname, s)
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED", True)
+    if not sm90(q) or not ABP.fused(q, k, v, dout, causal, mask, None):
+        pytest.skip("the fused kernel runs on sm_90 for the masks of configs.ATTN_BWD_FUSED_MASKS")
+    scale = 1 / math.sqrt(128)
+    want, lse, delta = oracle(q, k, v, dout, scale, causal, 0, mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    masked_attention(*leaves, scale, causal, 0, mask)[0].backward(dout)  # the peer in the inputs' dtype
+    torch.empty(4 * q.numel() + 4 * k.numel(), device=DEV).fill_(float("nan"))  # (freed: the outputs' memory)
+    got = AB.attn_bwd(q, k, v, dout, lse, delta, scale, causal, 0, mask, out_dtype=dtype)
+    for name, g, t, p, w in zip("qkv", got, (q, k, v), leaves, want):
+        assert g.dtype == dtype and g.stride() == t.stride()
+        ok, nums = rule(g, p.grad, w)
+        assert ok, (name, nums)
+    q2, k2, dout2 = q.clone(), k.clone(), dout.clone()
+    dout2[0, 0, s // 3] = float("nan")
+    q2[0, h - 1, s // 2, 5] = float("inf")
+    k2[0, 0, s - 1, 7] = float("nan")
+    nans = {}
+    for fused in (True, False):
+        monkeypatch.setattr(configs, "ATTN_BWD_FUSED", fused)
+        nans[fused] = [g.isnan() for g in AB.attn_bwd(q2, k2, v, dout2, lse, delta, scale, causal, 0, mask,
+                                                      out_dtype=torch.float32)]
+    for name, a, t in zip("qkv", nans[True], nans[False]):
+        assert torch.equal(a, t), name
+    monkeypatch.setattr(configs, "ATTN_BWD_FUSED", True)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not ABP.fused(q, k, v, dout, causal, mask, None)
+    finally:
+        torch.use_deterministic_algorithms(False)

@@ -68,6 +68,10 @@ ATTN_TILES = {
     # timed at B=4 H=16 8k causal (attn_bwd_paths.py sweep, run not recorded: settings.md)
     ("bwd", 2, 64): (32, 128, 8, 3),
     ("bwd", 2, 128): (32, 128, 8, 3),
+    # ... or, on sm_90 (ATTN_BWD_FUSED), the fused Gluon kernel's (BLOCK_M, BLOCK_N, num_warps of each
+    # MMA warpgroup, STAGES of Q/dO and dS^T, maxnreg): two warpgroups of 64 keys each, 240 registers
+    # each and 24 for the producer warp (three warpgroups' worth of 168 per thread); not timed
+    ("bwd_fused", 2, 128): (64, 128, 4, 2, 168),
 }
 ATTN_TILE_DEFAULT = (16, 16, 4, 2)
 # The five-product backward (dQ added through TMA reductions; never under deterministic algorithms):
@@ -75,6 +79,18 @@ ATTN_TILE_DEFAULT = (16, 16, 4, 2)
 # ATTN_BWD_ATOMIC_MAX_DIM (its dK/dV accumulators stay in registers).
 ATTN_BWD_ATOMIC = False
 ATTN_BWD_ATOMIC_MAX_DIM = 128
+# The fused backward on sm_90 (ops/attention/gluon/bwd_fused.py): one Gluon kernel of five products per
+# tile pair (dS handed to the dQ product in shared memory, P^T and dS^T fed to dV and dK from registers,
+# dQ reduce-added in float32 by TMA), for 2-byte inputs of a head dim with a "bwd_fused" tile, the masks
+# of ATTN_BWD_FUSED_MASKS, no sinks; never under deterministic algorithms (the pair runs). Off: not
+# timed yet (benchmarks/probes/bwd_fused_check.py) ...
+ATTN_BWD_FUSED = False
+# ... for these visibilities ("full", "causal") and mask fields ("lo", "kv_range", "q_offset", "rows",
+# "softcap"): those whose launches compile for sm_90 without spilling, by the Triton version (3.6-3.8
+# spill 96-248 bytes in every one; tests/test_attention_bwd_compile.py, and
+# docs/benchmarks/attention-backward-fused.md has each count); the others take the pair.
+ATTN_BWD_FUSED_MASKS = (frozenset({"full", "causal", "lo", "kv_range", "q_offset"}) if TRITON_VERSION >= (3, 9)
+                        else frozenset())
 # ... and both backwards split a key block's work across programs (query heads, then query range)
 # while fewer than this many dK/dV programs per SM would run, each range piece at least this many
 # query blocks long (not timed).

@@ -24,6 +24,10 @@ Two paths, the same math:
   ran faster still, and so do the variants' masks where that pair's Gluon kernels run (Hopper,
   bfloat16).
 
+- **fused** (``configs.ATTN_BWD_FUSED``, never deterministic; sm_90, 2-byte inputs, D=128, the masks
+  of ``configs.ATTN_BWD_FUSED_MASKS``, no sinks): one Gluon kernel of five products per tile pair
+  (``gluon/bwd_fused.py``), dQ reduce-added in float32 by TMA; ``bwd_plain.fused`` decides.
+
 When too few dK/dV programs would run for two per SM (batch 1, a few kv heads), each key block's
 work is split across programs by query heads (then by query range); their dK/dV partials are added
 into float32 buffers by TMA reductions (atomic path) or summed in split order (deterministic path).
@@ -546,6 +550,9 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
         zeros = (torch.zeros_like(q, dtype=od), torch.zeros_like(k, dtype=od), torch.zeros_like(v, dtype=od))
         return sink_sums(zeros, sink_buffers(sinks, q, 1, 0))
+    if attention_bwd_plain.fused(q, k, v, dout, causal, mask, sinks):  # one kernel, dQ in arrival order
+        from .gluon.bwd_fused import attn_bwd as fused_bwd
+        return fused_bwd(q, k, v, dout, lse, delta, scale, causal, diag, od, mask)
     atomic = _atomic(q, k, v)
     if not atomic and attention_bwd_plain.takes(q, k, v, dout, mask):  # faster where both apply
         return attention_bwd_plain.attn_bwd(q, k, v, dout, lse, delta, scale, causal, diag, od, mask, sinks)

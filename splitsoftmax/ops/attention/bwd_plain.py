@@ -337,6 +337,29 @@ def takes(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, mask: Mask) -> bool:
                                                             for kind in ("bwd_kv_ws", "bwd_q_gluon")))
 
 
+def fused(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, causal: bool, mask: Mask, sinks: Optional[Tensor]) -> bool:
+    """Whether the fused five-product Gluon kernel (``gluon/bwd_fused.py``) takes the backward:
+    ``configs.ATTN_BWD_FUSED``, not under deterministic algorithms (its dQ sums in arrival order),
+    a Hopper GPU (sm_90), bfloat16 or float16 inputs of one dtype that TMA can address, a head dim
+    (equal for keys and values) with a ``"bwd_fused"`` tile, no sinks, and a visibility (full or
+    causal) and mask fields all in ``configs.ATTN_BWD_FUSED_MASKS``. Elsewhere the pair runs."""
+    if not configs.ATTN_BWD_FUSED or torch.are_deterministic_algorithms_enabled() or sinks is not None:
+        return False
+    d = q.shape[-1]
+    if (interpreting() or q.dtype not in (torch.float16, torch.bfloat16) or v.shape[-1] != d
+            or ("bwd_fused", 2, d) not in configs.ATTN_TILES or not sm90(q)):
+        return False
+    used = ("causal" if causal else "full", *_mask_fields(mask))
+    return _use_tma(q, k, v, dout) and all(f in configs.ATTN_BWD_FUSED_MASKS for f in used)
+
+
+def _mask_fields(mask: Mask) -> tuple:
+    """The variant fields ``mask`` uses: of ``("lo", "kv_range", "q_offset", "rows", "softcap")``."""
+    used = (mask.lo is not None, mask.kv_range is not None, mask.q_offset is not None, mask.rows is not None,
+            mask.softcap > 0)
+    return tuple(f for f, u in zip(("lo", "kv_range", "q_offset", "rows", "softcap"), used) if u)
+
+
 def _gluon_tile(kind: str, q: Tensor, v: Tensor) -> Optional[tuple]:
     """The tile of the Gluon kernel ``kind`` ("bwd_kv_ws", "bwd_q_gluon") if it runs here, else None:
     ``configs.ATTN_BWD_GLUON``, a Hopper GPU (sm_90: its warpgroup products), not the interpreter,

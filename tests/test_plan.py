@@ -160,8 +160,9 @@ def test_banded_and_rows_pieces_agree(max_band):
         qp, kp = pos(plan.q), pos(plan.keys[s])
         cnt = covered(plan.q, plan.keys[s], plan.pieces[s], docs, plan.band)
         assert torch.equal(cnt, vis[qp][:, kp].long())
-        if plan.pieces[s] and max_band == 0:
-            assert len(plan.pieces[s]) == 1 and plan.pieces[s][0].rows
+        if max_band == 0:  # by rows: one piece a run of rows that see keys, in order, apart
+            assert all(pc.rows for pc in plan.pieces[s])
+            assert all(a.q + a.nq < b.q for a, b in zip(plan.pieces[s], plan.pieces[s][1:]))
         if max_band == 100:
             assert not any(pc.rows for pc in plan.pieces[s])
 

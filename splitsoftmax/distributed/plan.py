@@ -33,6 +33,7 @@ from torch import Tensor
 from .layout import DIAG, Seg, block_pairs, segments
 
 MAX_BAND_PIECES = 4
+MAX_ROW_PIECES = 16  # pieces by rows of one step at most (launches), the narrowest gaps joined first
 FAR = 1 << 62  # a document bound beyond any position (no documents)
 
 
@@ -219,28 +220,49 @@ def _span(segs: Sequence[Seg]) -> tuple[int, int]:
     return segs[0].local, segs[-1].local + segs[-1].n - segs[0].local
 
 
-def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: int = MAX_BAND_PIECES) -> tuple:
+def row_groups(qs: Sequence[Seg], min_gap: int, most: int) -> list:
+    """``qs`` (sub-segments of a query buffer, in order) in groups, each the rows of one piece by
+    rows: runs of rows that continue one another in local index, runs closer than ``min_gap`` rows
+    joined, then the closest joined until at most ``most`` groups remain (the narrowest gaps first,
+    the earliest of equal ones)."""
+    if not qs:
+        return []
+    gaps = [b.local - (a.local + a.n) for a, b in zip(qs[:-1], qs[1:])]
+    open_ = [i for i in range(len(gaps)) if gaps[i] > 0 and gaps[i] >= min_gap]
+    cut = sorted(sorted(open_, key=lambda i: (-gaps[i], i))[:max(most, 1) - 1])
+    out, at = [], 0
+    for i in cut:
+        out.append(list(qs[at:i + 1]))
+        at = i + 1
+    out.append(list(qs[at:]))
+    return out
+
+
+def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: int = MAX_BAND_PIECES,
+           min_gap: int = 1, max_rows: int = MAX_ROW_PIECES) -> tuple:
     """The pieces of query buffer ``qbuf`` against key buffer ``kbuf``: banded pieces of the
     same-document segment parts when at most ``max_band`` are visible (always without documents),
-    else one piece by rows over the span of the rows that see a key and the keys that are seen,
-    marked causal where its intervals keep to the main diagonal. Segments that continue one another
-    count as one (:func:`coalesced`)."""
+    else pieces by rows: one per group of the rows that see a key (:func:`row_groups`: rows that see
+    nothing between two groups, at least ``min_gap`` of them, are in no piece; at most ``max_rows``
+    pieces), over the span of its rows and of the keys they see, each marked causal where its
+    intervals keep to the main diagonal. Segments that continue one another count as one
+    (:func:`coalesced`)."""
     qbuf, kbuf = coalesced(qbuf), coalesced(kbuf)
     banded = _banded(qbuf, kbuf, docs, b, None if docs is None else max_band)
     if banded is not None:
         return tuple(banded)
-    qs, ks = seen(kbuf, qbuf, docs, b.mirror()), seen(qbuf, kbuf, docs, b)
-    if not qs:
-        return ()
-    (q, nq), (k, nk) = _span(qs), _span(ks)
-    piece = Piece(q, nq, k, nk, False, 0, None, True)
-    if b.hi is None:
-        return (piece,)
-    # under a band that hides later keys the intervals may keep to the main diagonal (a rank's own
-    # step always does): marked causal (hiding nothing more), the piece's backward bounds its dS buffer
-    r = rows(qbuf, kbuf, piece, docs, b)
-    some = r[1] > r[0]
-    return (piece._replace(causal=bool((r[1] - 1 - torch.arange(nq))[some].max() <= 0)),)
+    out = []
+    for group in row_groups(seen(kbuf, qbuf, docs, b.mirror()), min_gap, max_rows):
+        (q, nq), (k, nk) = _span(group), _span(seen(group, kbuf, docs, b))
+        piece = Piece(q, nq, k, nk, False, 0, None, True)
+        if b.hi is not None:
+            # under a band that hides later keys the intervals may keep to the main diagonal (a rank's own
+            # step always does): marked causal (hiding nothing more), the piece's backward bounds its dS buffer
+            r = rows(qbuf, kbuf, piece, docs, b)
+            some = r[1] > r[0]
+            piece = piece._replace(causal=bool((r[1] - 1 - torch.arange(nq))[some].max() <= 0))
+        out.append(piece)
+    return tuple(out)
 
 
 def plain_pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], causal: bool) -> tuple:
@@ -282,11 +304,13 @@ def _join(a: Piece, b: Piece) -> Optional[Piece]:
 
 def make_plan(rank: int, q_lens: Sequence[int], k_lens: Sequence[int], layout: str, causal: bool,
               docs: Optional[tuple] = None, window: Optional[tuple] = None,
-              max_band: int = MAX_BAND_PIECES) -> Plan:
+              max_band: int = MAX_BAND_PIECES, min_gap: int = 1, max_rows: int = MAX_ROW_PIECES) -> Plan:
     """Rank ``rank``'s plan given every rank's query and key lengths (rank order). Without
     documents and window, today's ring: whole buffers, :func:`plain_pieces` (a launch a step). Otherwise
     each rank receives from each owner only the keys its queries see (none: no transfer, no
-    launch), so a window's traffic is a halo to the neighbours that hold it."""
+    launch), so a window's traffic is a halo to the neighbours that hold it; ``max_band``,
+    ``min_gap`` and ``max_rows`` as :func:`pieces` takes them (``min_gap``: the callers pass the
+    kernel's row tile, a gap narrower than it not worth a launch)."""
     p, b = len(q_lens), band(causal, window)
     qsegs = [tuple(segments(layout, list(q_lens), r, docs)) for r in range(p)]
     ksegs = [tuple(segments(layout, list(k_lens), r, docs)) for r in range(p)]
@@ -301,7 +325,7 @@ def make_plan(rank: int, q_lens: Sequence[int], k_lens: Sequence[int], layout: s
         got = ksegs[o] if s == 0 else compact(seen(mine, ksegs[o], docs, b))
         keys.append(got)
         send.append(() if s == 0 else seen(qsegs[t], ksegs[rank], docs, b))
-        work.append(pieces(mine, got, docs, b, max_band))
+        work.append(pieces(mine, got, docs, b, max_band, min_gap, max_rows))
     return Plan(rank, p, direct, docs, b, mine, tuple(keys), tuple(send), tuple(work))
 
 

@@ -40,8 +40,8 @@ import splitsoftmax as ss
 from splitsoftmax.distributed import plan as pl
 from splitsoftmax.distributed.attn_meta import Keywords
 from splitsoftmax.distributed.layout import causal_work, segments, shard_lengths
-from splitsoftmax.distributed.work import AttnSpec, Planned, nrows
-from splitsoftmax.ops.attention.schedules.ring import attn_bwd_visit, attn_fwd_visit, dq_of, state_of
+from splitsoftmax.distributed.work import AttnSpec, nrows
+from splitsoftmax.ops.attention.schedules.ring import attn_bwd_visit, attn_fwd_visit, dq_of, plan_of, state_of
 from splitsoftmax.planning.validation import published_packs
 from splitsoftmax.tools.bench import best_ms, graph_ms
 
@@ -93,12 +93,14 @@ class RankWork:
 
     def __init__(self, layout: str, docs: tuple, p: int, rank: int, opts, device):
         lens = shard_lengths(docs[-1], p, layout, docs)
-        plan = pl.make_plan(rank, lens, lens, layout, True, docs)
+        planned = plan_of(rank, lens, lens, layout, True, docs, None)
+        plan = planned.plan
         self.spec = AttnSpec(b=1, h=opts.heads, hkv=opts.kv_heads, d=opts.dim, dv=opts.dim,
                              scale=opts.dim ** -0.5, causal=True, layout=layout, q_lens=lens, k_lens=lens,
-                             rank=rank, kw=Keywords(docs=docs), planned=Planned(plan))
+                             rank=rank, kw=Keywords(docs=docs), planned=planned)
         self.steps = [s for s in range(p) if plan.pieces[s]]
         self.launches = sum(len(plan.pieces[s]) for s in range(p))
+        self.piece_rows = sum(pc.nq for s in range(p) for pc in plan.pieces[s])  # rows the kernels walk
         n, most = lens[rank], max([nrows(plan.keys[s]) for s in self.steps] or [0])
         gen = torch.Generator(device=device).manual_seed(rank)
 
@@ -191,6 +193,7 @@ def bench_pack(name: str, lengths: tuple, opts, device, rows: list, save: Callab
                 work.prepare_backward()
                 row = {"pack": name, "P": p, "layout": layout, "rank": r, "pairs": pairs[r],
                        "pairs_vs_mean": pairs[r] / mean, "rows": lens[r], "launches_fwd": work.launches,
+                       "piece_rows": work.piece_rows,
                        "steps": len(work.steps), "plan_s": plan_s}
                 for mode, fn in (("fwd", work.forward), ("fwd+bwd", work.fwd_bwd)):
                     row[mode] = timed(fn, cuda, False, opts.rep)

@@ -279,9 +279,20 @@ def test_rows_pieces_exact(monkeypatch, min_gap):
     cases = [(True, dict(cu_seqlens=cu)), (False, dict(cu_seqlens=cu)),
              (True, dict(cu_seqlens=cu, window_size=(40, 0), softcap=1.5, sinks=sinks_of()))]
     LoopbackWorld(p).run(lambda g: [check(g, schedule, "balanced", causal, kw, s=cu[-1])
-                                    for schedule in ("ring", "allgather") for causal, kw in cases])
+                                    for schedule in ("ring", "allgather") for causal, kw in cases]
+                         + [check(g, "ring", "balanced", True, cases[2][1], s=cu[-1], dtype=torch.float32, tol=F32)])
     LoopbackWorld(2 * p).run(lambda c: mesh_check(c.mesh(p, 2), "heads+ring", "balanced", True, dict(cu_seqlens=cu),
                                                  4, 2, s=cu[-1]))
+
+
+@pytest.mark.interpreter
+def test_interpreter_rows_pieces(monkeypatch):
+    """Steps of several pieces by rows over the Triton kernels (TRITON_INTERPRET=1), float32."""
+    from splitsoftmax.ops._triton import configs
+    monkeypatch.setattr(configs, "ATTN_PLAN_MIN_GAP", 8)
+    cu = cu_of(ROW_DOCS)
+    LoopbackWorld(3).run(lambda g: check(g, "ring", "balanced", True, dict(cu_seqlens=cu), s=cu[-1],
+                                         dtype=torch.float32, tol=F32))
 
 
 @pytest.mark.interpreter

@@ -260,6 +260,41 @@ def test_context_parallel_refuses_balanced():
     LoopbackWorld(2).run(case)
 
 
+ROW_DOCS = (60, 12, 10, 50, 11, 9, 70, 12, 0, 10, 13)  # at P = 3 three split, whole ones between their chunks
+
+
+@pytest.mark.parametrize("min_gap", [1, 8, 20])
+def test_rows_pieces_exact(monkeypatch, min_gap):
+    """Steps of several pieces by rows (whole documents between the split ones' chunks left out; at
+    a ``min_gap`` of 20 some gaps walked inside a piece): ring and allgather, causal and not, and the
+    2-D mesh's heads+ring, forward and backward against the float64 oracle."""
+    from splitsoftmax.ops._triton import configs
+    from splitsoftmax.ops.attention.schedules.ring import plan_of
+    from test_mesh_cases import check as mesh_check
+    monkeypatch.setattr(configs, "ATTN_PLAN_MIN_GAP", min_gap)
+    cu, p = cu_of(ROW_DOCS), 3
+    lens = lay.shard_lengths(cu[-1], p, "balanced", cu)
+    plans = [plan_of(r, lens, lens, "balanced", True, cu, None).plan for r in range(p)]
+    assert sum(sum(pc.rows for pc in pcs) > 1 for plan in plans for pcs in plan.pieces) == 2
+    cases = [(True, dict(cu_seqlens=cu)), (False, dict(cu_seqlens=cu)),
+             (True, dict(cu_seqlens=cu, window_size=(40, 0), softcap=1.5, sinks=sinks_of()))]
+    LoopbackWorld(p).run(lambda g: [check(g, schedule, "balanced", causal, kw, s=cu[-1])
+                                    for schedule in ("ring", "allgather") for causal, kw in cases]
+                         + [check(g, "ring", "balanced", True, cases[2][1], s=cu[-1], dtype=torch.float32, tol=F32)])
+    LoopbackWorld(2 * p).run(lambda c: mesh_check(c.mesh(p, 2), "heads+ring", "balanced", True, dict(cu_seqlens=cu),
+                                                 4, 2, s=cu[-1]))
+
+
+@pytest.mark.interpreter
+def test_interpreter_rows_pieces(monkeypatch):
+    """Steps of several pieces by rows over the Triton kernels (TRITON_INTERPRET=1), float32."""
+    from splitsoftmax.ops._triton import configs
+    monkeypatch.setattr(configs, "ATTN_PLAN_MIN_GAP", 8)
+    cu = cu_of(ROW_DOCS)
+    LoopbackWorld(3).run(lambda g: check(g, "ring", "balanced", True, dict(cu_seqlens=cu), s=cu[-1],
+                                         dtype=torch.float32, tol=F32))
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("schedule", ["ring", "heads"])
 def test_interpreter(schedule):

@@ -40,6 +40,7 @@ def test_end_to_end_on_cpu(tmp_path, capsys):
         data = json.load(f)
     rows, lines = data["rows"], data["summary"]
     assert data["complete"] is True
+    assert data["meta"]["plan"] == {"min_gap": bp.configs.ATTN_PLAN_MIN_GAP, "max_row_pieces": bp.pl.MAX_ROW_PIECES}
     assert [(r["pack"], r["P"]) for r in rows if r["P"] == 1] == [("uniform", 1)]
     packs = {"uniform": bp.uniform_pack(512)}
     for pack, lengths in packs.items():
@@ -51,6 +52,7 @@ def test_end_to_end_on_cpu(tmp_path, capsys):
                 assert sorted(mine) == bp.chosen_ranks(pairs)
                 for rank, r in mine.items():
                     assert r["pairs"] == pairs[rank] and r["rows"] > 0 and r["launches_fwd"] >= 1
+                    assert r["piece_rows"] >= r["rows"]  # the own step walks every row (each sees itself)
                     assert r["fwd"] > 0 and r["fwd+bwd"] > 0
     assert {(ln["pack"], ln["P"], ln["layout"]) for ln in lines} == \
         {("uniform", p, lay) for p in (2, 5) for lay in bp.LAYOUTS}

@@ -160,10 +160,81 @@ def test_banded_and_rows_pieces_agree(max_band):
         qp, kp = pos(plan.q), pos(plan.keys[s])
         cnt = covered(plan.q, plan.keys[s], plan.pieces[s], docs, plan.band)
         assert torch.equal(cnt, vis[qp][:, kp].long())
-        if plan.pieces[s] and max_band == 0:
-            assert len(plan.pieces[s]) == 1 and plan.pieces[s][0].rows
+        if max_band == 0:  # by rows: one piece a run of rows that see keys, in order, apart
+            assert all(pc.rows for pc in plan.pieces[s])
+            assert all(a.q + a.nq < b.q for a, b in zip(plan.pieces[s], plan.pieces[s][1:]))
         if max_band == 100:
             assert not any(pc.rows for pc in plan.pieces[s])
+
+
+def test_row_groups():
+    """Runs of rows that see keys (touching in local index: one run), cut where at least ``min_gap``
+    rows lie between, then the narrowest gaps joined until at most ``most`` groups remain."""
+    S = Seg
+    qs = [S(0, 0, 5), S(5, 100, 3), S(10, 8, 2), S(40, 50, 4), S(47, 60, 1), S(100, 70, 2)]
+    # runs [0, 8), [10, 12), [40, 44), [47, 48), [100, 102): gaps 2, 28, 3, 52
+    starts = lambda groups: [[s.local for s in g] for g in groups]  # noqa: E731
+    assert starts(pl.row_groups(qs, 1, 16)) == [[0, 5], [10], [40], [47], [100]]
+    assert starts(pl.row_groups(qs, 3, 16)) == [[0, 5, 10], [40], [47], [100]]
+    assert starts(pl.row_groups(qs, 4, 16)) == [[0, 5, 10], [40, 47], [100]]
+    assert starts(pl.row_groups(qs, 1, 3)) == [[0, 5, 10], [40, 47], [100]]
+    assert starts(pl.row_groups(qs, 1, 2)) == [[0, 5, 10, 40, 47], [100]]
+    assert starts(pl.row_groups(qs, 1, 1)) == [[0, 5, 10, 40, 47, 100]]
+    assert pl.row_groups([], 1, 4) == []
+
+
+SHORT_LONG = (1500, 300, 200, 1200, 250, 180, 1700, 260, 0, 190, 220, 150)  # three split at P = 4
+
+
+def balanced_case(lengths: tuple, p: int) -> tuple:
+    """``(cu_seqlens, lens, each rank's local rows of whole documents, the dense visibility)``."""
+    cu = tuple(itertools.accumulate(lengths, initial=0))
+    lens = lay.shard_lengths(cu[-1], p, "balanced", cu)
+    owners = lay.balanced_owners(cu, p)
+    doc = torch.bucketize(torch.arange(cu[-1]), torch.tensor(cu[1:]), right=True)
+    whole = [{i for i, g in enumerate(pos(lay.segments("balanced", lens, r, cu))) if owners[doc[g]] >= 0}
+             for r in range(p)]
+    return cu, lens, whole, dense(cu[-1], cu, True, None)
+
+
+def test_balanced_rows_pieces_leave_whole_documents_out():
+    """"balanced", short documents whole between the chunks of long ones: after step 0 the whole
+    documents see nothing, so the pieces by rows (one per run of rows that see keys, runs a row
+    tile or more apart) hold none of their rows and walk at most the split documents' rows a step
+    (one span from the first row that sees a key to the last held the whole documents between);
+    every visible pair covered once."""
+    p, gap = 4, 128
+    cu, lens, whole, vis = balanced_case(SHORT_LONG, p)
+    several = 0
+    for r in range(p):
+        plan = pl.make_plan(r, lens, lens, "balanced", True, cu, min_gap=gap)
+        split_rows = lens[r] - len(whole[r])
+        qp = pos(plan.q)
+        for s in range(1, p):
+            pcs = plan.pieces[s]
+            walked = {a for pc in pcs for a in range(pc.q, pc.q + pc.nq)}
+            assert not walked & whole[r], (r, s, pcs)
+            assert sum(pc.nq for pc in pcs) <= split_rows, (r, s, pcs)
+            several += sum(pc.rows for pc in pcs) > 1
+            cnt = covered(plan.q, plan.keys[s], pcs, cu, plan.band)
+            assert torch.equal(cnt, vis[qp][:, pos(plan.keys[s])].long()), (r, s)
+    assert several >= 6  # the case cuts: steps of three runs and of two
+
+
+@pytest.mark.parametrize("min_gap,max_rows", [(1, 1), (1, 2), (300, 16)])
+def test_rows_pieces_cover_once_when_joined(min_gap, max_rows):
+    """Gaps joined (narrower than ``min_gap``, or past ``max_rows`` pieces): still every visible
+    pair once, and at most ``max_rows`` pieces by rows a step."""
+    p = 4
+    cu, lens, _, vis = balanced_case(SHORT_LONG, p)
+    for r in range(p):
+        plan = pl.make_plan(r, lens, lens, "balanced", True, cu, min_gap=min_gap, max_rows=max_rows)
+        qp = pos(plan.q)
+        for s in range(p):
+            pcs = plan.pieces[s]
+            assert sum(pc.rows for pc in pcs) <= max_rows
+            cnt = covered(plan.q, plan.keys[s], pcs, cu, plan.band)
+            assert torch.equal(cnt, vis[qp][:, pos(plan.keys[s])].long()), (r, s)
 
 
 def test_window_halo_contiguous():

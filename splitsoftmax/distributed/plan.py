@@ -14,12 +14,13 @@ causal and window reduce to per-row intervals (``Mask.rows``) for any pair of bu
 - :func:`seen`: the positions of one buffer that some position of another sees (what must
   travel; with the mirrored band, which query rows see anything).
 - :func:`pieces`: the work of one query buffer against one key buffer: banded pieces per
-  segment pair (no documents, or few pairs within documents), else one piece by rows.
+  segment pair (no documents, or few pairs within documents), else pieces by rows, one per group
+  of the rows that see keys (:func:`row_groups`), so rows that see nothing in a step are walked
+  only where they lie between such rows closer than ``min_gap`` (the kernel's row tile).
 - :func:`make_plan`: per rank and ring step, the keys received, the keys sent and the pieces.
 
 Every function here is pure (host integers in, tuples out) except :func:`positions` and
-:func:`rows`, which build the small tensors of a plan (:func:`pieces` reads a piece's rows on the
-host).
+:func:`rows`, which build the small tensors of a plan.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from torch import Tensor
 from .layout import DIAG, Seg, block_pairs, segments
 
 MAX_BAND_PIECES = 4
+MAX_ROW_PIECES = 16  # pieces by rows of one step at most (launches), the narrowest gaps joined first
 FAR = 1 << 62  # a document bound beyond any position (no documents)
 
 
@@ -133,7 +135,12 @@ def seen(src: Sequence[Seg], dst: Sequence[Seg], docs, b: Band) -> tuple:
     """The sub-segments of ``dst`` (its local indices) holding positions that some position of
     ``src`` sees under ``docs`` and band ``b``; ``seen(dst, src, docs, b.mirror())`` is the part
     of ``src`` that sees anything in ``dst``."""
-    reach, out, i = _reach(src, docs, b), [], 0
+    return _within(_reach(src, docs, b), dst)
+
+
+def _within(reach: Sequence[tuple[int, int]], dst: Sequence[Seg]) -> tuple:
+    """The sub-segments of ``dst`` (its local indices) holding positions of ``reach`` (:func:`_reach`'s)."""
+    out, i = [], 0
     for s in (s for s in dst if s.n):
         while i < len(reach) and reach[i][1] <= s.glob:
             i += 1
@@ -189,13 +196,11 @@ def band_piece(q: Seg, k: Seg, b: Band) -> Optional[Piece]:
                  q0 - k0 + b.hi if upper else 0, q0 - k0 + b.lo if lower else None, False)
 
 
-def doc_split(segs: Sequence[Seg], docs) -> list[tuple[Seg, int]]:
-    """``segs`` cut at document boundaries, each part with its document's start."""
-    out = []
+def doc_split(segs: Sequence[Seg], docs):
+    """``segs`` cut at document boundaries, each part with its document's start (as they are read)."""
     for s in segs:
         for g, n, ds, _ in doc_runs((s,), docs):
-            out.append((Seg(s.local + g - s.glob, g, n), ds))
-    return out
+            yield Seg(s.local + g - s.glob, g, n), ds
 
 
 def _banded(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, limit: Optional[int]) -> Optional[list]:
@@ -219,28 +224,78 @@ def _span(segs: Sequence[Seg]) -> tuple[int, int]:
     return segs[0].local, segs[-1].local + segs[-1].n - segs[0].local
 
 
-def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: int = MAX_BAND_PIECES) -> tuple:
+def row_groups(qs: Sequence[Seg], min_gap: int, most: int) -> list:
+    """``qs`` (sub-segments of a query buffer, in order) in groups, each the rows of one piece by
+    rows: runs of rows that continue one another in local index, runs closer than ``min_gap`` rows
+    joined, then the closest joined until at most ``most`` groups remain (the narrowest gaps first,
+    the earliest of equal ones)."""
+    if not qs:
+        return []
+    gaps = [b.local - (a.local + a.n) for a, b in zip(qs[:-1], qs[1:])]
+    open_ = [i for i in range(len(gaps)) if gaps[i] > 0 and gaps[i] >= min_gap]
+    cut = sorted(sorted(open_, key=lambda i: (-gaps[i], i))[:max(most, 1) - 1])
+    out, at = [], 0
+    for i in cut:
+        out.append(list(qs[at:i + 1]))
+        at = i + 1
+    out.append(list(qs[at:]))
+    return out
+
+
+def pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], docs, b: Band, max_band: int = MAX_BAND_PIECES,
+           min_gap: int = 1, max_rows: int = MAX_ROW_PIECES) -> tuple:
     """The pieces of query buffer ``qbuf`` against key buffer ``kbuf``: banded pieces of the
     same-document segment parts when at most ``max_band`` are visible (always without documents),
-    else one piece by rows over the span of the rows that see a key and the keys that are seen,
-    marked causal where its intervals keep to the main diagonal. Segments that continue one another
-    count as one (:func:`coalesced`)."""
+    else pieces by rows: one per group of the rows that see a key (:func:`row_groups`: rows that see
+    nothing between two groups, at least ``min_gap`` of them, are in no piece; at most ``max_rows``
+    pieces), over the span of its rows and of the keys they see, each marked causal where its
+    intervals keep to the main diagonal. Segments that continue one another count as one
+    (:func:`coalesced`)."""
     qbuf, kbuf = coalesced(qbuf), coalesced(kbuf)
     banded = _banded(qbuf, kbuf, docs, b, None if docs is None else max_band)
     if banded is not None:
         return tuple(banded)
-    qs, ks = seen(kbuf, qbuf, docs, b.mirror()), seen(qbuf, kbuf, docs, b)
-    if not qs:
-        return ()
-    (q, nq), (k, nk) = _span(qs), _span(ks)
-    piece = Piece(q, nq, k, nk, False, 0, None, True)
-    if b.hi is None:
-        return (piece,)
-    # under a band that hides later keys the intervals may keep to the main diagonal (a rank's own
-    # step always does): marked causal (hiding nothing more), the piece's backward bounds its dS buffer
-    r = rows(qbuf, kbuf, piece, docs, b)
-    some = r[1] > r[0]
-    return (piece._replace(causal=bool((r[1] - 1 - torch.arange(nq))[some].max() <= 0)),)
+    out, kglob = [], [s.glob for s in kbuf]
+    for group in row_groups(seen(kbuf, qbuf, docs, b.mirror()), min_gap, max_rows):
+        (q, nq), (k, nk) = _span(group), _key_span(group, kbuf, kglob, docs, b)
+        # under a band that hides later keys the intervals may keep to the main diagonal (a rank's own
+        # step always does): marked causal (hiding nothing more), the piece's backward bounds its dS buffer
+        causal = b.hi is not None and _keeps_diagonal(group, kbuf, kglob, q, k, docs, b)
+        out.append(Piece(q, nq, k, nk, causal, 0, None, True))
+    return tuple(out)
+
+
+def _last_key(kbuf: Sequence[Seg], kglob: list, pos: int) -> int:
+    """The local index of the last key of ``kbuf`` at or before position ``pos`` (one is)."""
+    ks = kbuf[bisect_right(kglob, pos) - 1]
+    return ks.local + min(pos - ks.glob, ks.n - 1)
+
+
+def _key_span(group: Sequence[Seg], kbuf: Sequence[Seg], kglob: list, docs, b: Band) -> tuple[int, int]:
+    """``(k, nk)``: the span of the keys of ``kbuf`` that the rows of ``group`` (rows that see keys,
+    in order) see. A row's first and last visible positions never decrease along the buffer (documents
+    in order, positions rising with the local index): the first row's first key to the last row's last."""
+    g0, g1 = group[0].glob, group[-1].glob + group[-1].n - 1
+    ds, _ = doc_bounds(docs, g0)
+    first = ds if b.lo is None else max(ds, g0 + b.lo)
+    i = bisect_right(kglob, first) - 1
+    k0 = kbuf[i].local + first - kglob[i] if i >= 0 and first < kglob[i] + kbuf[i].n else kbuf[i + 1].local
+    _, de = doc_bounds(docs, g1)
+    k1 = _last_key(kbuf, kglob, de - 1 if b.hi is None else min(de - 1, g1 + b.hi))
+    return k0, k1 + 1 - k0
+
+
+def _keeps_diagonal(group: Sequence[Seg], kbuf: Sequence[Seg], kglob: list, q: int, k: int, docs, b: Band) -> bool:
+    """Whether no row of ``group`` (rows that see keys of ``kbuf``) sees a key past the main diagonal
+    of the piece at rows ``q``, keys ``k`` (row ``a`` no key past ``a``, piece-local), under a band
+    with ``hi``. Along rows of one segment within one document the last visible position grows by
+    at most one a row, so the index of the last visible key does too, no faster than the row's: the
+    first row of each such run decides."""
+    for s in group:
+        for g, _, _, de in doc_runs((s,), docs):
+            if _last_key(kbuf, kglob, min(de - 1, g + b.hi)) - k > s.local + g - s.glob - q:
+                return False
+    return True
 
 
 def plain_pieces(qbuf: Sequence[Seg], kbuf: Sequence[Seg], causal: bool) -> tuple:
@@ -282,15 +337,18 @@ def _join(a: Piece, b: Piece) -> Optional[Piece]:
 
 def make_plan(rank: int, q_lens: Sequence[int], k_lens: Sequence[int], layout: str, causal: bool,
               docs: Optional[tuple] = None, window: Optional[tuple] = None,
-              max_band: int = MAX_BAND_PIECES) -> Plan:
+              max_band: int = MAX_BAND_PIECES, min_gap: int = 1, max_rows: int = MAX_ROW_PIECES) -> Plan:
     """Rank ``rank``'s plan given every rank's query and key lengths (rank order). Without
     documents and window, today's ring: whole buffers, :func:`plain_pieces` (a launch a step). Otherwise
     each rank receives from each owner only the keys its queries see (none: no transfer, no
-    launch), so a window's traffic is a halo to the neighbours that hold it."""
+    launch), so a window's traffic is a halo to the neighbours that hold it; ``max_band``,
+    ``min_gap`` and ``max_rows`` as :func:`pieces` takes them (``min_gap``: the callers pass the
+    kernel's row tile, a gap narrower than it not worth a launch)."""
     p, b = len(q_lens), band(causal, window)
     qsegs = [tuple(segments(layout, list(q_lens), r, docs)) for r in range(p)]
     ksegs = [tuple(segments(layout, list(k_lens), r, docs)) for r in range(p)]
     mine, direct = qsegs[rank], docs is not None or window is not None
+    reach = _reach(mine, docs, b) if direct else ()  # what this rank's queries see, every step alike
     keys, send, work = [], [], []
     for s in range(p):
         o, t = (rank - s) % p, (rank + s) % p
@@ -298,10 +356,10 @@ def make_plan(rank: int, q_lens: Sequence[int], k_lens: Sequence[int], layout: s
             keys.append(ksegs[o])
             work.append(plain_pieces(mine, ksegs[o], causal))
             continue
-        got = ksegs[o] if s == 0 else compact(seen(mine, ksegs[o], docs, b))
+        got = ksegs[o] if s == 0 else compact(_within(reach, ksegs[o]))
         keys.append(got)
         send.append(() if s == 0 else seen(qsegs[t], ksegs[rank], docs, b))
-        work.append(pieces(mine, got, docs, b, max_band))
+        work.append(pieces(mine, got, docs, b, max_band, min_gap, max_rows))
     return Plan(rank, p, direct, docs, b, mine, tuple(keys), tuple(send), tuple(work))
 
 

@@ -69,9 +69,10 @@ def uploaded_rows(rows: Tensor, device) -> Tensor:
 
 @lru_cache(maxsize=8)
 def planned(rank: int, q_lens: tuple, k_lens: tuple, layout: str, causal: bool, docs: Optional[tuple],
-            window: Optional[tuple]) -> Planned:
-    """The plan of these arguments, kept for the next calls with the same ones."""
-    return Planned(pl.make_plan(rank, q_lens, k_lens, layout, causal, docs, window))
+            window: Optional[tuple], min_gap: int = 1) -> Planned:
+    """The plan of these arguments (``min_gap``: :func:`~splitsoftmax.distributed.plan.pieces`'),
+    kept for the next calls with the same ones."""
+    return Planned(pl.make_plan(rank, q_lens, k_lens, layout, causal, docs, window, min_gap=min_gap))
 
 
 @dataclass

@@ -183,6 +183,10 @@ ATTN_ORDER_MAX_WAVES = 16
 ATTN_INTERPRET_SMS = 4
 # Queries per head at or under which GQA heads are packed into one program's rows (not timed).
 ATTN_PACK_MAX_SQ = 16
+# Ring steps over documents (distributed.plan.pieces by rows): rows that see no key of a step, this
+# many or more between two runs of rows that do, are left out of its pieces (a run a launch); fewer
+# are walked inside one piece, not worth a launch: the forward's row tile (not timed).
+ATTN_PLAN_MIN_GAP = ATTN_TILES[("fwd", 2, 128)][0]
 # Fused merge: rows per program, head-dim columns per program, num_warps (not timed against others).
 MERGE_TILE = (32, 128, 4)
 MERGE_TILE_INTERPRET = (8, 16, 1)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from ...core import state
-from ...distributed import attn_meta, work
+from ...distributed import attn_meta
 from ...core.checks import MESH_SCHEDULES
 from ...distributed.comm import eager
 from ...distributed.mesh import as_group
@@ -21,7 +21,7 @@ from ...distributed.work import AttnSpec
 from .op import backward_stats, sink_total
 from .schedules.allgather import allgather_attention_bwd, allgather_attention_fwd
 from .schedules.heads import heads_attention, mesh_attention
-from .schedules.ring import ring_attention_bwd, ring_attention_fwd
+from .schedules.ring import plan_of, ring_attention_bwd, ring_attention_fwd
 from .schedules.tree import early_local, tree_attention_bwd, tree_attention_fwd
 
 _FWD = {"ring": ring_attention_fwd, "allgather": allgather_attention_fwd, "tree": tree_attention_fwd}
@@ -63,7 +63,7 @@ def _spec(comm, q, k, v, s: float, causal: bool, layout: str, schedule: str, kw,
     q_lens, k_lens = lens
     planned = None
     if schedule != "tree":
-        planned = work.planned(comm.rank, tuple(q_lens), tuple(k_lens), layout, causal, kw.docs, kw.window)
+        planned = plan_of(comm.rank, q_lens, k_lens, layout, causal, kw.docs, kw.window)
     return AttnSpec(b, h, hkv, d, dv, s, causal, layout, q_lens, k_lens, comm.rank, kw, planned)
 
 

@@ -17,6 +17,9 @@ Placements: ``zigzag`` (every document cut into ``2P`` chunks, chunks ``r`` and 
 most and the least loaded by causal pairs and the median one (every rank where ``P`` <= 16).
 
 Shapes: Llama-3-8B's attention (B 1, H 32, Hkv 8, D 128, bf16), causal within each document.
+A step's pieces by rows are cut as the sharded calls cut them (``--min-gap``, ``--max-row-pieces``:
+others to compare; ``--max-row-pieces 1``: one span over the rows that see keys); each rank's
+``piece_rows`` counts the rows its pieces walk, summed over the steps.
 Times per rank: ``eager`` (CUDA events around the rank's calls, launches included: host time shows
 where a rank's pieces are many and small) and ``graph`` (the same calls replayed from a CUDA graph:
 the device time alone), forward and forward+backward, medians. It runs in one process and writes
@@ -41,6 +44,7 @@ from splitsoftmax.distributed import plan as pl
 from splitsoftmax.distributed.attn_meta import Keywords
 from splitsoftmax.distributed.layout import causal_work, segments, shard_lengths
 from splitsoftmax.distributed.work import AttnSpec, Planned, nrows
+from splitsoftmax.ops._triton import configs
 from splitsoftmax.ops.attention.schedules.ring import attn_bwd_visit, attn_fwd_visit, dq_of, state_of
 from splitsoftmax.planning.validation import published_packs
 from splitsoftmax.tools.bench import best_ms, graph_ms
@@ -93,12 +97,13 @@ class RankWork:
 
     def __init__(self, layout: str, docs: tuple, p: int, rank: int, opts, device):
         lens = shard_lengths(docs[-1], p, layout, docs)
-        plan = pl.make_plan(rank, lens, lens, layout, True, docs)
+        plan = pl.make_plan(rank, lens, lens, layout, True, docs, min_gap=opts.min_gap, max_rows=opts.max_row_pieces)
         self.spec = AttnSpec(b=1, h=opts.heads, hkv=opts.kv_heads, d=opts.dim, dv=opts.dim,
                              scale=opts.dim ** -0.5, causal=True, layout=layout, q_lens=lens, k_lens=lens,
                              rank=rank, kw=Keywords(docs=docs), planned=Planned(plan))
         self.steps = [s for s in range(p) if plan.pieces[s]]
         self.launches = sum(len(plan.pieces[s]) for s in range(p))
+        self.piece_rows = sum(pc.nq for s in range(p) for pc in plan.pieces[s])  # rows the kernels walk
         n, most = lens[rank], max([nrows(plan.keys[s]) for s in self.steps] or [0])
         gen = torch.Generator(device=device).manual_seed(rank)
 
@@ -191,6 +196,7 @@ def bench_pack(name: str, lengths: tuple, opts, device, rows: list, save: Callab
                 work.prepare_backward()
                 row = {"pack": name, "P": p, "layout": layout, "rank": r, "pairs": pairs[r],
                        "pairs_vs_mean": pairs[r] / mean, "rows": lens[r], "launches_fwd": work.launches,
+                       "piece_rows": work.piece_rows,
                        "steps": len(work.steps), "plan_s": plan_s}
                 for mode, fn in (("fwd", work.forward), ("fwd+bwd", work.fwd_bwd)):
                     row[mode] = timed(fn, cuda, False, opts.rep)
@@ -239,6 +245,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--rep", type=int, default=20, help="timing budget per measurement (ms, do_bench's rep)")
+    ap.add_argument("--min-gap", type=int, default=configs.ATTN_PLAN_MIN_GAP,
+                    help="rows that see nothing in a step, at least this many between two runs that do, cut its "
+                         "pieces by rows (default: the sharded calls', configs.ATTN_PLAN_MIN_GAP)")
+    ap.add_argument("--max-row-pieces", type=int, default=pl.MAX_ROW_PIECES,
+                    help="pieces by rows of a step at most (default: plan.MAX_ROW_PIECES; 1: one span over the rows that see keys)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu (toy sizes only)")
     return ap
 
@@ -251,7 +262,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(opts.out, exist_ok=True)
     meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "shape": {"H": opts.heads, "Hkv": opts.kv_heads, "D": opts.dim, "dtype": str(opts.dtype)},
-            "argv": list(sys.argv[1:] if argv is None else argv)}
+            "argv": list(sys.argv[1:] if argv is None else argv),
+            "plan": {"min_gap": opts.min_gap, "max_row_pieces": opts.max_row_pieces}}
     rows: list = []
 
     def save(complete: bool = False) -> list:

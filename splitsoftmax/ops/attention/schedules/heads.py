@@ -61,7 +61,6 @@ from torch import Tensor
 
 from ....core import state
 from ....distributed import layout as lay
-from ....distributed import work
 from ....distributed.alltoall import Arriving, Started, exchange, start_exchange
 from ....distributed.attn_meta import Keywords
 from ....distributed.comm import Communicator
@@ -69,7 +68,7 @@ from ....distributed.mesh import seq_lengths
 from ....distributed.work import AttnSpec
 from ..op import backward_stats
 from .allgather import allgather_attention_bwd, allgather_attention_fwd
-from .ring import ring_attention_bwd, ring_attention_fwd
+from .ring import plan_of, ring_attention_bwd, ring_attention_fwd
 
 TAG_QKV, TAG_OUT, TAG_DOUT, TAG_GRAD = 51, 52, 53, 54
 CHUNKS = 2  # the query-head chunks q arrives in (the first visit starts on the first)
@@ -225,7 +224,7 @@ def sequence_op(comm: Communicator, schedule: str, b: int, hd: Heads, d: int, dv
     ``q_lens`` / ``k_lens`` of ``layout``; every keyword in its global meaning (``sinks`` apart). On a
     one-rank group it is the single-device op over the whole sequence."""
     inner_kw = kw._replace(sinks=None, q_offset=None)
-    planned = work.planned(comm.rank, q_lens, k_lens, layout, causal, kw.docs, kw.window)
+    planned = plan_of(comm.rank, q_lens, k_lens, layout, causal, kw.docs, kw.window)
     spec = AttnSpec(b, hd.nq, local_kv, d, dv, scale, causal, layout, list(q_lens), list(k_lens), comm.rank,
                     inner_kw, planned)
     fwd, bwd = _SEQUENCE[schedule]

@@ -34,9 +34,17 @@ from ..._registry import masked_op
 from ..op import bwd_call
 from ....distributed.alltoall import Arriving
 from ....distributed.comm import Communicator
-from ....distributed.work import AttnSpec, Packer, add_rows, nrows, pack, unpack, unpack_rows
+from ....distributed.work import AttnSpec, Packer, Planned, add_rows, nrows, pack, planned, unpack, unpack_rows
+from ..._triton import configs
 
 TAG_KV, TAG_DKV = 21, 22
+
+
+def plan_of(rank: int, q_lens: tuple, k_lens: tuple, layout: str, causal: bool, docs: Optional[tuple],
+            window: Optional[tuple]) -> Planned:
+    """This rank's plan for the ring and the all-gather (``work.planned``), its pieces by rows cut
+    where at least ``configs.ATTN_PLAN_MIN_GAP`` rows see no key of a step."""
+    return planned(rank, tuple(q_lens), tuple(k_lens), layout, causal, docs, window, configs.ATTN_PLAN_MIN_GAP)
 
 
 def _transfer(comm: Communicator, send: Tensor, recv: Tensor, tag: int) -> list:

@@ -201,7 +201,8 @@ def test_full_sequence_is_one_launch():
 
 def _dense_tiles(docs, p, r, u, causal, tile=128):
     """Tile pairs a kernel with per-row key bounds walks, from the dense mask of rank ``r``'s rows
-    against rank ``u``'s keys (per-document zigzag, ``torch.tensor_split`` chunks)."""
+    against the keys of rank ``u`` they see (per-document zigzag, ``torch.tensor_split`` chunks; the
+    ring brings only those, ``distributed.plan.make_plan``)."""
     def layout(rank):
         pos, doc, start = [], [], 0
         for d, n in enumerate(docs):
@@ -214,6 +215,7 @@ def _dense_tiles(docs, p, r, u, causal, tile=128):
     qp, qd = layout(r)
     kp, kd = layout(u)
     seen = (qd[:, None] == kd[None, :]) & ((kp[None, :] <= qp[:, None]) if causal else True)
+    seen = seen[:, seen.any(0)]  # the key buffer the ring brings: the keys some row sees, in order
     touched = 0
     for i in range(0, len(qp), tile):
         cols = np.nonzero(seen[i:i + tile].any(0))[0]

@@ -57,6 +57,7 @@ def test_fa3_profile_combines_its_published_passes():
     for (n, f), (_, b) in zip(v.FA3_H100["fwd"]["full"], v.FA3_H100["bwd"]["full"]):
         assert float(prof.rate("fwd_bwd", n)) == pytest.approx(3.5 / (1 / f + 2.5 / b))
     assert not prof.tiles.packed and prof.grad_bytes == 2 and all(x > 0 for x in prof.step_bytes.values())
+    assert prof.tiles.most == 1 and not any(x for d in prof.state.values() for x in d.values())  # not this package's merge
 
 
 def test_matched_profile_reproduces_the_fed_times():

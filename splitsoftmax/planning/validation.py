@@ -184,6 +184,8 @@ def fa3_profile() -> Profile:
                               zip(FA3_H100["fwd"][mask], FA3_H100["bwd"][mask])]
     k["packs_documents"] = False
     k["step_rate"] = {"fwd": 1.0, "fwd_bwd": 1.0}
+    for key in ("step_state", "row_pieces"):  # this package's merge in its step launches and their cut
+        k.pop(key, None)
     k.update(copy.deepcopy(FA3_RING))
     data["name"] = "h100-fa3"
     return Profile(data)

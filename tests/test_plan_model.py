@@ -201,7 +201,8 @@ def test_full_sequence_is_one_launch():
 
 def _dense_tiles(docs, p, r, u, causal, tile=128):
     """Tile pairs a kernel with per-row key bounds walks, from the dense mask of rank ``r``'s rows
-    against rank ``u``'s keys (per-document zigzag, ``torch.tensor_split`` chunks)."""
+    against the keys of rank ``u`` they see (per-document zigzag, ``torch.tensor_split`` chunks; the
+    ring brings only those, ``distributed.plan.make_plan``)."""
     def layout(rank):
         pos, doc, start = [], [], 0
         for d, n in enumerate(docs):
@@ -214,6 +215,7 @@ def _dense_tiles(docs, p, r, u, causal, tile=128):
     qp, qd = layout(r)
     kp, kd = layout(u)
     seen = (qd[:, None] == kd[None, :]) & ((kp[None, :] <= qp[:, None]) if causal else True)
+    seen = seen[:, seen.any(0)]  # the key buffer the ring brings: the keys some row sees, in order
     touched = 0
     for i in range(0, len(qp), tile):
         cols = np.nonzero(seen[i:i + tile].any(0))[0]
@@ -258,3 +260,38 @@ def test_contiguous_slices_walk_the_dense_tiles(causal):
                           - min(np.nonzero(row)[0][0] for row in seen[i:i + tile] if row.any()) // tile + 1
                           for i in range(0, seen.shape[0], tile) if seen[i:i + tile].any())
             assert (w.visible[r], w.touched[r]) == (seen.sum(), touched), (t, r)
+
+
+def test_shipped_profiles_hold_the_package_row_piece_rule():
+    """The one home of the rule is the package (configs.ATTN_PLAN_MIN_GAP, plan.MAX_ROW_PIECES); the
+    shipped profiles carry its values for the planner, which imports nothing of the package."""
+    from splitsoftmax.distributed.plan import MAX_ROW_PIECES
+    from splitsoftmax.ops._triton import configs
+    from splitsoftmax.planning.model import load_profile, shipped
+    for name in shipped():
+        t = load_profile(name).tiles
+        assert (t.min_gap, t.most) == (configs.ATTN_PLAN_MIN_GAP, MAX_ROW_PIECES), name
+
+
+@pytest.mark.parametrize("docs", [(300, 1000, 64, 4096, 700), (96,) * 40, (5000, 17, 3000, 9000, 40, 2500)])
+@pytest.mark.parametrize("most, gap", [(1, 1), (3, 128), (16, 128), (16, 1)])
+def test_row_cover_is_the_plans_pieces(docs, most, gap):
+    """The rows a step's launches cover and their count, as the model cuts them from the rows that see
+    keys, are those of the package's plan (distributed.plan.make_plan) for the same rank and step,
+    and the key buffer is the one the plan brings."""
+    from splitsoftmax.distributed import plan as pl
+    from splitsoftmax.distributed.layout import shard_lengths
+    from splitsoftmax.distributed.work import nrows
+    from splitsoftmax.planning.model import Tiles
+    from splitsoftmax.planning.work import row_cover, zigzag_segments
+    p, cu = 4, tuple(np.cumsum((0,) + docs).tolist())
+    lens = shard_lengths(cu[-1], p, "zigzag", cu)
+    for r in range(p):
+        plan = pl.make_plan(r, lens, lens, "zigzag", True, cu, min_gap=gap, max_rows=most)
+        for s in range(1, p):
+            u = (r - s) % p
+            segs = zigzag_segments(docs, p, r, u, True)
+            span, launches = row_cover(np.zeros(segs[0].size), segs[0], segs[1], 1, Tiles(128, True, gap, most))
+            pieces = plan.pieces[s]
+            assert (span[0], launches[0]) == (sum(pc.nq for pc in pieces), len(pieces)), (r, s)
+            assert np.max(segs[3], initial=0) == (nrows(plan.keys[s]) if pieces else 0), (r, s)

@@ -15,7 +15,7 @@ def checks():
 
 
 def test_own_ring_runs_within_20_percent(checks):
-    own = [c for c in checks if c.system.startswith("splitsoftmax ring")]
+    own = [c for c in checks if c.system.startswith("splitsoftmax ring (R")]
     assert len(own) == 6
     assert all(abs(c.error) <= 0.20 for c in own), v.table(own)
 
@@ -57,6 +57,7 @@ def test_fa3_profile_combines_its_published_passes():
     for (n, f), (_, b) in zip(v.FA3_H100["fwd"]["full"], v.FA3_H100["bwd"]["full"]):
         assert float(prof.rate("fwd_bwd", n)) == pytest.approx(3.5 / (1 / f + 2.5 / b))
     assert not prof.tiles.packed and prof.grad_bytes == 2 and all(x > 0 for x in prof.step_bytes.values())
+    assert prof.tiles.most == 1 and not any(x for d in prof.state.values() for x in d.values())  # not this package's merge
 
 
 def test_matched_profile_reproduces_the_fed_times():
@@ -80,3 +81,28 @@ def test_packed_mixes_fill_the_total():
     assert max(v.packed(1 << 16, "octaves")) <= 1 << 14
     with pytest.raises(ValueError, match="mix must be one of"):
         v.packed(100, "long")
+
+
+def test_r11_placement_rows_are_checked(checks):
+    """Every (ranks, placement) of R11 predicted forward and forward+backward, as a rank's compute."""
+    rows = [c for c in checks if "(R11)" in c.system]
+    assert len(rows) == 2 * len(v.R11["rows"])
+    assert {c.case.split(" (graph")[0] for c in rows} == {f"documents {pas}, {p} ranks {lay}"
+                                                          for p, lay in v.R11["rows"] for pas in ("fwd", "fwd+bwd")}
+
+
+def test_placement_json_is_read_as_r11_holds_it(tmp_path):
+    """A bench placement result (placement.json) reads into R11's form, so a new run is checked the same way."""
+    import json
+    one = {"pack": "published", "P": 1, "layout": "one GPU", "tokens": 1 << 20, "fwd": 147.368, "fwd+bwd": 701.709}
+    rows = [one, {"pack": "uniform", "P": 1, "layout": "one GPU", "fwd": 1.0, "fwd+bwd": 2.0}]
+    for (p, lay), (f, fb, gf, gfb) in v.R11["rows"].items():
+        rows.append({"pack": "published", "P": p, "layout": lay, "fwd": f, "fwd+bwd": fb, "fwd_graph": gf,
+                     "fwd+bwd_graph": gfb})
+        rows.append({"pack": "published", "P": p, "layout": lay, "fwd": f / 2, "fwd+bwd": fb / 2})
+    path = tmp_path / "placement.json"
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    got = v.placement_run(str(path), "R11")
+    assert got["one_gpu"] == v.R11["one_gpu"] and got["rows"] == v.R11["rows"] and got["row_pieces"] == (1, 1)
+    path.write_text(json.dumps({"meta": {"plan": {"min_gap": 128, "max_row_pieces": 16}}, "rows": rows}))
+    assert v.placement_run(str(path))["row_pieces"] == (16, 128)

@@ -18,8 +18,17 @@ ring of one rank, or as a ring whose communicator moves nothing, against one GPU
 A ring whose steps merge in kernels of their own (separate corrections of the output and its
 statistics, dQ sums, copies of half of the rows; FlashAttention's backward pre- and post-processing
 per call) moves ``step_bytes`` (per pass, per query row and head of a rank) through HBM each step, at
-the profile's ``hbm_gbs``. ``grad_bytes``: bytes per element of the dK/dV sums a ring passes on and an
-all-gather reduce-scatters (this package: float32).
+the profile's ``hbm_gbs``. This package's step launches move, besides their tiles, the running state
+of every row they cover (``kernel.step_state``, counted from its kernels' code; :meth:`Profile.state_s`):
+the forward's epilogue reads the query and reads and writes the float32 output and its statistics of
+each covered row, whether the row sees a key of the step or not; the backward writes the step's
+float32 dQ of each covered row and adds it to the running sum (a read, a read and a write); the
+step's float32 dK/dV are copied out (one launch) or zeroed and added to (several), per key row.
+Rows of row tiles that walk keys already pay, in the one-call rates, what the one-call kernel moves
+per row (``*_priced``); the rest of the bytes are added to the tiles' time (no overlap assumed).
+How a step's rows are cut into launches is the profile's ``kernel.row_pieces`` (:class:`Tiles`).
+``grad_bytes``: bytes per element of the dK/dV sums a ring passes on and an all-gather
+reduce-scatters (this package: float32).
 
 Transfers. ``t = latency + bytes / rate`` for the link class (``"intra"``: inside a host, ``"inter"``:
 across hosts) and the collective (``"p2p"``, ``"alltoall"``, ``"allgather"``).
@@ -37,8 +46,10 @@ import numpy as np
 PROFILES = pathlib.Path(__file__).resolve().parent / "profiles"
 PASSES = ("fwd", "fwd_bwd")
 LINKS = ("intra", "inter")
-FIELDS = ("visible", "touched", "rowtiles", "chain", "launches")
+FIELDS = ("visible", "touched", "rowtiles", "chain", "launches", "span", "keyrows")
+STATE_KINDS = ("inputs", "float32", "stats")  # the row vectors of :meth:`Profile.state_s`'s counts
 COLLECTIVES = ("p2p", "alltoall", "allgather")
+STATE_WHAT = ("fwd", "fwd_priced", "bwd", "bwd_priced", "keys_bwd", "keys_bwd_pieces")
 
 
 @dataclass
@@ -47,30 +58,47 @@ class Work:
 
     ``visible``: (query, key) pairs the mask keeps; ``touched``: tile pairs the kernel walks;
     ``rowtiles``: row tiles; ``chain``: key tiles of the longest row tile; ``launches``: kernel calls
-    (1 where there is work: pieces added together run in one launch)."""
+    (1 where there is work: pieces added together run in one launch; a ring step's pieces by rows
+    count one each). ``span``: query rows a ring step's launches cover, those that see no key of the
+    step among them (their running state read and written all the same, :meth:`Profile.state_s`);
+    ``keyrows``: key rows of the step's buffer (their dK/dV copied out of the launch). Both 0 where
+    nothing merges into a running state (one GPU's call, a peer's kernel)."""
     visible: object = 0.0
     touched: object = 0.0
     rowtiles: object = 0.0
     chain: object = 0.0
     launches: object = 0.0
+    span: object = 0.0
+    keyrows: object = 0.0
 
     def __add__(self, other: "Work") -> "Work":
         return Work(self.visible + other.visible, self.touched + other.touched, self.rowtiles + other.rowtiles,
-                    np.maximum(self.chain, other.chain), np.maximum(self.launches, other.launches))
+                    np.maximum(self.chain, other.chain), np.maximum(self.launches, other.launches),
+                    self.span + other.span, self.keyrows + other.keyrows)
 
     def scaled(self, k) -> "Work":
         """``k`` copies of this work in one launch (``k`` may be an array over ranks)."""
         some = np.asarray(k) > 0
         return Work(self.visible * k, self.touched * k, self.rowtiles * k, np.where(some, self.chain, 0.0),
-                    np.where(some, self.launches, 0.0))
+                    np.where(some, self.launches, 0.0), self.span * k, self.keyrows * k)
 
 
 class Tiles(NamedTuple):
     """The kernel's tile (rows = keys) and whether pieces of different documents share a tile
     (``packed``: this package's kernels, whose row bounds let a tile hold several documents) or each
-    document's piece has tiles of its own (varlen kernels that walk one document at a time)."""
+    document's piece has tiles of its own (varlen kernels that walk one document at a time).
+
+    ``min_gap``, ``most``: how a ring step's rows that see keys are cut into launches (pieces by
+    rows): runs of such rows closer than ``min_gap`` joined, then the closest joined until at most
+    ``most`` remain; ``most = 1``: one launch over the span of every such row. The package's rule is
+    ``distributed.plan.row_groups`` with ``configs.ATTN_PLAN_MIN_GAP`` and ``plan.MAX_ROW_PIECES``;
+    planning imports nothing of the package, so a profile carries their values (``kernel.row_pieces``,
+    written by ``calibrate`` from those constants; tests/test_plan_model.py checks that the shipped
+    profiles hold them)."""
     size: int
     packed: bool = True
+    min_gap: int = 1
+    most: int = 1
 
 
 def piece(rows, keys, causal: bool, tiles: Tiles, count=1.0, stride=None, aligned: bool = True) -> Work:
@@ -116,7 +144,15 @@ class Profile:
         k = data["kernel"]
         self.name = data["name"]
         self.tile = int(k["tile_rows"])
-        self.tiles = Tiles(self.tile, bool(k.get("packs_documents", True)))
+        rp = k.get("row_pieces", {})
+        self.tiles = Tiles(self.tile, bool(k.get("packs_documents", True)), int(rp.get("min_gap", 1)),
+                           int(rp.get("most", 1)))
+        if self.tiles.min_gap < 1 or self.tiles.most < 1:
+            raise ValueError(f"profile {self.name!r}: kernel.row_pieces needs min_gap >= 1 and most >= 1, got {rp}")
+        self.state = {w: {c: float(k.get("step_state", {}).get(w, {}).get(c, 0.0)) for c in STATE_KINDS}
+                      for w in STATE_WHAT}
+        if any(v < 0 for d in self.state.values() for v in d.values()):
+            raise ValueError(f"profile {self.name!r}: kernel.step_state needs counts >= 0, got {k.get('step_state')}")
         self.sms = int(data["sms"])
         self.memory = float(data["memory_gib"]) * 2 ** 30
         self.scale = {p: 1.0 for p in PASSES}
@@ -127,7 +163,8 @@ class Profile:
         self.grad_bytes = float(k.get("grad_bytes", 4))
         self.hbm = float(data.get("hbm_gbs", 0.0)) * 1e9
         if any(v < 0 for v in self.step_bytes.values()) or self.grad_bytes <= 0 or (
-                any(self.step_bytes.values()) and not self.hbm > 0):
+                (any(self.step_bytes.values()) or any(v for d in self.state.values() for v in d.values()))
+                and not self.hbm > 0):
             raise ValueError(f"profile {self.name!r}: kernel.step_bytes needs values >= 0 and hbm_gbs > 0, "
                              f"kernel.grad_bytes > 0; got {self.step_bytes}, {data.get('hbm_gbs')}, {self.grad_bytes}")
         self._tables = {p: sorted((float(s), float(r)) for s, r in k[p]["full"]) for p in PASSES}
@@ -183,6 +220,34 @@ class Profile:
         b = self.step_bytes["fwd" if pas == "fwd" else "bwd"]
         return np.asarray(rows, dtype=float) * heads * b / self.hbm if b else np.zeros(np.shape(rows))
 
+    def state_bytes(self, what: str, head_dim: int, elem: int) -> float:
+        """Bytes of one row (and head) of ``kernel.step_state[what]``: its counts of row vectors in the
+        inputs' dtype (``head_dim * elem`` bytes), of float32 row vectors (``head_dim * 4``) and of
+        float32 statistics (4)."""
+        c = self.state[what]
+        return c["inputs"] * head_dim * elem + c["float32"] * head_dim * 4 + c["stats"] * 4
+
+    def state_s(self, work: Work, heads: float, kv_heads: float, head_dim: int, elem: int, pas: str) -> np.ndarray:
+        """Seconds, at ``hbm_gbs``, of what a ring step's launches move besides the tiles the rates
+        price (``kernel.step_state``, counted from the kernels' code): every row of the step's ``span``
+        moves ``fwd`` (``bwd``) per head, less what a row of a row tile with keys already costs in
+        the one-call rates (``fwd_priced``, ``bwd_priced``); every key row of the step's buffer
+        moves ``keys_bwd`` (one launch) or ``keys_bwd_pieces`` (several) per kv head in the backward.
+        0 where the profile has no counts."""
+        span = np.asarray(work.span, dtype=float)
+        if not np.any(span) and not np.any(work.keyrows):
+            return np.zeros(np.shape(span))
+        b = pas if pas == "fwd" else "bwd"
+        priced = np.minimum(span, np.asarray(work.rowtiles, dtype=float) * self.tile)
+        rows = (span * self.state_bytes(b, head_dim, elem) - priced * self.state_bytes(b + "_priced", head_dim, elem))
+        out = np.maximum(rows, 0.0) * heads
+        if pas != "fwd":
+            many = np.asarray(work.launches, dtype=float) > 1
+            per_key = np.where(many, self.state_bytes("keys_bwd_pieces", head_dim, elem),
+                               self.state_bytes("keys_bwd", head_dim, elem))
+            out = out + np.asarray(work.keyrows, dtype=float) * kv_heads * per_key
+        return out / self.hbm if self.hbm > 0 else np.zeros(np.shape(out))
+
     def overhead_s(self, what: str, pas: str) -> float:
         """Host seconds of one ``what`` (``"step_us"``: a ring step, ``"call_us"``: a call) in pass ``pas``."""
         return self.data["kernel"][what]["fwd" if pas == "fwd" else "bwd"] * 1e-6
@@ -214,6 +279,19 @@ class Profile:
             if p not in PASSES:
                 raise ValueError(f"with_step_rate: unknown pass {p!r}, expected one of {PASSES}")
             data["kernel"].setdefault("step_rate", {})[p] = float(v)
+        out = Profile(data)
+        out.scale = dict(self.scale)
+        return out
+
+    def with_row_pieces(self, most: int, min_gap: int = None) -> "Profile":
+        """A copy whose ring steps cut their rows into at most ``most`` launches (``1``: one span over
+        the rows that see keys, the rule before pieces by rows were cut at gaps), gaps of at least
+        ``min_gap`` rows (default: kept)."""
+        data = copy.deepcopy(self.data)
+        rp = data["kernel"].setdefault("row_pieces", {})
+        rp["most"] = int(most)
+        if min_gap is not None:
+            rp["min_gap"] = int(min_gap)
         out = Profile(data)
         out.scale = dict(self.scale)
         return out

@@ -198,7 +198,7 @@ class Simulator:
         (fl, fu), (bl, bu) = (fwd, bwd) if bound else ((fwd, fwd), (bwd, bwd))
         call = prof.overhead_s("call_us", "fwd"), prof.overhead_s("call_us", "bwd")
         nbytes = {c: a2a_bytes[c] + seq_bytes[c] for c in ("intra", "inter")}
-        _, _, vis, tiles = self._costed(cand.layout, cand.seq_degree, h)
+        _, _, vis, tiles = self._costed(cand.layout, cand.seq_degree, h, k)
         eff = float((vis.c0 + vis.total).sum() / max((tiles.c0 + tiles.total).sum() * prof.tile ** 2, 1e-9))
         fixed = a2a[0] + a2a[1] + call[0] + call[1]
         return Result(cand, a2a[0] + fl + call[0], a2a[1] + bl + call[1], nbytes,
@@ -225,7 +225,7 @@ class Simulator:
 
     def _seq_events(self, events, pas, cand, sp, h, kv_row, clock) -> float:
         """The sequence group's events of one pass from ``clock``; returns when its slowest rank ends."""
-        cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
+        cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h, kv_row / (2 * self.pb.head_dim))
         c = cf if pas == "fwd" else cb
         if cand.schedule in ("allgather", "heads+allgather") and cand.seq_degree > 1:
             (gather, scatter), _ = self._gather_s(cand, sp, kv_row)
@@ -249,19 +249,24 @@ class Simulator:
     def _kernel(self, w: Work, h: float, pas: str, step: bool = False) -> np.ndarray:
         return self.prof.kernel_s(w, h, self.pb.head_dim, pas, step)
 
-    def _costed(self, layout: str, p: int, h: float) -> tuple:
+    def _costed(self, layout: str, p: int, h: float, kv: float = None) -> tuple:
         """:class:`~.work.Costed` forward and backward seconds (step overheads included), visible pairs and
-        tiles touched of a split for ``h`` heads, in one walk over its steps (cached: the schedules of
-        one split share them)."""
-        key = (layout, p, h)
+        tiles touched of a split for ``h`` heads (``kv`` kv heads, default the problem's share), in one
+        walk over its steps (cached: the schedules of one split share them)."""
+        kv = self.pb.kv_heads * h / self.pb.heads if kv is None else kv
+        key = (layout, p, h, kv)
         if key not in self._costs:
             sp = self.split(layout, p)
             costs = []
             rows = float(sp.rows.max())
+            pb = self.pb
             for pas in ("fwd", "bwd"):
-                # one rank: the local op alone; more: a step's host work and its merge passes
+                # one rank: the local op alone; more: a step's host work, its merge passes and the running
+                # state its launches move
                 ovh = self.prof.overhead_s("step_us", pas) + float(self.prof.step_bytes_s(rows, h, pas)) if p > 1 else 0.0
-                costs.append(lambda w, pas=pas, ovh=ovh: self._kernel(w, h, pas, p > 1) + ovh * (np.asarray(w.launches) > 0))
+                costs.append(lambda w, pas=pas, ovh=ovh: self._kernel(w, h, pas, p > 1) + (
+                    ovh * (np.asarray(w.launches) > 0)
+                    + (self.prof.state_s(w, h, kv, pb.head_dim, pb.elem, pas) if p > 1 else 0.0)))
             costs += [lambda w: np.asarray(w.visible, dtype=float), lambda w: np.asarray(w.touched, dtype=float)]
             self._costs[key] = sp.costed_many(costs)
         return self._costs[key]
@@ -277,7 +282,7 @@ class Simulator:
         return hop(sent * self.pb.elem), hop(sent * prof.grad_bytes), inter
 
     def _ring_pass(self, cand, sp, h, kv_row, exact=True):
-        cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
+        cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h, kv_row / (2 * self.pb.head_dim))
         xf, xd, inter = self._links(cand, sp, kv_row)
         comp = float((cf.c0 + cf.total).max() + (cb.c0 + cb.total).max())
         if exact:
@@ -298,14 +303,16 @@ class Simulator:
         n = len(cf.steps)
         low_f = max(float((cf.c0 + cf.total).max()), n * float(xf.max()))
         low_b = max(float((cb.c0 + cb.total).max()), n * float((xf + xd).max()))
-        up_f = float(cf.c0.max()) + float(np.maximum(cf.step_max, xf.max()).sum())
-        up_b = float(cb.c0.max()) + float(np.maximum(cb.step_max, (xf + xd).max()).sum()) + float(xd.max()) * (n > 0)
+        # lockstep: the first step starts once the own step is done and the first block has come
+        up_f = max(float(cf.c0.max()), float(xf.max()) * (n > 0)) + float(np.maximum(cf.step_max, xf.max()).sum())
+        up_b = (max(float(cb.c0.max()), float((xf + xd).max()) * (n > 0))
+                + float(np.maximum(cb.step_max, (xf + xd).max()).sum()) + float(xd.max()) * (n > 0))
         return (low_f, up_f), (low_b, up_b)
 
     def _allgather_pass(self, cand, sp, h, kv_row):
         """Forward: gather, then the steps; backward: gather again, the steps, reduce-scatter."""
         (gather, scatter), cls = self._gather_s(cand, sp, kv_row)
-        cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h)
+        cf, cb, _, _ = self._costed(cand.layout, cand.seq_degree, h, kv_row / (2 * self.pb.head_dim))
         f, b = float((cf.c0 + cf.total).max()), float((cb.c0 + cb.total).max())
         per_rank = (cand.seq_degree - 1) * float(sp.send_rows.max()) * kv_row * (2 * self.pb.elem + self.prof.grad_bytes)
         return gather + f, gather + b + scatter, f + b, {"intra": per_rank * (cls == "intra"), "inter": per_rank * (cls == "inter")}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
@@ -54,7 +54,9 @@ def full_sequence(docs: tuple, causal: bool, tiles) -> Work:
 
 def zigzag_segments(docs: tuple, p: int, r: int, u: int, causal: bool) -> tuple:
     """Segments (``tiles.walk``'s) of rank ``r``'s rows against rank ``u``'s keys under per-document
-    zigzag: chunk sizes as ``torch.tensor_split(doc, 2P)`` gives them, documents in order."""
+    zigzag: chunk sizes as ``torch.tensor_split(doc, 2P)`` gives them, documents in order. The key
+    buffer is what the ring brings (``distributed.plan.make_plan``: the keys the rows see): from a lower
+    rank, causal, only its first chunk of each document; else all of it."""
     length = np.array([d for d in docs if d], dtype=np.int64)
     q, rem = np.divmod(length, 2 * p)
 
@@ -62,6 +64,8 @@ def zigzag_segments(docs: tuple, p: int, r: int, u: int, causal: bool) -> tuple:
         return q + (i < rem)
     a, b, ka, kb = size(r), size(2 * p - 1 - r), size(u), size(2 * p - 1 - u)
     row = np.cumsum(a + b) - (a + b)
+    if causal and u < r:  # only chunk u of each document is seen, so only it travels: a buffer of them
+        kb = np.zeros_like(kb)
     key = np.cumsum(ka + kb) - (ka + kb)
     if not causal:
         hi = (key + ka + kb, key + ka + kb)
@@ -75,6 +79,39 @@ def zigzag_segments(docs: tuple, p: int, r: int, u: int, causal: bool) -> tuple:
     n = (np.where(hi[0] > key, a, 0), np.where(hi[1] > key, b, 0))
     segs = ((row, n[0], key, hi[0], np.full(a.size, slope[0])), (row + a, n[1], key, hi[1], np.full(a.size, slope[1])))
     return tuple(np.stack([segs[0][k], segs[1][k]], axis=1).reshape(-1) for k in range(5))
+
+
+def row_cover(owner, start, n, ranks: int, tiles) -> tuple:
+    """``(span, launches)`` per rank (arrays of ``ranks``): the rows a ring step's launches cover and
+    how many there are, given the runs of rows that see keys (``owner``: each run's rank, ``start`` its
+    first row in the rank's buffer, ``n`` its rows; sorted by rank, then start). The rule of
+    :class:`~.model.Tiles` (``min_gap``, ``most``) as ``distributed.plan.row_groups`` applies it: gaps of
+    at least ``min_gap`` rows are cut, the widest first (the earliest of equal ones), at most
+    ``most - 1`` of them; a launch covers its first run's first row to its last run's last."""
+    owner, start, n = (np.asarray(x, dtype=np.int64) for x in (owner, start, n))
+    keep = n > 0
+    owner, start, n = owner[keep], start[keep], n[keep]
+    span, launches = np.zeros(ranks), np.zeros(ranks)
+    if not owner.size:
+        return span, launches
+    end = start + n
+    first = np.r_[True, owner[1:] != owner[:-1]]
+    last = np.r_[owner[1:] != owner[:-1], True]
+    np.add.at(span, owner[last], end[last])
+    np.add.at(span, owner[first], -start[first])
+    gap = np.where(first[1:], -1, start[1:] - end[:-1])  # the gap before run i + 1, -1 across ranks
+    cand = gap >= max(int(tiles.min_gap), 1)
+    if tiles.most > 1 and cand.any():
+        idx = np.nonzero(cand)[0]
+        g, o = gap[idx], owner[idx + 1]
+        order = np.lexsort((idx, -g, o))
+        g, o = g[order], o[order]
+        pos = np.arange(o.size) - np.searchsorted(o, o, side="left")
+        cut = pos < tiles.most - 1
+        np.add.at(span, o[cut], -g[cut].astype(float))
+        np.add.at(launches, o[cut], 1.0)
+    np.add.at(launches, owner[first], 1.0)
+    return span, launches
 
 
 def _broadcast(w: Work, p: int) -> Work:
@@ -160,29 +197,47 @@ class ZigzagSplit(Split):
             zig_rows += 2 * c * m
             if causal:  # a document takes 2c rows and 2c keys in every buffer, whichever of them meet
                 c_work = c_work + piece(2 * c, 2 * c, True, tiles, m, aligned=edge)
-                lower = lower + piece(2 * c, c, False, tiles, m, stride=(2 * c, 2 * c), aligned=edge)
-                higher = higher + piece(c, 2 * c, False, tiles, m, stride=(2 * c, 2 * c), aligned=edge)
+                lower = lower + _covering(piece(2 * c, c, False, tiles, m, stride=(2 * c, 2 * c), aligned=edge),
+                                          2 * c * m, c * m)
+                higher = higher + _covering(piece(c, 2 * c, False, tiles, m, stride=(2 * c, 2 * c), aligned=edge),
+                                            c * m, 2 * c * m)
             else:
                 full = piece(2 * c, 2 * c, False, tiles, m, aligned=edge)
-                c_work, lower, higher = c_work + full, lower + full, higher + full
+                c_work = c_work + full
+                lower = lower + _covering(full, 2 * c * m, 2 * c * m)
+                higher = higher + _covering(full, 2 * c * m, 2 * c * m)
         if tiles.packed and docs:
-            c_work, lower, higher = self._walked(docs, p, causal, tiles.size, (c_work, lower, higher))
+            c_work, lower, higher = self._walked(docs, p, causal, tiles, (c_work, lower, higher))
+        rows = np.full(p, zig_rows) + rows_extra
         own = _broadcast(c_work, p) if own_extra is None else own_extra + _broadcast(c_work, p)
+        own = replace(own, span=np.zeros(p), keyrows=rows)  # the own step: the one-call kernel, its keys copied
         active = list(range(1, p)) if docs and p > 1 else []
-        super().__init__(p, own, np.full(p, zig_rows) + rows_extra, np.full(p, zig_rows), active)
+        super().__init__(p, own, rows, np.full(p, zig_rows), active)
         self.lower, self.higher = lower, higher
 
     @staticmethod
-    def _walked(docs, p, causal, tile, works) -> tuple:
+    def _walked(docs, p, causal, tiles, works) -> tuple:
         """``works`` (own, lower, higher) with their tiles walked exactly on a middle rank's buffers
-        (pairs stay the average over ranks, so that they sum to the sequence's)."""
+        (pairs stay the average over ranks, so that they sum to the sequence's), and the rows the
+        steps' launches cover (:func:`row_cover`) and their keys counted on the same buffers (every
+        rank taken as that one: chunk sizes differ by at most a row between ranks, except those of
+        documents shorter than ``2P``, whose empty chunks fall on different ranks)."""
         r = p // 2
         pairs = ((r, r), (r, r - 1), (r - 1, r)) if p > 1 else ((0, 0),)
         out = []
         for w, (a, b) in zip(works, pairs):
-            t = walk(*zigzag_segments(docs, p, a, b, causal), tile)
-            out.append(Work(w.visible, t.touched, t.rowtiles, t.chain, w.launches))
+            segs = zigzag_segments(docs, p, a, b, causal)
+            t = walk(*segs, tiles.size)
+            span, launches = row_cover(np.zeros(segs[0].size), segs[0], segs[1], 1, tiles)
+            keys = float(np.max(segs[3], initial=0))  # the key buffer ends at its last document's reach
+            out.append(Work(w.visible, t.touched, t.rowtiles, t.chain, float(launches[0]), float(span[0]), keys))
         return tuple(out) + tuple(works[len(out):])
+
+    def cover(self, lower: tuple, higher: tuple) -> None:
+        """Set each rank's ``(span, launches)`` of a step whose keys come from a lower / higher rank
+        (arrays over ranks, :func:`row_cover`'s)."""
+        self.lower = replace(self.lower, span=lower[0], launches=lower[1])
+        self.higher = replace(self.higher, span=higher[0], launches=higher[1])
 
     def at(self, t: int) -> Work:
         low = t <= self.rank
@@ -193,17 +248,26 @@ class ZigzagSplit(Split):
 
     def _costed(self, cost) -> Costed:
         c0 = np.broadcast_to(cost(self.own), (self.p,)).astype(float)
-        a, b = float(np.asarray(cost(self.lower))), float(np.asarray(cost(self.higher)))
+        a, b = (np.broadcast_to(cost(w), (self.p,)).astype(float) for w in (self.lower, self.higher))
         r = self.rank
         if not self.active:
             return Costed(c0, [], np.zeros(self.p), np.zeros(0), None)
-        return Costed(c0, self.active, r * a + (self.p - 1 - r) * b, np.full(len(self.active), max(a, b)),
+        # step t: ranks r >= t take keys from a lower rank, the others from a higher one
+        from_a = np.maximum.accumulate(a[::-1])[::-1]  # max of a over ranks >= t
+        from_b = np.maximum.accumulate(b)  # max of b over ranks <= t - 1
+        t = np.asarray(self.active)
+        return Costed(c0, self.active, r * a + (self.p - 1 - r) * b, np.maximum(from_a[t], from_b[t - 1]),
                       lambda t: np.where(t <= r, a, b))
 
     def all_keys(self) -> Work:
         below = self.rank.astype(float)
         return keys_join(keys_join(self.own, _keys_scaled(self.lower, below)),
                          _keys_scaled(self.higher, self.p - 1 - below))
+
+
+def _covering(w: Work, span, keys) -> Work:
+    """``w`` whose launch covers ``span`` query rows against ``keys`` key rows."""
+    return replace(w, span=w.span + span, keyrows=w.keyrows + keys)
 
 
 def _keys_scaled(w: Work, k) -> Work:
@@ -291,7 +355,8 @@ class ContiguousSplit(Split):
             else:
                 w = piece(self.m_rows[i], self.m_rows[k], False, self.tiles, aligned=self.edge)
             flat = row * self.p + self.m_ranks[i]
-            for f in ("visible", "touched", "rowtiles"):
+            w = replace(w, span=self.m_rows[i].astype(float), keyrows=self.m_rows[k].astype(float))
+            for f in ("visible", "touched", "rowtiles", "span", "keyrows"):
                 out[f] += np.bincount(flat, weights=getattr(w, f), minlength=shape[0] * shape[1]).reshape(shape)
             np.maximum.at(out["chain"].reshape(-1), flat, w.chain)
             out["launches"] = np.maximum(out["launches"], out["touched"] > 0)
@@ -322,21 +387,66 @@ def _add_at(acc: Work, ranks, w: Work, p: int) -> Work:
 
 
 def balanced(p: int, docs: tuple, causal: bool, tiles) -> ZigzagSplit:
-    """The balanced layout: short documents whole on the least loaded rank, long ones zigzagged."""
+    """The balanced layout: short documents whole on the least loaded rank, long ones zigzagged. A
+    rank holds its documents and chunks in the sequence's order, so a step's rows that see keys (the
+    zigzagged chunks') lie between its whole documents: each rank's launches cover them as
+    :func:`row_cover` says."""
     work = [_work(d, causal) for d in docs]
     cap = sum(work) / (WHOLE_SHARE * p)
     split = tuple(d for d, w in zip(docs, work) if w > cap)
-    whole = sorted((d for d, w in zip(docs, work) if 0 < w <= cap), reverse=True)
+    whole = sorted((i for i, w in enumerate(work) if 0 < w <= cap), key=lambda i: (-docs[i], i))
     heap = [(0.0, r) for r in range(p)]
-    placed = [(r, length) for length, ranks in _place(whole, heap, causal).items() for r in ranks]
-    rank = np.array([r for r, _ in placed], dtype=np.int64)
-    length = np.array([n for _, n in placed], dtype=np.int64)
+    owner = np.full(len(docs), -1, dtype=np.int64)
+    owner[whole] = _place([docs[i] for i in whole], heap, causal)
+    rank, length = owner[whole], np.array([docs[i] for i in whole], dtype=np.int64)
     rows = np.bincount(rank, weights=length, minlength=p).astype(float)
     if tiles.packed:
         acc = _whole_documents(rank, length, rows, causal, tiles.size, p)
     else:
         acc = _add_at(_zeros(p), rank, piece(length, length, causal, tiles, aligned=False), p)
-    return ZigzagSplit(p, split, causal, tiles, own_extra=acc, rows_extra=rows)
+    out = ZigzagSplit(p, split, causal, tiles, own_extra=acc, rows_extra=rows)
+    if tiles.packed and split and p > 1:
+        out.cover(*_balanced_cover(p, docs, owner, np.array([w > cap for w in work]), causal, tiles))
+    return out
+
+
+def _balanced_cover(p: int, docs: tuple, owner, split, causal: bool, tiles) -> tuple:
+    """Each rank's ``(span, launches)`` (:func:`row_cover`) of a step whose keys come from a lower rank
+    (``r - 1`` standing for them) and of one whose keys come from a higher one (``r + 1``): its buffer
+    in the sequence's order, whole documents (``owner[d] >= 0``) seeing nothing, the chunks of the
+    ``split`` documents seeing what :func:`zigzag_segments` says."""
+    length = np.asarray(docs, dtype=np.int64)
+    d_split = np.nonzero(split)[0]
+    q, rem = np.divmod(length[d_split], 2 * p)  # (S,)
+    r = np.arange(p)
+
+    def size(i):  # (P, S): chunk i[r] of each split document
+        return q[None, :] + (i[:, None] < rem[None, :])
+    front, back = size(r), size(2 * p - 1 - r)
+    whole = np.nonzero(owner >= 0)[0]
+    out = []
+    for u in (r - 1, r + 1):
+        there = ((u >= 0) & (u < p))[:, None]
+        uc = np.clip(u, 0, p - 1)
+        kf = np.where(there, size(uc), 0)  # its first chunk, and all of its chunks
+        ku = kf + np.where(there, size(2 * p - 1 - uc), 0)
+        if not causal:
+            seen_f, seen_b = ku > 0, ku > 0
+        elif u[0] < 0:  # from a lower rank: both chunks see its first chunk
+            seen_f, seen_b = kf > 0, kf > 0
+        else:  # from a higher rank: the second chunk sees all of its, the first nothing
+            seen_f, seen_b = np.zeros_like(ku, dtype=bool), ku > 0
+        rk = np.concatenate([owner[whole], np.repeat(np.arange(p), d_split.size), np.repeat(np.arange(p), d_split.size)])
+        doc = np.concatenate([whole, np.tile(d_split, p), np.tile(d_split, p)])
+        sub = np.concatenate([np.zeros(whole.size), np.zeros(p * d_split.size), np.ones(p * d_split.size)])
+        n = np.concatenate([length[whole], front.reshape(-1), back.reshape(-1)])
+        seen = np.concatenate([np.zeros(whole.size, dtype=bool), seen_f.reshape(-1), seen_b.reshape(-1)])
+        order = np.lexsort((sub, doc, rk))
+        rk, n, seen = rk[order], n[order], seen[order]
+        at = np.cumsum(n) - n
+        start = at - at[np.searchsorted(rk, rk, side="left")]
+        out.append(row_cover(rk[seen], start[seen], n[seen], p, tiles))
+    return tuple(out)
 
 
 def _whole_documents(rank, length, rows, causal: bool, tile: int, p: int) -> Work:
@@ -354,13 +464,13 @@ def _work(length: int, causal: bool) -> float:
     return length * (length + 1) / 2 if causal else float(length * length)
 
 
-def _place(whole: list, heap: list, causal: bool) -> dict:
-    """Largest first onto the rank with the least causal work: length -> the ranks of its documents."""
-    out: dict = {}
+def _place(whole: list, heap: list, causal: bool) -> list:
+    """Each of ``whole`` (lengths, largest first) onto the rank with the least causal work: their ranks."""
+    out = []
     for length in whole:
         load, r = heapq.heappop(heap)
         heapq.heappush(heap, (load + _work(length, causal), r))
-        out.setdefault(length, []).append(r)
+        out.append(r)
     return out
 
 

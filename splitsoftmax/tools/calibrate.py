@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..distributed.plan import MAX_ROW_PIECES
+from ..ops._triton import configs
 from ..planning import load_profile, shipped
 
 GPU_SIZES = {"lengths": (1024, 2048, 4096, 8192, 16384), "tokens": 32768, "heads": 16, "head_dim": 128,
@@ -157,6 +159,8 @@ def profile_from(measured: dict, template: str, device: torch.device, world: int
         k["source"] = f"measured by calibrate, {when}, {where}, ss.attention at the lengths listed"
         if device.type != "cuda":
             k["head_dim"] = CPU_SIZES["head_dim"]
+    prof["kernel"]["row_pieces"] = {"min_gap": configs.ATTN_PLAN_MIN_GAP, "most": MAX_ROW_PIECES,
+                                    "source": "the package's rule: configs.ATTN_PLAN_MIN_GAP and distributed.plan.MAX_ROW_PIECES"}
     for cls, kinds in measured["links"].items():
         for kind, (gbs, lat) in kinds.items():
             prof["links"][cls][kind] = {"gbs": round(gbs, 3), "latency_us": round(lat * 1e6, 2),

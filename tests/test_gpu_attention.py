@@ -141,41 +141,33 @@ def test_split_kv_decode(sk, causal):
     assert err(lse, rl) < 1e-4
 
 
-class _Counting:
-    """Stands in for a Triton kernel: counts the launches made through ``kernel[grid]``."""
-
-    def __init__(self, fn, grids):
-        self._fn, self.grids = fn, grids
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self._fn[grid]
-
-    def __getattr__(self, name):
-        return getattr(self._fn, name)
-
-
 def test_launch_cache_serves_a_static_kv_cache(monkeypatch):
-    """Decode over a growing prefix of a preallocated K/V cache: only the first call goes through
-    ``kernel[grid]``; the rest launch the cached kernel (each checked against Triton's own lookup,
-    conftest's ``LAUNCH_VERIFY``) and match the float64 reference. A misaligned query is a new key."""
+    """Decode over a growing prefix of a preallocated K/V cache: every prefix binds a launch to its
+    geometry (``Launcher.bind``), and all of them the one compiled kernel (each launch checked
+    against Triton's own lookup, conftest's ``LAUNCH_VERIFY``), matching the float64 reference. A
+    misaligned query is a new kernel."""
+    from splitsoftmax.ops._triton.launch import Memo
     from splitsoftmax.ops.attention import fwd as A
-    grids = []
-    monkeypatch.setattr(A._FWD, "fn", _Counting(A._FWD.fn, grids))
-    monkeypatch.setattr(A._FWD, "kernels", {})
+    bound = []
+    bind = A._FWD.bind
+    monkeypatch.setattr(A._FWD, "bind", lambda *a, **kw: bound.append(bind(*a, **kw)) or bound[-1])
+    monkeypatch.setattr(A, "_FWD_LAUNCHES", Memo())
     scale = 1 / math.sqrt(128)
     kv = torch.randn(2, 1, 8, 9000, 128, device=DEV, dtype=torch.bfloat16)
     q = torch.randn(1, 32, 1, 128, device=DEV, dtype=torch.bfloat16)
     buf = torch.randn(q.numel() + 1, device=DEV, dtype=torch.bfloat16)
     q_odd = buf[1:].view(q.shape)  # 2 bytes past a 16-byte boundary
-    for sk, query, launches in ((5000, q, 1), (5001, q, 1), (8999, q, 1), (8999, q_odd, 2), (6000, q_odd, 2)):
+    for sk, query, kernels in ((5000, q, 1), (5001, q, 1), (8999, q, 1), (8999, q_odd, 2), (6000, q_odd, 2)):
         k, v = kv[0, :, :, :sk], kv[1, :, :, :sk]
         out, lse = A.attn_fwd(query, k, v, scale, False, out_dtype=torch.bfloat16)
         ro, rl = ref_attention(query, k, v, scale, False)
         # (SDPA's kernels fault on a misaligned query: the peer gets an aligned copy)
         assert err(out, ro) <= 2 * err(sdpa(query.clone(), k, v, scale, False, 0), ro) + 1e-6
         assert err(lse, rl) < 1e-4
-        assert len(grids) == launches, (sk, grids)
+        assert all(b.kernel is not None for b in bound), sk  # bound to the compiled kernel, not the fallback
+        assert len({id(b.kernel) for b in bound}) == kernels, (sk, [b.key for b in bound])
+    A.attn_fwd(q, kv[0, :, :, :5000], kv[1, :, :, :5000], scale, False, out_dtype=torch.bfloat16)
+    assert len(bound) == 5  # a geometry seen before: its bound launch again
 
 
 def test_accumulate_ring_steps():

@@ -7,6 +7,9 @@ path, and the descriptor cache keyed by base pointer. The GPU lane runs the real
 """
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 pytest.importorskip("triton")
@@ -236,12 +239,19 @@ def test_descriptor_cache_is_bounded():
     assert [p for _, p in encodes] == [t.data_ptr() for t in (ts[0], ts[1], ts[2], ts[0])]
 
 
-def test_bound_launch_keeps_no_sample_tensor(env):
+@pytest.mark.parametrize("direct", [True, False])
+def test_bound_launch_keeps_no_sample_tensor(env, monkeypatch, direct):
+    """Neither the sample's tensors nor its descriptors' bases outlive the sample: the bound launch
+    lives as long as its geometry, and a kept buffer (a dS buffer of B x H x S x S) is memory lost."""
+    monkeypatch.setattr(configs, "LAUNCH_DIRECT", direct)
     jit = _Jit(_SequenceLauncher)
     x, d = _operands()
+    alive = [weakref.ref(x), weakref.ref(d.base)]
     bound = launch.Launcher(jit).bind((1,), "g", (x, d, 7, 0.5), {"BLOCK": 16})
-    held = [*bound.args, *(v.base for v in bound.descs.values())]
-    assert not any(isinstance(a, torch.Tensor) for a in held)
+    del x, d
+    gc.collect()
+    assert [r() for r in alive] == [None, None]
+    assert (bound.direct is not None) == direct
 
 
 def _fallback_runs(jit):

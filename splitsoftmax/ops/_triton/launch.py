@@ -315,8 +315,10 @@ class BoundLaunch:
                 and all(_on_cuda(t) for t in (*(a for a in args if isinstance(a, Tensor)),
                                               *(d.base for d in self.descs.values()))):
             self._bind_direct()
-        # the sample's tensors are not kept (every one is live)
-        self.args = tuple(None if isinstance(a, Tensor) else a for a in self.args)
+        # the sample's tensors are not kept, nor its descriptors (whose bases are tensors): every one is
+        # live (a kept one would hold the sample's buffers, a dS buffer of B x H x S x S among them, for
+        # as long as the geometry's bound launches live)
+        self.args = tuple(None if isinstance(a, Tensor) or i in self.descs else a for i, a in enumerate(self.args))
         for i, d in self.descs.items():
             self.descs[i] = copy.copy(d)
             self.descs[i].base = _Base(0, d.base.dtype)

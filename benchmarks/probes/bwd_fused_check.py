@@ -78,18 +78,20 @@ def timed(fn, reps=None) -> float:
 
 
 class Flags:
-    """``configs.ATTN_BWD_FUSED`` (and the fused masks of this probe) on or off within a block."""
+    """``configs.ATTN_BWD_FUSED`` (and the fused masks of this probe, at every size: no fewest
+    programs per SM) on or off within a block."""
 
     def __init__(self, fused: bool):
         self.fused = fused
 
     def __enter__(self):
-        self.was = configs.ATTN_BWD_FUSED, configs.ATTN_BWD_FUSED_MASKS
+        self.was = configs.ATTN_BWD_FUSED, configs.ATTN_BWD_FUSED_MASKS, configs.ATTN_BWD_FUSED_MIN_WAVES
         configs.ATTN_BWD_FUSED = self.fused
         configs.ATTN_BWD_FUSED_MASKS = self.was[1] | FUSED_MASKS
+        configs.ATTN_BWD_FUSED_MIN_WAVES = 0
 
     def __exit__(self, *exc):
-        configs.ATTN_BWD_FUSED, configs.ATTN_BWD_FUSED_MASKS = self.was
+        configs.ATTN_BWD_FUSED, configs.ATTN_BWD_FUSED_MASKS, configs.ATTN_BWD_FUSED_MIN_WAVES = self.was
 
 
 def poison(nbytes: int) -> None:

@@ -82,8 +82,10 @@ ATTN_BWD_ATOMIC_MAX_DIM = 128
 # The fused backward on sm_90 (ops/attention/gluon/bwd_fused.py): one Gluon kernel of five products per
 # tile pair (dS handed to the dQ product in shared memory, P^T and dS^T fed to dV and dK from registers,
 # dQ reduce-added in float32 by TMA), for 2-byte inputs of a head dim with a "bwd_fused" tile, the masks
-# of ATTN_BWD_FUSED_MASKS, no sinks; never under deterministic algorithms (the pair runs). Off: not
-# timed yet (benchmarks/probes/bwd_fused_check.py) ...
+# of ATTN_BWD_FUSED_MASKS, no sinks; never under deterministic algorithms (the pair runs). Off: on
+# one H100 (Triton 3.9.0) 1.13-1.28x the pair's speed and 0.93-1.08x cuDNN's at 8k-32k, but its NaN/Inf
+# pattern differs from the pair's with GQA (32/8, causal; tests/test_gpu_attention_bwd.py::
+# test_fused_backward): the contract's rule for hidden positions is not held there yet ...
 ATTN_BWD_FUSED = False
 # ... for these visibilities ("full", "causal") and mask fields ("lo", "kv_range", "q_offset", "rows",
 # "softcap"): those whose launches compile for sm_90 without spilling, by the Triton version (3.6-3.8
@@ -91,6 +93,11 @@ ATTN_BWD_FUSED = False
 # docs/benchmarks/attention-backward-fused.md has each count); the others take the pair.
 ATTN_BWD_FUSED_MASKS = (frozenset({"full", "causal", "lo", "kv_range", "q_offset"}) if TRITON_VERSION >= (3, 9)
                         else frozenset())
+# ... where at least this many of its programs (one per SM at a time) fill each SM: on one H100
+# (Triton 3.9.0, bf16 D=128, beside the pair in one call) 1x16x2k (1.9 programs an SM) ran 0.64x the
+# pair's speed causal and 0.98x full, 16x16x2k (31) 1.07x / 1.12x, 1x16x8k (7.8) 1.22x / 1.13x,
+# 1x16x32k 1.28x / 1.17x (docs/benchmarks/attention-backward-fused.md); between 2 and 7.8 not timed.
+ATTN_BWD_FUSED_MIN_WAVES = 3
 # ... and both backwards split a key block's work across programs (query heads, then query range)
 # while fewer than this many dK/dV programs per SM would run, each range piece at least this many
 # query blocks long (not timed).

@@ -342,7 +342,9 @@ def fused(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, causal: bool, mask: Mas
     ``configs.ATTN_BWD_FUSED``, not under deterministic algorithms (its dQ sums in arrival order),
     a Hopper GPU (sm_90), bfloat16 or float16 inputs of one dtype that TMA can address, a head dim
     (equal for keys and values) with a ``"bwd_fused"`` tile, no sinks, and a visibility (full or
-    causal) and mask fields all in ``configs.ATTN_BWD_FUSED_MASKS``. Elsewhere the pair runs."""
+    causal) and mask fields all in ``configs.ATTN_BWD_FUSED_MASKS``, and at least
+    ``configs.ATTN_BWD_FUSED_MIN_WAVES`` programs (a key block of a kv head) per SM. Elsewhere the
+    pair runs."""
     if not configs.ATTN_BWD_FUSED or torch.are_deterministic_algorithms_enabled() or sinks is not None:
         return False
     d = q.shape[-1]
@@ -350,7 +352,9 @@ def fused(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, causal: bool, mask: Mas
             or ("bwd_fused", 2, d) not in configs.ATTN_TILES or not sm90(q)):
         return False
     used = ("causal" if causal else "full", *_mask_fields(mask))
-    return _use_tma(q, k, v, dout) and all(f in configs.ATTN_BWD_FUSED_MASKS for f in used)
+    programs = configs.cdiv(k.shape[2], configs.ATTN_TILES[("bwd_fused", 2, d)][1]) * k.shape[0] * k.shape[1]
+    return (_use_tma(q, k, v, dout) and all(f in configs.ATTN_BWD_FUSED_MASKS for f in used)
+            and programs >= configs.ATTN_BWD_FUSED_MIN_WAVES * sm_count(q))
 
 
 def _mask_fields(mask: Mask) -> tuple:

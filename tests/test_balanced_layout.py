@@ -143,6 +143,19 @@ def test_ties_and_order():
     assert lay.balanced_owners(cu, 2) == (0, 0, 1, 0, 1, 1, 0, 1, -1)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_zigzag_loads_are_the_zigzag_ranks_work(seed):
+    """The closed form of the split documents' work per rank (what the placement adds the whole ones
+    to) equals the work counted from the per-document zigzag's positions, remainders of every kind
+    (documents shorter than 2P, empty, one more or less than a multiple of 2P) included."""
+    r = random.Random(seed)
+    for p in (1, 2, 3, 8, 33):
+        lengths = [r.choice([0, 1, 2 * p - 1, 2 * p, 2 * p + 1, r.randrange(p), r.randrange(40 * p)])
+                   for _ in range(r.randint(1, 6))]
+        cu = cu_of(lengths)
+        assert lay.zigzag_loads(lengths, p) == work(rank_positions("zigzag", None, p, cu), cu), (p, lengths)
+
+
 def test_empty_and_one_rank():
     assert positions((0,), 3) == [[], [], []]
     assert positions((0, 0, 0), 2) == [[], []]

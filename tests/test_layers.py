@@ -11,6 +11,8 @@ import ast
 import fnmatch
 import math
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -29,6 +31,7 @@ LAYERS = (
     ("tools", ("splitsoftmax.__main__", "splitsoftmax.tools", "splitsoftmax.tools.*")),
     ("core", ("splitsoftmax.core", "splitsoftmax.core.*")),
     ("planning", ("splitsoftmax.planning", "splitsoftmax.planning.*")),
+    ("layout", ("splitsoftmax.distributed.layout",)),
     ("distributed", ("splitsoftmax.distributed", "splitsoftmax.distributed.*")),
     ("settings", ("splitsoftmax.ops._triton.configs",)),
     ("triton", ("splitsoftmax.ops._triton", "splitsoftmax.ops._triton.*")),
@@ -40,23 +43,30 @@ LAYERS = (
 
 # layer -> the layers it may import (planning: the cost model and planner behind ``plan_attention``,
 # pure host arithmetic on profiles and lengths; the root exports it, tools' commands drive it and
-# the transformers integration's plan="auto" loads its profiles,
-# and it imports nothing of the package, so that planning a run never loads a kernel) ("own family": any module of the importer's family folder, "own
-# family kernels": its kernel files, "algebra families": any module of merge/ and softmax/). The
-# settings (configs.py: tile sizes and algorithm sizes as data) are read by host and kernel files alike.
+# the transformers integration's plan="auto" loads its profiles; it imports nothing else of the package
+# but the layout, so that planning a run never loads a kernel. layout: distributed/layout.py, how a
+# sequence maps to ranks, pure functions on the standard library alone; the planner prices the
+# balanced layout with that module's placement (``balanced_owners``), so the placement has one home,
+# and the module imports nothing of the package, so it loads no kernel either. Importing it runs
+# distributed/__init__.py, whose modules may import only distributed and core:
+# ``test_planning_loads_no_kernel`` checks the import at run time) ("own family": any module of the
+# importer's family folder, "own family kernels": its kernel files, "algebra families": any module of
+# merge/ and softmax/). The settings (configs.py: tile sizes and algorithm sizes as data) are read by
+# host and kernel files alike.
 MAY_IMPORT = {
-    "root": {"core", "distributed", "registry", "host", "kernel", "integrations", "planning"},
-    "tools": {"root", "tools", "core", "planning", "distributed", "settings", "triton", "registry", "host", "kernel",
-              "integrations"},
+    "root": {"core", "layout", "distributed", "registry", "host", "kernel", "integrations", "planning"},
+    "tools": {"root", "tools", "core", "planning", "layout", "distributed", "settings", "triton", "registry", "host",
+              "kernel", "integrations"},
     "core": {"core"},
-    "planning": {"planning"},
-    "distributed": {"distributed", "core"},
+    "planning": {"planning", "layout"},
+    "layout": set(),
+    "distributed": {"distributed", "layout", "core"},
     "settings": {"core"},
     "triton": {"settings", "triton", "core"},
     "registry": {"registry", "core"},
-    "host": {"own family", "algebra families", "registry", "distributed", "settings", "core"},
+    "host": {"own family", "algebra families", "registry", "distributed", "layout", "settings", "core"},
     "kernel": {"own family kernels", "algebra families", "settings", "triton", "core"},
-    "integrations": {"integrations", "root", "host", "distributed", "core", "planning"},
+    "integrations": {"integrations", "root", "host", "distributed", "layout", "core", "planning"},
 }
 
 # (importer, imported) -> why it is still there; each entry must still be a violation
@@ -202,6 +212,9 @@ FAKE = {
     "splitsoftmax.distributed.comm": {"splitsoftmax.core.state": 1, "splitsoftmax.ops.attention.fwd": 4},
     "splitsoftmax.tools.cli": {"splitsoftmax.ops.vocab.api": 1},
     "splitsoftmax.integrations.transformers": {"splitsoftmax.ops.attention.fwd": 2},
+    "splitsoftmax.planning.work": {"splitsoftmax.distributed.layout": 1, "splitsoftmax.distributed.plan": 2,
+                                   "splitsoftmax.distributed": 3},  # the layout alone of distributed
+    "splitsoftmax.distributed.layout": {"splitsoftmax.core.state": 1},  # the layout imports nothing of the package
 }
 
 
@@ -214,6 +227,9 @@ def test_the_check_finds_a_violating_graph():
         ("splitsoftmax.ops.vocab.api", "splitsoftmax.tools.cli"),
         ("splitsoftmax.distributed.comm", "splitsoftmax.ops.attention.fwd"),
         ("splitsoftmax.integrations.transformers", "splitsoftmax.ops.attention.fwd"),
+        ("splitsoftmax.planning.work", "splitsoftmax.distributed.plan"),
+        ("splitsoftmax.planning.work", "splitsoftmax.distributed"),
+        ("splitsoftmax.distributed.layout", "splitsoftmax.core.state"),
     }
     assert set(circles(FAKE)) == {
         frozenset({"splitsoftmax.core.state", "splitsoftmax.ops._registry"}),
@@ -236,6 +252,31 @@ def test_the_walk_sees_module_and_late_imports(tmp_path, source, late):
     graph = import_graph(tmp_path)
     assert graph["splitsoftmax.core.state"] == {"splitsoftmax.ops._registry": 2 if late else 1}
     assert set(violations(graph)) == {("splitsoftmax.core.state", "splitsoftmax.ops._registry")}
+
+
+# imports the planner with the root package's __init__ left out (the root exports the ops, so it
+# loads kernels by design), plans a balanced layout, and prints the package's modules then loaded
+PLANNING_ALONE = """
+import sys, types
+root = types.ModuleType("splitsoftmax")
+root.__path__ = [sys.argv[1]]
+sys.modules["splitsoftmax"] = root
+from splitsoftmax.planning import work
+from splitsoftmax.planning.model import Tiles
+work.split("balanced", 4, (1500, 300, 200, 1200, 250, 180), True, Tiles(128))
+print(" ".join(sorted(m for m in sys.modules if m.startswith("splitsoftmax."))))
+"""
+
+
+def test_planning_loads_no_kernel():
+    """Run, not read: importing the planner and pricing a balanced layout (which takes its placement
+    from ``distributed.layout``, running ``distributed/__init__.py``) loads no module of ``ops``, only
+    planning and the distributed package, whose own imports the layers keep to distributed and core."""
+    out = subprocess.run([sys.executable, "-c", PLANNING_ALONE, str(ROOT / PACKAGE)], capture_output=True,
+                         text=True, check=True, cwd=ROOT).stdout.split()
+    assert "splitsoftmax.distributed.layout" in out and "splitsoftmax.planning.work" in out, out
+    assert not [m for m in out if m.startswith("splitsoftmax.ops")], out
+    assert {layer(m) for m in out} <= {"planning", "layout", "distributed", "core"}, out
 
 
 # the one module that defines log2(e) for kernels and host code alike

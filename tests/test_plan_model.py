@@ -264,7 +264,7 @@ def test_contiguous_slices_walk_the_dense_tiles(causal):
 
 def test_shipped_profiles_hold_the_package_row_piece_rule():
     """The one home of the rule is the package (configs.ATTN_PLAN_MIN_GAP, plan.MAX_ROW_PIECES); the
-    shipped profiles carry its values for the planner, which imports nothing of the package."""
+    shipped profiles carry its values for the planner, which imports no setting or plan of the package."""
     from splitsoftmax.distributed.plan import MAX_ROW_PIECES
     from splitsoftmax.ops._triton import configs
     from splitsoftmax.planning.model import load_profile, shipped

@@ -95,20 +95,45 @@ def causal_work(n: int) -> int:
     return n * (n + 1) // 2
 
 
-def _zigzag_work(a: int, b: int, size: int) -> list[int]:
-    """Each rank's causal work of document ``[a, b)`` zigzagged over ``size`` ranks."""
-    c = split_sizes(b - a, 2 * size)
-    w = [n * g + causal_work(n) for n, g in zip(c, starts(c))]
-    return [w[r] + w[2 * size - 1 - r] for r in range(size)]
+def zigzag_loads(lengths, size: int) -> list[int]:
+    """Each rank's causal work (``size`` of them) of documents of ``lengths`` each zigzagged over
+    ``size`` ranks: rank ``r`` holds chunks ``r`` and ``2P-1-r`` of ``torch.tensor_split(doc, 2P)``,
+    chunk ``i``'s work ``c_i * g_i + c_i (c_i + 1) / 2`` (``g_i``: the positions before it in its
+    document). In closed form: with ``q, m = divmod(n, 2P)``, chunk ``i < m`` holds ``q + 1`` positions
+    from ``i (q + 1)``, the others ``q`` from ``i q + m``, so each chunk's work is linear in ``i`` on
+    either side of ``m``, and a document adds to rank ``r`` a work linear in ``r`` between the breakpoints
+    ``m`` and ``2P - m`` (O(documents + P) in all)."""
+    p2 = 2 * size
+    const, slope = [0] * (size + 1), [0] * (size + 1)
+
+    def add(lo: int, hi: int, a: int, b: int) -> None:  # a + b r on ranks [lo, hi)
+        if lo < hi:
+            const[lo] += a
+            const[hi] -= a
+            slope[lo] += b
+            slope[hi] -= b
+    for n in lengths:
+        q, m = divmod(n, p2)
+        long_a, long_b = causal_work(q + 1), (q + 1) ** 2  # chunk i < m: long_a + long_b i
+        short_a, short_b = q * m + causal_work(q), q * q  # chunk i >= m: short_a + short_b i
+        cut = min(m, size)  # chunk r (r < P): long below cut
+        add(0, cut, long_a, long_b)
+        add(cut, size, short_a, short_b)
+        cut = min(p2 - m, size)  # chunk 2P-1-r: long from cut on
+        add(0, cut, short_a + short_b * (p2 - 1), -short_b)
+        add(cut, size, long_a + long_b * (p2 - 1), -long_b)
+    out, a, b = [], 0, 0
+    for r in range(size):
+        a, b = a + const[r], b + slope[r]
+        out.append(a + b * r)
+    return out
 
 
 def _placed(docs: tuple, order: list, split: int, size: int) -> tuple[list, list]:
     """``(owners, loads)``: the first ``split`` documents of ``order`` zigzagged (owner -1), then the
     rest whole, each (in ``order``) onto the rank of least load so far (ties: the lowest rank)."""
-    owners, loads = [-1] * (len(docs) - 1), [0] * size
-    for d in order[:split]:
-        for r, w in enumerate(_zigzag_work(docs[d], docs[d + 1], size)):
-            loads[r] += w
+    owners = [-1] * (len(docs) - 1)
+    loads = zigzag_loads([docs[d + 1] - docs[d] for d in order[:split]], size)
     heap = [(w, r) for r, w in enumerate(loads)]
     heapq.heapify(heap)
     for d in order[split:]:

@@ -92,7 +92,7 @@ class Tiles(NamedTuple):
     rows): runs of such rows closer than ``min_gap`` joined, then the closest joined until at most
     ``most`` remain; ``most = 1``: one launch over the span of every such row. The package's rule is
     ``distributed.plan.row_groups`` with ``configs.ATTN_PLAN_MIN_GAP`` and ``plan.MAX_ROW_PIECES``;
-    planning imports nothing of the package, so a profile carries their values (``kernel.row_pieces``,
+    planning imports nothing of the package but ``distributed.layout``, so a profile carries their values (``kernel.row_pieces``,
     written by ``calibrate`` from those constants; tests/test_plan_model.py checks that the shipped
     profiles hold them)."""
     size: int

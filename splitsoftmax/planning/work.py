@@ -1,5 +1,6 @@
 """What each rank of a sequence group computes, step by step, under each layout (modelled from the
-layouts' definitions in the contract, not imported from their code).
+layouts' definitions in the contract; the balanced layout's placement is the package's own,
+``distributed.layout.balanced_owners``, so that one rule decides it).
 
 A :class:`Split` is the work of ``P`` ranks that share the sequence: ``own`` (step 0, a rank's queries
 against its own keys) and ``at(t)`` (step ``t`` of the ring: rank ``r`` holds the keys of rank
@@ -13,25 +14,25 @@ tuple of document lengths (one document when nothing is packed).
   where the keys come from a lower rank, ``c x 2c`` from a higher one.
 - ``"contiguous"``: rank ``r`` holds one slice (``torch.tensor_split`` of the sequence); a document
   spanning several slices gives full pieces between them.
-- ``"balanced"``: documents whose work is at most ``1 / WHOLE_SHARE`` of a rank's mean share stay
-  whole on the rank that keeps the causal work most even (largest first onto the least loaded rank,
-  so no rank exceeds the mean by much more than that fraction); longer ones are zigzagged as above, and
-  only their rows travel.
+- ``"balanced"``: the documents the package zigzags (``balanced_owners``: the fewest of the largest
+  that keep the busiest rank's causal work within ``1 + 1 / BALANCE_SLACK`` of the mean) are
+  zigzagged as above, and only their rows travel; every other document stays whole on the rank that
+  function gives it.
 """
 from __future__ import annotations
 
-import heapq
+import itertools
 from collections import Counter
 from dataclasses import dataclass, replace
 from typing import Callable
 
 import numpy as np
 
+from ..distributed.layout import balanced_owners
 from .model import FIELDS, Work, piece
 from .tiles import rectangle, walk
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
-WHOLE_SHARE = 4
 
 
 def keys_join(a: Work, b: Work) -> Work:
@@ -387,18 +388,18 @@ def _add_at(acc: Work, ranks, w: Work, p: int) -> Work:
 
 
 def balanced(p: int, docs: tuple, causal: bool, tiles) -> ZigzagSplit:
-    """The balanced layout: short documents whole on the least loaded rank, long ones zigzagged. A
-    rank holds its documents and chunks in the sequence's order, so a step's rows that see keys (the
-    zigzagged chunks') lie between its whole documents: each rank's launches cover them as
-    :func:`row_cover` says."""
-    work = [_work(d, causal) for d in docs]
-    cap = sum(work) / (WHOLE_SHARE * p)
-    split = tuple(d for d, w in zip(docs, work) if w > cap)
-    whole = sorted((i for i, w in enumerate(work) if 0 < w <= cap), key=lambda i: (-docs[i], i))
-    heap = [(0.0, r) for r in range(p)]
-    owner = np.full(len(docs), -1, dtype=np.int64)
-    owner[whole] = _place([docs[i] for i in whole], heap, causal)
-    rank, length = owner[whole], np.array([docs[i] for i in whole], dtype=np.int64)
+    """The balanced layout over ``p`` ranks (``docs``: document lengths): which documents are zigzagged
+    and which rank holds each other one whole are ``distributed.layout.balanced_owners``'s (placed by
+    causal work, whatever the mask, as the layout places them). A rank holds its documents and chunks
+    in the sequence's order, so a step's rows that see keys (the zigzagged chunks') lie between its
+    whole documents: each rank's launches cover them as :func:`row_cover` says."""
+    length = np.array(docs, dtype=np.int64)
+    owner = np.array(balanced_owners(tuple(itertools.accumulate((int(d) for d in docs), initial=0)), p),
+                     dtype=np.int64).reshape(-1)
+    zigzagged = (owner < 0) & (length > 0)
+    split = tuple(int(d) for d in length[zigzagged])
+    whole = np.nonzero(owner >= 0)[0]
+    rank, length = owner[whole], length[whole]
     rows = np.bincount(rank, weights=length, minlength=p).astype(float)
     if tiles.packed:
         acc = _whole_documents(rank, length, rows, causal, tiles.size, p)
@@ -406,7 +407,7 @@ def balanced(p: int, docs: tuple, causal: bool, tiles) -> ZigzagSplit:
         acc = _add_at(_zeros(p), rank, piece(length, length, causal, tiles, aligned=False), p)
     out = ZigzagSplit(p, split, causal, tiles, own_extra=acc, rows_extra=rows)
     if tiles.packed and split and p > 1:
-        out.cover(*_balanced_cover(p, docs, owner, np.array([w > cap for w in work]), causal, tiles))
+        out.cover(*_balanced_cover(p, docs, owner, zigzagged, causal, tiles))
     return out
 
 
@@ -458,20 +459,6 @@ def _whole_documents(rank, length, rows, causal: bool, tile: int, p: int) -> Wor
     first = np.searchsorted(rank, np.arange(p))
     at = base[rank] + within - within[np.minimum(first, len(within) - 1)][rank] if len(rank) else within
     return walk(at, length, at, at + (1 if causal else length), np.full(length.size, int(causal)), tile, base=base)
-
-
-def _work(length: int, causal: bool) -> float:
-    return length * (length + 1) / 2 if causal else float(length * length)
-
-
-def _place(whole: list, heap: list, causal: bool) -> list:
-    """Each of ``whole`` (lengths, largest first) onto the rank with the least causal work: their ranks."""
-    out = []
-    for length in whole:
-        load, r = heapq.heappop(heap)
-        heapq.heappush(heap, (load + _work(length, causal), r))
-        out.append(r)
-    return out
 
 
 def split(layout: str, p: int, docs: tuple, causal: bool, tiles) -> Split:

@@ -4,7 +4,7 @@ Each launch starts ``P`` CPU processes (a fresh interpreter each, Gloo on 127.0.
 builds the same tiny Llama (transformers, random weights), registers
 ``attn_implementation="splitsoftmax"`` with ``sequence_parallel=True``, runs the model on its
 zigzag shard (``shard_inputs``) forward and backward, then ``ss.sharded_attention`` forward and
-backward under the launch's schedule (ring, allgather, tree), calls
+backward under the launch's schedule (ring, allgather, tree, heads), calls
 ``torch.distributed.destroy_process_group()`` and leaves through the interpreter's normal exit
 (where an abort at teardown would show: SIGABRT, exit code -6).
 
@@ -12,7 +12,7 @@ Launches cycle over every (ranks, schedule) pair, run in batches of ``--parallel
 bounded by ``--timeout`` seconds. The summary gives, per pair, the launches and the non-zero exits
 by kind (abort, timeout, other); the exit code is 1 if any rank of any launch exited non-zero.
 
-    PYTHONPATH=. python scripts/exit_soak.py --launches 200 --sizes 2,3 --schedules ring,allgather,tree
+    PYTHONPATH=. python scripts/exit_soak.py --launches 200 --sizes 2,3 --schedules ring,allgather,tree,heads
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--launches", type=int, default=200)
     ap.add_argument("--sizes", default="2,3")
-    ap.add_argument("--schedules", default="ring,allgather,tree")
+    ap.add_argument("--schedules", default="ring,allgather,tree,heads")
     ap.add_argument("--parallel", type=int, default=1, help="launches run at once")
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds per launch")
     ap.add_argument("--worker", metavar="SCHEDULE", help=argparse.SUPPRESS)

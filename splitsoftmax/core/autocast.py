@@ -19,6 +19,8 @@ _ELIGIBLE = (torch.float16, torch.bfloat16, torch.float32)
 
 def target_dtype(t) -> Optional[torch.dtype]:
     """The dtype autocast casts ``t`` to, or None (no autocast region for its device, not eligible)."""
+    if not torch._C._is_any_autocast_enabled():  # (the common case: one call, no device object)
+        return None
     if not isinstance(t, Tensor) or t.dtype not in _ELIGIBLE:
         return None
     dev = t.device.type

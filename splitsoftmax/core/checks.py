@@ -100,12 +100,15 @@ def same_device_dtype(**named: Tensor) -> None:
 
 def attention_args(q, k, v, scale_: Optional[float], causal) -> float:
     """Check SDPA-layout ``q (B, H, Sq, D)``, ``k (B, Hkv, Sk, D)``, ``v (B, Hkv, Sk, Dv)``; return the scale."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        tensor(name, t)
-        if t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (B, heads, seq, head_dim), got shape {tuple(t.shape)}")
-    same_device_dtype(q=q, k=k, v=v)
-    flag("causal", causal)
+    if not (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and q.dtype == k.dtype == v.dtype
+            and q.is_floating_point() and q.dim() == k.dim() == v.dim() == 4 and q.device == k.device == v.device):
+        for name, t in (("q", q), ("k", k), ("v", v)):  # (the common case above: one check of each)
+            tensor(name, t)
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be 4-D (B, heads, seq, head_dim), got shape {tuple(t.shape)}")
+        same_device_dtype(q=q, k=k, v=v)
+    if causal is not True and causal is not False:
+        flag("causal", causal)
     (b, h, _, d), (bk, hkv, sk, dk), (bv, hv, skv, _) = q.shape, k.shape, v.shape
     if bk != b or bv != b:
         raise ValueError(f"batch sizes differ: q has {b}, k has {bk}, v has {bv}")

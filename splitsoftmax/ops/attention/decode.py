@@ -80,14 +80,19 @@ def visible_keys(sq: int, sk: int, causal: bool, diag: int) -> int:
 _PLANS: dict = {}
 
 
+def plan_settings(q: Tensor) -> tuple:
+    """What a plain plan reads besides its shapes (part of the keys it is kept under: tests change the
+    settings): the settings, and the SMs of ``q``'s device."""
+    return (configs.ATTN_SHORT_CAUSAL_SQ, configs.ATTN_SPLIT_PROGRAMS_PER_SM, configs.ATTN_SPLIT_MIN_TILES,
+            configs.ATTN_SHORT_SPLIT_TILES, configs.ATTN_SHORT_SPLIT_STAGES, id(configs.ATTN_TILES), sm_count(q))
+
+
 def plan(q: Tensor, k: Tensor, v: Tensor, causal: bool, diag: int, mask: Mask = NO_MASK) -> Plan:
     """Tiles, packing and split for ``q (B, H, Sq, D)`` over ``k (B, Hkv, Sk, D)``, ``v``; the splits
     cover the keys some row may see (``attn_mask.key_range``)."""
     if mask is not NO_MASK:
         return _plan(q, k, v, causal, diag, mask)
-    key = (q.shape, k.shape, v.shape[-1], q.dtype, q.get_device(), causal, diag, configs.ATTN_SHORT_CAUSAL_SQ,
-           configs.ATTN_SPLIT_PROGRAMS_PER_SM, configs.ATTN_SPLIT_MIN_TILES, configs.ATTN_SHORT_SPLIT_TILES,
-           configs.ATTN_SHORT_SPLIT_STAGES, id(configs.ATTN_TILES), sm_count(q))
+    key = (q.shape, k.shape, v.shape[-1], q.dtype, q.get_device(), causal, diag, plan_settings(q))
     p = _PLANS.get(key)
     if p is None:
         if len(_PLANS) >= 1024:

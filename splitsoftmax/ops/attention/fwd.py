@@ -49,11 +49,11 @@ from ...core.mask import NO_MASK, Mask
 from ...core.state import stat_dtype
 from .._triton import configs
 from .kernel_mask import KernelMask, band_tiles, capped, kernel_mask, row_bounds
-from .decode import Plan, dot_precision, head_group, pad_dim, plan
+from .decode import Plan, dot_precision, head_group, pad_dim, plan, plan_settings
 from .._triton.device import hopper, sm90, sm_count
 from .._triton.launch import Launcher, Memo, auto_key, fits_int32, geometry
 from ...core.runtime import interpreting
-from ..merge.kernel import merge_into
+from ..merge.kernel import merge_into, merge_launch
 from .._triton.algebra import LOG2E, inv_or_zero, lse2_of, online_step, ref_max, rescale
 
 # Triton 3.6's interpreter multiplies bf16 tiles as raw integers: there, tl.dot runs on float32
@@ -666,6 +666,40 @@ def _bind(run, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, mask_t
                                          *run.tail), run.kwargs)
 
 
+def _settings(d: int) -> tuple:
+    """The settings a plain forward's launch reads beside its geometry (part of the keys of
+    :data:`_FWD_LAUNCHES`: tests change them)."""
+    return (configs.ATTN_TMA, configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER,
+            configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON,
+            configs.ATTN_FWD_GLUON_MIN_SQ, configs.ATTN_FWD_GLUON_PERSISTENT, configs.ATTN_FWD_GLUON_ACC,
+            configs.ATTN_TILES.get(("fwd_gluon", 2, d)))
+
+
+def _plain_launch(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool, diag: int,
+                  p: Plan, acc: bool, split_dim: bool) -> tuple:
+    """``(bound launch, Gluon launch or None)`` of a plain-mask forward into ``out``, ``lse`` (as
+    :func:`launch_fwd` takes them), kept under their geometry: its arguments are ``lse`` as the
+    absent mask tensors, and constants."""
+    geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, _settings(q.shape[-1]))
+    hit = _FWD_LAUNCHES.get(geo)
+    if hit is None:
+        km = _kernel_mask(NO_MASK, q, scale, lse)
+        tile = _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
+        run = _launch_of(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km, tile)
+        hit = _FWD_LAUNCHES.put(geo, (_bind(run, q, k, v, out, lse, (lse, lse, lse)),
+                                      run if isinstance(run, _GluonFwdLaunch) else None))
+    return hit
+
+
+def _run_plain(hit: tuple, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor) -> None:
+    """Launch :func:`_plain_launch`'s ``hit`` on these operands."""
+    bound, gluon = hit
+    if gluon is None:
+        bound(q, k, v, out, lse, lse, lse, lse)
+    else:
+        _run_gluon_fwd(gluon, q, k, v, out, lse, (lse, lse, lse), bound)
+
+
 def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                diag: int, p: Plan, *, acc: bool = False, split_dim: bool = False, mask: Mask = NO_MASK) -> None:
     """Run the forward kernel into ``out (B, H, Sq, Dv)``, ``lse (B, H, Sq)`` (any strides).
@@ -675,23 +709,7 @@ def launch_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     into the state already in ``out``/``lse``. ``mask``: the variant's visibility (splitsoftmax.core.mask).
     """
     if mask is NO_MASK:  # its kernel arguments are ``lse`` as the absent tensors, and constants
-        geo = (geometry(q, k, v, out, lse), scale, causal, diag, p, acc, split_dim, configs.ATTN_TMA,
-               configs.ATTN_TMA_STORE, configs.ATTN_TMA_ROWS, configs.ATTN_SPLIT_TRIGGER, configs.ATTN_ORDER_WAVES,
-               configs.ATTN_ORDER_MAX_WAVES, configs.ATTN_FWD_GLUON, configs.ATTN_FWD_GLUON_MIN_SQ,
-               configs.ATTN_FWD_GLUON_PERSISTENT, configs.ATTN_FWD_GLUON_ACC,
-               configs.ATTN_TILES.get(("fwd_gluon", 2, q.shape[-1])))
-        hit = _FWD_LAUNCHES.get(geo)
-        if hit is None:
-            km = _kernel_mask(mask, q, scale, lse)
-            tile = _gluon_fwd_tile(q, k, v, out, scale, causal, p, acc, split_dim)
-            run = _launch_of(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim, km, tile)
-            hit = _FWD_LAUNCHES.put(geo, (_bind(run, q, k, v, out, lse, (lse, lse, lse)),
-                                          run if isinstance(run, _GluonFwdLaunch) else None))
-        bound, gluon = hit
-        if gluon is None:
-            bound(q, k, v, out, lse, lse, lse, lse)
-        else:
-            _run_gluon_fwd(gluon, q, k, v, out, lse, (lse, lse, lse), bound)
+        _run_plain(_plain_launch(q, k, v, out, lse, scale, causal, diag, p, acc, split_dim), q, k, v, out, lse)
         return
     km = _kernel_mask(mask, q, scale, lse)
     kvr, qoff, rows = km.kvr, km.qoff, km.rows
@@ -713,8 +731,9 @@ def _launch_of(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
 
 
 def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
-               diag: int, p: Plan, acc: bool, mask: Mask) -> None:
-    """Flash-decoding: ``p.nsplit`` float32 partials (plus the running state when ``acc``), merged."""
+               diag: int, p: Plan, acc: bool, mask: Mask, run: Optional["_Plain"] = None) -> None:
+    """Flash-decoding: ``p.nsplit`` float32 partials (plus the running state when ``acc``), merged;
+    ``run``: a plain forward's, which keeps the launches (bound by its first call)."""
     b, h, sq, _ = q.shape
     r, dv = b * h * sq, v.shape[-1]
     outs = torch.empty((p.nsplit + acc, r, dv), dtype=torch.float32, device=q.device)
@@ -722,16 +741,53 @@ def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     if acc:
         outs[0].view(out.shape).copy_(out)
         lses[0].view(lse.shape).copy_(lse)
-    launch_fwd(q, k, v, outs[1:] if acc else outs, lses[1:] if acc else lses, scale, causal, diag, p,
-               split_dim=True, mask=mask)
+    parts = (outs[1:], lses[1:]) if acc else (outs, lses)
+    if run is None:
+        launch_fwd(q, k, v, *parts, scale, causal, diag, p, split_dim=True, mask=mask)
+    else:
+        if run.fwd is None:
+            run.fwd = _plain_launch(q, k, v, *parts, scale, causal, diag, p, False, True)
+        _run_plain(run.fwd, q, k, v, *parts)
     if out.is_contiguous() and lse.is_contiguous():
-        merge_into(outs, lses, out, lse, rows=(dv, 1, 1))
+        if run is None:
+            merge_into(outs, lses, out, lse, rows=(dv, 1, 1))
+            return
+        if run.merge is None:
+            run.merge = merge_launch(outs, lses, out, lse, rows=(dv, 1, 1))
+        run.merge(outs, lses, out, lse)
         return
     dst_o = torch.empty((r, dv), dtype=out.dtype, device=q.device)
     dst_l = torch.empty((r,), dtype=lse.dtype, device=q.device)
     merge_into(outs, lses, dst_o, dst_l)
     out.copy_(dst_o.view(out.shape))
     lse.copy_(dst_l.view(lse.shape))
+
+
+class _Plain:
+    """A plain forward of one geometry (:func:`attn_fwd`): its plan, and the launches its first call
+    bound (the forward's, into the partials where the keys are split, and the merge's)."""
+
+    __slots__ = ("p", "fwd", "merge")
+
+    def __init__(self, p: Plan):
+        self.p, self.fwd, self.merge = p, None, None
+
+
+def _plain_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
+               diag: int) -> None:
+    """The plain forward into ``out``, ``lse`` (as :func:`attn_fwd` allocates them): one lookup of
+    everything but the operands, by their geometry."""
+    key = ("plain", geometry(q, k, v), out.dtype, out.stride(), scale, causal, diag, plan_settings(q),
+           _settings(q.shape[-1]))
+    run = _FWD_LAUNCHES.get(key)
+    if run is None:
+        run = _FWD_LAUNCHES.put(key, _Plain(plan(q, k, v, causal, diag)))
+    if run.p.nsplit > 1:
+        _split_fwd(q, k, v, out, lse, scale, causal, diag, run.p, False, NO_MASK, run)
+        return
+    if run.fwd is None:
+        run.fwd = _plain_launch(q, k, v, out, lse, scale, causal, diag, run.p, False, False)
+    _run_plain(run.fwd, q, k, v, out, lse)
 
 
 def _empty_out(q: Tensor, dv: int, dtype: torch.dtype) -> Tensor:
@@ -761,6 +817,9 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
         return out, lse
     if k.shape[2] == 0:
         return out.zero_(), lse.fill_(float("-inf"))
+    if mask is NO_MASK:
+        _plain_fwd(q, k, v, out, lse, scale, causal, diag)
+        return out, lse
     p = plan(q, k, v, causal, diag, mask)
     if p.nsplit == 1:
         launch_fwd(q, k, v, out, lse, scale, causal, diag, p, mask=mask)

@@ -158,15 +158,24 @@ def _new_plan(key: tuple, outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor):
     return bound
 
 
-def _launch(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, n: int, r: int, dv: int, strides: tuple) -> None:
-    """The merge of ``n`` parts of ``r`` rows of ``dv`` columns; ``strides``: the kernels' eight (parts,
-    rows and columns of ``outs``; parts and rows of ``lses``; rows and columns of ``out``; rows of ``lse``)."""
+def _bound(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, n: int, r: int, dv: int, strides: tuple):
+    """The bound launch of the merge of ``n`` parts of ``r`` rows of ``dv`` columns; ``strides``: the
+    kernels' eight (parts, rows and columns of ``outs``; parts and rows of ``lses``; rows and columns of
+    ``out``; rows of ``lse``)."""
     key = (n, r, dv, strides, outs.dtype, lses.dtype, out.dtype, lse.dtype, outs.get_device(), _configs(),
            outs.data_ptr() % 16 == 0, lses.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, lse.data_ptr() % 16 == 0)
     bound = _PLANS.get(key)
-    if bound is None:
-        bound = _new_plan(key, outs, lses, out, lse)
-    bound(outs, lses, out, lse)
+    return _new_plan(key, outs, lses, out, lse) if bound is None else bound
+
+
+def merge_launch(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, rows: Optional[tuple] = None):
+    """:func:`merge_into` of these operands as a launch ``f(outs, lses, out, lse)`` for any operands of
+    the same geometry (a caller that keeps it skips the lookup); None where there are no rows."""
+    n, r, dv = outs.shape
+    if not r:
+        return None
+    dst = rows or (*out.stride(), lse.stride(0))
+    return _bound(outs, lses, out, lse, n, r, dv, (*outs.stride(), *lses.stride(), *dst))
 
 
 def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, rows: Optional[tuple] = None) -> None:
@@ -176,10 +185,9 @@ def merge_into(outs: Tensor, lses: Tensor, out: Tensor, lse: Tensor, rows: Optio
     where ``out`` and ``lse``, of any shape, hold their ``R`` rows. ``out`` and ``lse`` are written,
     not read.
     """
-    n, r, dv = outs.shape
-    if r:
-        dst = rows or (*out.stride(), lse.stride(0))
-        _launch(outs, lses, out, lse, n, r, dv, (*outs.stride(), *lses.stride(), *dst))
+    bound = merge_launch(outs, lses, out, lse, rows)
+    if bound is not None:
+        bound(outs, lses, out, lse)
 
 
 @lru_cache(maxsize=1024)
@@ -220,5 +228,5 @@ def merge_out_lse(outs: Tensor, lses: Tensor, out_dtype: Optional[torch.dtype] =
         r, dv = lse.numel(), shape[-1]
         merge_into(outs.reshape(n, r, dv), lses.reshape(n, r), out.view(r, dv), lse.view(r))
     elif flat[0]:
-        _launch(outs, lses, out, lse, n, flat[0], shape[-1], flat[1])
+        _bound(outs, lses, out, lse, n, flat[0], shape[-1], flat[1])(outs, lses, out, lse)
     return out, lse

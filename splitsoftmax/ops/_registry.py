@@ -93,12 +93,23 @@ def custom_op(name: str):
     return register
 
 
+_forward_ad = torch.autograd.forward_ad
+_functorch_active = torch._C._are_functorch_transforms_active
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._len_torch_function_stack
+_grad_enabled = torch.is_grad_enabled
+
+
+def _modes_off() -> bool:
+    """No forward-mode level, functorch transform, torch function or dispatch mode is active."""
+    return (_forward_ad._current_level < 0 and not _functorch_active() and _dispatch_modes() == 0
+            and _function_modes() == 0)
+
+
 def plain_tensors(tensors) -> bool:
     """Whether nothing but plain eager autograd can see ops on ``tensors``: plain ``torch.Tensor``
     inputs, no forward-mode level, functorch transform, torch function or dispatch mode."""
-    return (all(type(t) is Tensor and not t.is_meta for t in tensors) and torch.autograd.forward_ad._current_level < 0
-            and not torch._C._are_functorch_transforms_active() and torch._C._len_torch_dispatch_stack() == 0
-            and torch._C._len_torch_function_stack() == 0)
+    return all(type(t) is Tensor and not t.is_meta for t in tensors) and _modes_off()
 
 
 def plain_eager(*tensors: Tensor) -> bool:
@@ -133,12 +144,20 @@ def call(name: str, *args):
     """``torch.ops.splitsoftmax.<name>(*args)``, skipping the dispatcher's per-call cost (tens of
     microseconds of host time) in plain eager mode: the implementation itself when no gradient is
     recorded, else the same autograd formula in a plain ``autograd.Function``."""
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    if not torch.compiler.is_compiling() and plain_tensors(tensors):
-        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-            return IMPLS[name](*args)
-        if name in AUTOGRAD:
-            return _Eager.apply(name, *args)
+    if torch.compiler.is_compiling():  # (first: Dynamo folds it and traces the op)
+        return getattr(torch.ops.splitsoftmax, name)(*args)
+    grad = False
+    for a in args:  # (one pass, no generator: this runs on every call)
+        if isinstance(a, Tensor):
+            if type(a) is not Tensor or a.is_meta:
+                break
+            grad = grad or a.requires_grad
+    else:
+        if _modes_off():
+            if not (grad and _grad_enabled()):
+                return IMPLS[name](*args)
+            if name in AUTOGRAD:
+                return _Eager.apply(name, *args)
     return getattr(torch.ops.splitsoftmax, name)(*args)
 
 

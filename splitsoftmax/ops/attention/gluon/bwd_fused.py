@@ -2,7 +2,7 @@
 program, dQ reduce-added in float32 (``configs.ATTN_BWD_FUSED``).
 
 A program holds a key block of ``BLOCK_N = 128`` keys of one kv head and walks the ``BLOCK_M = 64``
-query tiles of the ``G`` query heads that read it (``bwd_kv._kv_walk``: the masked tiles first, then
+query tiles of the ``G`` query heads that read it (``bwd_kv._key_block``: the masked tiles first, then
 the interior ones, each head-major), so dK and dV sum over the group in registers. Three partitions:
 
 - two MMA warpgroups (240 registers each): warpgroup ``W`` owns keys ``n0 + 64 W ..`` and their dK,
@@ -45,9 +45,8 @@ from ..._triton.algebra import LOG2E
 from ..._triton.launch import Launcher, auto_key
 from ..bwd_common import _mask_args, row_blocks
 from ..decode import head_group
-from .bwd import (_DEFAULTS, _batch_bounds, _doc_rows, _mma_layout, _probs, _program_order, _seen,
-                  _store_rows, _thread_barrier, _tma_load, descriptor)
-from .bwd_kv import _kv_walk, _tile_of
+from .bwd import _DEFAULTS, _doc_rows, _mma_layout, _probs, _seen, _store_rows, _thread_barrier, _tma_load, descriptor
+from .bwd_kv import _key_block, _tile_of
 
 if hasattr(tma, "async_atomic_add"):
     _tma_add = tma.async_atomic_add
@@ -293,23 +292,12 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, K
     pointers (unit last stride). The mask's tensors and strides (``KVR, QOFF, ROWS``, ``RB`` its
     ``row_blocks`` of ``BLOCK_N`` keys) are ``bwd_kv._attn_bwd_kv_ws``'s, read where their flag is set;
     ``qk_scale`` is the scale times log2(e), ``cap2 = softcap * log2(e)``."""
-    pid_n, pid_bh = _program_order(GH)
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
-    n0 = pid_n * BLOCK_N
+    b, kvh, n0, kv_lo, kv_hi, dg, lw, cs, tiles = _key_block(
+        RB, KVR, QOFF, s_kvb, s_kvc, s_off, HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH, BLOCK_M, BLOCK_N,
+        CAUSAL, HAS_LO, HAS_KV, HAS_OFF, HAS_ROWS, SOFTCAP)
+    Tm = tiles[7]
+    T = tiles[8]
     dtype: gl.constexpr = q_desc.dtype
-
-    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
-    first, end, ia, ib = _kv_walk(RB, pid_n, n0, n0 + BLOCK_N, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, CAUSAL, HAS_LO,
-                                  HAS_KV, HAS_ROWS)
-    n_pre = ia - first
-    nmk = n_pre + end - ib
-    n_in = ib - ia
-    Tm = G * nmk
-    T = Tm + G * n_in
-    cs = qk_scale
-    if SOFTCAP:
-        cs = scale / cap2 * LOG2E  # s / c
 
     # Q, dO: [STAGES, 1, 1, BLOCK_M, D]; K, V: [1, 1, BLOCK_N, D]; dS^T: [STAGES, BLOCK_N, BLOCK_M];
     # the dQ halves' staging: [2, 1, 1, BLOCK_M, D / 2] float32, one per MMA warpgroup
@@ -341,7 +329,6 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, K
         mbarrier.init(q_empty.index(i), count=2)
         mbarrier.init(ds_full.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
-    tiles = (b, kvh, G, first, n_pre, n_in, nmk, Tm, T)
     vis = (n0, ROWS, s_r, Sq, dg, lw, kv_lo, kv_hi, cs, cap2, scale)
     out = (GK, GV, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, prog)
     pm = (k_smem, v_smem, q_ring, do_ring, st_ring, ds_ring, stage, kv_bar, q_full, q_empty, ds_full, ds_empty, meet,

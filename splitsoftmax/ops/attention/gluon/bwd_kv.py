@@ -111,6 +111,32 @@ def _kv_walk(RB, pid_n, n0, n1, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
+def _key_block(RB, KVR, QOFF, s_kvb, s_kvc, s_off, HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
+               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr, HAS_LO: gl.constexpr,
+               HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
+    """This program's key block (grid ``(key blocks, B * HKV)`` in the order of ``GH``) and the tiles it
+    walks: ``(b, kv head, n0, kv_lo, kv_hi, dg, lw, cs, tiles)`` (``cs`` the scores' scale: ``qk_scale``,
+    or ``scale / softcap`` in log2 units with a softcap). ``tiles = (b, kv head, G, first, n_pre, n_in,
+    nmk, Tm, T)``: the ``Tm`` masked tiles (query blocks ``[first, ia)`` and ``[ib, end)`` of each of
+    the ``G`` query heads), then the interior ones (``[ia, ib)``), each head-major (:func:`_tile_of`)."""
+    pid_n, pid_bh = _program_order(GH)
+    b = pid_bh // HKV
+    kvh = pid_bh % HKV
+    n0 = pid_n * BLOCK_N
+    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
+    first, end, ia, ib = _kv_walk(RB, pid_n, n0, n0 + BLOCK_N, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, CAUSAL, HAS_LO,
+                                  HAS_KV, HAS_ROWS)
+    n_pre = ia - first
+    nmk = n_pre + end - ib
+    n_in = ib - ia
+    Tm = G * nmk
+    cs = qk_scale
+    if SOFTCAP:
+        cs = scale / cap2 * LOG2E  # s / c
+    return b, kvh, n0, kv_lo, kv_hi, dg, lw, cs, (b, kvh, G, first, n_pre, n_in, nmk, Tm, Tm + G * n_in)
+
+
+@gluon.jit
 def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
               STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
     """K and V once, then tiles ``[0, T)``' Q and dO, each into the ring's next buffer once its score
@@ -323,25 +349,12 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     score warpgroups store each query head's ``sum_rows p_sink P dP`` per key (:func:`_scores`) into
     ``PDP (4, B, H, key blocks * BLOCK_N)`` (strides ``s_wp, s_wb, s_wh``), the sinks ``SNK (H,)``
     float32; without it ``SNK, PDP`` and their strides are None (constexprs)."""
-    pid_n, pid_bh = _program_order(GH)
-    b = pid_bh // HKV
-    kvh = pid_bh % HKV
-    n0 = pid_n * BLOCK_N
+    b, kvh, n0, kv_lo, kv_hi, dg, lw, cs, tiles = _key_block(
+        RB, KVR, QOFF, s_kvb, s_kvc, s_off, HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH, BLOCK_M, BLOCK_N,
+        CAUSAL, HAS_LO, HAS_KV, HAS_OFF, HAS_ROWS, SOFTCAP)
+    Tm = tiles[7]
+    T = tiles[8]
     dtype: gl.constexpr = q_desc.dtype
-
-    kv_lo, kv_hi, dg, lw = _batch_bounds(KVR, QOFF, s_kvb, s_kvc, s_off, b, Sk, diag, lo, HAS_KV, HAS_OFF)
-    first, end, ia, ib = _kv_walk(RB, pid_n, n0, n0 + BLOCK_N, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M, CAUSAL, HAS_LO,
-                                  HAS_KV, HAS_ROWS)
-    # tiles (query head, query block): the Tm masked ones (blocks [first, ia) and [ib, end) of each
-    # head), then the interior ones ([ia, ib) of each head), each head-major (_tile_of)
-    n_pre = ia - first
-    nmk = n_pre + end - ib
-    n_in = ib - ia
-    Tm = G * nmk
-    T = Tm + G * n_in
-    cs = qk_scale
-    if SOFTCAP:
-        cs = scale / cap2 * LOG2E  # s / c
     ds_col0 = 0  # DS_OUT: this key block's first row in the causal band, rounded down to DS_ALIGN
     if CAUSAL:
         ds_col0 = gl.maximum(n0 - dg, 0) // BLOCK_M * BLOCK_M // DS_ALIGN * DS_ALIGN
@@ -371,7 +384,6 @@ def _attn_bwd_kv_ws(q_desc, do_desc, k_desc, v_desc, LSE, DELTA, GK, GV, KVR, QO
     # each partition's operands: buffers, barriers, row statistics, the tile walk, visibility and scores,
     # the gradients
     stats = (LSE, DELTA, s_lb, s_lh, s_ls, s_eb, s_eh, s_es, Sq)
-    tiles = (b, kvh, G, first, n_pre, n_in, nmk, Tm, T)
     sk = ()  # the sinks' operands, only where read
     if SINK:
         sk = (SNK + kvh * G, PDP + b * s_wb + kvh * G * s_wh, s_wp, s_wh)

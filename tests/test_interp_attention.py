@@ -141,6 +141,28 @@ def test_decode_split_matches_reference():
     assert rel_err(out, ro) < 2e-6 and rel_err(lse, rl) < 2e-6
 
 
+@pytest.mark.parametrize("sq,sk", [(1, 300), (17, 40)], ids=["split", "one launch"])
+def test_repeated_plain_forward_is_one_lookup(sq, sk, monkeypatch):
+    """A plain forward of a geometry seen before works out nothing again: no plan, no launch bound,
+    no merge looked up (its first call kept them under the geometry); each call equals float64."""
+    q, k, v = inputs(2, 8, 2, sq, sk, 32, 32, torch.float32)
+    monkeypatch.setattr(A, "_FWD_LAUNCHES", A.Memo())
+    made = []
+    for name in ("plan", "_plain_launch", "merge_launch"):
+        fn = getattr(A, name)
+        monkeypatch.setattr(A, name, lambda *a, _fn=fn, _n=name, **kw: made.append(_n) or _fn(*a, **kw))
+    ro, rl = ref_attention(q, k, v, 0.2, False)
+    for call in range(3):
+        out, lse = A.attn_fwd(q, k, v, 0.2, False)
+        assert rel_err(out, ro) < 2e-6 and rel_err(lse, rl) < 2e-6
+        if call == 0:
+            first = list(made)
+    assert made == first and first[:2] == ["plan", "_plain_launch"]
+    assert ("merge_launch" in first) == (decode.plan(q, k, v, False, 0).nsplit > 1) == (sq == 1)
+    A.attn_fwd(q[:1], k[:1], v[:1], 0.2, False)  # another geometry: worked out anew
+    assert made[len(first):len(first) + 2] == ["plan", "_plain_launch"]
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_forward_accumulate_in_place(split):
     sq, sk = (1, 300) if split else (17, 40)

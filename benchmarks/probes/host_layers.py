@@ -49,13 +49,37 @@ def _rows() -> list:
         ("decode", "_registry.call", lambda: _registry.call("attn_fwd", q, k, v, s, False, 0)),
         ("decode", "fwd.attn_fwd", lambda: attn_fwd.attn_fwd(q, k, v, s, False, 0, out_dtype=q.dtype)),
         ("decode", "decode.plan", lambda: decode.plan(q, k, v, False, 0)),
+        ("decode", "torch.empty x4 (out, lse, partials)", lambda: (
+            torch.empty((8, 32, 1, 128), dtype=q.dtype, device=q.device),
+            torch.empty((8, 32, 1), dtype=torch.float32, device=q.device),
+            torch.empty((4, 256, 128), dtype=torch.float32, device=q.device),
+            torch.empty((4, 256), dtype=torch.float32, device=q.device))),
     ]
+    cases += _decode_launches(attn_fwd, q, k, v, s)
     rows = []
     for what, name, fn in cases:
         host, wall = per_call_us(fn, 2000)
         rows.append({"op": what, "layer": name, "host_us": host, "wall_us": wall})
         print(f"{what:8s} {name:42s} {host:8.2f} us host {wall:8.2f} us wall", flush=True)
     return rows
+
+
+def _decode_launches(attn_fwd, q, k, v, s) -> list:
+    """The decode call's two launches alone (the split forward's, the merge's: their bound C calls
+    on kept operands), where this tree keeps them per geometry (none before it did)."""
+    attn_fwd.attn_fwd(q, k, v, s, False, 0, out_dtype=q.dtype)
+    runs = [r for r in getattr(attn_fwd, "_FWD_LAUNCHES", {}).values() if type(r).__name__ == "_Plain"]
+    run = next((r for r in runs if r.merge is not None), None)
+    if run is None or run.fwd[0].direct is None or run.merge.direct is None:
+        return []
+    out = torch.empty((8, 32, 1, 128), dtype=q.dtype, device=q.device)
+    lse = torch.empty((8, 32, 1), dtype=torch.float32, device=q.device)
+    outs = torch.empty((run.p.nsplit, 256, 128), dtype=torch.float32, device=q.device)
+    lses = torch.empty((run.p.nsplit, 256), dtype=torch.float32, device=q.device)
+    fwd, merge = run.fwd[0].direct, run.merge.direct
+    return [("decode", f"split forward launch alone ({run.p.nsplit} splits)",
+             lambda: fwd((q, k, v, outs, lses, lses, lses, lses))),
+            ("decode", "merge launch alone", lambda: merge((outs, lses, out, lse)))]
 
 
 def main() -> None:

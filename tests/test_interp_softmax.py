@@ -87,15 +87,23 @@ def test_normalize_paths(path, log):
 
 
 def test_public_api_dispatches_through_kernels(path, monkeypatch):
+    """Without a gradient to record the public calls take the launcher that makes no ``lse``
+    (``softmax_out``; the paths that need one make it there), with one the launcher that does."""
     calls = []
-    real = softmax_k.softmax_fwd
-    monkeypatch.setattr(softmax_k, "softmax_fwd", lambda *a: calls.append(1) or real(*a))
+    for name in ("softmax_fwd", "softmax_out"):
+        real = getattr(softmax_k, name)
+        monkeypatch.setattr(softmax_k, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
     x = torch.randn(2, 3, 150, dtype=torch.float64)
     for fn, ref in ((ss.softmax, torch.softmax), (ss.log_softmax, torch.log_softmax)):
         _close(fn(x.float(), dim=-1), ref(x, -1), torch.float32, f"{path} {fn.__name__}")
         _close(fn(x.float(), dim=1), ref(x, 1), torch.float32, f"{path} {fn.__name__} dim=1")
     _close(ss.logsumexp(x.float(), dim=-1), torch.logsumexp(x, -1), torch.float32, f"{path} logsumexp")
-    assert len(calls) == 4, "ss.softmax did not reach the Triton launcher"
+    assert calls.count("softmax_out") == 4, "ss.softmax did not reach the Triton launcher"
+    assert all(a == "softmax_out" for a, b in zip(calls, calls[1:]) if b == "softmax_fwd"), calls  # (within it)
+    calls.clear()
+    xg = x.float().requires_grad_()
+    _close(ss.softmax(xg, dim=-1).detach(), torch.softmax(x, -1), torch.float32, f"{path} softmax with grad")
+    assert calls == ["softmax_fwd"]
 
 
 @pytest.mark.parametrize("dtype,log", CASES)

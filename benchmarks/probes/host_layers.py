@@ -42,6 +42,8 @@ def _rows() -> list:
         ("softmax", "_registry.call", lambda: _registry.call("softmax_fwd", x, False)),
         ("softmax", "custom op's implementation", lambda: _registry.IMPLS["softmax_fwd"](x, False)),
         ("softmax", "kernel.softmax_fwd", lambda: sm.softmax_fwd(x, False)),
+        *([("softmax", "kernel.softmax_out (no lse)", lambda: sm.softmax_out(x, False))]
+          if hasattr(sm, "softmax_out") else []),
         ("softmax", "bound(x, y, lse)", lambda: bound(x, y, lse)),
         ("softmax", "bound.direct((x, y, lse))", lambda: bound.direct((x, y, lse))),
         ("decode", "SDPA enable_gqa", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)),

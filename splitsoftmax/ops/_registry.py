@@ -25,6 +25,7 @@ _MODULES = {
     "lse_rows": ("ops.softmax.torch", "ops.softmax.kernel"),
     "normalize": ("ops.softmax.torch", "ops.softmax.kernel"),
     "softmax_fwd": ("ops.softmax.torch", "ops.softmax.kernel"),
+    "softmax_out": ("ops.softmax.torch", "ops.softmax.kernel"),
     "softmax_rowsum": ("ops.softmax.torch", "ops.softmax.kernel"),
     "softmax_bwd": ("ops.softmax.torch", "ops.softmax.kernel"),
     "logsumexp_bwd": ("ops.softmax.torch", "ops.softmax.kernel"),
@@ -140,25 +141,42 @@ class _Eager(torch.autograd.Function):
         return (None, *(g if isinstance(g, tuple) else (g,)))
 
 
-def call(name: str, *args):
-    """``torch.ops.splitsoftmax.<name>(*args)``, skipping the dispatcher's per-call cost (tens of
-    microseconds of host time) in plain eager mode: the implementation itself when no gradient is
-    recorded, else the same autograd formula in a plain ``autograd.Function``."""
+_DISPATCH, _IMPL, _FORMULA = 0, 1, 2
+
+
+def _route(args: tuple) -> int:
+    """How :func:`call` runs an op on ``args``: through the dispatcher (compiling, a tensor subclass or
+    meta tensor, a mode or transform), the implementation itself (plain eager, no gradient recorded),
+    or the autograd formula in a plain ``autograd.Function`` (plain eager, a gradient recorded)."""
     if torch.compiler.is_compiling():  # (first: Dynamo folds it and traces the op)
-        return getattr(torch.ops.splitsoftmax, name)(*args)
+        return _DISPATCH
     grad = False
     for a in args:  # (one pass, no generator: this runs on every call)
         if isinstance(a, Tensor):
             if type(a) is not Tensor or a.is_meta:
-                break
+                return _DISPATCH
             grad = grad or a.requires_grad
-    else:
-        if _modes_off():
-            if not (grad and _grad_enabled()):
-                return IMPLS[name](*args)
-            if name in AUTOGRAD:
-                return _Eager.apply(name, *args)
+    if not _modes_off():
+        return _DISPATCH
+    return _FORMULA if grad and _grad_enabled() else _IMPL
+
+
+def call(name: str, *args):
+    """``torch.ops.splitsoftmax.<name>(*args)``, skipping the dispatcher's per-call cost (tens of
+    microseconds of host time) in plain eager mode: the implementation itself when no gradient is
+    recorded, else the same autograd formula in a plain ``autograd.Function``."""
+    how = _route(args)
+    if how == _IMPL:
+        return IMPLS[name](*args)
+    if how == _FORMULA and name in AUTOGRAD:
+        return _Eager.apply(name, *args)
     return getattr(torch.ops.splitsoftmax, name)(*args)
+
+
+def direct(*args) -> bool:
+    """Whether :func:`call` on ``args`` runs an op's implementation itself: plain eager, no gradient
+    recorded (a caller may then take a local op that makes less, the same result)."""
+    return _route(args) == _IMPL
 
 
 def dense(t: Tensor, dtype: torch.dtype) -> Tensor:

@@ -196,8 +196,10 @@ def _lse_merge_fwd_kernel(pm_ptr, pl_ptr, lse_ptr, R, S, BLOCK_R: tl.constexpr, 
 
 @triton.jit(do_not_specialize=["R"])
 def _softmax_fwd_kernel(x_ptr, y_ptr, lse_ptr, R, N, stride_x, stride_y, LOG: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr):
-    """Grid ``cdiv(R, BLOCK_R)``: whole rows; one pass if ``BLOCK_N >= N``, else online two-pass."""
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, ONE_PASS: tl.constexpr, STAGES: tl.constexpr,
+                        LSE: tl.constexpr = True):
+    """Grid ``cdiv(R, BLOCK_R)``: whole rows; one pass if ``BLOCK_N >= N``, else online two-pass;
+    ``lse`` written where ``LSE`` (else ``lse_ptr`` is not read)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)  # [BLOCK_R]
     rmask = rows < R
     xb = x_ptr + rows[:, None].to(tl.int64) * stride_x
@@ -215,7 +217,8 @@ def _softmax_fwd_kernel(x_ptr, y_ptr, lse_ptr, R, N, stride_x, stride_y, LOG: tl
         lse = _lse(m, l)
         mr, c = _scale(m, l, 1.0)
         _normalize_range(xb, yb, rmask, lse, mr, c, 0, N, LOG, BLOCK_N)
-    tl.store(lse_ptr + rows, lse, mask=rmask)
+    if LSE:
+        tl.store(lse_ptr + rows, lse, mask=rmask)
 
 
 @triton.jit
@@ -529,12 +532,24 @@ def normalize(x: Tensor, lse: Tensor, log: bool) -> Tensor:
     return _normalize(x, lse.contiguous(), None, log)
 
 
-def _fwd_launch(x: Tensor, log: bool) -> list:
-    """``[plan, grid, kwargs, bound launch]`` of :func:`softmax_fwd` over ``x (R, N)`` (the kwargs of
-    whole rows; the launch bound at its first use)."""
+def _fwd_launch(x: Tensor, log: bool, write_lse: bool) -> list:
+    """``[plan, grid, kwargs, bound launch]`` of :func:`softmax_fwd` (``write_lse``) or
+    :func:`softmax_out` over ``x (R, N)`` (the kwargs of whole rows; the launch bound at its first use)."""
     p = _plan(x)
     return [p, _grid(x, p), dict(LOG=log, BLOCK_R=p.block_r, BLOCK_N=p.block_n, ONE_PASS=p.path == "one_pass",
-                                 STAGES=p.stages, num_warps=p.num_warps), None]
+                                 STAGES=p.stages, LSE=write_lse, num_warps=p.num_warps), None]
+
+
+def _whole_rows(run: list, x: Tensor, y: Tensor, lse: Tensor) -> None:
+    """Launch ``run`` (of :func:`_fwd_launch`; a one-pass or two-pass plan) on ``x``, ``y`` and ``lse``
+    (``y`` itself where the launch writes no ``lse``), bound at its first use."""
+    bound = run[3]
+    if bound is None:  # (fresh outputs: 16-byte aligned)
+        R, N = x.shape
+        sx = x.stride(0)
+        key = (x.dtype, x.data_ptr() % 16 == 0, True, True, R < _INT32, N, sx)
+        bound = run[3] = _L_softmax_fwd.bind(run[1], key, (x, y, lse, R, N, sx, N), run[2])
+    bound(x, y, lse)
 
 
 def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
@@ -543,8 +558,8 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     R, N = x.shape
     if R == 0 or N == 0:
         return torch.empty((R, N), dtype=x.dtype, device=x.device), lse_rows(x)
-    sx = x.stride(0)
-    run = _memo(("fwd", R, N, x.dtype, x.get_device(), log, sx, x.data_ptr() % 16 == 0), _fwd_launch, x, log)
+    run = _memo(("fwd", R, N, x.dtype, x.get_device(), log, x.stride(0), x.data_ptr() % 16 == 0), _fwd_launch, x,
+                log, True)
     p = run[0]
     lse = torch.empty(R, dtype=torch.float32, device=x.device)
     if p.path == "split":
@@ -552,13 +567,24 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     y = torch.empty((R, N), dtype=x.dtype, device=x.device)
     if p.path == "coop":
         _coop(x, y, lse, log, p)
-        return y, lse
-    bound = run[3]
-    if bound is None:  # (fresh outputs: 16-byte aligned)
-        key = (x.dtype, x.data_ptr() % 16 == 0, True, True, R < _INT32, N, sx)
-        bound = run[3] = _L_softmax_fwd.bind(run[1], key, (x, y, lse, R, N, sx, N), run[2])
-    bound(x, y, lse)
+    else:
+        _whole_rows(run, x, y, lse)
     return y, lse
+
+
+def softmax_out(x: Tensor, log: bool) -> Tensor:
+    """:func:`softmax_fwd`'s ``y`` alone (no ``lse`` made or written where the rows fit one or two
+    passes of one program: a call that records no gradient)."""
+    x = _unit_cols(x)
+    R, N = x.shape
+    if R and N:
+        run = _memo(("out", R, N, x.dtype, x.get_device(), log, x.stride(0), x.data_ptr() % 16 == 0), _fwd_launch,
+                    x, log, False)
+        if run[0].path in ("one_pass", "two_pass"):
+            y = torch.empty((R, N), dtype=x.dtype, device=x.device)
+            _whole_rows(run, x, y, y)
+            return y
+    return softmax_fwd(x, log)[0]
 
 
 def _coop(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) -> None:

@@ -50,6 +50,11 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     return y.to(x.dtype), lse
 
 
+def softmax_out(x: Tensor, log: bool) -> Tensor:
+    """:func:`softmax_fwd`'s ``y`` alone."""
+    return softmax_fwd(x, log)[0]
+
+
 def softmax_rowsum(y: Tensor, dy: Tensor, log: bool) -> Tensor:
     """The row sum the backward needs: ``sum(dy * y)`` (softmax) or ``sum(dy)`` (log): ``(R,)``."""
     dt = stat_dtype(y.dtype)

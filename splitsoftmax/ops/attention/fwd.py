@@ -736,8 +736,8 @@ def _split_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     ``run``: a plain forward's, which keeps the launches (bound by its first call)."""
     b, h, sq, _ = q.shape
     r, dv = b * h * sq, v.shape[-1]
-    outs = torch.empty((p.nsplit + acc, r, dv), dtype=torch.float32, device=q.device)
-    lses = torch.empty((p.nsplit + acc, r), dtype=torch.float32, device=q.device)
+    outs = q.new_empty((p.nsplit + acc, r, dv), dtype=torch.float32)  # (new_empty: no device argument to parse)
+    lses = q.new_empty((p.nsplit + acc, r), dtype=torch.float32)
     if acc:
         outs[0].view(out.shape).copy_(out)
         lses[0].view(lse.shape).copy_(lse)
@@ -796,8 +796,8 @@ def _empty_out(q: Tensor, dv: int, dtype: torch.dtype) -> Tensor:
     else contiguous."""
     b, h, sq, _ = q.shape
     if h > 1 and sq > 1 and q.stride(1) < q.stride(2):
-        return torch.empty((b, sq, h, dv), dtype=dtype, device=q.device).transpose(1, 2)
-    return torch.empty((b, h, sq, dv), dtype=dtype, device=q.device)
+        return q.new_empty((b, sq, h, dv), dtype=dtype).transpose(1, 2)
+    return q.new_empty((b, h, sq, dv), dtype=dtype)
 
 
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int = 0,
@@ -812,7 +812,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     b, h, sq, _ = q.shape
     dt = stat_dtype(q.dtype)
     out = _empty_out(q, v.shape[-1], out_dtype or dt)
-    lse = torch.empty((b, h, sq), dtype=dt, device=q.device)
+    lse = q.new_empty((b, h, sq), dtype=dt)
     if lse.numel() == 0:
         return out, lse
     if k.shape[2] == 0:

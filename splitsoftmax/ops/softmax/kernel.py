@@ -540,6 +540,12 @@ def _fwd_launch(x: Tensor, log: bool, write_lse: bool) -> list:
                                  STAGES=p.stages, LSE=write_lse, num_warps=p.num_warps), None]
 
 
+def _like_rows(x: Tensor) -> Tensor:
+    """A fresh contiguous ``(R, N)`` tensor of ``x``'s dtype (``empty_like`` where ``x`` is contiguous:
+    it parses no device argument, about half the host time of ``torch.empty`` on a GPU host)."""
+    return torch.empty_like(x) if x.is_contiguous() else x.new_empty(x.shape)
+
+
 def _whole_rows(run: list, x: Tensor, y: Tensor, lse: Tensor) -> None:
     """Launch ``run`` (of :func:`_fwd_launch`; a one-pass or two-pass plan) on ``x``, ``y`` and ``lse``
     (``y`` itself where the launch writes no ``lse``), bound at its first use."""
@@ -561,10 +567,10 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     run = _memo(("fwd", R, N, x.dtype, x.get_device(), log, x.stride(0), x.data_ptr() % 16 == 0), _fwd_launch, x,
                 log, True)
     p = run[0]
-    lse = torch.empty(R, dtype=torch.float32, device=x.device)
+    lse = x.new_empty(R, dtype=torch.float32)
     if p.path == "split":
         return _normalize(x, lse, None, log, _partials(x, p)), lse
-    y = torch.empty((R, N), dtype=x.dtype, device=x.device)
+    y = _like_rows(x)
     if p.path == "coop":
         _coop(x, y, lse, log, p)
     else:
@@ -581,7 +587,7 @@ def softmax_out(x: Tensor, log: bool) -> Tensor:
         run = _memo(("out", R, N, x.dtype, x.get_device(), log, x.stride(0), x.data_ptr() % 16 == 0), _fwd_launch,
                     x, log, False)
         if run[0].path in ("one_pass", "two_pass"):
-            y = torch.empty((R, N), dtype=x.dtype, device=x.device)
+            y = _like_rows(x)
             _whole_rows(run, x, y, y)
             return y
     return softmax_fwd(x, log)[0]

@@ -5,8 +5,9 @@ the full inputs from a fixed seed on every rank, places them as ``ss.shard(..., 
 (or by explicit per-rank lengths) and asserts forward and backward (q, k, v and the sinks' share of
 this rank's rows) against ``reference.attention_variants``: head splits uneven over the heads
 group, ``Hkv`` below the heads degree, ranks without heads, uneven and empty pieces, zigzag (per
-document), every variant keyword. Here they run on loopback meshes 2x2, 2x3 and 3x2 (the sequence
-degree first); test_mesh_gloo.py runs them on Gloo process groups.
+document), every variant keyword. Here they run on loopback meshes 2x2, 2x3, 3x2, 2x4 and 4x2 (the
+sequence degree first) and degenerate ones (1x3, 3x1, 1x8, 8x1); test_mesh_gloo.py runs them on Gloo
+process groups.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from test_dist_cases import DEVICE, F32, F64
 from test_dist_variants import _loss, _oracle, documents
 from test_heads_cases import B, DV, _inputs, sinks_of
 
-SHAPES = [(2, 2), (2, 3), (3, 2)]
+SHAPES = [(2, 2), (2, 3), (3, 2), (2, 4), (4, 2)]
 
 
 def head_shapes(ph: int) -> list:
@@ -184,8 +185,9 @@ def test_transfer_count(shape):
             assert (world.sends[TAG_GATHER] > 0) == (schedule == "heads+allgather"), what
 
 
-@pytest.mark.parametrize("shape", [(1, 3), (3, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", [(1, 3), (3, 1), (1, 8), (8, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_degenerate_meshes(shape):
     """A mesh of one sequence rank (the all-to-all alone) or one heads rank (the ring alone)."""
     on_mesh(shape, lambda m: (check(m, "heads+ring", "zigzag", True, dict(window_size=(4, 0)), 4, 2, s=10),
-                              check(m, "heads+allgather", "contiguous", False, {}, 5, 1, lens=[4, 0, 3])))
+                              check(m, "heads+allgather", "contiguous", False, {}, 5, 1,
+                                    lens=mesh_lengths(shape, 7, 1))))

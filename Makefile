@@ -91,11 +91,13 @@ test-interpreter-full: venv
 test-mpi: venv
 	$(PYTEST) -m "mpi and not interpreter and not gpu"
 
-# oldest torch, its triton and the oldest transformers: the whole cpu lane (transformers tests and
-# sm_90 compile checks included)
+# oldest torch, its triton and the oldest transformers: the cpu lane's every test function and every
+# value of each parameter (--each-value), transformers tests and sm_90 compile checks included, but
+# the tests of this project's own tooling end to end (marker "once": they read no torch API the rest
+# does not), which the newest torch's lane runs
 test-oldest: .venv-oldest/.done
 	SPLITSOFTMAX_TEST_TORCH=$(TORCH_OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) \
-	    $(OLD_PY) -m pytest -q -p no:cacheprovider $(CPU_LANE)
+	    $(OLD_PY) -m pytest -q -p no:cacheprovider -m "not interpreter and not gpu and not mpi and not once" --each-value
 
 test-interpreter-oldest: .venv-oldest/.done
 	SPLITSOFTMAX_TEST_TORCH=$(TORCH_OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) TRITON_INTERPRET=1 \

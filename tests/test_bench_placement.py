@@ -31,6 +31,7 @@ def test_chosen_ranks():
     assert bp.chosen_ranks([10, 40, 20, 30, 50, 0]) == [3, 4, 5]
 
 
+@pytest.mark.once
 def test_end_to_end_on_cpu(tmp_path, capsys):
     """The uniform pack (the published one is drawn from a distribution of ~14M documents: slow at toy
     pack sizes, where every long document is cut into many quarters)."""

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.once]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SS_METHODS = {"ss-ring", "ss-allgather", "ss-ring-nocomm", "ss-heads"}

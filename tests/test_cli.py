@@ -49,6 +49,7 @@ def test_bench_without_a_name_is_a_usage_error():
     assert run("bench").returncode == 2
 
 
+@pytest.mark.once
 @pytest.mark.timeout(300)
 def test_verify_default_runs_every_sharded_op_on_cpu_ranks():
     r = run("verify")

@@ -8,6 +8,8 @@ import pytest
 
 from splitsoftmax.planning import validation as v
 
+pytestmark = pytest.mark.once
+
 
 @pytest.fixture(scope="module")
 def checks():

@@ -108,6 +108,7 @@ def test_config_json_path_gemma2_softcap_and_window(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.once
 @pytest.mark.timeout(450)
 def test_a_perturbed_rank_is_a_mismatch():
     """Rank 1 adds 1e-4 to its embeddings: every run differs from one rank, far beyond the tolerance."""

@@ -237,3 +237,34 @@ def test_plan_predicate():
     for rows, cols in ((8, 1 << 24), (1, 1 << 28)):
         p = configs.softmax_plan(rows, cols, 4, 132, cfg)
         assert p.path == "split" and p.splits * p.chunk >= cols and p.chunk % p.block_n == 0
+
+
+def test_repeated_softmax_is_one_lookup(monkeypatch):
+    """A softmax that records no gradient, of an input whose geometry ran whole rows before, is one
+    lookup and the launch bound then (no rows, plan or launch worked out); every call equals float64.
+    Another dim spelling, log-softmax, a copy off 16-byte alignment, a transposed view, a gradient to
+    record or a changed config are worked out anew (a transposed view every time: its rows are a copy)."""
+    made = []
+    memo = softmax_k._memo
+    monkeypatch.setattr(softmax_k, "_memo", lambda key, *a: made.append(key[0]) or memo(key, *a))
+    x = torch.randn(2, 3, 40)
+
+    def run(t, dim=-1, log=False):
+        n = len(made)
+        y = (ss.log_softmax if log else ss.softmax)(t, dim)
+        d = dim % t.dim()
+        want = _ref_fwd(t.movedim(d, -1).reshape(-1, t.shape[d]), log)[0].view(t.movedim(d, -1).shape).movedim(-1, d)
+        _close(y, want, t.dtype, f"{tuple(t.shape)} dim={dim} log={log}")
+        return made[n:]
+
+    assert "out" in run(x) and run(x) == [] and run(x.clone()) == []
+    assert run(x, 2) != [] and run(x, 2) == []
+    assert run(x, log=True) != [] and run(x, log=True) == []
+    off = torch.empty(x.numel() + 1)[1:].view(x.shape).copy_(x)
+    assert off.data_ptr() % 16 != 0 and run(off) != [] and run(off) == []
+    assert run(x.transpose(1, 2), 1) != [] and run(x.transpose(1, 2), 1) != []
+    with torch.enable_grad():
+        y = ss.softmax(x.clone().requires_grad_(), -1)
+    assert y.grad_fn is not None
+    monkeypatch.setattr(configs.SOFTMAX, "loop_stages", configs.SOFTMAX.loop_stages)
+    assert run(x) != [] and run(x) == []

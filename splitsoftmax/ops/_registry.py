@@ -179,6 +179,15 @@ def direct(*args) -> bool:
     return _route(args) == _IMPL
 
 
+_compiling = torch.compiler.is_compiling
+
+
+def direct_one(t: Tensor) -> bool:
+    """:func:`direct` of the one tensor ``t`` (the same answer in a third of its host time)."""
+    return (not _compiling() and type(t) is Tensor and not t.is_meta and not (t.requires_grad and _grad_enabled())
+            and _modes_off())
+
+
 def dense(t: Tensor, dtype: torch.dtype) -> Tensor:
     """``t`` as a contiguous tensor of ``dtype`` (no copy when it already is one; nor a call of
     ``Tensor.to``, whose argument parsing alone costs a microsecond or more per output)."""

@@ -20,8 +20,8 @@ NaN in a row makes that row's ``l`` NaN and stays there.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Optional
+from functools import lru_cache, partial
+from typing import Hashable, Optional
 
 import torch
 import triton
@@ -437,13 +437,17 @@ def _sms(t: Tensor) -> int:
 
 def _memo(key: tuple, make, *args):
     """``make(*args)``, once per ``key`` while ``configs.SOFTMAX`` stays as it is (its ``memo``)."""
+    hit = configs.SOFTMAX.memo.get(key)
+    return _keep(key, make(*args)) if hit is None else hit
+
+
+def _keep(key: Hashable, value):
+    """Keep ``value`` in ``configs.SOFTMAX.memo`` under ``key`` (the memo emptied when full); return it."""
     memo = configs.SOFTMAX.memo
-    hit = memo.get(key)
-    if hit is None:
-        if len(memo) >= _MEMO_MAX:
-            memo.clear()
-        hit = memo[key] = make(*args)
-    return hit
+    if len(memo) >= _MEMO_MAX:
+        memo.clear()
+    memo[key] = value
+    return value
 
 
 def _plan(x: Tensor, stats_only: bool = False) -> configs.SoftmaxPlan:
@@ -578,9 +582,13 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     return y, lse
 
 
-def softmax_out(x: Tensor, log: bool) -> Tensor:
+def softmax_out(x: Tensor, log: bool, along: Optional[Hashable] = None) -> Tensor:
     """:func:`softmax_fwd`'s ``y`` alone (no ``lse`` made or written where the rows fit one or two
-    passes of one program: a call that records no gradient)."""
+    passes of one program: a call that records no gradient).
+
+    ``along``: the caller's key of an input whose contiguous rows ``x`` is; where they run whole,
+    the memo keeps under it what runs a later input of that key (``run(input)``: a fresh output like
+    the input, the bound launch)."""
     x = _unit_cols(x)
     R, N = x.shape
     if R and N:
@@ -589,8 +597,17 @@ def softmax_out(x: Tensor, log: bool) -> Tensor:
         if run[0].path in ("one_pass", "two_pass"):
             y = _like_rows(x)
             _whole_rows(run, x, y, y)
+            if along is not None:
+                _keep(along, partial(_out_like, run[3]))
             return y
     return softmax_fwd(x, log)[0]
+
+
+def _out_like(bound, x: Tensor) -> Tensor:
+    """The whole-row launch ``bound`` on contiguous ``x``, into a fresh tensor like it."""
+    y = torch.empty_like(x)
+    bound(x, y, y)
+    return y
 
 
 def _coop(x: Tensor, y: Tensor, lse: Tensor, log: bool, p: configs.SoftmaxPlan) -> None:

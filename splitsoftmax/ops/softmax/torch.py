@@ -5,7 +5,7 @@ in float32 statistics (float64 for float64 inputs).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Hashable, Optional
 
 import torch
 from torch import Tensor
@@ -50,8 +50,8 @@ def softmax_fwd(x: Tensor, log: bool) -> tuple[Tensor, Tensor]:
     return y.to(x.dtype), lse
 
 
-def softmax_out(x: Tensor, log: bool) -> Tensor:
-    """:func:`softmax_fwd`'s ``y`` alone."""
+def softmax_out(x: Tensor, log: bool, along: Optional[Hashable] = None) -> Tensor:
+    """:func:`softmax_fwd`'s ``y`` alone (``along``, the Triton launcher's key of a later call, unused)."""
     return softmax_fwd(x, log)[0]
 
 

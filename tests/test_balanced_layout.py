@@ -3,14 +3,16 @@
 The placement (pure in ``cu_seqlens`` and ``P``) is checked against its definition: every position
 once, whole documents whole, split documents cut like ``torch.tensor_split(doc, 2P)``, the split ones
 the largest, and the causal work per rank (counted here from the positions: a query at offset ``t``
-of its document sees ``t + 1`` keys) within ``1 + 1/8`` of the mean, or no worse than per-document
+of its document sees ``t + 1`` keys) within ``1 + 1/10`` of the mean, or no worse than per-document
 zigzag where that bound is out of reach. Then shard / unshard and ``sharded_attention`` (ring,
 allgather, heads) on the loopback world against the float64 single-device oracle, and the refusals.
 """
 from __future__ import annotations
 
+import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,7 +23,7 @@ from _dist_util import assert_ok, spawn
 from test_dist_cases import DEVICE, F32
 from test_dist_variants import check, rank_positions, sinks_of
 
-SLACK = 8  # the stated bound: the busiest rank's causal work <= (1 + 1/SLACK) * mean
+SLACK = 10  # the stated bound: the busiest rank's causal work <= (1 + 1/SLACK) * mean
 
 
 def cu_of(lengths) -> tuple:
@@ -93,6 +95,31 @@ def test_placement_random_mixes(seed):
     if seed % 2 == 0:  # many documents: the bound outright, and nothing at or below mean / 8 split
         assert max(loads) * p * SLACK <= total * (SLACK + 1), (cu, p, loads)
         assert all(size[d] * p * SLACK > total for d in split), "a document at or below mean / 8 split"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_realistic_packings_within_ten_percent(seed):
+    """1M tokens packed from documents of 256 to 32k tokens (log-uniform), 64 ranks: the busiest
+    rank's causal work within 10% of the mean, the documents split the largest ones, every other
+    document one piece on one rank."""
+    r, lengths = random.Random(seed), []
+    while sum(lengths) < 1 << 20:
+        lengths.append(min(int(math.exp(r.uniform(math.log(256), math.log(32768)))), (1 << 20) - sum(lengths)))
+    cu, p = cu_of(lengths), 64
+    start = np.repeat(np.asarray(cu[:-1]), lengths)
+    cost = np.arange(cu[-1]) - start + 1  # a query's causal keys
+    segs = [lay.segments("balanced", [0] * p, rank, cu) for rank in range(p)]
+    loads = [sum(int(cost[s.glob:s.glob + s.n].sum()) for s in mine) for mine in segs]
+    assert max(loads) * p <= 1.10 * sum(loads), (seed, max(loads) * p / sum(loads))
+    owners = lay.balanced_owners(cu, p)
+    split = [n for n, o in zip(lengths, owners) if o < 0]
+    assert split and min(split) >= max(n for n, o in zip(lengths, owners) if o >= 0), seed
+    rank_of = np.empty(cu[-1], dtype=np.int64)
+    for rank, mine in enumerate(segs):
+        for s in mine:
+            rank_of[s.glob:s.glob + s.n] = rank
+    held = [len(np.unique(rank_of[a:b])) for a, b in zip(cu[:-1], cu[1:])]
+    assert held == [p if o < 0 else 1 for o in owners], seed
 
 
 def test_deterministic():

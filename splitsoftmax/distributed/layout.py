@@ -22,7 +22,7 @@ from functools import lru_cache
 from typing import NamedTuple
 
 SKIP, FULL, DIAG = "skip", "full", "diag"
-BALANCE_SLACK = 8  # "balanced": the busiest rank's causal work within (1 + 1/8) of the mean
+BALANCE_SLACK = 10  # "balanced": the busiest rank's causal work within (1 + 1/10) of the mean
 
 
 class Seg(NamedTuple):

@@ -79,11 +79,11 @@ def test_tolerance_is_float32_sized_and_catches_a_small_error():
 
 @pytest.mark.distributed
 @pytest.mark.timeout(450)
-def test_llama_on_two_ranks_matches_one_rank():
-    r = run("--model", "llama", "--nproc", "2")
-    assert_passes(r, 2)
+def test_llama_on_four_ranks_matches_one_rank():
+    r = run("--model", "llama", "--nproc", "4")
+    assert_passes(r, 4)
     assert "llama: 2 layers, hidden 64, 4/2 heads" in r.stdout
-    assert "[6/6] llama" in r.stderr  # progress: 3 schedules x (plain, packed)
+    assert "[10/10] llama" in r.stderr  # progress: 3 schedules and 2 on the 2 x 2 mesh x (plain, packed)
 
 
 @pytest.mark.distributed

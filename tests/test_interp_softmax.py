@@ -259,6 +259,8 @@ def test_repeated_softmax_is_one_lookup(monkeypatch):
 
     assert "out" in run(x) and run(x) == [] and run(x.clone()) == []
     assert run(x, 2) != [] and run(x, 2) == []
+    with pytest.raises(TypeError, match="dim must be an int, got list"):
+        ss.softmax(x, [2])
     assert run(x, log=True) != [] and run(x, log=True) == []
     off = torch.empty(x.numel() + 1)[1:].view(x.shape).copy_(x)
     assert off.data_ptr() % 16 != 0 and run(off) != [] and run(off) == []

@@ -121,3 +121,17 @@ def test_verify_bf16_tolerance_scales_with_the_result(monkeypatch):
     assert all(r.tol < 0.2 for r in rows)  # the peer's own error bounds the widest (logsumexp's gradient)
     out = io.StringIO()
     assert verify.run_table(lambda: rows, stream=out) == 1 and "MISMATCH" in out.getvalue()
+
+
+def test_a_quiet_rank_shows_its_mismatches(capsys):
+    """A rank other than 0 prints its table nowhere; its failing rows reach its stderr (which the
+    launcher shows when the rank exits non-zero), and it exits non-zero."""
+    import io
+    from splitsoftmax.tools.verify.compare import Row
+    from splitsoftmax.tools.verify.run import run_table
+    rows = [Row("softmax 3x4 fwd", "local", "-", 1e-7, 1e-6, 0.01),
+            Row("softmax 3x4 bwd", "ring", "zigzag", 2e-5, 1e-6, None)]
+    assert run_table(lambda: rows, stream=io.StringIO()) == 1
+    err = capsys.readouterr().err
+    assert "softmax 3x4 bwd" in err and "MISMATCH" in err and "3x4 fwd" not in err
+    assert run_table(lambda: rows[:1], stream=io.StringIO()) == 0 and capsys.readouterr().err == ""

@@ -93,8 +93,8 @@ test-mpi: venv
 
 # oldest torch, its triton and the oldest transformers: the cpu lane's every test function and every
 # value of each parameter (--each-value), transformers tests and sm_90 compile checks included, but
-# the tests of this project's own tooling end to end (marker "once": they read no torch API the rest
-# does not), which the newest torch's lane runs
+# the tests of this project's own tooling end to end (marker "once"), which the newest torch's lane
+# runs: the CLI's verify and benches, the planner's validation, the suite's own plugin
 test-oldest: .venv-oldest/.done
 	SPLITSOFTMAX_TEST_TORCH=$(TORCH_OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) \
 	    $(OLD_PY) -m pytest -q -p no:cacheprovider -m "not interpreter and not gpu and not mpi and not once" --each-value

@@ -192,8 +192,11 @@ def test_plain_eager_calls_skip_the_dispatcher_with_the_same_result(monkeypatch)
     for a, b in zip(direct, via_op):
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
     assert not ops.plain_eager(torch.ones(2, requires_grad=True))
+    assert not ops.direct_one(torch.ones(2, requires_grad=True))
     with torch.no_grad():
         assert ops.plain_eager(torch.ones(2, requires_grad=True))
+        assert ops.direct_one(torch.ones(2, requires_grad=True))
+    assert not ops.direct_one(torch.ones(2, device="meta"))
 
 
 def test_calls_needing_autograd_take_the_op():
@@ -204,8 +207,9 @@ def test_calls_needing_autograd_take_the_op():
         ss.softmax(x)
     assert mode.seen == ["softmax_fwd"]
     with fwAD.dual_level():
-        assert not ops.plain_eager(x.detach())
+        assert not ops.plain_eager(x.detach()) and not ops.direct_one(x.detach())
     assert not torch.func.vmap(lambda r: torch.tensor(ops.plain_eager(r)))(x.detach()).any()
+    assert not torch.func.vmap(lambda r: torch.tensor(ops.direct_one(r)))(x.detach()).any()
 
 
 @pytest.mark.parametrize("what", ["attention", "cross_entropy", "kl_div"])

@@ -107,20 +107,13 @@ def _modes_off() -> bool:
             and _function_modes() == 0)
 
 
-def plain_tensors(tensors) -> bool:
-    """Whether nothing but plain eager autograd can see ops on ``tensors``: plain ``torch.Tensor``
-    inputs, no forward-mode level, functorch transform, torch function or dispatch mode."""
-    return all(type(t) is Tensor and not t.is_meta for t in tensors) and _modes_off()
-
-
 def plain_eager(*tensors: Tensor) -> bool:
     """Whether running an op's implementation directly does exactly what the op would: no autograd
     to record (reverse or forward mode), no functorch transform, no tracing or compiling, no torch
     function or dispatch mode, and plain ``torch.Tensor`` inputs off the meta device (meta tensors,
-    as deferred initialisation makes them, take the op's fake implementation: shapes only)."""
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
-        return False  # (compiling first: Dynamo folds it, and traces none of the checks below)
-    return plain_tensors(tensors)
+    as deferred initialisation makes them, take the op's fake implementation: shapes only): the
+    route :func:`call` takes to the implementation itself."""
+    return _route(tensors) == _IMPL
 
 
 class _Eager(torch.autograd.Function):
@@ -173,17 +166,12 @@ def call(name: str, *args):
     return getattr(torch.ops.splitsoftmax, name)(*args)
 
 
-def direct(*args) -> bool:
-    """Whether :func:`call` on ``args`` runs an op's implementation itself: plain eager, no gradient
-    recorded (a caller may then take a local op that makes less, the same result)."""
-    return _route(args) == _IMPL
-
-
 _compiling = torch.compiler.is_compiling
 
 
 def direct_one(t: Tensor) -> bool:
-    """:func:`direct` of the one tensor ``t`` (the same answer in a third of its host time)."""
+    """:func:`plain_eager` of the one tensor ``t`` (the same answer in a third of its host time): a
+    caller may then take a local op that makes less (no ``lse`` where no gradient is recorded)."""
     return (not _compiling() and type(t) is Tensor and not t.is_meta and not (t.requires_grad and _grad_enabled())
             and _modes_off())
 

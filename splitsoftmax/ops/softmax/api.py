@@ -34,6 +34,7 @@ def _unrows(y: Tensor, x: Tensor, dim: int, shape: Optional[tuple]) -> Tensor:
 
 def _softmax(x: Tensor, dim: int, log: bool) -> Tensor:
     lean = direct_one(x)
+    key = None
     if lean and type(dim) is int:  # an input of a geometry whose rows ran whole before: one lookup, one launch
         key = ("along", x.shape, x.stride(), x.dtype, x.get_device(), x.data_ptr() % 16 == 0, dim, log)
         run = configs.SOFTMAX.memo.get(key)
@@ -45,7 +46,7 @@ def _softmax(x: Tensor, dim: int, log: bool) -> Tensor:
     if not lean:
         return _unrows(call("softmax_fwd", x2, log)[0], x, d, shape)
     # no gradient: no lse; contiguous rows of the last dim are x itself, a later call takes them by `key`
-    along = key if type(dim) is int and d == x.dim() - 1 and x.is_contiguous() else None
+    along = key if key is not None and d == x.dim() - 1 and x.is_contiguous() else None
     return _unrows(local_op("softmax_out", x2)(x2, log, along), x, d, shape)
 
 

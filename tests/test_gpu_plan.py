@@ -1,6 +1,6 @@
 """GPU lane: the shipped planning profile of this GPU (h100 / h200) against ``ss.attention`` measured
-here by ``calibrate``'s kernel tables, and a measured profile the planner reads. The H100 profile's
-kernel rates are derived (the H200's times 0.91); this is the check that would correct them."""
+here by ``calibrate``'s kernel tables (both profiles' rates were measured once: this checks that they
+still hold for the kernels of this tree), and a measured profile the planner reads."""
 from __future__ import annotations
 
 import pytest

@@ -163,6 +163,55 @@ def test_repeated_plain_forward_is_one_lookup(sq, sk, monkeypatch):
     assert made[len(first):len(first) + 2] == ["plan", "_plain_launch"]
 
 
+@pytest.mark.parametrize("sq,sk,inner", [(1, 300, False), (17, 40, False), (17, 40, True)],
+                         ids=["split", "one launch", "(B, S, H, D) views"])
+def test_repeated_public_attention_is_one_lookup(sq, sk, inner, monkeypatch):
+    """``ss.attention`` recording no gradient, at a geometry (and scale, causal) that ran before: no
+    checks, no route, no plan, the outputs as the first call made them (dtype, layout), every call
+    against float64. A setting the forward reads, another geometry, a misaligned copy or a gradient to
+    record are worked out anew; a non-bool ``causal`` is refused after a ``True`` one ran."""
+    from splitsoftmax.ops.attention import api
+    from splitsoftmax.ops.attention.op import heads_inner
+    monkeypatch.setattr(api, "_RUNNERS", A.Memo())
+    worked = []
+    for mod, name in ((api._checks, "attention_args"), (api, "call")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **kw: worked.append(_n) or _fn(*a, **kw))
+    q, k, v = inputs(2, 8, 2, sq, sk, 32, 32, torch.float32)
+    if inner:
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        assert heads_inner(q)
+
+    def run(qq, kk, vv, **kw):
+        n = len(worked)
+        out, lse = ss.attention(qq, kk, vv, return_lse=True, **kw)
+        s = kw.get("scale") or 1 / math.sqrt(qq.shape[-1])
+        ro, rl = ref_attention(qq, kk, vv, s, kw.get("causal", False))
+        assert out.dtype == qq.dtype and lse.dtype == torch.float32 and out.shape == ro.shape
+        assert rel_err(out, ro) < 2e-6 and rel_err(lse, rl) < 2e-6
+        assert (out.transpose(1, 2).is_contiguous() if heads_inner(qq) else out.is_contiguous())
+        return worked[n:]
+
+    assert run(q, k, v) == ["attention_args", "call"] and run(q, k, v) == [] and run(q.clone(), k, v) == []
+    assert run(q, k, v, causal=True) != [] and run(q, k, v, causal=True) == []
+    with pytest.raises(TypeError, match="causal must be a bool, got int 1"):
+        ss.attention(q, k, v, causal=1)
+    assert run(q, k, v, scale=0.25) != [] and run(q, k, v, scale=0.25) == [] and run(q, k, v) == []
+    monkeypatch.setattr(configs, "ATTN_SPLIT_PROGRAMS_PER_SM", configs.ATTN_SPLIT_PROGRAMS_PER_SM + 1)
+    assert run(q, k, v) != [] and run(q, k, v) == []
+    assert run(q[:1], k[:1], v[:1]) != [] and run(q[:1], k[:1], v[:1]) == []
+    off = torch.empty(q.numel() + 1)[1:].view(q.shape).copy_(q)
+    assert off.data_ptr() % 16 != 0 and run(off, k, v) != [] and run(off, k, v) == []
+    qg = q.clone().requires_grad_()
+    with torch.enable_grad():
+        assert ss.attention(qg, k, v).grad_fn is not None
+        n = len(worked)
+        ss.attention(qg, k, v).sum().backward()
+        assert worked[n:] == ["attention_args", "call"] and qg.grad is not None
+    with torch.no_grad():
+        assert run(qg, k, v) == []
+
+
 @pytest.mark.parametrize("split", [False, True])
 def test_forward_accumulate_in_place(split):
     sq, sk = (1, 300) if split else (17, 40)

@@ -31,6 +31,7 @@ _MODULES = {
     "logsumexp_bwd": ("ops.softmax.torch", "ops.softmax.kernel"),
     "attn_fwd": ("ops.attention.torch", "ops.attention.fwd"),
     "attn_fwd_acc": ("ops.attention.torch", "ops.attention.fwd"),
+    "attn_runner": ("ops.attention.torch", "ops.attention.fwd"),
     "attn_bwd": ("ops.attention.torch", "ops.attention.bwd"),
     "attn_bwd_prep": ("ops.attention.torch", "ops.attention.prep"),
     "merge_out_lse": ("core.state", "ops.merge.kernel"),

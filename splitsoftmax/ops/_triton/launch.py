@@ -35,7 +35,7 @@ from torch import Tensor
 from triton import knobs
 from triton.runtime.driver import driver
 
-from ...core.runtime import interpreting
+from ...core.runtime import Memo, geometry, interpreting  # noqa: F401  (re-exported: the launchers take them from here)
 from . import configs
 
 
@@ -55,29 +55,6 @@ def auto_key(args: tuple) -> tuple:
     dtype and 16-byte alignment, anything else (floats, ``None``) by type."""
     return tuple((a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, Tensor)
                  else a if isinstance(a, int) else type(a) for a in args)
-
-
-def geometry(*tensors: Tensor) -> tuple:
-    """What fixes a launch's plan and specialisation in ``tensors`` (all on one device): the device,
-    and each tensor's shape, strides, dtype and 16-byte alignment (not its data pointer)."""
-    return (tensors[0].get_device(), *((t.shape, t.stride(), t.dtype, t.data_ptr() % 16 == 0) for t in tensors))
-
-
-class Memo(dict):
-    """Host work by :func:`geometry` (and the scalars beside it), so that a repeated call is a
-    lookup; cleared when it holds ``max_keys`` (a run with ever new shapes stays bounded). A key must
-    also hold every setting the work read (``configs`` flags that tests change)."""
-
-    def __init__(self, max_keys: int = 1024):
-        super().__init__()
-        self.max_keys = max_keys
-
-    def put(self, key: Hashable, value):
-        """Keep ``value`` under ``key`` and return it."""
-        if len(self) >= self.max_keys:
-            self.clear()
-        self[key] = value
-        return value
 
 
 def launch_bound(memo: Memo, geo: Hashable, make: Callable, args: tuple, live: tuple) -> None:

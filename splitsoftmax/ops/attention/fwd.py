@@ -49,6 +49,7 @@ from ...core.mask import NO_MASK, Mask
 from ...core.state import stat_dtype
 from .._triton import configs
 from .kernel_mask import KernelMask, band_tiles, capped, kernel_mask, row_bounds
+from .op import heads_inner
 from .decode import Plan, dot_precision, head_group, pad_dim, plan, plan_settings
 from .._triton.device import hopper, sm90, sm_count
 from .._triton.launch import Launcher, Memo, auto_key, fits_int32, geometry
@@ -773,15 +774,26 @@ class _Plain:
         self.p, self.fwd, self.merge = p, None, None
 
 
+def _plain_key(q: Tensor, k: Tensor, v: Tensor, out: Tensor, scale: float, causal: bool, diag: int) -> tuple:
+    """The key of a plain forward's :class:`_Plain` in :data:`_FWD_LAUNCHES`."""
+    return ("plain", geometry(q, k, v), out.dtype, out.stride(), scale, causal, diag, plan_settings(q),
+            _settings(q.shape[-1]))
+
+
 def _plain_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float, causal: bool,
                diag: int) -> None:
     """The plain forward into ``out``, ``lse`` (as :func:`attn_fwd` allocates them): one lookup of
     everything but the operands, by their geometry."""
-    key = ("plain", geometry(q, k, v), out.dtype, out.stride(), scale, causal, diag, plan_settings(q),
-           _settings(q.shape[-1]))
+    key = _plain_key(q, k, v, out, scale, causal, diag)
     run = _FWD_LAUNCHES.get(key)
     if run is None:
         run = _FWD_LAUNCHES.put(key, _Plain(plan(q, k, v, causal, diag)))
+    _run_plain_fwd(run, q, k, v, out, lse, scale, causal, diag)
+
+
+def _run_plain_fwd(run: _Plain, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                   causal: bool, diag: int) -> None:
+    """Run the plain forward ``run`` on these operands (launches bound by its first call)."""
     if run.p.nsplit > 1:
         _split_fwd(q, k, v, out, lse, scale, causal, diag, run.p, False, NO_MASK, run)
         return
@@ -790,12 +802,39 @@ def _plain_fwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale:
     _run_plain(run.fwd, q, k, v, out, lse)
 
 
+def attn_runner(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
+    """The plain forward of these operands' geometry (and of the settings it reads) as one call:
+    ``runner(q, k, v) -> (out, lse)`` as ``attn_fwd(q, k, v, scale, causal, out_dtype=q.dtype)`` returns
+    them, or None once a setting it read has changed. None where the forward launches nothing (no rows
+    or no keys) or has not run at this geometry (its launches are bound by a call of :func:`attn_fwd`)."""
+    b, h, sq, _ = q.shape
+    if b * h * sq == 0 or k.shape[2] == 0:
+        return None
+    run = _FWD_LAUNCHES.get(_plain_key(q, k, v, _empty_out(q, v.shape[-1], q.dtype), scale, causal, 0))
+    if run is None:
+        return None
+    inner = heads_inner(q)
+    return functools.partial(_run_lean, run, (plan_settings(q), _settings(q.shape[-1])), inner,
+                             (b, sq, h, v.shape[-1]) if inner else (b, h, sq, v.shape[-1]), (b, h, sq), scale, causal)
+
+
+def _run_lean(run: _Plain, settings: tuple, inner: bool, shape: tuple, lse_shape: tuple, scale: float, causal: bool,
+              q: Tensor, k: Tensor, v: Tensor):
+    """:func:`attn_runner`'s runner: the outputs made, the bound launches run (None: ``settings`` changed)."""
+    if settings != (plan_settings(q), _settings(q.shape[-1])):
+        return None
+    out = q.new_empty(shape).transpose(1, 2) if inner else q.new_empty(shape)
+    lse = q.new_empty(lse_shape, dtype=torch.float32)
+    _run_plain_fwd(run, q, k, v, out, lse, scale, causal, 0)
+    return out, lse
+
+
 def _empty_out(q: Tensor, dv: int, dtype: torch.dtype) -> Tensor:
     """``out (B, H, Sq, Dv)`` laid out like ``q``: a view of a ``(B, Sq, H, Dv)`` tensor where ``q``
     is one of a ``(B, Sq, H, D)`` tensor (so ``out.transpose(1, 2).contiguous()`` copies nothing),
     else contiguous."""
     b, h, sq, _ = q.shape
-    if h > 1 and sq > 1 and q.stride(1) < q.stride(2):
+    if heads_inner(q):
         return q.new_empty((b, sq, h, dv), dtype=dtype).transpose(1, 2)
     return q.new_empty((b, h, sq, dv), dtype=dtype)
 

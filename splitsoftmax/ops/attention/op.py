@@ -36,7 +36,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     return _out_like_q(out, q), dense(lse, stat_dtype(q.dtype))
 
 
-def _heads_inner(q: Tensor) -> bool:
+def heads_inner(q: Tensor) -> bool:
     """Whether ``q (B, H, S, D)`` is a view of a ``(B, S, H, D)`` tensor (Hugging Face's layout)."""
     return q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
 
@@ -45,7 +45,7 @@ def _out_like_q(out: Tensor, q: Tensor) -> Tensor:
     """The attention output in ``q.dtype``: a ``(B, H, S, Dv)`` view of a ``(B, S, H, Dv)`` tensor when
     ``q`` is one (so that the caller's ``out.transpose(1, 2).contiguous()`` copies nothing), else
     contiguous; no copy when the kernel wrote it so (the Triton forward does)."""
-    if _heads_inner(q):
+    if heads_inner(q):
         t = out.transpose(1, 2)
         return out if out.dtype == q.dtype and t.is_contiguous() else t.to(q.dtype).contiguous().transpose(1, 2)
     return dense(out, q.dtype)
@@ -56,7 +56,7 @@ def _attn_fwd_fake(q, k, v, scale, causal, diag, lo=None, softcap=0.0, kv_range=
                    sinks=None):
     b, h, sq, _ = q.shape
     lse = q.new_empty((b, h, sq), dtype=stat_dtype(q.dtype))
-    if _heads_inner(q):
+    if heads_inner(q):
         return q.new_empty((b, sq, h, v.shape[-1])).transpose(1, 2), lse
     return q.new_empty((b, h, sq, v.shape[-1])), lse
 

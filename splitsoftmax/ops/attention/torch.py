@@ -114,6 +114,11 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     return out.to(out_dtype or dt), lse.to(dt)
 
 
+def attn_runner(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> None:
+    """The torch path keeps no runner of a plain forward (the Triton forward's ``attn_runner``)."""
+    return None
+
+
 def attn_fwd_acc(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int,
                  acc_out: Tensor, acc_lse: Tensor, *, mask: Mask = NO_MASK) -> None:
     """Merge this block's attention into the running state ``acc_out (B, H, Sq, Dv)``,

@@ -344,6 +344,36 @@ def test_tritons_descriptor_encoding_is_reached_with_its_own_parameters():
     assert out[0] is desc.base and list(out[1:5]) == [32, 8, 8, 1]
 
 
+def test_bench_host_rows_are_median_rounds(monkeypatch):
+    """``bench host`` times splitsoftmax (bound and unbound) and the peer in interleaved rounds and
+    gives each its median round: one slow round moves no row."""
+    from splitsoftmax.ops._triton import configs
+    from splitsoftmax.tools.bench import host
+    order, times = [], {"mine": iter([(30.0, 31.0), (90.0, 91.0), (28.0, 29.0)]),
+                        "peer": iter([(20.0, 21.0), (21.0, 22.0), (60.0, 61.0)])}
+
+    def mine():
+        pass
+
+    def peer():
+        pass
+    unbound = iter([(50.0, 51.0), (52.0, 53.0), (49.0, 50.0)])
+
+    def per_call_us(fn):
+        name = fn.__name__
+        if name == "mine" and not configs.LAUNCH_DIRECT:
+            order.append("unbound")
+            return next(unbound)
+        order.append(name)
+        return next(times[name])
+    monkeypatch.setattr(host, "per_call_us", per_call_us)
+    monkeypatch.setattr(host, "CASES", [("c", "p", lambda: (mine, peer), ("x", 2.0))])
+    (row,) = host.run_rows(False, rounds=3)
+    assert order == ["mine", "unbound", "peer"] * 3
+    assert (row["host_us"], row["wall_us"], row["unbound_host_us"], row["peer_host_us"]) == (30.0, 31.0, 50.0, 21.0)
+    assert row["rounds"]["ss"][1] == (90.0, 91.0) and row["met"] is True
+
+
 def test_bench_host_targets_and_table():
     """``bench host``: a ratio target against the peer's host time, an absolute one in microseconds,
     and the table shows the unbound column and the verdict."""

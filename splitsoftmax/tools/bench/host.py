@@ -4,7 +4,9 @@ Host time is the wall time of ``CALLS`` back-to-back calls with no synchronisati
 divided by ``CALLS`` (the device is synchronised before the first); wall time adds the final
 synchronisation. A row is host-bound where host time is close to wall time. Each splitsoftmax row
 is timed twice in the same run, bound launches on and off (``configs.LAUNCH_DIRECT``), beside its
-peer; its target (softmax within 1.5x torch's host time, attention within 2x cuDNN's, decode within
+peer, in ``ROUNDS`` rounds that interleave the three; a row gives each one's median round (a
+forward+backward round's time follows where the scheduler puts the autograd engine's device thread,
+which runs the backward: one round is not a measurement); its target (softmax within 1.5x torch's host time, attention within 2x cuDNN's, decode within
 2x SDPA's, the merge within 25 us) is marked met or not. With ``--profile``
 each splitsoftmax row is also profiled with cProfile (the top functions by cumulative time go to
 the JSON). ``--compiles`` records, for causal attention forward+backward at a few new lengths,
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 CALLS = 300
+ROUNDS = 5
 
 
 def per_call_us(fn, calls: int = CALLS) -> tuple[float, float]:
@@ -147,15 +150,25 @@ def _profile(fn, calls: int = 100) -> str:
     return text.getvalue()
 
 
-def run_rows(profile: bool) -> list:
+def _median_round(rounds: list) -> tuple[float, float]:
+    """The ``(host, wall)`` of the round whose host time is the median of ``rounds``."""
+    return sorted(rounds)[len(rounds) // 2]
+
+
+def run_rows(profile: bool, rounds: int = ROUNDS) -> list:
     rows = []
     for name, peer_name, make, target in CASES:
         mine, peer = make()
-        host, wall = _timed(mine, True)
-        row = {"case": name, "peer": peer_name, "host_us": host, "wall_us": wall}
-        row["unbound_host_us"], row["unbound_wall_us"] = _timed(mine, False)
+        ways = {"": lambda: _timed(mine, True), "unbound_": lambda: _timed(mine, False)}
         if peer is not None:
-            row["peer_host_us"], row["peer_wall_us"] = per_call_us(peer)
+            ways["peer_"] = lambda: per_call_us(peer)
+        times = {w: [] for w in ways}
+        for _ in range(rounds):
+            for w, timed in ways.items():
+                times[w].append(timed())
+        row = {"case": name, "peer": peer_name, "rounds": {w or "ss": t for w, t in times.items()}}
+        for w, t in times.items():
+            row[f"{w}host_us"], row[f"{w}wall_us"] = _median_round(t)
         row["target"] = None if target is None else f"<={target[1]:g}{target[0]}"
         row["met"] = target_met(row, target)
         if profile:
@@ -208,7 +221,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     import triton
     result = {"meta": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "calls": CALLS}}
+                       "triton": triton.__version__, "calls": CALLS, "rounds": ROUNDS}}
     if args.compiles:  # first: every length is new to the process
         result["compiles"] = run_compiles()
     result["rows"] = run_rows(args.profile)

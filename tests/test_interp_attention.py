@@ -171,7 +171,7 @@ def test_repeated_public_attention_is_one_lookup(sq, sk, inner, monkeypatch):
     against float64. A setting the forward reads, another geometry, a misaligned copy or a gradient to
     record are worked out anew; a non-bool ``causal`` is refused after a ``True`` one ran."""
     from splitsoftmax.ops.attention import api
-    from splitsoftmax.ops.attention.op import heads_inner
+    from splitsoftmax.core.runtime import heads_inner
     monkeypatch.setattr(api, "_RUNNERS", A.Memo())
     worked = []
     for mod, name in ((api._checks, "attention_args"), (api, "call")):

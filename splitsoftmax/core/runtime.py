@@ -1,7 +1,7 @@
 """What a kernel may ask of the environment: whether Triton imports here, and whether its kernels
 run in the interpreter (``TRITON_INTERPRET=1``). Each answer is worked out once per process. Also
-the keys of host work kept per launch geometry (:func:`geometry`, :class:`Memo`), which callers
-without Triton read too."""
+the keys of host work kept per launch geometry (:func:`geometry`, :class:`Memo`) and the layout
+rule of attention outputs (:func:`heads_inner`), which callers without Triton read too."""
 from __future__ import annotations
 
 import os
@@ -37,6 +37,12 @@ def interpreting() -> bool:
     """Whether Triton kernels run in the interpreter (``TRITON_INTERPRET=1``). Read once, as Triton
     reads it once: its kernels are compiled or interpreted from when they are defined."""
     return once("interpret", lambda: os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def heads_inner(q: Tensor) -> bool:
+    """Whether ``q (B, H, S, D)`` is a view of a ``(B, S, H, D)`` tensor (Hugging Face's layout): the
+    attention's outputs are then laid out the same way."""
+    return q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
 
 
 def geometry(*tensors: Tensor) -> tuple:

@@ -49,11 +49,10 @@ from ...core.mask import NO_MASK, Mask
 from ...core.state import stat_dtype
 from .._triton import configs
 from .kernel_mask import KernelMask, band_tiles, capped, kernel_mask, row_bounds
-from .op import heads_inner
 from .decode import Plan, dot_precision, head_group, pad_dim, plan, plan_settings
 from .._triton.device import hopper, sm90, sm_count
 from .._triton.launch import Launcher, Memo, auto_key, fits_int32, geometry
-from ...core.runtime import interpreting
+from ...core.runtime import heads_inner, interpreting
 from ..merge.kernel import merge_into, merge_launch
 from .._triton.algebra import LOG2E, inv_or_zero, lse2_of, online_step, ref_max, rescale
 

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ...core import state
 from ...core.mask import Mask
+from ...core.runtime import heads_inner
 from ...core.state import stat_dtype
 from .._registry import call, custom_op, dense, masked_op, once_differentiable, op, register_formula, use_triton
 
@@ -34,11 +35,6 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: 
     else:  # the torch path merges the sinks before rounding its float64 result
         out, lse = fn(q, k, v, scale, causal, diag, out_dtype=q.dtype, sinks=sinks)
     return _out_like_q(out, q), dense(lse, stat_dtype(q.dtype))
-
-
-def heads_inner(q: Tensor) -> bool:
-    """Whether ``q (B, H, S, D)`` is a view of a ``(B, S, H, D)`` tensor (Hugging Face's layout)."""
-    return q.shape[1] > 1 and q.shape[2] > 1 and q.stride(1) < q.stride(2)
 
 
 def _out_like_q(out: Tensor, q: Tensor) -> Tensor:

@@ -15,26 +15,16 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import splitsoftmax as ss
+from splitsoftmax.tools.bench.host import CALLS, per_call_us
 
-CALLS, ROUNDS = 300, 7
+ROUNDS = 7
 SHAPES = [(1, 8, 512), (1, 16, 1024)]
-
-
-def per_call_us(fn) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return 1e6 * (t1 - t0) / CALLS
 
 
 def cases(b, h, s):
@@ -64,7 +54,7 @@ def main(out: str) -> None:
                 gc.disable()
             ctx = torch.autograd.set_multithreading_enabled(way != "threads off")
             with ctx:
-                rounds = [(per_call_us(mine), per_call_us(peer)) for _ in range(ROUNDS)]
+                rounds = [(per_call_us(mine)[0], per_call_us(peer)[0]) for _ in range(ROUNDS)]
             gc.enable()
             row = {"shape": shape, "way": way, "ss": [r[0] for r in rounds], "cudnn": [r[1] for r in rounds]}
             row["ss_median"], row["cudnn_median"] = statistics.median(row["ss"]), statistics.median(row["cudnn"])

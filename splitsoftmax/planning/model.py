@@ -24,8 +24,12 @@ the forward's epilogue reads the query and reads and writes the float32 output a
 each covered row, whether the row sees a key of the step or not; the backward writes the step's
 float32 dQ of each covered row and adds it to the running sum (a read, a read and a write); the
 step's float32 dK/dV are copied out (one launch) or zeroed and added to (several), per key row.
-Rows of row tiles that walk keys already pay, in the one-call rates, what the one-call kernel moves
-per row (``*_priced``); the rest of the bytes are added to the tiles' time (no overlap assumed).
+The state of rows in row tiles that walk keys overlaps those tiles (measured: docs/benchmarks/plan.md,
+R13, a zigzag rank's forward is its tiles' time); the rows a step's launches cover outside such row
+tiles (whole documents of a span that see none of the step's keys) add theirs to the tiles' time.
+The host issues a ring step while the device runs the one before, so a step takes the longer of
+its device time and its host time (``kernel.step_us``, measured on steps too small to keep the
+device busy).
 How a step's rows are cut into launches is the profile's ``kernel.row_pieces`` (:class:`Tiles`).
 ``grad_bytes``: bytes per element of the dK/dV sums a ring passes on and an all-gather
 reduce-scatters (this package: float32).
@@ -49,7 +53,7 @@ LINKS = ("intra", "inter")
 FIELDS = ("visible", "touched", "rowtiles", "chain", "launches", "span", "keyrows")
 STATE_KINDS = ("inputs", "float32", "stats")  # the row vectors of :meth:`Profile.state_s`'s counts
 COLLECTIVES = ("p2p", "alltoall", "allgather")
-STATE_WHAT = ("fwd", "fwd_priced", "bwd", "bwd_priced", "keys_bwd", "keys_bwd_pieces")
+STATE_WHAT = ("fwd", "bwd", "keys_bwd", "keys_bwd_pieces")
 
 
 @dataclass
@@ -230,17 +234,15 @@ class Profile:
     def state_s(self, work: Work, heads: float, kv_heads: float, head_dim: int, elem: int, pas: str) -> np.ndarray:
         """Seconds, at ``hbm_gbs``, of what a ring step's launches move besides the tiles the rates
         price (``kernel.step_state``, counted from the kernels' code): every row of the step's ``span``
-        moves ``fwd`` (``bwd``) per head, less what a row of a row tile with keys already costs in
-        the one-call rates (``fwd_priced``, ``bwd_priced``); every key row of the step's buffer
-        moves ``keys_bwd`` (one launch) or ``keys_bwd_pieces`` (several) per kv head in the backward.
-        0 where the profile has no counts."""
+        outside its row tiles that walk keys moves ``fwd`` (``bwd``) per head (the others' state
+        overlaps their tiles); every key row of the step's buffer moves ``keys_bwd`` (one launch) or
+        ``keys_bwd_pieces`` (several) per kv head in the backward. 0 where the profile has no counts."""
         span = np.asarray(work.span, dtype=float)
         if not np.any(span) and not np.any(work.keyrows):
             return np.zeros(np.shape(span))
         b = pas if pas == "fwd" else "bwd"
-        priced = np.minimum(span, np.asarray(work.rowtiles, dtype=float) * self.tile)
-        rows = (span * self.state_bytes(b, head_dim, elem) - priced * self.state_bytes(b + "_priced", head_dim, elem))
-        out = np.maximum(rows, 0.0) * heads
+        walking = np.minimum(span, np.asarray(work.rowtiles, dtype=float) * self.tile)
+        out = (span - walking) * self.state_bytes(b, head_dim, elem) * heads
         if pas != "fwd":
             many = np.asarray(work.launches, dtype=float) > 1
             per_key = np.where(many, self.state_bytes("keys_bwd_pieces", head_dim, elem),

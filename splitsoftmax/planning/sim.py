@@ -261,12 +261,15 @@ class Simulator:
             rows = float(sp.rows.max())
             pb = self.pb
             for pas in ("fwd", "bwd"):
-                # one rank: the local op alone; more: a step's host work, its merge passes and the running
-                # state its launches move
-                ovh = self.prof.overhead_s("step_us", pas) + float(self.prof.step_bytes_s(rows, h, pas)) if p > 1 else 0.0
-                costs.append(lambda w, pas=pas, ovh=ovh: self._kernel(w, h, pas, p > 1) + (
-                    ovh * (np.asarray(w.launches) > 0)
-                    + (self.prof.state_s(w, h, kv, pb.head_dim, pb.elem, pas) if p > 1 else 0.0)))
+                # one rank: the local op alone; more: on the device, the step's kernels, its merge passes
+                # and the running state its launches move; on the host, the step's work. The host issues
+                # a step while the device runs the one before: a step takes the longer of the two.
+                merge = float(self.prof.step_bytes_s(rows, h, pas)) if p > 1 else 0.0
+                host = self.prof.overhead_s("step_us", pas) if p > 1 else 0.0
+                costs.append(lambda w, pas=pas, merge=merge, host=host: np.maximum(
+                    self._kernel(w, h, pas, p > 1) + merge * (np.asarray(w.launches) > 0)
+                    + (self.prof.state_s(w, h, kv, pb.head_dim, pb.elem, pas) if p > 1 else 0.0),
+                    host * (np.asarray(w.launches) > 0)))
             costs += [lambda w: np.asarray(w.visible, dtype=float), lambda w: np.asarray(w.touched, dtype=float)]
             self._costs[key] = sp.costed_many(costs)
         return self._costs[key]

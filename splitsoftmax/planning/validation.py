@@ -333,19 +333,28 @@ def placement_runs(measured: dict = R11) -> list:
 
 # why the model misses a published run by more than 20% (system, words of the case) -> reason
 MISSES = {
-    ("splitsoftmax ring, a rank's compute (R11)", "ranks zigzag"):
-        "zigzag over 16-256 ranks: the tiles alone are priced at 22-29 ms forward and 106-124 ms backward "
-        "(fragmented documents: row tiles walking 2-3 key tiles, priced at the one-call rate extrapolated "
-        "below its 1k-key point, k / (k + k0)), about the whole measured time; the running state the model "
-        "adds on top (7.6 ms forward, 19 ms backward, no overlap assumed) and 3-13 ms of step host time "
-        "(hidden here: eager equals graph) then overshoot. At 1024 ranks the run is host-bound (eager "
-        "140 ms against graph 37): ~100 us of host time a forward step, ~560 a backward step, against the "
-        "model's estimated 50 and 110",
+    ("splitsoftmax ring, a rank's compute (R11)", "fwd+bwd, 64 ranks"):
+        "the backward of short rows at 64 ranks: row tiles walking 1-3 key tiles, priced at the one-call "
+        "backward rate extrapolated below its 1k-key point (k / (k + k0)), their running state overlapping "
+        "them: over for zigzag's fragments (+27%), under for balanced's whole short documents (-24%), while "
+        "the same ranks' forwards are within 19%; telling those tiles' backward time from their state "
+        "traffic needs the backward kernels timed on such pieces (one step in a profiler), not a fit",
+    ("splitsoftmax ring, a rank's compute (R11)", "256 ranks balanced"):
+        "host-bound (eager 44.8 ms forward against 24.0 graph-replayed, 166 against 109 forward+backward): "
+        "~175 us of host time a forward step against the 109 measured on the uniform pack's steps "
+        "(kernel.step_us); one launch a step in both, but R11's steps cover many of its 766 documents (the "
+        "uniform pack has 8), and a step's host work grows with them: not modelled yet",
+    ("splitsoftmax ring, a rank's compute (R11)", "1024 ranks zigzag"):
+        "host-bound (eager 140 ms forward against 37 graph-replayed, 726 against 151 forward+backward): "
+        "~137 us of host time a forward step and ~570 a backward step against the 109 / 311 measured on "
+        "the uniform pack's steps (kernel.step_us); one launch a step in both, but every one of R11's "
+        "steps here covers fragments of most of its 766 documents (the uniform pack has 8), and a step's "
+        "host work grows with them: not modelled yet",
     ("P2P ring", "documents fwd, 8 H100s"):
         "a 64k pack holds ~45 documents, so a step computes ~1 ms; the measured time a pack is 10.9 ms "
-        "against the model's 9.0 (8.7 of it compute): ~0.24 ms a step of that ring's host work (per-step "
-        "metadata, half-row reads and FA3 varlen calls driven from Python) that the model's 40 us a step "
-        "(this package's estimate) does not have",
+        "against the model's 8.7 (its compute; a step's host work, this package's measured 109 us, hides "
+        "behind it): ~0.3 ms a step of that ring's host work (per-step metadata, half-row reads and FA3 "
+        "varlen calls driven from Python) that the device waits for and the model does not have",
     ("P2P ring", "documents fwd, 64 H100s"):
         "every document cut into 128 chunks: 91% of the tile area the steps walk is masked and the ring is "
         "compute-bound (free links change nothing); the model prices those near-empty tiles at FA3's rate "

@@ -7,8 +7,8 @@ ring's own visits) on CPU tensors taking the Triton path, every launch a no-op: 
 Python of a step (plans, views, checks, the running state's bookkeeping) and its allocations. The
 ranks ``bench placement`` times, forward, us a step, on the uniform pack it measures the planner's
 ``kernel.step_us`` on and on the published pack of R11, with the number of shapes a rank's steps
-meet (each shape's launches are bound once). Backs no setting: it tells whether a host-bound rank's
-extra time on the GPU host comes from the step's Python (docs/benchmarks/plan.md).
+meet (each shape's launches are bound once). Backs no setting: it tells whether the pack changes a
+step's own host work (docs/benchmarks/plan.md, host-bound ranks).
 """
 import time
 import types

@@ -341,18 +341,17 @@ MISSES = {
         "traffic needs the backward kernels timed on such pieces (one step in a profiler), not a fit",
     ("splitsoftmax ring, a rank's compute (R11)", "256 ranks balanced"):
         "host-bound (eager 44.8 ms forward against 24.0 graph-replayed, 166 against 109 forward+backward): "
-        "~175 us of host time a forward step against the 109 measured on the uniform pack's steps "
-        "(kernel.step_us), one launch a step in both; the same ranks' step code on a CPU with the launches "
-        "stubbed costs the same on both packs (56-87 us a forward step, "
-        "benchmarks/probes/ring_step_host_cpu.py) and meets 2-9 key lengths a rank (each bound once), so "
-        "the difference is in the launch path on the GPU host: not measured yet",
+        "~175 us of host time a forward step against the 109 that kernel.step_us measured; R11 ran at "
+        "412e123, before launches were bound once per geometry (a forward call's host time about halved "
+        "since: BENCHMARKS.md, host time), and a step's own code costs the same on R11's pack as on the "
+        "uniform one (a CPU run, launches stubbed: benchmarks/probes/ring_step_host_cpu.py); the check is "
+        "these ranks again on today's code",
     ("splitsoftmax ring, a rank's compute (R11)", "1024 ranks zigzag"):
         "host-bound (eager 140 ms forward against 37 graph-replayed, 726 against 151 forward+backward): "
-        "~137 us of host time a forward step and ~570 a backward step against the 109 / 311 measured on "
-        "the uniform pack's steps (kernel.step_us), one launch a step in both; the same ranks' step code "
-        "on a CPU with the launches stubbed costs the same on both packs (56-87 us a forward step, "
-        "benchmarks/probes/ring_step_host_cpu.py), so the difference is in the launch path on the GPU "
-        "host: not measured yet",
+        "~137 us of host time a forward step and ~570 a backward step against the 109 / 311 that "
+        "kernel.step_us measured; R11 ran at 412e123, before launches were bound once per geometry, and a "
+        "step's own code costs the same on R11's pack as on the uniform one (a CPU run, launches stubbed: "
+        "benchmarks/probes/ring_step_host_cpu.py); the check is these ranks again on today's code",
     ("P2P ring", "documents fwd, 8 H100s"):
         "a 64k pack holds ~45 documents, so a step computes ~1 ms; the measured time a pack is 10.9 ms "
         "against the model's 8.7 (its compute; a step's host work, this package's measured 109 us, hides "

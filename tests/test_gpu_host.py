@@ -69,6 +69,38 @@ def test_forward_and_backward_never_synchronise(name):
         torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.parametrize("b, h, hkv, s, inner", [(1, 8, 8, 512, False), (2, 32, 8, 1024, True), (1, 8, 2, 300, False)])
+def test_repeated_attention_with_gradient_is_the_ops_path(b, h, hkv, s, inner, monkeypatch):
+    """Forward and backward of ``ss.attention`` at a geometry seen before (the runners its first call
+    left: ``op.LeanAttention`` and the backward's ``LeanBackward``, one lookup each) give bitwise the
+    op's path's outputs and gradients on the GPU's kernels (the Gluon pair and its dS buffer at D 128,
+    the Triton pair at D 64)."""
+    from splitsoftmax.core.runtime import Memo
+    from splitsoftmax.ops.attention import api, op as attention_op
+    monkeypatch.setattr(api, "_RUNNERS", Memo())
+    monkeypatch.setattr(attention_op, "_BWD_RUNNERS", Memo())
+    worked = []
+    grads_fn = attention_op.attention_grads
+    monkeypatch.setattr(attention_op, "attention_grads", lambda *a, **kw: worked.append(1) or grads_fn(*a, **kw))
+    d = 128 if s > 300 else 64
+    q, k, v = (torch.randn(b, s, n, d, device=DEV, dtype=torch.bfloat16) for n in (h, hkv, hkv))
+    q, k, v = (t.transpose(1, 2) if inner else t.transpose(1, 2).contiguous() for t in (q, k, v))
+    g = torch.randn(b, h, s, d, device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = ss.attention(*leaves, causal=True)
+        out.backward(g)
+        return type(out.grad_fn).__name__, out.detach(), *(t.grad for t in leaves)
+
+    first, second, third = step(), step(), step()
+    assert first[0] == "_EagerBackward" and second[0] == third[0] == "LeanAttentionBackward"
+    assert len(worked) == 1 and len(attention_op._BWD_RUNNERS) == 1  # (the first backward took the op's path)
+    for got in (second, third):
+        for x, y in zip(first[1:], got[1:]):
+            assert torch.equal(x, y) and x.stride() == y.stride()
+
+
 @pytest.mark.parametrize("name", ["attention causal", "decode", "softmax", "cross_entropy"])
 def test_cuda_graph_replays_forward_and_backward(name):
     inputs, fn = CASES[name]()

@@ -203,13 +203,68 @@ def test_repeated_public_attention_is_one_lookup(sq, sk, inner, monkeypatch):
     off = torch.empty(q.numel() + 1)[1:].view(q.shape).copy_(q)
     assert off.data_ptr() % 16 != 0 and run(off, k, v) != [] and run(off, k, v) == []
     qg = q.clone().requires_grad_()
-    with torch.enable_grad():
-        assert ss.attention(qg, k, v).grad_fn is not None
+    with torch.enable_grad():  # the same runner, under the op's autograd formula
         n = len(worked)
-        ss.attention(qg, k, v).sum().backward()
-        assert worked[n:] == ["attention_args", "call"] and qg.grad is not None
+        out = ss.attention(qg, k, v)
+        assert type(out.grad_fn).__name__ == "LeanAttentionBackward" and worked[n:] == []
     with torch.no_grad():
         assert run(qg, k, v) == []
+
+
+@pytest.mark.parametrize("inner", [False, True])
+def test_repeated_attention_with_gradient_is_one_lookup(inner, monkeypatch):
+    """``ss.attention`` forward and backward recording a gradient, at a geometry (and scale, causal)
+    that ran before: the forward is the runner its first call left under the op's autograd formula
+    (no checks, no route), the backward one lookup of the runner its first backward left (no route,
+    mask or plan); the gradients bitwise those of the op's own path and against float64 every call.
+    A setting the backward reads or a cotangent of another layout is worked out anew; a gradient
+    through ``lse`` takes the op's path; a double backward is refused as before."""
+    from splitsoftmax.ops.attention import api, op as attention_op
+    from splitsoftmax.core.runtime import heads_inner
+    monkeypatch.setattr(api, "_RUNNERS", A.Memo())
+    monkeypatch.setattr(attention_op, "_BWD_RUNNERS", A.Memo())
+    worked = []
+    for mod, name in ((api._checks, "attention_args"), (api, "call"), (attention_op, "attention_grads")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **kw: worked.append(_n) or _fn(*a, **kw))
+    q, k, v = inputs(2, 8, 2, 24, 40, 32, 32, torch.float32)
+    if inner:
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        assert heads_inner(q)
+    g = torch.randn(q.shape[0], q.shape[1], q.shape[2], v.shape[-1])
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ro, rl = ref_attention(q64, k64, v64, 1 / math.sqrt(32), True)
+    want = torch.autograd.grad((ro * g.double()).sum() + rl.sum(), (q64, k64, v64), retain_graph=True)
+    want_plain = torch.autograd.grad((ro * g.double()).sum(), (q64, k64, v64))
+
+    def step(dout, through_lse=False):
+        n = len(worked)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out, lse = ss.attention(*leaves, causal=True, return_lse=True)
+        assert rel_err(out, ro) < 2e-6 and rel_err(lse, rl) < 2e-6
+        if through_lse:
+            torch.autograd.backward((out, lse), (dout, torch.ones_like(lse)))
+        else:
+            out.backward(dout)
+        for leaf, w in zip(leaves, want if through_lse else want_plain):
+            assert rel_err(leaf.grad, w) < 4e-6
+        return [t.grad for t in leaves], worked[n:]
+
+    first, how = step(g)
+    assert how == ["attention_args", "call", "attention_grads"]
+    again, how = step(g)
+    assert how == [] and all(torch.equal(a, b) for a, b in zip(first, again))
+    assert step(g.clone())[1] == []
+    monkeypatch.setattr(configs, "ATTN_BWD_DS_MIN_WAVES", configs.ATTN_BWD_DS_MIN_WAVES + 1)
+    assert step(g)[1] == ["attention_grads"] and step(g)[1] == []
+    wide = torch.empty(g.shape[0], g.shape[1], g.shape[2], 2 * g.shape[3])[..., ::2].copy_(g)  # (last stride 2)
+    assert step(wide)[1] == ["attention_grads"] and step(wide)[1] == ["attention_grads"]
+    assert step(g, through_lse=True)[1] == ["attention_grads"]
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ss.attention(*leaves, causal=True)
+    dq = torch.autograd.grad(out, leaves[0], g, create_graph=True)[0]
+    with pytest.raises(NotImplementedError, match="double backward through splitsoftmax attention"):
+        dq.sum().backward()
 
 
 @pytest.mark.parametrize("split", [False, True])

@@ -33,6 +33,7 @@ _MODULES = {
     "attn_fwd_acc": ("ops.attention.torch", "ops.attention.fwd"),
     "attn_runner": ("ops.attention.torch", "ops.attention.fwd"),
     "attn_bwd": ("ops.attention.torch", "ops.attention.bwd"),
+    "attn_bwd_runner": ("ops.attention.torch", "ops.attention.bwd"),
     "attn_bwd_prep": ("ops.attention.torch", "ops.attention.prep"),
     "merge_out_lse": ("core.state", "ops.merge.kernel"),
     "ce_stats": ("ops.cross_entropy.torch", "ops.cross_entropy.kernel"),
@@ -115,6 +116,14 @@ def plain_eager(*tensors: Tensor) -> bool:
     as deferred initialisation makes them, take the op's fake implementation: shapes only): the
     route :func:`call` takes to the implementation itself."""
     return _route(tensors) == _IMPL
+
+
+def eager_grad(*tensors: Tensor):
+    """None where an op on ``tensors`` goes through the dispatcher (see :func:`plain_eager`); else
+    whether a gradient is recorded (:func:`call` runs the op's autograd formula in a plain
+    ``autograd.Function``) or not (the implementation itself)."""
+    how = _route(tensors)
+    return None if how == _DISPATCH else how == _FORMULA
 
 
 class _Eager(torch.autograd.Function):

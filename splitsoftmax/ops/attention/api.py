@@ -10,11 +10,11 @@ from torch import Tensor
 from ...core import checks as _checks, keywords as variants
 from ...core.autocast import like_sdpa
 from ...core.runtime import Memo, geometry
-from .._registry import call, op as local_op, plain_eager
-from . import op  # noqa: F401  (registers the custom ops)
+from .._registry import call, eager_grad, op as local_op
+from . import op  # (registers the custom ops)
 
-# plain forwards that record no gradient, by their operands' geometry, scale and causal: the runner
-# (``local_op("attn_runner")``) their first call left
+# plain forwards by their operands' geometry, scale and causal: the runner (``local_op("attn_runner")``)
+# their first call left
 _RUNNERS = Memo()
 
 
@@ -58,18 +58,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, scale: O
 
 
 def _plain_attention(q: Tensor, k: Tensor, v: Tensor, scale, causal) -> tuple[Tensor, Tensor]:
-    """``attn_fwd`` of the plain mask. Where no gradient is recorded (:func:`plain_eager`), a call of a
-    geometry that ran before is one lookup of the runner the first call left (no checks: that call
-    passed them on the same key; the runner answers None once a setting it read has changed)."""
+    """``attn_fwd`` of the plain mask. In plain eager mode (:func:`eager_grad`), a call of a geometry
+    that ran before is one lookup of the runner the first call left (no checks: that call passed them
+    on the same key; nor route or plan), and where a gradient is recorded the runner's outputs get
+    the op's autograd formula (``op.LeanAttention``)."""
     key = None
     if (type(q) is Tensor and type(k) is Tensor and type(v) is Tensor and (causal is True or causal is False)
-            and (scale is None or type(scale) is float) and plain_eager(q, k, v)):
-        key = (geometry(q, k, v), scale, causal)
-        run = _RUNNERS.get(key)
-        if run is not None:
-            res = run(q, k, v)
-            if res is not None:
-                return res
+            and (scale is None or type(scale) is float)):
+        grad = eager_grad(q, k, v)
+        if grad is not None:
+            key = (geometry(q, k, v), scale, causal)
+            run = _RUNNERS.get(key)
+            if run is not None and run.fresh(q):
+                return op.LeanAttention.apply(run, q, k, v) if grad else run(q, k, v)
     s = _checks.attention_args(q, k, v, scale, causal)
     res = call("attn_fwd", q, k, v, s, causal, 0)
     if key is not None:

@@ -57,7 +57,7 @@ from .decode import attn_tile, dot_precision, head_group, pad_dim
 from .._triton.device import hopper, sm_count
 from .bwd_common import (_batch_bounds, _descriptor, _finite_or_zero, _mask_args, _seen, _sink_flush, _sink_keys,
                          _tile, _tma_ok, q_walk, row_blocks, sink_args, sink_buffers, sink_sums)
-from . import bwd_plain as attention_bwd_plain
+from . import bwd_plain as attention_bwd_plain, prep as attention_prep
 from .fwd import _dot, _load_rows as _load, _program_order
 from .._triton.launch import Launcher, fits_int32
 
@@ -575,3 +575,49 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     _pre(k, ks, ws)
     _launch_kv(q, k, ks, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, tile, nh, nq, True, sink)
     return sink_sums((dq.to(od), dk.to(od), dv.to(od)), sink)
+
+
+def attn_bwd_runner(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float,
+                    causal: bool, diag: int) -> Optional["LeanBackward"]:
+    """The plain backward of these operands' geometry (and of the settings it reads) as one call (a
+    :class:`LeanBackward`), for the autograd formula of a plain attention ``(out, lse) = attn_fwd(q, k,
+    v, scale, causal, diag)`` with no gradient through ``lse``: None where that backward takes
+    another path than :mod:`bwd_plain`'s pair (the fused or atomic kernels, a copy of an operand
+    whose last stride is not 1), or where its launches have not been bound at this geometry (by a
+    call of the op's backward)."""
+    if configs.ATTN_BWD_FUSED or configs.ATTN_BWD_ATOMIC or lse.dtype != torch.float32 or not lse.is_contiguous():
+        return None
+    if not (q.numel() and k.numel() and v.numel()) or any(t.stride(-1) != 1 for t in (q, k, v, out, dout)):
+        return None
+    stats = torch.empty(lse.shape, dtype=torch.float32, device=lse.device)  # (like prep's outputs)
+    pair = attention_bwd_plain.bound(q, k, v, dout, stats, scale, causal, diag)
+    prep = attention_prep.bound(out, dout, lse)
+    if pair is None or prep is None:
+        return None
+    return LeanBackward(pair, prep, _lean_settings(q, v))
+
+
+def _lean_settings(q: Tensor, v: Tensor) -> tuple:
+    """What a :class:`LeanBackward` of ``q``, ``v``'s geometry read when it was made."""
+    return configs.ATTN_BWD_FUSED, configs.ATTN_BWD_ATOMIC, attention_bwd_plain.settings(q, v)
+
+
+class LeanBackward:
+    """:func:`attn_bwd_runner`'s runner: ``run(q, k, v, out, lse, dout) -> (dq, dk, dv)`` in
+    ``q.dtype`` with the strides ``torch.empty_like`` gives ``q, k, v`` (the rows' statistics and the
+    gradients made, the bound prep and pair run), for operands of the geometry it was made for while
+    ``run.fresh(q, v)`` (no setting it read has changed)."""
+
+    __slots__ = ("pair", "prep", "settings")
+
+    def __init__(self, pair: tuple, prep, settings: tuple):
+        self.pair, self.prep, self.settings = pair, prep, settings
+
+    def fresh(self, q: Tensor, v: Tensor) -> bool:
+        """Whether the settings it read are still those in force."""
+        return self.settings == _lean_settings(q, v)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor) -> tuple:
+        stats, delta = torch.empty_like(lse), torch.empty_like(lse)
+        self.prep(out, dout, lse, lse, stats, delta)
+        return attention_bwd_plain.run_bound(self.pair, q, k, v, dout, stats, delta)

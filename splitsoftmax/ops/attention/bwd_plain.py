@@ -530,15 +530,8 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     ``sinks (H,)``: a fourth result, ``bwd.attn_bwd``'s sums for the sinks' gradient."""
     od = out_dtype or stat_dtype(q.dtype)
     dq, dk, dv = torch.empty_like(q, dtype=od), torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
-    d, dv_ = q.shape[-1], v.shape[-1]  # (the gradients are laid out like q, k, v)
     mts = () if mask.plain() else tuple(t for t in (mask.kv_range, mask.q_offset, mask.rows) if t is not None)
-    geo = (geometry(q, k, v, dout, lse, delta, *mts), od, scale, causal, diag, mask.lo, mask.softcap,
-           tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), _doc_reach(mask), configs.ATTN_BWD_TMA,
-           configs.ATTN_BWD_GLUON, configs.ATTN_BWD_DS, configs.ATTN_BWD_DS_MAX_BYTES,
-           configs.ATTN_BWD_DS_MIN_WAVES, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
-           attn_tile("bwd_kv", q.dtype, d, dv_), attn_tile("bwd_q", q.dtype, d, dv_),
-           *(configs.ATTN_TILES.get((kind, 2, d)) for kind in ("bwd_kv_ws", "bwd_q_gluon", "bwd_q_ds")),
-           sinks is not None)
+    geo = _key(q, k, v, dout, lse, delta, od, scale, causal, diag, mask, mts, sinks is not None)
     hit = _LAUNCHES.get(geo)
     if hit is None:
         plan = _plan(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, diag, mask, sinks is not None)
@@ -551,6 +544,41 @@ def attn_bwd(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: 
     mts = _mask_tensors(mask, q, k, lse) if mts else None
     _run_pieces(plan, ops, mask, mts, bounds)
     return sink_sums((dq, dk, dv), sink)
+
+
+def settings(q: Tensor, v: Tensor) -> tuple:
+    """What the pair's launches read besides their operands' geometry and the call's scalars and mask
+    (part of the keys of :data:`_LAUNCHES`: tests change them)."""
+    d, dv = q.shape[-1], v.shape[-1]
+    return (configs.ATTN_BWD_TMA, configs.ATTN_BWD_GLUON, configs.ATTN_BWD_DS, configs.ATTN_BWD_DS_MAX_BYTES,
+            configs.ATTN_BWD_DS_MIN_WAVES, configs.ATTN_ORDER_WAVES, configs.ATTN_ORDER_MAX_WAVES,
+            attn_tile("bwd_kv", q.dtype, d, dv), attn_tile("bwd_q", q.dtype, d, dv),
+            *(configs.ATTN_TILES.get((kind, 2, d)) for kind in ("bwd_kv_ws", "bwd_q_gluon", "bwd_q_ds")))
+
+
+def bound(q: Tensor, k: Tensor, v: Tensor, dout: Tensor, stats: Tensor, scale: float, causal: bool,
+          diag: int) -> Optional[tuple]:
+    """The plain backward's launches that a call of :func:`attn_bwd` with these operands, gradients in
+    ``q.dtype`` and fresh ``lse``, ``delta`` like ``stats`` (contiguous float32 ``(B, H, Sq)``) bound:
+    ``(plan, bounds)`` for :func:`run_bound`, or None where none has run at this geometry."""
+    return _LAUNCHES.get(_key(q, k, v, dout, stats, stats, q.dtype, scale, causal, diag, NO_MASK, (), False))
+
+
+def _key(q, k, v, dout, lse, delta, od: torch.dtype, scale: float, causal: bool, diag: int, mask: Mask, mts: tuple,
+         sink: bool) -> tuple:
+    """The key of :data:`_LAUNCHES` of :func:`attn_bwd`'s launches (``mts``: the mask's tensors)."""
+    return (geometry(q, k, v, dout, lse, delta, *mts), od, scale, causal, diag, mask.lo, mask.softcap,
+            tuple(t is None for t in (mask.kv_range, mask.q_offset, mask.rows)), _doc_reach(mask), settings(q, v),
+            sink)
+
+
+def run_bound(hit: tuple, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor) -> tuple:
+    """``(dq, dk, dv)`` in ``q.dtype`` of the plain backward through the launches of :func:`bound`
+    ``hit`` (the operands of the geometry it was bound for)."""
+    plan, bounds = hit
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _run_pieces(plan, (q, k, v, dout, lse, delta, dq, dk, dv), NO_MASK, None, bounds)
+    return dq, dk, dv
 
 
 # the parts of a Gluon dK/dV program's walk that write the sinks' sums apart: (score warpgroup, its

@@ -801,11 +801,10 @@ def _run_plain_fwd(run: _Plain, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
     _run_plain(run.fwd, q, k, v, out, lse)
 
 
-def attn_runner(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
-    """The plain forward of these operands' geometry (and of the settings it reads) as one call:
-    ``runner(q, k, v) -> (out, lse)`` as ``attn_fwd(q, k, v, scale, causal, out_dtype=q.dtype)`` returns
-    them, or None once a setting it read has changed. None where the forward launches nothing (no rows
-    or no keys) or has not run at this geometry (its launches are bound by a call of :func:`attn_fwd`)."""
+def attn_runner(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> Optional["LeanForward"]:
+    """The plain forward of these operands' geometry (and of the settings it reads) as one call (a
+    :class:`LeanForward`), or None where the forward launches nothing (no rows or no keys) or has not
+    run at this geometry (its launches are bound by a call of :func:`attn_fwd`)."""
     b, h, sq, _ = q.shape
     if b * h * sq == 0 or k.shape[2] == 0:
         return None
@@ -813,19 +812,36 @@ def attn_runner(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool):
     if run is None:
         return None
     inner = heads_inner(q)
-    return functools.partial(_run_lean, run, (plan_settings(q), _settings(q.shape[-1])), inner,
-                             (b, sq, h, v.shape[-1]) if inner else (b, h, sq, v.shape[-1]), (b, h, sq), scale, causal)
+    return LeanForward(run, _lean_settings(q), inner, (b, sq, h, v.shape[-1]) if inner else (b, h, sq, v.shape[-1]),
+                       (b, h, sq), scale, causal)
 
 
-def _run_lean(run: _Plain, settings: tuple, inner: bool, shape: tuple, lse_shape: tuple, scale: float, causal: bool,
-              q: Tensor, k: Tensor, v: Tensor):
-    """:func:`attn_runner`'s runner: the outputs made, the bound launches run (None: ``settings`` changed)."""
-    if settings != (plan_settings(q), _settings(q.shape[-1])):
-        return None
-    out = q.new_empty(shape).transpose(1, 2) if inner else q.new_empty(shape)
-    lse = q.new_empty(lse_shape, dtype=torch.float32)
-    _run_plain_fwd(run, q, k, v, out, lse, scale, causal, 0)
-    return out, lse
+def _lean_settings(q: Tensor) -> tuple:
+    """What a :class:`LeanForward` of ``q``'s geometry read when it was made."""
+    return plan_settings(q), _settings(q.shape[-1])
+
+
+class LeanForward:
+    """:func:`attn_runner`'s runner: ``run(q, k, v) -> (out, lse)`` as ``attn_fwd(q, k, v, scale, causal,
+    out_dtype=q.dtype)`` returns them (the outputs made, the bound launches run), for operands of the
+    geometry it was made for while ``run.fresh(q)`` (no setting it read has changed)."""
+
+    __slots__ = ("run", "settings", "inner", "shape", "lse_shape", "scale", "causal")
+
+    def __init__(self, run: _Plain, settings: tuple, inner: bool, shape: tuple, lse_shape: tuple, scale: float,
+                 causal: bool):
+        self.run, self.settings, self.inner, self.shape, self.lse_shape = run, settings, inner, shape, lse_shape
+        self.scale, self.causal = scale, causal
+
+    def fresh(self, q: Tensor) -> bool:
+        """Whether the settings it read are still those in force."""
+        return self.settings == _lean_settings(q)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        out = q.new_empty(self.shape).transpose(1, 2) if self.inner else q.new_empty(self.shape)
+        lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        _run_plain_fwd(self.run, q, k, v, out, lse, self.scale, self.causal, 0)
+        return out, lse
 
 
 def _empty_out(q: Tensor, dv: int, dtype: torch.dtype) -> Tensor:

@@ -10,9 +10,10 @@ from torch import Tensor
 
 from ...core import state
 from ...core.mask import Mask
-from ...core.runtime import heads_inner
+from ...core.runtime import Memo, geometry, heads_inner
 from ...core.state import stat_dtype
-from .._registry import call, custom_op, dense, masked_op, once_differentiable, op, register_formula, use_triton
+from .._registry import (call, custom_op, dense, masked_op, once_differentiable, op, plain_eager, register_formula,
+                         use_triton)
 
 register_fake = torch.library.register_fake
 
@@ -220,10 +221,54 @@ def attention_backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
         rest = iter(saved[5:])
         kv_range, q_offset, rows, sinks = (next(rest) if present else None for present in ctx.extra)
     scale, causal, diag, lo, softcap = ctx.args
+    if ctx.extra is None and lo is None and softcap == 0.0 and dlse is None and dout is not None:
+        return (*_plain_grads(q, k, v, out, lse, dout, scale, causal, diag), *(None,) * 9)
     sinks = sinks if ctx.sinks_grad else None
     dq, dk, dv, dsinks = attention_grads(q, k, v, out, lse, dout, dlse, scale, causal, diag, lo, softcap, kv_range,
                                          q_offset, rows, sinks=sinks)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None if sinks is None else dsinks
+
+
+# plain backwards by their operands' geometry and scalars: the runner (``op("attn_bwd_runner")``)
+# their first call left
+_BWD_RUNNERS = Memo()
+
+
+def _plain_grads(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float,
+                 causal: bool, diag: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`attention_grads` for the plain mask and no ``dlse``. Where the
+    backward runs the implementations themselves (:func:`plain_eager`: no double backward recorded,
+    no mode, transform or tracing), a geometry whose backward ran before is one lookup of the runner
+    its first call left (no route, mask or plan; the runner answers to a changed setting)."""
+    key = None
+    if plain_eager(q, k, v, out, lse, dout):
+        key = (geometry(q, k, v, out, lse, dout), scale, causal, diag)
+        run = _BWD_RUNNERS.get(key)
+        if run is not None and run.fresh(q, v):
+            return run(q, k, v, out, lse, dout)
+    grads = attention_grads(q, k, v, out, lse, dout, None, scale, causal, diag, None, 0.0, None, None, None)[:3]
+    if key is not None:
+        run = op("attn_bwd_runner", q)(q, k, v, out, lse, dout, scale, causal, diag)
+        if run is not None:
+            _BWD_RUNNERS.put(key, run)
+    return grads
+
+
+class LeanAttention(torch.autograd.Function):
+    """The plain attention of ``q, k, v`` recording a gradient in plain eager mode, through ``run``,
+    the forward's runner of their geometry (``fwd.LeanForward``, fresh): ``attn_fwd``'s formula
+    (:func:`setup_attention`, :func:`attention_backward`) without the op's checks, route and plan.
+    ``LeanAttention.apply(run, q, k, v) -> (out (B, H, Sq, Dv), lse (B, H, Sq))``."""
+
+    @staticmethod
+    def forward(ctx, run, q: Tensor, k: Tensor, v: Tensor):
+        out, lse = run(q, k, v)
+        setup_attention(ctx, (q, k, v, run.scale, run.causal, 0), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout: Optional[Tensor], dlse: Optional[Tensor]):
+        return (None, *attention_backward(ctx, dout, dlse)[:3])
 
 
 register_formula("attn_fwd", attention_backward, setup_attention)

@@ -80,3 +80,10 @@ def attn_bwd_prep(out: Tensor, lse: Tensor, dout: Tensor, dlse: Optional[Tensor]
         live = (out, dout, lse1, dl, lse_out, delta)
         launch_bound(_LAUNCHES, geo, _bind, (*live, dlse is not None), live)
     return lse_out, delta
+
+
+def bound(out: Tensor, dout: Tensor, lse: Tensor):
+    """The prep launch that a call of :func:`attn_bwd_prep` with these operands (``lse`` float32, no
+    ``dlse``, ``out`` and ``dout`` of unit last stride) bound: ``launch(out, dout, lse, lse, lse_out,
+    delta)``, or None where none has run at this geometry."""
+    return _LAUNCHES.get((geometry(out, dout, lse, lse), False))

@@ -119,6 +119,12 @@ def attn_runner(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool) -> 
     return None
 
 
+def attn_bwd_runner(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, scale: float,
+                    causal: bool, diag: int) -> None:
+    """The torch path keeps no runner of a plain backward (the Triton backward's ``attn_bwd_runner``)."""
+    return None
+
+
 def attn_fwd_acc(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, diag: int,
                  acc_out: Tensor, acc_lse: Tensor, *, mask: Mask = NO_MASK) -> None:
     """Merge this block's attention into the running state ``acc_out (B, H, Sq, Dv)``,

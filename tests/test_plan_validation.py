@@ -85,12 +85,14 @@ def test_packed_mixes_fill_the_total():
         v.packed(100, "long")
 
 
-def test_r11_placement_rows_are_checked(checks):
-    """Every (ranks, placement) of R11 predicted forward and forward+backward, as a rank's compute."""
-    rows = [c for c in checks if "(R11)" in c.system]
-    assert len(rows) == 2 * len(v.R11["rows"])
+@pytest.mark.parametrize("run", ["R11", "R14"])
+def test_placement_rows_are_checked(checks, run):
+    """Every (ranks, placement) of R11 and R14 predicted forward and forward+backward, as a rank's compute."""
+    measured = getattr(v, run)
+    rows = [c for c in checks if f"({run})" in c.system]
+    assert len(rows) == 2 * len(measured["rows"])
     assert {c.case.split(" (graph")[0] for c in rows} == {f"documents {pas}, {p} ranks {lay}"
-                                                          for p, lay in v.R11["rows"] for pas in ("fwd", "fwd+bwd")}
+                                                          for p, lay in measured["rows"] for pas in ("fwd", "fwd+bwd")}
 
 
 def test_placement_json_is_read_as_r11_holds_it(tmp_path):

@@ -283,6 +283,15 @@ R11 = {"run": "R11", "one_gpu": (147.368, 701.709), "row_pieces": (1, 1),
                 (256, "balanced"): (44.843, 166.04, 23.97, 108.711),
                 (1024, "zigzag"): (140.219, 726.476, 37.386, 150.558)}}
 
+# R14 (docs/benchmarks/plan.md, 2026-12-07, 339a035, one H100 80GB HBM3): R11's case at 256 and 1024
+# ranks on code whose launches are bound once per geometry and whose ring step's host time was
+# measured (109 / 311 us), the same rule (one span a step), both placements at 1024.
+R14 = {"run": "R14", "one_gpu": (146.475, 695.480), "row_pieces": (1, 1),
+       "rows": {(256, "zigzag"): (29.898, 112.114, 26.839, 107.702),
+                (256, "balanced"): (25.003, 112.833, 23.977, 109.048),
+                (1024, "zigzag"): (112.344, 509.818, 37.115, 150.223),
+                (1024, "balanced"): (186.880, 545.852, 28.171, 130.634)}}
+
 
 def placement_run(path: str, run: str = "new") -> dict:
     """A ``bench placement`` result (its ``placement.json``) as :data:`R11` holds one: the published
@@ -344,14 +353,26 @@ MISSES = {
         "~175 us of host time a forward step against the 109 that kernel.step_us measured; R11 ran at "
         "412e123, before launches were bound once per geometry (a forward call's host time about halved "
         "since: BENCHMARKS.md, host time), and a step's own code costs the same on R11's pack as on the "
-        "uniform one (a CPU run, launches stubbed: benchmarks/probes/ring_step_host_cpu.py); the check is "
-        "these ranks again on today's code",
+        "uniform one (a CPU run, launches stubbed: benchmarks/probes/ring_step_host_cpu.py); R14, these ranks "
+        "again with bound launches: +11.7% forward, -0.2% forward+backward",
     ("splitsoftmax ring, a rank's compute (R11)", "1024 ranks zigzag"):
         "host-bound (eager 140 ms forward against 37 graph-replayed, 726 against 151 forward+backward): "
         "~137 us of host time a forward step and ~570 a backward step against the 109 / 311 that "
         "kernel.step_us measured; R11 ran at 412e123, before launches were bound once per geometry, and a "
         "step's own code costs the same on R11's pack as on the uniform one (a CPU run, launches stubbed: "
-        "benchmarks/probes/ring_step_host_cpu.py); the check is these ranks again on today's code",
+        "benchmarks/probes/ring_step_host_cpu.py); R14, these ranks again with bound launches: -0.6% forward, "
+        "-15.6% forward+backward",
+    ("splitsoftmax ring, a rank's compute (R14)", "fwd+bwd, 256 ranks zigzag"):
+        "the backward of zigzag's fragments, as at 64 ranks in R11 (+27%): row tiles walking 1-3 key "
+        "tiles priced at the one-call backward rate extrapolated below its 1k-key point; +39% against "
+        "the graph-replayed 107.7 ms, as R11's 256-rank zigzag was (+39% against its 107.5), whose eager "
+        "time then held ~30 ms of older code's host time and read +7%",
+    ("splitsoftmax ring, a rank's compute (R14)", "1024 ranks balanced"):
+        "host-bound and the host's own spread: the three timed ranks replay their 1024 steps from a CUDA "
+        "graph in 26.6-28.2 ms forward, 110.5-130.6 forward+backward, but eager in 102.8-186.9 and "
+        "394.7-545.9 (100-182 us of host time a forward step, 260-433 a backward one, against the "
+        "109 / 311 that kernel.step_us measured, which the model's 112 / 430 ms follow); the same "
+        "host's bench of cuDNN's forward+backward read 233 and 279 us a call in two runs minutes apart",
     ("P2P ring", "documents fwd, 8 H100s"):
         "a 64k pack holds ~45 documents, so a step computes ~1 ms; the measured time a pack is 10.9 ms "
         "against the model's 8.7 (its compute; a step's host work, this package's measured 109 us, hides "
@@ -379,10 +400,10 @@ def explained(rows: list, limit: float = 0.20) -> list:
 
 
 def all_checks(placements: tuple = ()) -> list:
-    """Every check: the own runs, torch CP, the published peers, :data:`R11` and ``placements`` (more
-    runs of ``bench placement``, :func:`placement_run`'s)."""
+    """Every check: the own runs, torch CP, the published peers, :data:`R11`, :data:`R14` and
+    ``placements`` (more runs of ``bench placement``, :func:`placement_run`'s)."""
     rows = own_ring_runs() + torch_cp_runs() + published_runs()
-    for run in (R11, *placements):
+    for run in (R11, R14, *placements):
         rows += placement_runs(run)
     return explained(rows)
 

@@ -64,3 +64,42 @@ def test_parts_kernel_with_masked_parts(n, monkeypatch):
     kind, _, kwargs = merge.merge_plan(n, 3, 16, 4, False)
     assert kind == "parts" and kwargs["BLOCK_P"] == max(configs.MERGE_PARTS_MIN_BLOCK, 1 << (n - 1).bit_length())
     _check(outs, lses)
+
+
+def test_repeated_merge_states_is_one_lookup(monkeypatch):
+    """``ss.merge_states`` recording no gradient, float32 partials of a geometry that ran before: no
+    checks, no route, no plan, the outputs as the op's path makes them and against float64 every
+    call. A setting the merge reads, another geometry or a misaligned copy is worked out anew;
+    bfloat16 partials and a gradient to record take the op's path every time."""
+    import splitsoftmax as ss
+    from splitsoftmax.core.runtime import Memo
+    from splitsoftmax.ops.merge import api
+    monkeypatch.setattr(api, "_RUNNERS", Memo())
+    worked = []
+    for mod, name in ((api._checks, "merge_args"), (api, "call")):
+        fn = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _fn=fn, _n=name, **kw: worked.append(_n) or _fn(*a, **kw))
+    outs, lses = _partials(4, (3, 5), 16)
+
+    def run(o, l):
+        n = len(worked)
+        out, lse = ss.merge_states(o, l)
+        want_out, want_lse = state.merge_out_lse(o.double(), l.double())
+        assert out.dtype == o.dtype and lse.dtype == torch.float32 and out.is_contiguous() and lse.is_contiguous()
+        torch.testing.assert_close(out.double(), want_out, rtol=1e-6 if o.dtype == torch.float32 else 1e-2,
+                                   atol=1e-6 if o.dtype == torch.float32 else 1e-2)
+        torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+        return worked[n:]
+
+    assert run(outs, lses) == ["merge_args", "call"] and run(outs, lses) == [] and run(outs.clone(), lses) == []
+    monkeypatch.setattr(configs, "MERGE_PARTS_PROGRAMS_PER_SM", configs.MERGE_PARTS_PROGRAMS_PER_SM + 1)
+    assert run(outs, lses) != [] and run(outs, lses) == []
+    assert run(outs[:3], lses[:3]) != [] and run(outs[:3], lses[:3]) == []
+    off = torch.empty(outs.numel() + 1)[1:].view(outs.shape).copy_(outs)
+    assert off.data_ptr() % 16 != 0 and run(off, lses) != [] and run(off, lses) == []
+    low = outs.bfloat16()
+    assert run(low, lses) != [] and run(low, lses) != []
+    grad = outs.clone().requires_grad_()
+    with torch.enable_grad():
+        n = len(worked)
+        assert ss.merge_states(grad, lses)[0].grad_fn is not None and worked[n:] == ["merge_args", "call"]

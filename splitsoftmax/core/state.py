@@ -118,6 +118,11 @@ def merge_out_lse(outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
     return to_out_lse(merge_stack(from_out_lse(outs, lses)))
 
 
+def merge_runner(outs: Tensor, lses: Tensor) -> None:
+    """The torch path keeps no runner of a merge (the Triton merge's ``merge_runner``)."""
+    return None
+
+
 def sink_lse(lse: Tensor, mass: Tensor, sinks: Tensor) -> Tensor:
     """The ``lse`` of a row with its sink: the keys' state ``(m = lse, l = mass)`` merged with the sink's
     ``(m = sinks[h], l = 1)``. ``lse, mass (B, H, Sq)``, ``sinks (H,)``; in ``lse.dtype``."""

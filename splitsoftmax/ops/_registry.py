@@ -36,6 +36,7 @@ _MODULES = {
     "attn_bwd_runner": ("ops.attention.torch", "ops.attention.bwd"),
     "attn_bwd_prep": ("ops.attention.torch", "ops.attention.prep"),
     "merge_out_lse": ("core.state", "ops.merge.kernel"),
+    "merge_runner": ("core.state", "ops.merge.kernel"),
     "ce_stats": ("ops.cross_entropy.torch", "ops.cross_entropy.kernel"),
     "ce_rows": ("ops.cross_entropy.torch", "ops.cross_entropy.kernel"),
     "ce_bwd": ("ops.cross_entropy.torch", "ops.cross_entropy.kernel"),

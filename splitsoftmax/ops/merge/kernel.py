@@ -230,3 +230,38 @@ def merge_out_lse(outs: Tensor, lses: Tensor, out_dtype: Optional[torch.dtype] =
     elif flat[0]:
         _bound(outs, lses, out, lse, n, flat[0], shape[-1], flat[1])(outs, lses, out, lse)
     return out, lse
+
+
+def merge_runner(outs: Tensor, lses: Tensor) -> Optional["LeanMerge"]:
+    """The merge of these operands' geometry (and of the settings it reads) as one call (a
+    :class:`LeanMerge`), for the public ``merge_states`` of float32 ``outs (N, *rows, Dv)``, ``lses
+    (N, *rows)``: None for other dtypes, no parts or no rows, or rows no one stride walks."""
+    shape = outs.shape
+    if outs.dtype != torch.float32 or shape[0] == 0:
+        return None
+    flat = _flat_rows(shape, outs.stride(), lses.stride())
+    if flat is None or not flat[0]:
+        return None
+    out, lse = outs.new_empty(shape[1:]), outs.new_empty(shape[1:-1])  # (fresh: contiguous, aligned)
+    return LeanMerge(_bound(outs, lses, out, lse, shape[0], flat[0], shape[-1], flat[1]), shape[1:], shape[1:-1],
+                     _configs())
+
+
+class LeanMerge:
+    """:func:`merge_runner`'s runner: ``run(outs, lses) -> (out, lse)`` as ``merge_out_lse(outs, lses)``
+    returns them (the outputs made, the bound launch run), for operands of the geometry it was made
+    for while ``run.fresh()`` (no setting it read has changed)."""
+
+    __slots__ = ("bound", "shape", "lse_shape", "settings")
+
+    def __init__(self, bound, shape: tuple, lse_shape: tuple, settings: tuple):
+        self.bound, self.shape, self.lse_shape, self.settings = bound, shape, lse_shape, settings
+
+    def fresh(self) -> bool:
+        """Whether the settings it read are still those in force."""
+        return self.settings == _configs()
+
+    def __call__(self, outs: Tensor, lses: Tensor) -> tuple[Tensor, Tensor]:
+        out, lse = outs.new_empty(self.shape), outs.new_empty(self.lse_shape)
+        self.bound(outs, lses, out, lse)
+        return out, lse

@@ -18,7 +18,8 @@ HF_OLDEST     := 4.53.3
 
 PIP_ENV := PIP_CONSTRAINT=/dev/null PIP_DISABLE_PIP_VERSION_CHECK=1
 PY      := .venv/bin/python
-PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
+# each lane ends with its slowest tests (CI keeps its run within its time budget by them)
+PYTEST  := $(PY) -m pytest -q -p no:cacheprovider --durations=15
 OLD_PY  := .venv-oldest/bin/python
 NPROC   ?= 4
 # The interpreter subset: it leaves out the softmax paths' 1000-column rows, the many-partials merges
@@ -97,11 +98,11 @@ test-mpi: venv
 # runs: the CLI's verify and benches, the planner's validation, the suite's own plugin
 test-oldest: .venv-oldest/.done
 	SPLITSOFTMAX_TEST_TORCH=$(TORCH_OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) \
-	    $(OLD_PY) -m pytest -q -p no:cacheprovider -m "not interpreter and not gpu and not mpi and not once" --each-value
+	    $(OLD_PY) -m pytest -q -p no:cacheprovider --durations=15 -m "not interpreter and not gpu and not mpi and not once" --each-value
 
 test-interpreter-oldest: .venv-oldest/.done
 	SPLITSOFTMAX_TEST_TORCH=$(TORCH_OLDEST) SPLITSOFTMAX_TEST_TRITON=$(TRITON_OLDEST) TRITON_INTERPRET=1 \
-	    $(OLD_PY) -m pytest -q -p no:cacheprovider -m interpreter $(SUBSET)
+	    $(OLD_PY) -m pytest -q -p no:cacheprovider --durations=15 -m interpreter $(SUBSET)
 
 # the tritons that torch 2.12 to 2.14 pin, first on .venv's path (static patterns: make searches no
 # implicit rule for a phony target)

@@ -364,7 +364,7 @@ MISSES = {
         "-15.6% forward+backward",
     ("splitsoftmax ring, a rank's compute (R14)", "fwd+bwd, 256 ranks zigzag"):
         "the backward of zigzag's fragments, as at 64 ranks in R11 (+27%): row tiles walking 1-3 key "
-        "tiles priced at the one-call backward rate extrapolated below its 1k-key point; +39% against "
+        "tiles priced at the one-call backward rate extrapolated below its 1k-key point; +38% against "
         "the graph-replayed 107.7 ms, as R11's 256-rank zigzag was (+39% against its 107.5), whose eager "
         "time then held ~30 ms of older code's host time and read +7%",
     ("splitsoftmax ring, a rank's compute (R14)", "1024 ranks balanced"):

@@ -39,9 +39,11 @@ from ...core.runtime import Memo, geometry, interpreting  # noqa: F401  (re-expo
 from . import configs
 
 
-def _hooked(hook) -> bool:
-    """Whether a Triton launch hook is set: a function, or a ``HookChain`` (Triton 3.6) holding one."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+def _unhooked() -> bool:
+    """Neither of Triton's launch hooks is set (a hook is a function, or a ``HookChain`` holding one)."""
+    rt = knobs.runtime
+    enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+    return (enter is None or not getattr(enter, "calls", True)) and (leave is None or not getattr(leave, "calls", True))
 
 
 def fits_int32(*values: int) -> bool:
@@ -86,7 +88,7 @@ class Launcher:
         self(grid, auto_key(args), args, kwargs)
 
     def __call__(self, grid: tuple, key: Hashable, args: tuple, kwargs: dict) -> None:
-        if interpreting() or _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook):
+        if interpreting() or not _unhooked():
             self.fn[grid](*args, **kwargs)
             return
         device = driver.active.get_current_device()
@@ -248,28 +250,33 @@ class DescriptorCache:
         return self.expand(ptr)[0] if m is None else m
 
 
-def _spread_call(c, grid, function, coop, pdl, packed, template, live, device, stream) -> Callable:
-    g0, g1, g2 = grid
-
-    def call(values):
-        a = template.copy()
-        for (pos, conv), v in zip(live, values):
-            a[pos] = v if conv is None else conv(v)
-        c(g0, g1, g2, stream(device), function, coop, pdl, None, None, packed, None, None, None, *a)
-    return call
-
-
-def _sequence_call(c, grid, function, coop, pdl, packed, annotations, signature, template, live, device,
-                   stream) -> Callable:
-    g0, g1, g2 = grid
-
-    def call(values):
-        a = template.copy()
-        for (pos, conv), v in zip(live, values):
-            a[pos] = v if conv is None else conv(v)
-        c(g0, g1, g2, stream(device), function, coop, pdl, packed, None, None, None, None, None, annotations,
-          signature, a)
-    return call
+def _direct_call(c: Callable, form: str, head: tuple, tail: tuple, template: list, live: tuple, device: int,
+                 stream: Callable) -> Callable:
+    """``call(*values)``: one launch through the C launcher ``c`` with the live ``values`` in the
+    positions ``live`` names (``(position, conversion)`` each; ``Tensor.data_ptr`` or None the usual
+    ones) of the argument ``template``. The call is generated once per bound launch, as Python
+    source with the fixed arguments as names (Triton's own launchers are generated the same way), so
+    a launch copies no list and runs no loop: ``c(*head, stream(device), *tail, *arguments)``
+    (``form`` ``"spread"``) or ``c(*head, stream(device), *tail, [arguments])`` (``"sequence"``)."""
+    env = {"_c": c, "_stream": stream, "_device": device}
+    names = []
+    for i, a in enumerate((*head, *tail, *template)):
+        env[f"_k{i}"] = a
+        names.append(f"_k{i}")
+    fixed, given = names[len(head) + len(tail):], [f"v{j}" for j in range(len(live))]
+    for j, (pos, conv) in enumerate(live):
+        if conv is None:
+            fixed[pos] = given[j]
+        elif conv is Tensor.data_ptr:
+            fixed[pos] = f"{given[j]}.data_ptr()"
+        else:
+            env[f"_f{j}"] = conv
+            fixed[pos] = f"_f{j}({given[j]})"
+    arguments = ", ".join(fixed)
+    call = ", ".join([*names[:len(head)], "_stream(_device)", *names[len(head):len(head) + len(tail)],
+                      arguments if form == "spread" else f"[{arguments}]"])
+    exec(f"def call({', '.join(given)}):\n    _c({call})\n", env)
+    return env["call"]
 
 
 class BoundLaunch:
@@ -334,13 +341,12 @@ class BoundLaunch:
         self.kernel, self.device_fn, self.device = kernel, device_fn, device_fn()
         grid = (*self.grid, 1, 1)[:3]
         coop, pdl = run.launch_cooperative_grid, run.launch_pdl
-        if form == "spread":
-            self.direct = _spread_call(c, grid, kernel.function, coop, pdl, kernel.packed_metadata, template, live,
-                                       self.device, stream_fn)
-        else:
-            self.direct = _sequence_call(c, grid, kernel.function, coop, pdl, kernel.packed_metadata,
-                                         run.arg_annotations, run.kernel_signature, template, live, self.device,
-                                         stream_fn)
+        if form == "spread":  # global and profile scratch, metadata, launch metadata, the two hooks
+            tail = (kernel.function, coop, pdl, None, None, kernel.packed_metadata, None, None, None)
+        else:  # metadata, launch metadata, the two hooks, the two scratches, profile annotations
+            tail = (kernel.function, coop, pdl, kernel.packed_metadata, None, None, None, None, None,
+                    run.arg_annotations, run.kernel_signature)
+        self.direct = _direct_call(c, form, grid, tail, template, live, self.device, stream_fn)
 
     def rebuild(self, values: tuple) -> tuple:
         """The launch's arguments with these live values (descriptors made on their base tensors)."""
@@ -355,11 +361,10 @@ class BoundLaunch:
 
     def __call__(self, *values) -> None:
         direct = self.direct
-        if (direct is not None and configs.LAUNCH_DIRECT and self.device_fn() == self.device
-                and not (_hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook))):
+        if direct is not None and configs.LAUNCH_DIRECT and self.device_fn() == self.device and _unhooked():
             if configs.LAUNCH_VERIFY:
                 self.verify(values)
-            direct(values)
+            direct(*values)
             return
         self.launcher(self.grid, self.key, self.rebuild(values), self.kwargs)
 

@@ -27,7 +27,7 @@ from ..distributed.plan import MAX_ROW_PIECES
 from ..ops._triton import configs
 from ..planning import load_profile, shipped
 
-GPU_SIZES = {"lengths": (1024, 2048, 4096, 8192, 16384), "tokens": 32768, "heads": 16, "head_dim": 128,
+GPU_SIZES = {"lengths": (256, 512, 1024, 2048, 4096, 8192, 16384), "tokens": 32768, "heads": 16, "head_dim": 128,
              "message": 256 * 2 ** 20, "reps": 10}
 CPU_SIZES = {"lengths": (64, 128), "tokens": 256, "heads": 2, "head_dim": 32, "message": 2 ** 18, "reps": 3}
 

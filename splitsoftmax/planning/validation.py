@@ -342,12 +342,12 @@ def placement_runs(measured: dict = R11) -> list:
 
 # why the model misses a published run by more than 20% (system, words of the case) -> reason
 MISSES = {
-    ("splitsoftmax ring, a rank's compute (R11)", "fwd+bwd, 64 ranks"):
-        "the backward of short rows at 64 ranks: row tiles walking 1-3 key tiles, priced at the one-call "
-        "backward rate extrapolated below its 1k-key point (k / (k + k0)), their running state overlapping "
-        "them: over for zigzag's fragments (+27%), under for balanced's whole short documents (-24%), while "
-        "the same ranks' forwards are within 19%; telling those tiles' backward time from their state "
-        "traffic needs the backward kernels timed on such pieces (one step in a profiler), not a fit",
+    ("splitsoftmax ring, a rank's compute (R11)", "fwd+bwd, 64 ranks balanced"):
+        "the backward of whole short documents at 64 ranks: with the backward's rate measured down to 256 "
+        "keys (no longer extrapolated below 1k) the zigzag rows there are within 14% and this one is under by "
+        "28% (-24% before); its forward is within 18%: what a balanced step's backward adds beyond its tiles' "
+        "time (the dQ state of the rows it covers, the dK/dV sums of the keys it brings) is priced low, which "
+        "needs the backward kernels timed on such a step (a profiler), not a fit",
     ("splitsoftmax ring, a rank's compute (R11)", "256 ranks balanced"):
         "host-bound (eager 44.8 ms forward against 24.0 graph-replayed, 166 against 109 forward+backward): "
         "~175 us of host time a forward step against the 109 that kernel.step_us measured; R11 ran at "
@@ -362,11 +362,6 @@ MISSES = {
         "step's own code costs the same on R11's pack as on the uniform one (a CPU run, launches stubbed: "
         "benchmarks/probes/ring_step_host_cpu.py); R14, these ranks again with bound launches: -0.6% forward, "
         "-15.6% forward+backward",
-    ("splitsoftmax ring, a rank's compute (R14)", "fwd+bwd, 256 ranks zigzag"):
-        "the backward of zigzag's fragments, as at 64 ranks in R11 (+27%): row tiles walking 1-3 key "
-        "tiles priced at the one-call backward rate extrapolated below its 1k-key point; +38% against "
-        "the graph-replayed 107.7 ms, as R11's 256-rank zigzag was (+39% against its 107.5), whose eager "
-        "time then held ~30 ms of older code's host time and read +7%",
     ("splitsoftmax ring, a rank's compute (R14)", "1024 ranks balanced"):
         "host-bound and the host's own spread: the three timed ranks replay their 1024 steps from a CUDA "
         "graph in 26.6-28.2 ms forward, 110.5-130.6 forward+backward, but eager in 102.8-186.9 and "

@@ -343,7 +343,7 @@ class BoundLaunch:
         coop, pdl = run.launch_cooperative_grid, run.launch_pdl
         if form == "spread":  # global and profile scratch, metadata, launch metadata, the two hooks
             tail = (kernel.function, coop, pdl, None, None, kernel.packed_metadata, None, None, None)
-        else:  # metadata, launch metadata, the two hooks, the two scratches, profile annotations
+        else:  # metadata, launch metadata, the two hooks, the two scratches, the arguments' annotations, signature
             tail = (kernel.function, coop, pdl, kernel.packed_metadata, None, None, None, None, None,
                     run.arg_annotations, run.kernel_signature)
         self.direct = _direct_call(c, form, grid, tail, template, live, self.device, stream_fn)

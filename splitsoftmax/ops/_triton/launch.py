@@ -350,6 +350,9 @@ class BoundLaunch:
 
     def rebuild(self, values: tuple) -> tuple:
         """The launch's arguments with these live values (descriptors made on their base tensors)."""
+        if len(values) != len(self.slots):  # (the direct call takes exactly as many)
+            raise TypeError(f"{self.launcher.fn.fn.__name__}: a bound launch takes {len(self.slots)} live "
+                            f"arguments, got {len(values)}")
         a = list(self.args)
         for i, v in zip(self.slots, values):
             if i in self.descs:

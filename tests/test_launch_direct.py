@@ -254,6 +254,22 @@ def test_bound_launch_keeps_no_sample_tensor(env, monkeypatch, direct):
     assert (bound.direct is not None) == direct
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_bound_call_takes_exactly_its_live_arguments(env, monkeypatch, direct):
+    """One live argument too many or too few is a TypeError on the direct path and on the launcher's,
+    and nothing is launched."""
+    jit = _Jit(_SequenceLauncher)
+    x, d = _operands()
+    bound = launch.Launcher(jit).bind((1,), "g", (x, d, 7, 0.5), {"BLOCK": 16})
+    monkeypatch.setattr(configs, "LAUNCH_DIRECT", direct)
+    for values in ((x,), (x, d.base, x)):
+        with pytest.raises(TypeError):
+            bound(*values)
+    assert _calls(jit.log, "c") == [] and _fallback_runs(jit) == []
+    bound(x, d.base)
+    assert len(_calls(jit.log, "c")) == direct and len(_fallback_runs(jit)) == (not direct)
+
+
 def _fallback_runs(jit):
     return [e for e in jit.log if e[0] in ("jit", "run")]
 

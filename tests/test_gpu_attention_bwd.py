@@ -483,6 +483,8 @@ FUSED_CASES = [
     (1, 4, 4, 777, True, False, torch.float16, None),
     (2, 8, 2, 1800, True, False, BF16, "window+kv_range+offset"),
     (1, 8, 8, 1500, False, False, BF16, "window, full"),
+    (2, 8, 2, 1300, True, False, BF16, "softcap"),
+    (1, 8, 8, 1024, True, True, BF16, None),      # the NaN row of dO (341) in a tile masked for one half
 ]
 
 
@@ -492,6 +494,8 @@ def _fused_mask(name, s):
                     q_offset=torch.tensor([3, 0], dtype=torch.int32, device=DEV))
     if name == "window, full":
         return Mask(lo=-500)
+    if name == "softcap":
+        return Mask(softcap=30.0)
     return NO_MASK
 
 

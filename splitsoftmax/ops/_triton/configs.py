@@ -92,8 +92,8 @@ ATTN_BWD_FUSED = False
 # "softcap"): those whose launches compile for sm_90 without spilling, by the Triton version (3.6-3.8
 # spill 96-248 bytes in every one; tests/test_attention_bwd_compile.py, and
 # docs/benchmarks/attention-backward-fused.md has each count); the others take the pair.
-ATTN_BWD_FUSED_MASKS = (frozenset({"full", "causal", "lo", "kv_range", "q_offset"}) if TRITON_VERSION >= (3, 9)
-                        else frozenset())
+ATTN_BWD_FUSED_MASKS = (frozenset({"full", "causal", "lo", "kv_range", "q_offset", "softcap"})
+                        if TRITON_VERSION >= (3, 9) else frozenset())
 # ... where at least this many of its programs (one per SM at a time) fill each SM: on one H100
 # (Triton 3.9.0, bf16 D=128, beside the pair in one call) 1x16x2k (1.9 programs an SM) ran 0.64x the
 # pair's speed causal and 0.98x full, 16x16x2k (31) 1.07x / 1.12x, 1x16x8k (7.8) 1.22x / 1.13x,

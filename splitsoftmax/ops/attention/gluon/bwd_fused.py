@@ -21,11 +21,14 @@ Barriers: ``q_full[s]`` (the tile's Q, dO and statistics landed), ``q_empty[s]``
 products read them: count 2), ``ds_full[s]`` (both halves of the stage written: count 2), ``ds_empty[s]``
 (both dQ products read it: count 2); both warpgroups take every tile, so each sees every phase.
 
-Masked tiles (a pair some row does not see) keep NaN/Inf of hidden pairs out, as the pair's kernels:
-``S^T`` reads Q as it is; then both warpgroups meet (``meet``, count 2), each zeroes the NaN/Inf of
-its half of the Q and dO rows in place, and they meet again before ``dP^T``; the dQ product reads a
-copy of its columns of K with NaN/Inf zeroed, which each warpgroup writes into its staging buffer
-(16 KB either way) before the tile. Keys past ``Sk`` and rows past ``Sq`` read zeros (TMA) and
+Masked tiles (a pair some row does not see) keep NaN/Inf of hidden pairs out as the pair's kernels do,
+and each warpgroup takes such a tile as the pair's dK/dV kernel takes it for the same 64 keys
+(``bwd_kv._kv_walk`` over them): ``S^T`` reads Q as it is; a warpgroup whose keys every row of the
+tile sees then takes ``dP^T``, ``dV`` and ``dK`` from Q and dO as they are; then both meet (``meet``,
+count 2), each zeroes the NaN/Inf of its half of the Q and dO rows in place, and they meet again; a
+warpgroup with a hidden pair takes ``dP^T``, ``dV`` and ``dK`` after that, from the guarded rows. The
+dQ product reads a copy of its columns of K with NaN/Inf zeroed, which each warpgroup writes into its
+staging buffer (16 KB either way) before the tile. Keys past ``Sk`` and rows past ``Sq`` read zeros (TMA) and
 their rows are not stored. Visibility is ``attention_bwd``'s rule (``causal, diag``, a window edge
 ``lo``, ``q_offset``, ``kv_range``, document rows), the scores optionally softcapped.
 
@@ -46,7 +49,7 @@ from ..._triton.launch import Launcher, auto_key
 from ..bwd_common import _mask_args, row_blocks
 from ..decode import head_group
 from .bwd import _DEFAULTS, _doc_rows, _mma_layout, _probs, _seen, _store_rows, _thread_barrier, _tma_load, descriptor
-from .bwd_kv import _key_block, _tile_of
+from .bwd_kv import _key_block, _kv_walk, _tile_of
 
 if hasattr(tma, "async_atomic_add"):
     _tma_add = tma.async_atomic_add
@@ -124,14 +127,58 @@ def _finite_copy(src, dst, ROWS: gl.constexpr, COLS: gl.constexpr, CH: gl.conste
 
 
 @gluon.jit
+def _guard(q_t, do_t, meet, t, W: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """Masked tile ``t``'s Q and dO with every NaN/Inf replaced by 0 in place, half of the rows by each
+    MMA warpgroup, between their two meetings of the tile: once neither reads them as they are any
+    more, and before either reads them guarded."""
+    _meet(meet, 2 * t)
+    q_h = q_t.slice(W * (BLOCK_M // 2), BLOCK_M // 2)
+    do_h = do_t.slice(W * (BLOCK_M // 2), BLOCK_M // 2)
+    _finite_copy(q_h, q_h, BLOCK_M // 2, D, 16)
+    _finite_copy(do_h, do_h, BLOCK_M // 2, D, 16)
+    fence_async_shared()
+    _meet(meet, 2 * t + 1)
+
+
+@gluon.jit
+def _score_grads(qk_t, dp_t, lse2, seen, cs, cap2, dtype: gl.constexpr, MASK: gl.constexpr,
+                 SOFTCAP: gl.constexpr):
+    """``(P^T, dS^T)`` in ``dtype`` from the completed ``S^T`` and ``dP^T - delta``; ``MASK``: the pairs
+    not ``seen`` give exact zeros, whatever the products hold there."""
+    p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
+    if MASK:
+        p_t = gl.where(seen, p_t, 0.0)  # (all masked at once: the mask is not held across the tile)
+        dp_t = gl.where(seen, dp_t, 0.0)
+    if SOFTCAP:  # dS^T = P^T (dP^T - delta) (1 - tanh^2)
+        g_t = p_t * (1.0 - c_t * c_t)
+        if MASK:
+            g_t = gl.where(seen, g_t, 0.0)
+        ds_h = (g_t * dp_t).to(dtype)
+    else:
+        ds_h = (p_t * dp_t).to(dtype)
+    return p_t.to(dtype), ds_h
+
+
+@gluon.jit
+def _kv_products(dk, dv, p_h, ds_h, q_t, do_t, a_layout: gl.constexpr):
+    """``dV += P^T dO`` and ``dK += dS^T Q`` (``P^T``, ``dS^T`` from registers), completed."""
+    dv = warpgroup_mma(gl.convert_layout(p_h, a_layout), do_t, dv, is_async=True)
+    dk = warpgroup_mma(gl.convert_layout(ds_h, a_layout), q_t, dk, is_async=True)
+    return warpgroup_mma_wait(0, deps=(dk, dv))
+
+
+@gluon.jit
 def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
           D: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr, HAS_LO: gl.constexpr,
           HAS_ROWS: gl.constexpr, SOFTCAP: gl.constexpr):
     """Tile ``t`` of warpgroup ``W``: ``(dk, dv)`` after its products, its dQ half reduce-added.
-    ``MASKED``: each pair checked against the visibility rule, Q, dO guarded in place and dQ reading
-    the guarded copy of K's columns that this warpgroup writes into its staging buffer."""
+    ``MASKED`` (a tile masked for the key block): dQ reads the guarded copy of K's columns that this
+    warpgroup writes into its staging buffer, and each warpgroup takes the tile as the pair's dK/dV
+    kernel takes it for its 64 keys: where every pair of them is seen, all four products read Q and
+    dO as they are, before the guard; else ``dP^T``, ``dV`` and ``dK`` read them guarded and each pair
+    is checked against the visibility rule."""
     (k_w, v_w, k_q, k_g, q_ring, do_ring, st_ring, ds_ring, stage_w, q_full, q_empty, ds_full, ds_empty, meet,
-     dq_desc, info, cols, vis, zeros_s, zeros_q) = p
+     dq_desc, info, cols, prog, vis, zeros_s, zeros_q) = p
     n0, ROWS, s_r, Sq, dg, lw, kv_lo, kv_hi, cs, cap2, scale = vis
     HALF: gl.constexpr = BLOCK_N // 2
     DH: gl.constexpr = D // 2
@@ -156,26 +203,21 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
         tma.store_wait(0)
         _thread_barrier()  # (the last reduction, which some of its warps issued, has read the staging buffer)
         _finite_copy(k_q, k_g, BLOCK_N, DH, 32)
-        _meet(meet, 2 * t)  # both S^T read Q as it is
-        q_h = q_t.slice(W * (BLOCK_M // 2), BLOCK_M // 2)
-        do_h = do_t.slice(W * (BLOCK_M // 2), BLOCK_M // 2)
-        _finite_copy(q_h, q_h, BLOCK_M // 2, D, 16)
-        _finite_copy(do_h, do_h, BLOCK_M // 2, D, 16)
-        fence_async_shared()
-        _meet(meet, 2 * t + 1)  # hidden pairs give exact zeros, never 0 * NaN
-        dp_t = warpgroup_mma(v_w, do_t.permute((1, 0)), zeros_s - st.slice(BLOCK_M, BLOCK_M).load(q_cols)[None, :])
         lse2 = st.slice(0, BLOCK_M).load(q_cols)
+        j = m0 // BLOCK_M
+        inner = (j >= _field(prog, 4 + 2 * W)) & (j < _field(prog, 5 + 2 * W))  # an interior tile of these keys
+        if not inner:  # hidden pairs give exact zeros, never 0 * NaN
+            _guard(q_t, do_t, meet, t, W, BLOCK_M, D)
+        dp_t = warpgroup_mma(v_w, do_t.permute((1, 0)), zeros_s - st.slice(BLOCK_M, BLOCK_M).load(q_cols)[None, :])
         kj = n0 + W * HALF + gl.arange(0, HALF, layout=k_rows)
         qi = m0 + cols.load(q_cols)  # (read, not held across tiles: its 16 values per thread would spill)
         rlo, rhi = _doc_rows(ROWS, s_r, qi, Sq, HAS_ROWS)
         seen = _seen(kj[:, None], qi[None, :], rlo[None, :], rhi[None, :], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
                      HAS_ROWS)
-        p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
-        p_t = gl.where(seen, p_t, 0.0)  # (all masked at once: the mask is not held across the tile)
-        dp_t = gl.where(seen, dp_t, 0.0)
-        if SOFTCAP:  # P^T (1 - tanh^2), taken now: tanh's values are not held beside dP^T
-            g_t = gl.where(seen, p_t * (1.0 - c_t * c_t), 0.0)
-            p_h = p_t.to(dtype)
+        p_h, ds_h = _score_grads(qk_t, dp_t, lse2, seen | inner, cs, cap2, dtype, True, SOFTCAP)
+        dk, dv = _kv_products(dk, dv, p_h, ds_h, q_t, do_t, a_layout)
+        if inner:  # (the products above read Q and dO as they are)
+            _guard(q_t, do_t, meet, t, W, BLOCK_M, D)
     else:
         qk_t = warpgroup_mma(k_w, q_t.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
         # dP^T - delta: the product added to -delta
@@ -184,15 +226,15 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
         lse2 = st.slice(0, BLOCK_M).load(q_cols)
         qk_t = warpgroup_mma_wait(1, deps=(qk_t, ))  # dP^T runs on while P^T is taken
         p_t, c_t = _probs(qk_t, lse2[None, :], cs, cap2, SOFTCAP)
-        if SOFTCAP:
+        if SOFTCAP:  # P^T (1 - tanh^2), taken now: tanh's values are not held beside dP^T
             g_t = p_t * (1.0 - c_t * c_t)
             p_h = p_t.to(dtype)
         dp_t = warpgroup_mma_wait(0, deps=(dp_t, ))
-    if SOFTCAP:
-        ds_h = (g_t * dp_t).to(dtype)  # dS^T = P^T (dP^T - delta) (1 - tanh^2)
-    else:
-        ds_h = (p_t * dp_t).to(dtype)  # dS^T = P^T (dP^T - delta)
-        p_h = p_t.to(dtype)
+        if SOFTCAP:
+            ds_h = (g_t * dp_t).to(dtype)  # dS^T = P^T (dP^T - delta) (1 - tanh^2)
+        else:
+            ds_h = (p_t * dp_t).to(dtype)  # dS^T = P^T (dP^T - delta)
+            p_h = p_t.to(dtype)
     # this warpgroup's half of the stage, once both dQ products of tile t - STAGES have read it
     ds_s = ds_ring.index(s)
     mbarrier.wait(ds_empty.index(s), ph ^ 1)
@@ -200,15 +242,16 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
     fence_async_shared()
     _thread_barrier()
     mbarrier.arrive(ds_full.index(s), count=1)
-    dv = warpgroup_mma(gl.convert_layout(p_h, a_layout), do_t, dv, is_async=True)
-    ds_a = gl.convert_layout(ds_h, a_layout)
-    mbarrier.wait(ds_full.index(s), ph)
-    if MASKED:
-        dq = warpgroup_mma(ds_s.permute((1, 0)), k_g, zeros_q, use_acc=False, is_async=True)
+    if MASKED:  # (dK and dV done)
+        mbarrier.wait(ds_full.index(s), ph)
+        dq = warpgroup_mma(ds_s.permute((1, 0)), k_g, zeros_q, use_acc=False)
     else:
+        dv = warpgroup_mma(gl.convert_layout(p_h, a_layout), do_t, dv, is_async=True)
+        ds_a = gl.convert_layout(ds_h, a_layout)
+        mbarrier.wait(ds_full.index(s), ph)
         dq = warpgroup_mma(ds_s.permute((1, 0)), k_q, zeros_q, use_acc=False, is_async=True)
-    dk = warpgroup_mma(ds_a, q_t, dk, is_async=True)
-    dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))  # dK runs on while dQ is staged
+        dk = warpgroup_mma(ds_a, q_t, dk, is_async=True)
+        dv, dq = warpgroup_mma_wait(1, deps=(dv, dq))  # dK runs on while dQ is staged
     mbarrier.arrive(ds_empty.index(s), count=1)
     tma.store_wait(0)
     _thread_barrier()
@@ -216,7 +259,8 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
     fence_async_shared()
     _thread_barrier()
     _tma_add(dq_desc, [b, h, m0, W * DH], stage_w)
-    dk = warpgroup_mma_wait(0, deps=(dk, ))
+    if not MASKED:
+        dk = warpgroup_mma_wait(0, deps=(dk, ))
     mbarrier.arrive(q_empty.index(s), count=1)
     return dk, dv
 
@@ -245,8 +289,9 @@ def _mma(p, W: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl
     v_w = v_smem.reshape([BLOCK_N, D]).slice(W * HALF, HALF)
     k_q = k_all.slice(W * DH, DH, dim=1)  # [BLOCK_N, DH]: this warpgroup's columns of K, for dQ
     k_g = _reinterpret(stage_w, dtype, [BLOCK_N, DH], kg_layout)  # their guarded copy (masked tiles)
+    prog = out[8]
     pt = (k_w, v_w, k_q, k_g, q_ring, do_ring, st_ring, ds_ring, stage_w, q_full, q_empty, ds_full, ds_empty, meet,
-          dq_desc, info, cols, vis, zeros_s, zeros_q)
+          dq_desc, info, cols, prog, vis, zeros_s, zeros_q)
     mbarrier.wait(kv_bar, 0)
     for t in range(Tm):
         dk, dv = _tile(dk, dv, t, pt, W, True, BLOCK_M, BLOCK_N, D, CAUSAL, STAGES, HAS_LO, HAS_ROWS, SOFTCAP)
@@ -278,7 +323,7 @@ def _mma1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUS
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH"])
-def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, KVR, QOFF, ROWS, RB,
+def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, KVR, QOFF, ROWS, RB, RB2,
                     s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, s_kvb, s_kvc, s_off, s_r,
                     HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
@@ -290,8 +335,8 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, K
     ``[1, 1, BLOCK_N, D]``; ``dq_desc`` is the float32 ``(B, H, Sq, D)`` dQ (zeroed) that each tile's
     ``[1, 1, BLOCK_M, D / 2]`` halves are added into, times ``scale``. ``GK``, ``GV``: the gradients'
     pointers (unit last stride). The mask's tensors and strides (``KVR, QOFF, ROWS``, ``RB`` its
-    ``row_blocks`` of ``BLOCK_N`` keys) are ``bwd_kv._attn_bwd_kv_ws``'s, read where their flag is set;
-    ``qk_scale`` is the scale times log2(e), ``cap2 = softcap * log2(e)``."""
+    ``row_blocks`` of ``BLOCK_N`` keys, ``RB2`` of ``BLOCK_N / 2``) are ``bwd_kv._attn_bwd_kv_ws``'s, read
+    where their flag is set; ``qk_scale`` is the scale times log2(e), ``cap2 = softcap * log2(e)``."""
     b, kvh, n0, kv_lo, kv_hi, dg, lw, cs, tiles = _key_block(
         RB, KVR, QOFF, s_kvb, s_kvc, s_off, HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_LO, HAS_KV, HAS_OFF, HAS_ROWS, SOFTCAP)
@@ -315,9 +360,16 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, K
     cols = gl.allocate_shared_memory(gl.int32, [BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     flat: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
     cols.store(gl.arange(0, BLOCK_M, layout=flat))  # a tile's columns
-    prog = gl.allocate_shared_memory(gl.int32, [4], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    f = gl.arange(0, 4, layout=flat)
-    prog.store(gl.where(f == 0, b, gl.where(f == 1, kvh, gl.where(f == 2, n0, Sk))))  # for the stores
+    # for the stores: (b, kv head, n0, Sk); for the masked tiles: the interior query blocks [ia, ib) of
+    # each half of the key block (bwd_kv._kv_walk over its 64 keys, as the pair's dK/dV kernel walks them)
+    _, _, ia0, ib0 = _kv_walk(RB2, 2 * (n0 // BLOCK_N), n0, n0 + BLOCK_N // 2, Sq, dg, lw, kv_lo, kv_hi, BLOCK_M,
+                              CAUSAL, HAS_LO, HAS_KV, HAS_ROWS)
+    _, _, ia1, ib1 = _kv_walk(RB2, 2 * (n0 // BLOCK_N) + 1, n0 + BLOCK_N // 2, n0 + BLOCK_N, Sq, dg, lw, kv_lo,
+                              kv_hi, BLOCK_M, CAUSAL, HAS_LO, HAS_KV, HAS_ROWS)
+    prog = gl.allocate_shared_memory(gl.int32, [8], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    f = gl.arange(0, 8, layout=flat)
+    prog.store(gl.where(f == 0, b, gl.where(f == 1, kvh, gl.where(f == 2, n0, gl.where(f == 3, Sk, gl.where(
+        f == 4, ia0, gl.where(f == 5, ib0, gl.where(f == 6, ia1, ib1))))))))
     q_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -399,13 +451,13 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     dk, dv = torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
     stats = _row_stats(lse, delta, bm)
     kvr, off, rows, mstrides, flags = _mask_args(mask, q, lse)
-    rb = row_blocks(rows, sk, bn) if flags["HAS_ROWS"] else lse
+    rb, rb2 = (row_blocks(rows, sk, bn), row_blocks(rows, sk, bn // 2)) if flags["HAS_ROWS"] else (lse, lse)
     nkb = configs.cdiv(sk, bn)
     lo = mask.lo if mask.lo is not None else 0
     # (three warpgroups' registers in an SM: one program per SM, as two warpgroups of 4 warps each)
     scalars = (*dk.stride()[:3], *dv.stride()[:3], *mstrides, hkv, h // hkv, sq, sk, diag, lo, scale * LOG2E.value,
                scale, mask.softcap * LOG2E.value, head_group(nkb, b * hkv, q, causal, 8))
-    tensors = (dk, dv, kvr, off, rows, rb)
+    tensors = (dk, dv, kvr, off, rows, rb, rb2)
     ops = (descriptor(q, bm), descriptor(dout, bm), descriptor(k, bn), descriptor(v, bn),
            dq_descriptor(acc, bm, d // 2), stats_descriptor(stats, bm))
     _FUSED((nkb, b * hkv), (auto_key((*tensors, *scalars)), q.dtype), (*ops, *tensors, *scalars),

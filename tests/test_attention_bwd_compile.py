@@ -174,7 +174,7 @@ def _check_compiled(launches, atomic, mask, tma, gluon, ds, kv_spills):
 
 # The fused backward's launch (configs.ATTN_BWD_FUSED) by (visibility, mask): ptxas's spill stores on
 # sm_90 at 240 registers per MMA warpgroup and 24 for the producer warp, by the Triton version (the same
-# in float16 as in bfloat16). Those at 0 are in configs.ATTN_BWD_FUSED_MASKS; with Triton 3.9 documents
+# in float16 as in bfloat16 but where FUSED_SPILLS_FP16 says). Those at 0 are in configs.ATTN_BWD_FUSED_MASKS; with Triton 3.9 documents
 # (each row's bounds beside the tile) spill in the loop of their masked tiles, and Triton 3.6-3.8 spill
 # in every launch: those take the pair.
 FUSED_MASKS = {"plain": Mask(), "window": Mask(lo=-100), "kv_range": Mask(kv_range=MASK.kv_range),
@@ -206,6 +206,7 @@ FUSED_SPILLS = {
              ("full", "documents"): 528, ("causal", "documents"): 576,
              ("full", "softcap"): 220, ("causal", "softcap"): 428},
 }.get(configs.TRITON_VERSION[:2], FUSED_SPILLS_39)
+FUSED_SPILLS_FP16 = {(3, 8): {("causal", "plain"): 472}}.get(configs.TRITON_VERSION[:2], {})
 FUSED_CASES = [(v, m, torch.bfloat16) for v, m in FUSED_SPILLS] + [(v, "plain", torch.float16)
                                                                    for v in ("full", "causal")]
 
@@ -234,7 +235,8 @@ def test_fused_backward_compiles_for_sm90(vis, mask, dtype, monkeypatch):
     ptx = kernel.asm["ptx"]
     report = ptxas_report(ptx)
     assert "wgmma.mma_async instructions are serialized" not in report, report
-    assert spill_stores(report) <= FUSED_SPILLS[(vis, mask)], report
+    spills = FUSED_SPILLS_FP16.get((vis, mask)) if dtype == torch.float16 else None
+    assert spill_stores(report) <= (FUSED_SPILLS[(vis, mask)] if spills is None else spills), report
     regs = {int(n) for n in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}
     assert kwargs["maxnreg"] == 168 and ".maxnreg 168" in ptx and 240 in regs, regs
     assert re.search(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24;", ptx)

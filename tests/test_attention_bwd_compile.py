@@ -174,9 +174,9 @@ def _check_compiled(launches, atomic, mask, tma, gluon, ds, kv_spills):
 
 # The fused backward's launch (configs.ATTN_BWD_FUSED) by (visibility, mask): ptxas's spill stores on
 # sm_90 at 240 registers per MMA warpgroup and 24 for the producer warp, by the Triton version (the same
-# in float16 as in bfloat16 but where FUSED_SPILLS_FP16 says). Those at 0 are in configs.ATTN_BWD_FUSED_MASKS; with Triton 3.9 documents
-# (each row's bounds beside the tile) spill in the loop of their masked tiles, and Triton 3.6-3.8 spill
-# in every launch: those take the pair.
+# in float16 as in bfloat16 but where FUSED_SPILLS_FP16 says). Those at 0 are in
+# configs.ATTN_BWD_FUSED_MASKS; with Triton 3.9 documents (each row's bounds beside the tile) spill in
+# the loop of their masked tiles, and Triton 3.6-3.8 spill in every launch: those take the pair.
 FUSED_MASKS = {"plain": Mask(), "window": Mask(lo=-100), "kv_range": Mask(kv_range=MASK.kv_range),
                "q_offset": Mask(q_offset=MASK.q_offset),
                "window-kv_range-q_offset": Mask(lo=-100, kv_range=MASK.kv_range, q_offset=MASK.q_offset),

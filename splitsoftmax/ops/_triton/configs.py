@@ -90,7 +90,7 @@ ATTN_BWD_ATOMIC_MAX_DIM = 128
 ATTN_BWD_FUSED = False
 # ... for these visibilities ("full", "causal") and mask fields ("lo", "kv_range", "q_offset", "rows",
 # "softcap"): those whose launches compile for sm_90 without spilling, by the Triton version (3.6-3.8
-# spill 96-248 bytes in every one; tests/test_attention_bwd_compile.py, and
+# spill 196-628 bytes in every one; tests/test_attention_bwd_compile.py, and
 # docs/benchmarks/attention-backward-fused.md has each count); the others take the pair.
 ATTN_BWD_FUSED_MASKS = (frozenset({"full", "causal", "lo", "kv_range", "q_offset", "softcap"})
                         if TRITON_VERSION >= (3, 9) else frozenset())

@@ -28,9 +28,9 @@ tile sees then takes ``dP^T``, ``dV`` and ``dK`` from Q and dO as they are; then
 count 2), each zeroes the NaN/Inf of its half of the Q and dO rows in place, and they meet again; a
 warpgroup with a hidden pair takes ``dP^T``, ``dV`` and ``dK`` after that, from the guarded rows. The
 dQ product reads a copy of its columns of K with NaN/Inf zeroed, which each warpgroup writes into its
-staging buffer (16 KB either way) before the tile. Keys past ``Sk`` and rows past ``Sq`` read zeros (TMA) and
-their rows are not stored. Visibility is ``attention_bwd``'s rule (``causal, diag``, a window edge
-``lo``, ``q_offset``, ``kv_range``, document rows), the scores optionally softcapped.
+staging buffer (16 KB either way) before the tile. Keys past ``Sk`` and rows past ``Sq`` read zeros
+(TMA) and their rows are not stored. Visibility is ``attention_bwd``'s rule (``causal, diag``, a window
+edge ``lo``, ``q_offset``, ``kv_range``, document rows), the scores optionally softcapped.
 
 dQ depends on the order of the reductions: never under deterministic algorithms (the pair runs).
 """

@@ -84,9 +84,11 @@ ATTN_BWD_ATOMIC_MAX_DIM = 128
 # dQ reduce-added in float32 by TMA), for 2-byte inputs of a head dim with a "bwd_fused" tile, the masks
 # of ATTN_BWD_FUSED_MASKS, no sinks; never under deterministic algorithms (the pair runs). Off: on
 # one H100 (Triton 3.9.0) 1.13-1.28x the pair's speed and 0.93-1.08x cuDNN's at 8k-32k, but its NaN/Inf
-# pattern differs from the pair's (tests/test_gpu_attention_bwd.py::test_fused_backward): a tile masked
-# for one half of a key block has its Q and dO guarded for both warpgroups, so a NaN row of dO misses
-# the other half's visible keys (docs/benchmarks/attention-backward-fused.md, F2) ...
+# pattern differed from the pair's (tests/test_gpu_attention_bwd.py::test_fused_backward): a tile masked
+# for one half of a key block had its Q and dO guarded for both warpgroups, so a NaN row of dO missed
+# the other half's visible keys (docs/benchmarks/attention-backward-fused.md, F2). Each warpgroup now
+# takes a masked tile as the pair takes it for its 64 keys; that form, and softcap, have not yet run
+# on a GPU ...
 ATTN_BWD_FUSED = False
 # ... for these visibilities ("full", "causal") and mask fields ("lo", "kv_range", "q_offset", "rows",
 # "softcap"): those whose launches compile for sm_90 without spilling, by the Triton version (3.6-3.8

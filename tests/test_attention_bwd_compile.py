@@ -175,35 +175,34 @@ def _check_compiled(launches, atomic, mask, tma, gluon, ds, kv_spills):
 # The fused backward's launch (configs.ATTN_BWD_FUSED) by (visibility, mask): ptxas's spill stores on
 # sm_90 at 240 registers per MMA warpgroup and 24 for the producer warp, by the Triton version (the same
 # in float16 as in bfloat16 but where FUSED_SPILLS_FP16 says). Those at 0 are in
-# configs.ATTN_BWD_FUSED_MASKS; with Triton 3.9 documents (each row's bounds beside the tile) spill in
-# the loop of their masked tiles, and Triton 3.6-3.8 spill in every launch: those take the pair.
+# configs.ATTN_BWD_FUSED_MASKS: with Triton 3.9 every one; Triton 3.6-3.8 spill in every launch, and
+# there the pair runs.
 FUSED_MASKS = {"plain": Mask(), "window": Mask(lo=-100), "kv_range": Mask(kv_range=MASK.kv_range),
                "q_offset": Mask(q_offset=MASK.q_offset),
                "window-kv_range-q_offset": Mask(lo=-100, kv_range=MASK.kv_range, q_offset=MASK.q_offset),
                "documents": Mask(rows=MASK.rows), "softcap": Mask(softcap=20.0)}
-FUSED_SPILLS_39 = {**{(v, m): 0 for v in ("full", "causal") for m in FUSED_MASKS if m != "documents"},
-                   ("full", "documents"): 8, ("causal", "documents"): 252}
+FUSED_SPILLS_39 = {(v, m): 0 for v in ("full", "causal") for m in FUSED_MASKS}
 FUSED_SPILLS = {
     (3, 6): {("full", "plain"): 260, ("causal", "plain"): 480,
-             ("full", "window"): 480, ("causal", "window"): 488,
+             ("full", "window"): 504, ("causal", "window"): 488,
              ("full", "kv_range"): 444, ("causal", "kv_range"): 476,
              ("full", "q_offset"): 260, ("causal", "q_offset"): 484,
              ("full", "window-kv_range-q_offset"): 484, ("causal", "window-kv_range-q_offset"): 480,
-             ("full", "documents"): 588, ("causal", "documents"): 628,
+             ("full", "documents"): 484, ("causal", "documents"): 552,
              ("full", "softcap"): 196, ("causal", "softcap"): 480},
     (3, 7): {("full", "plain"): 264, ("causal", "plain"): 476,
-             ("full", "window"): 476, ("causal", "window"): 496,
+             ("full", "window"): 492, ("causal", "window"): 496,
              ("full", "kv_range"): 452, ("causal", "kv_range"): 480,
              ("full", "q_offset"): 264, ("causal", "q_offset"): 476,
              ("full", "window-kv_range-q_offset"): 476, ("causal", "window-kv_range-q_offset"): 484,
-             ("full", "documents"): 580, ("causal", "documents"): 584,
+             ("full", "documents"): 500, ("causal", "documents"): 536,
              ("full", "softcap"): 204, ("causal", "softcap"): 408},
     (3, 8): {("full", "plain"): 256, ("causal", "plain"): 468,
-             ("full", "window"): 468, ("causal", "window"): 472,
+             ("full", "window"): 484, ("causal", "window"): 472,
              ("full", "kv_range"): 460, ("causal", "kv_range"): 456,
              ("full", "q_offset"): 256, ("causal", "q_offset"): 468,
              ("full", "window-kv_range-q_offset"): 468, ("causal", "window-kv_range-q_offset"): 488,
-             ("full", "documents"): 528, ("causal", "documents"): 576,
+             ("full", "documents"): 484, ("causal", "documents"): 560,
              ("full", "softcap"): 220, ("causal", "softcap"): 428},
 }.get(configs.TRITON_VERSION[:2], FUSED_SPILLS_39)
 FUSED_SPILLS_FP16 = {(3, 8): {("causal", "plain"): 472}}.get(configs.TRITON_VERSION[:2], {})
@@ -403,3 +402,23 @@ def test_ds_buffer_columns_hold_every_visited_tile(causal, cu, window, sq, sk, f
             need = max(need, (rows.max().item() // bm + 1) * bm - first * bm // bmq * bmq)
     assert need <= cols <= -(-sq // bm) * bm
     assert (cols < -(-sq // bm) * bm) == fewer
+
+
+def test_fused_backward_row_fields():
+    """The fused kernel's per-row fields, one TMA tile per query tile: ``lse * log2(e)`` (``+inf``
+    where ``lse = -inf``), ``delta``, and with documents each row's bounds as int32 bits; the padding
+    past ``Sq`` gives ``p = 0`` and no key seen."""
+    from splitsoftmax.ops.attention.gluon.bwd_fused import _row_stats
+    g = torch.Generator().manual_seed(3)
+    lse, delta = torch.randn(2, 3, 70, generator=g), torch.randn(2, 3, 70, generator=g)
+    lse[1, 2, 5] = float("-inf")
+    rows = torch.stack((torch.arange(70) // 10 * 10, torch.arange(70) // 10 * 10 + 10)).to(torch.int32)
+    plain, docs = _row_stats(lse, delta, None, 64), _row_stats(lse, delta, rows, 64)
+    assert plain.shape == (2, 3, 2, 128) and docs.shape == (2, 3, 4, 128)
+    for st in (plain, docs):
+        want = torch.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        assert torch.allclose(st[:, :, 0, :70], want, rtol=1e-6) and st[1, 2, 0, 5] == float("inf")
+        assert torch.equal(st[:, :, 1, :70], delta)
+        assert (st[:, :, 0, 70:] == float("inf")).all() and (st[:, :, 1, 70:] == 0).all()
+    bounds = docs.view(torch.int32)[:, :, 2:]
+    assert torch.equal(bounds[..., :70], rows.expand(2, 3, 2, 70)) and (bounds[..., 70:] == 0).all()

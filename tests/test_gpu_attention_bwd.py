@@ -484,6 +484,8 @@ FUSED_CASES = [
     (2, 8, 2, 1800, True, False, BF16, "window+kv_range+offset"),
     (1, 8, 8, 1500, False, False, BF16, "window, full"),
     (2, 8, 2, 1300, True, False, BF16, "softcap"),
+    (2, 8, 2, 1500, True, False, BF16, "window+documents"),
+    (1, 8, 8, 1200, False, False, BF16, "documents, empty ones, full"),
     (1, 8, 8, 1024, True, True, BF16, None),      # the NaN row of dO (341) in a tile masked for one half
 ]
 
@@ -496,6 +498,10 @@ def _fused_mask(name, s):
         return Mask(lo=-500)
     if name == "softcap":
         return Mask(softcap=30.0)
+    if name == "window+documents":
+        return Mask(lo=-700, rows=_docs([0, 300, 301, 1500, s], s))
+    if name == "documents, empty ones, full":
+        return Mask(rows=_docs([0, 0, 64, 700, 700, 701, s], s))
     return NO_MASK
 
 

@@ -87,14 +87,14 @@ ATTN_BWD_ATOMIC_MAX_DIM = 128
 # pattern differed from the pair's (tests/test_gpu_attention_bwd.py::test_fused_backward): a tile masked
 # for one half of a key block had its Q and dO guarded for both warpgroups, so a NaN row of dO missed
 # the other half's visible keys (docs/benchmarks/attention-backward-fused.md, F2). Each warpgroup now
-# takes a masked tile as the pair takes it for its 64 keys; that form, and softcap, have not yet run
-# on a GPU ...
+# takes a masked tile as the pair takes it for its 64 keys; that form, documents and softcap have not
+# yet run on a GPU ...
 ATTN_BWD_FUSED = False
 # ... for these visibilities ("full", "causal") and mask fields ("lo", "kv_range", "q_offset", "rows",
 # "softcap"): those whose launches compile for sm_90 without spilling, by the Triton version (3.6-3.8
-# spill 196-628 bytes in every one; tests/test_attention_bwd_compile.py, and
+# spill 196-560 bytes in every one; tests/test_attention_bwd_compile.py, and
 # docs/benchmarks/attention-backward-fused.md has each count); the others take the pair.
-ATTN_BWD_FUSED_MASKS = (frozenset({"full", "causal", "lo", "kv_range", "q_offset", "softcap"})
+ATTN_BWD_FUSED_MASKS = (frozenset({"full", "causal", "lo", "kv_range", "q_offset", "rows", "softcap"})
                         if TRITON_VERSION >= (3, 9) else frozenset())
 # ... where at least this many of its programs (one per SM at a time) fill each SM: on one H100
 # (Triton 3.9.0, bf16 D=128, beside the pair in one call) 1x16x2k (1.9 programs an SM) ran 0.64x the

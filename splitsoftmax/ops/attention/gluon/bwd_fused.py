@@ -14,8 +14,9 @@ the interior ones, each head-major), so dK and dV sum over the group in register
   (``[64, D / 2]``: the whole key block, half of the columns), and adds it through its staging
   buffer into the float32 ``dQ`` by a TMA reduction;
 - one producer warp (24 registers) loads K and V once, then each tile's Q, dO and the rows'
-  ``(lse * log2(e), delta)`` by TMA through two stages, and writes the tile's (batch element, query
-  head, first row) into a small table beside them (the MMA warpgroups hold no tile walk).
+  ``(lse * log2(e), delta)`` (with documents also their bounds) by TMA through two stages, and writes
+  the tile's (batch element, query head, first row) into a small table beside them (the MMA
+  warpgroups hold no tile walk).
 
 Barriers: ``q_full[s]`` (the tile's Q, dO and statistics landed), ``q_empty[s]`` (both warpgroups'
 products read them: count 2), ``ds_full[s]`` (both halves of the stage written: count 2), ``ds_empty[s]``
@@ -48,7 +49,7 @@ from ..._triton.algebra import LOG2E
 from ..._triton.launch import Launcher, auto_key
 from ..bwd_common import _mask_args, row_blocks
 from ..decode import head_group
-from .bwd import _DEFAULTS, _doc_rows, _mma_layout, _probs, _seen, _store_rows, _thread_barrier, _tma_load, descriptor
+from .bwd import _DEFAULTS, _mma_layout, _probs, _seen, _store_rows, _thread_barrier, _tma_load, descriptor
 from .bwd_kv import _key_block, _kv_walk, _tile_of
 
 if hasattr(tma, "async_atomic_add"):
@@ -86,7 +87,7 @@ def _producer(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, 
         info.index(s).slice(2, 1).store(gl.full([1], m0, gl.int32, one))
         _thread_barrier()  # written before the arrival that the TMA loads complete
         full = q_full.index(s)
-        mbarrier.expect(full, 2 * BLOCK_M * D * 2 + 2 * BLOCK_M * 4)
+        mbarrier.expect(full, 2 * BLOCK_M * D * 2 + st_desc.block_type.shape[2] * BLOCK_M * 4)
         _tma_load(q_desc, [b, h, m0, 0], full, q_ring.index(s))
         _tma_load(do_desc, [b, h, m0, 0], full, do_ring.index(s))
         _tma_load(st_desc, [b, h, 0, m0], full, st_ring.index(s))
@@ -179,7 +180,7 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
     is checked against the visibility rule."""
     (k_w, v_w, k_q, k_g, q_ring, do_ring, st_ring, ds_ring, stage_w, q_full, q_empty, ds_full, ds_empty, meet,
      dq_desc, info, cols, prog, vis, zeros_s, zeros_q) = p
-    n0, ROWS, s_r, Sq, dg, lw, kv_lo, kv_hi, cs, cap2, scale = vis
+    n0, dg, lw, kv_lo, kv_hi, cs, cap2, scale = vis
     HALF: gl.constexpr = BLOCK_N // 2
     DH: gl.constexpr = D // 2
     dtype: gl.constexpr = q_ring.dtype
@@ -197,7 +198,8 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
     h = _field(info.index(s), 1)
     m0 = _field(info.index(s), 2)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    st = _reinterpret(st_ring.index(s), gl.float32, [2 * BLOCK_M], flat)  # the rows' lse2, then their delta
+    NST: gl.constexpr = st_ring.shape[3]  # the rows' lse2, delta (then with documents their bounds)
+    st = _reinterpret(st_ring.index(s), gl.float32, [NST * BLOCK_M], flat)
     if MASKED:
         qk_t = warpgroup_mma(k_w, q_t.permute((1, 0)), zeros_s, use_acc=False)
         tma.store_wait(0)
@@ -211,7 +213,12 @@ def _tile(dk, dv, t, p, W: gl.constexpr, MASKED: gl.constexpr, BLOCK_M: gl.const
         dp_t = warpgroup_mma(v_w, do_t.permute((1, 0)), zeros_s - st.slice(BLOCK_M, BLOCK_M).load(q_cols)[None, :])
         kj = n0 + W * HALF + gl.arange(0, HALF, layout=k_rows)
         qi = m0 + cols.load(q_cols)  # (read, not held across tiles: its 16 values per thread would spill)
-        rlo, rhi = _doc_rows(ROWS, s_r, qi, Sq, HAS_ROWS)
+        rlo = qi
+        rhi = qi
+        if HAS_ROWS:  # (int32 in the statistics' tile: from shared memory, no pointers held)
+            sti = _reinterpret(st_ring.index(s), gl.int32, [NST * BLOCK_M], flat)
+            rlo = sti.slice(2 * BLOCK_M, BLOCK_M).load(q_cols)
+            rhi = sti.slice(3 * BLOCK_M, BLOCK_M).load(q_cols)
         seen = _seen(kj[:, None], qi[None, :], rlo[None, :], rhi[None, :], dg, lw, kv_lo, kv_hi, CAUSAL, HAS_LO,
                      HAS_ROWS)
         p_h, ds_h = _score_grads(qk_t, dp_t, lse2, seen | inner, cs, cap2, dtype, True, SOFTCAP)
@@ -303,7 +310,7 @@ def _mma(p, W: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl
     kvh = _field(prog, 1)
     n0 = _field(prog, 2)
     Sk = _field(prog, 3)
-    scale = vis[10]
+    scale = vis[7]
     _store_rows(GK, dk * scale, b, kvh, n0 + W * HALF, Sk, s_kgb, s_kgh, s_kgs, o_layout, HALF, D)
     _store_rows(GV, dv, b, kvh, n0 + W * HALF, Sk, s_vgb, s_vgh, s_vgs, o_layout, HALF, D)
 
@@ -323,8 +330,8 @@ def _mma1(p, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUS
 
 
 @gluon.jit(do_not_specialize=["Sq", "Sk", "diag", "lo", "GH"])
-def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, KVR, QOFF, ROWS, RB, RB2,
-                    s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, s_kvb, s_kvc, s_off, s_r,
+def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, KVR, QOFF, RB, RB2,
+                    s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, s_kvb, s_kvc, s_off,
                     HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH,
                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, CAUSAL: gl.constexpr,
                     STAGES: gl.constexpr, HAS_LO: gl.constexpr, HAS_KV: gl.constexpr, HAS_OFF: gl.constexpr,
@@ -334,9 +341,10 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, K
     ``maxnreg`` 168. ``q_desc``, ``do_desc`` read ``[1, 1, BLOCK_M, D]`` tiles, ``k_desc``, ``v_desc``
     ``[1, 1, BLOCK_N, D]``; ``dq_desc`` is the float32 ``(B, H, Sq, D)`` dQ (zeroed) that each tile's
     ``[1, 1, BLOCK_M, D / 2]`` halves are added into, times ``scale``. ``GK``, ``GV``: the gradients'
-    pointers (unit last stride). The mask's tensors and strides (``KVR, QOFF, ROWS``, ``RB`` its
+    pointers (unit last stride). The mask's tensors and strides (``KVR, QOFF``, ``RB`` the documents'
     ``row_blocks`` of ``BLOCK_N`` keys, ``RB2`` of ``BLOCK_N / 2``) are ``bwd_kv._attn_bwd_kv_ws``'s, read
-    where their flag is set; ``qk_scale`` is the scale times log2(e), ``cap2 = softcap * log2(e)``."""
+    where their flag is set; a tile's rows' document bounds come with their statistics (``st_desc``,
+    :func:`_row_stats`). ``qk_scale`` is the scale times log2(e), ``cap2 = softcap * log2(e)``."""
     b, kvh, n0, kv_lo, kv_hi, dg, lw, cs, tiles = _key_block(
         RB, KVR, QOFF, s_kvb, s_kvc, s_off, HKV, G, Sq, Sk, diag, lo, qk_scale, scale, cap2, GH, BLOCK_M, BLOCK_N,
         CAUSAL, HAS_LO, HAS_KV, HAS_OFF, HAS_ROWS, SOFTCAP)
@@ -381,7 +389,7 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, K
         mbarrier.init(q_empty.index(i), count=2)
         mbarrier.init(ds_full.index(i), count=2)
         mbarrier.init(ds_empty.index(i), count=2)
-    vis = (n0, ROWS, s_r, Sq, dg, lw, kv_lo, kv_hi, cs, cap2, scale)
+    vis = (n0, dg, lw, kv_lo, kv_hi, cs, cap2, scale)
     out = (GK, GV, s_kgb, s_kgh, s_kgs, s_vgb, s_vgh, s_vgs, prog)
     pm = (k_smem, v_smem, q_ring, do_ring, st_ring, ds_ring, stage, kv_bar, q_full, q_empty, ds_full, ds_empty, meet,
           dq_desc, info, cols, Tm, T, vis, out)
@@ -397,13 +405,13 @@ def _attn_bwd_fused(q_desc, do_desc, k_desc, v_desc, dq_desc, st_desc, GK, GV, K
 
 
 def stats_descriptor(stats: torch.Tensor, rows: int):
-    """The Gluon descriptor of the rows' statistics (:func:`_row_stats`) reading ``[1, 1, 2, rows]``
-    tiles (a tile's ``lse2`` and ``delta``)."""
+    """The Gluon descriptor of the rows' statistics (:func:`_row_stats`) reading ``[1, 1, F, rows]``
+    tiles (a tile's ``F`` fields: ``lse2``, ``delta`` and with documents their bounds)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(_DEFAULTS)
     desc.base, desc.shape, desc.strides = stats, list(stats.shape), list(stats.stride())
-    desc.block_shape = [1, 1, 2, rows]
+    desc.block_shape = [1, 1, stats.shape[2], rows]
     desc.layout = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=4)
     return desc
 
@@ -421,15 +429,21 @@ def dq_descriptor(acc: torch.Tensor, rows: int, cols: int):
 _FUSED = Launcher(_attn_bwd_fused)
 
 
-def _row_stats(lse: torch.Tensor, delta: torch.Tensor, bm: int) -> tuple:
-    """``stats (B, H, 2, SQP)`` float32: each row's ``lse * log2(e)`` (``+inf`` where ``lse =
-    -inf``: its ``p`` is 0), then its ``delta``, ``SQP`` = ``Sq`` rounded up to ``bm`` (padding:
-    ``+inf``, 0), so that a tile's statistics load without a mask."""
+def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows, bm: int) -> tuple:
+    """``stats (B, H, F, SQP)`` float32: each row's ``lse * log2(e)`` (``+inf`` where ``lse =
+    -inf``: its ``p`` is 0), then its ``delta``, and where ``rows`` (document bounds ``(2, Sq)``
+    int32) is given the row's two bounds as int32 bits (``F`` 4, else 2); ``SQP`` = ``Sq`` rounded up
+    to ``bm`` (padding: ``+inf``, 0, bounds 0: no key seen), so that a tile's fields load without a
+    mask."""
     b, h, sq = lse.shape
     sqp = configs.cdiv(sq, bm) * bm
-    stats = torch.empty((b, h, 2, sqp), dtype=torch.float32, device=lse.device)
+    stats = torch.empty((b, h, 2 if rows is None else 4, sqp), dtype=torch.float32, device=lse.device)
     stats[:, :, 0, sq:] = float("inf")
     stats[:, :, 1, sq:] = 0.0
+    if rows is not None:
+        bounds = stats.view(torch.int32)[:, :, 2:]
+        bounds[..., :sq] = rows
+        bounds[..., sq:] = 0
     lse2 = stats[:, :, 0, :sq]
     torch.mul(lse, LOG2E.value, out=lse2)
     lse2.masked_fill_(lse == float("-inf"), float("inf"))
@@ -449,15 +463,15 @@ def attn_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tens
     bm, bn, warps, stages, maxnreg = configs.ATTN_TILES[("bwd_fused", 2, d)]
     acc = torch.zeros_like(q, dtype=torch.float32)
     dk, dv = torch.empty_like(k, dtype=od), torch.empty_like(v, dtype=od)
-    stats = _row_stats(lse, delta, bm)
     kvr, off, rows, mstrides, flags = _mask_args(mask, q, lse)
+    stats = _row_stats(lse, delta, rows if flags["HAS_ROWS"] else None, bm)
     rb, rb2 = (row_blocks(rows, sk, bn), row_blocks(rows, sk, bn // 2)) if flags["HAS_ROWS"] else (lse, lse)
     nkb = configs.cdiv(sk, bn)
     lo = mask.lo if mask.lo is not None else 0
     # (three warpgroups' registers in an SM: one program per SM, as two warpgroups of 4 warps each)
-    scalars = (*dk.stride()[:3], *dv.stride()[:3], *mstrides, hkv, h // hkv, sq, sk, diag, lo, scale * LOG2E.value,
+    scalars = (*dk.stride()[:3], *dv.stride()[:3], *mstrides[:3], hkv, h // hkv, sq, sk, diag, lo, scale * LOG2E.value,
                scale, mask.softcap * LOG2E.value, head_group(nkb, b * hkv, q, causal, 8))
-    tensors = (dk, dv, kvr, off, rows, rb, rb2)
+    tensors = (dk, dv, kvr, off, rb, rb2)
     ops = (descriptor(q, bm), descriptor(dout, bm), descriptor(k, bn), descriptor(v, bn),
            dq_descriptor(acc, bm, d // 2), stats_descriptor(stats, bm))
     _FUSED((nkb, b * hkv), (auto_key((*tensors, *scalars)), q.dtype), (*ops, *tensors, *scalars),

@@ -429,7 +429,7 @@ def dq_descriptor(acc: torch.Tensor, rows: int, cols: int):
 _FUSED = Launcher(_attn_bwd_fused)
 
 
-def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows, bm: int) -> tuple:
+def _row_stats(lse: torch.Tensor, delta: torch.Tensor, rows: torch.Tensor | None, bm: int) -> torch.Tensor:
     """``stats (B, H, F, SQP)`` float32: each row's ``lse * log2(e)`` (``+inf`` where ``lse =
     -inf``: its ``p`` is 0), then its ``delta``, and where ``rows`` (document bounds ``(2, Sq)``
     int32) is given the row's two bounds as int32 bits (``F`` 4, else 2); ``SQP`` = ``Sq`` rounded up

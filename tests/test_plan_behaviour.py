@@ -67,7 +67,7 @@ def _alltoall_bytes(heads, kv_heads, degree, rows, d=128, e=2):
     n0 = rows / degree
     fwd = sum(n0 * (len(q[j]) + 2 * len(kv[j])) * d * e for j in range(1, degree))
     fwd += (rows - n0) * len(q[0]) * (d * e + 4)
-    bwd = sum(n0 * len(q[j]) * d * e for j in range(1, degree))
+    bwd = sum(n0 * len(q[j]) * (d * e + 8) for j in range(1, degree))  # dout with the rows' lse and delta
     bwd += (rows - n0) * (len(q[0]) * d * e + 2 * len(kv[0]) * d * grad_e)
     return fwd + bwd
 
@@ -82,6 +82,21 @@ def test_fewer_kv_heads_than_ranks_send_replicated_kv(kv_heads):
     # each rank receives a whole kv head whatever Hkv: bytes never fall with kv_heads / degree
     naive = _alltoall_bytes(32, 8, degree, s)
     assert r.bytes["intra"] >= naive
+
+
+@pytest.mark.parametrize("kv_heads, hosts", [(2, 2), (4, 2), (1, 1), (1, 2)])
+def test_kv_relay_across_hosts(kv_heads, hosts):
+    """A heads group of 8 over ``hosts`` hosts: where each kv head's readers share a host, K/V take
+    two hops (fewer bytes across hosts, more inside, a cheaper all-to-all than one copy per reader);
+    one host, or readers on several: one hop, as without the relay."""
+    pb = Problem((65536,), True, 32, kv_heads, 128)
+    cand = Candidate("heads", "contiguous", 8, 1)
+    two, one = (Simulator(pb, load_profile("h100"), 8 // hosts, relay=r).run(cand) for r in (True, False))
+    if hosts > 1 and 8 // kv_heads <= 8 // hosts:
+        assert two.bytes["inter"] < one.bytes["inter"] and two.bytes["intra"] > one.bytes["intra"]
+        assert two.alltoall_s < one.alltoall_s
+    else:
+        assert (two.bytes, two.alltoall_s) == (one.bytes, one.alltoall_s)
 
 
 def test_replicated_kv_makes_heads_dearer_in_the_ranking():

@@ -140,8 +140,8 @@ def check_global(meta: dict, kw: Keywords, layout: str, schedule: str, shape: Op
 
 def start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords: dict):
     """Local checks and the start of the handshake: ``(finish, scale, kw)``. ``finish()`` waits for
-    the handshake and returns every rank's lengths ``(q_lens, k_lens)`` (raising as the handshake
-    and :func:`check_global` do). ``scale`` and ``kw`` are None when the local checks failed."""
+    the handshake and returns every rank's lengths and machine ``(q_lens, k_lens, hosts)`` (raising as
+    the handshake and :func:`check_global` do). ``scale`` and ``kw`` are None when the local checks failed."""
     agree, per, err, s, kw = None, None, None, None, None
     try:
         s = _checks.attention_args(q, k, v, scale, causal)
@@ -159,13 +159,13 @@ def start(comm, q, k, v, causal, scale, schedule, layout, return_lse, keywords: 
                  "q": fingerprint(q) if schedule == "tree" else 0, "mesh shape": mesh_shape(comm)}
         extra_agree, extra_per = _fields(kw, b)
         agree.update(extra_agree)
-        per = {"Sq_local": sq, "Sk_local": k.shape[2], **extra_per}
+        per = {"Sq_local": sq, "Sk_local": k.shape[2], "host": comm.host, **extra_per}
     except LOCAL_ERRORS as e:
         err, s, kw = e, None, None
     pending = start_handshake(comm, "sharded_attention", agree, per, err)
 
-    def finish() -> tuple[list, list]:
+    def finish() -> tuple[list, list, list]:
         meta = pending()
         check_global(meta, kw, layout, schedule, comm.shape if isinstance(comm, Mesh) else None)
-        return meta["Sq_local"], meta["Sk_local"]
+        return meta["Sq_local"], meta["Sk_local"], meta["host"]
     return finish, s, kw

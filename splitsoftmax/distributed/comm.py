@@ -21,8 +21,10 @@ process, counting every transfer, for tests).
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import queue
+import socket
 import sys
 import threading
 import time
@@ -60,6 +62,14 @@ def eager(fn: Callable) -> Callable:
     op._torchdynamo_disable = True
     op._torchdynamo_disable_msg = reason
     return op
+
+
+def host_code() -> int:
+    """This process's machine as a non-negative int63: a hash of ``SPLITSOFTMAX_HOST`` where set (ranks
+    that should count as one machine, or as several on one), else of the host name. The heads
+    schedule reads every rank's (``Communicator.host``) to know which ranks share a host."""
+    name = os.environ.get("SPLITSOFTMAX_HOST") or socket.gethostname()
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
 
 
 def timeout_s() -> float:
@@ -118,6 +128,11 @@ class Communicator:
     rank: int
     size: int
     meta_device: torch.device = torch.device("cpu")
+
+    @property
+    def host(self) -> int:
+        """This rank's machine (:func:`host_code`)."""
+        return host_code()
 
     def _send(self, t: Tensor, peer: int, tag: int) -> Handle:
         raise NotImplementedError
@@ -356,21 +371,27 @@ class MpiComm(Communicator):
 
 
 class LoopbackWorld:
-    """``size`` ranks in one process (threads): mailboxes keyed by (src, dst, tag), counted sends.
+    """``size`` ranks in one process (threads): mailboxes keyed by (src, dst, tag), counted sends;
+    ``hosts`` (one int per rank) says which machine each rank counts as on (default: this one).
 
     A rank whose function has returned or raised counts as exited: receives from it then fail.
     Ranks take turns: one computes while the others wait for transfers.
 
-    ``sends[tag]`` counts the transfers started per tag, over all ranks; ``run(fn)`` calls
+    ``sends[tag]`` counts the transfers started per tag, over all ranks, ``bytes[tag]`` their bytes
+    and ``across[tag]`` those between ranks of different ``hosts``; ``run(fn)`` calls
     ``fn(comm)`` on every rank concurrently and returns the results in rank order.
     """
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, hosts: Optional[Sequence[int]] = None):
         self.size = size
+        self.hosts = None if hosts is None else tuple(int(h) for h in hosts)
+        if self.hosts is not None and len(self.hosts) != size:
+            raise ValueError(f"hosts: {len(self.hosts)} values for {size} ranks")
         self.lock = threading.Lock()
         self.boxes: dict = defaultdict(deque)
         self.sends: dict = defaultdict(int)
         self.bytes: dict = defaultdict(int)
+        self.across: dict = defaultdict(int)
         self.gone: set = set()
         self.turn = threading.Lock()  # one rank computes at a time (the Triton interpreter is not thread-safe)
 
@@ -383,6 +404,7 @@ class LoopbackWorld:
         with self.lock:
             self.sends.clear()
             self.bytes.clear()
+            self.across.clear()
 
     def run(self, fn: Callable, timeout: float = 120.0) -> list:
         """Run ``fn(comm)`` on every rank in its own thread; re-raise the first failure."""
@@ -426,6 +448,11 @@ class LoopbackComm(Communicator):
         self.rank = self.members.index(rank)
         self.size = len(self.members)
 
+    @property
+    def host(self) -> int:
+        """The world's ``hosts[rank]`` where it was given them, else this process's machine."""
+        return host_code() if self.world.hosts is None else self.world.hosts[self.members[self.rank]]
+
     def mesh(self, seq: int, heads: int) -> tuple:
         """``(seq_group, heads_group)`` of this world rank in a ``seq x heads`` mesh of the world
         (world rank ``s * heads + h`` at sequence rank ``s``, heads rank ``h``: heads groups are
@@ -457,6 +484,8 @@ class LoopbackComm(Communicator):
             w.boxes[self._key(self.rank, peer, tag)].append(t.detach().clone())
             w.sends[tag] += 1
             w.bytes[tag] += t.numel() * t.element_size()
+            if w.hosts is not None and w.hosts[self.members[self.rank]] != w.hosts[self.members[peer]]:
+                w.across[tag] += t.numel() * t.element_size()
         return Handle(peer, lambda: True)
 
     def _recv(self, t, peer, tag):

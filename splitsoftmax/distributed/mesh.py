@@ -35,6 +35,10 @@ class Mesh(Communicator):
         self.meta_device = heads.meta_device
         self.whole, self.members = _whole(seq, heads, self.size)
 
+    @property
+    def host(self) -> int:
+        return self.heads.host
+
     def fields(self) -> dict:
         """Per-rank handshake fields of a handshake over :attr:`whole`: coordinates, and a code of
         the groups' members (ranks of ``whole``), for :func:`mesh_order`."""

@@ -4,10 +4,13 @@ The mesh is ``heads_degree x seq_degree`` ranks; a heads group is ``heads_degree
 (inside a host when it fits), a sequence group the ranks ``s * heads_degree + j``. Each rank has a
 compute stream and a transfer stream:
 
-- all-to-all (heads groups): q, k, v from sequence shards to head subsets before, the output back
-  after; backward dO before, dq and dk/dv after (dk/dv in float32 where a kv head is read by several
-  ranks: their sums). Query heads are split like ``torch.tensor_split``, a rank receiving the kv
-  heads its query heads read. The all-to-alls do not overlap the ring (an implementation that starts
+- all-to-all (heads groups): q, k, v from sequence shards to head subsets before, the output (with
+  its lse) back after; backward dO (with the rows' lse and delta) before, dq and dk/dv after (dk/dv in
+  float32 where a kv head is read by several ranks: their sums). Query heads are split like
+  ``torch.tensor_split``, a rank receiving the kv heads its query heads read. Where the group spans
+  hosts and each kv head's readers share one (:func:`relay_readers`), K/V take two hops as the
+  schedule sends them: each shard to one reader, passed on among the readers inside the host; their
+  float32 dK/dV summed there, then sent home once in the inputs' dtype. The all-to-alls do not overlap the ring (an implementation that starts
   the first ring step before the whole all-to-all is done is faster than predicted).
 - ring (sequence groups): step 0 computes a rank's own keys; a step's K/V block travels to the next
   rank while the step computes (two receive buffers: a block may arrive only once the step two
@@ -32,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..ops.attention.schedules.heads import head_split as schedule_split, relay_groups
 from .model import Profile, Work
 from .work import full_sequence, split
 
@@ -114,6 +118,14 @@ def head_split(heads: int, kv_heads: int, degree: int) -> tuple[np.ndarray, np.n
     return sizes, kv, bool(kv.sum() > kv_heads)
 
 
+def relay_readers(heads: int, kv_heads: int, degree: int, gpus_per_host: int) -> int:
+    """The readers of a kv head where the heads schedule sends K/V in two hops (its
+    ``relay_groups``, for a heads group of ``degree`` ranks from a host's first), else 0."""
+    groups = relay_groups(schedule_split(heads, kv_heads, degree), kv_heads,
+                          tuple(r // gpus_per_host for r in range(degree)))
+    return max(len(g) for g in groups) if groups else 0
+
+
 def _hop_inter(cand: Candidate, gpus_per_host: int) -> np.ndarray:
     """Per sequence rank: whether the ring hop into it crosses hosts (heads rank 0's group)."""
     s = np.arange(cand.seq_degree)
@@ -150,10 +162,12 @@ def _event(events: list, pas: str, what: str, step, start: float, end: float) ->
 
 
 class Simulator:
-    """Simulates candidates of one problem on one profile (work splits are cached per layout and degree)."""
+    """Simulates candidates of one problem on one profile (work splits are cached per layout and degree).
+    ``relay``: K/V take two hops where they can, as this package's heads schedule sends them (off: one
+    copy to each reader, as DeepSpeed's Ulysses and USP send them)."""
 
-    def __init__(self, problem: Problem, profile: Profile, gpus_per_host: int = 8):
-        self.pb, self.prof, self.g = problem, profile, int(gpus_per_host)
+    def __init__(self, problem: Problem, profile: Profile, gpus_per_host: int = 8, relay: bool = True):
+        self.pb, self.prof, self.g, self.relay = problem, profile, int(gpus_per_host), bool(relay)
         self._splits: dict = {}
         self._costs: dict = {}
 
@@ -338,8 +352,10 @@ class Simulator:
             return (0.0, 0.0), {"intra": 0.0, "inter": 0.0}
         share_intra = (min(hd, self.g) - 1) / (hd - 1)
         fwd, bwd = self._alltoall_messages(float(sp.rows.max()), hd, sizes, kv, replicated)
-        sent = sum(send for send, _ in fwd + bwd)
-        return (fwd_in + fwd_out, bwd_in + bwd_out), {"intra": sent * share_intra, "inter": sent * (1 - share_intra)}
+        sent = sum(send for send, _, _ in fwd + bwd)
+        passed = sum(inside for _, _, inside in fwd + bwd)
+        return (fwd_in + fwd_out, bwd_in + bwd_out), {"intra": sent * share_intra + passed,
+                                                      "inter": sent * (1 - share_intra)}
 
     def _alltoall_parts(self, cand, sp, sizes, kv, replicated) -> tuple:
         """Seconds of ((forward in, forward out), (backward in, backward out)) all-to-alls."""
@@ -348,27 +364,39 @@ class Simulator:
             return (0.0, 0.0), (0.0, 0.0)
         share_intra = (min(hd, self.g) - 1) / (hd - 1)  # of a rank's peers, those in its host
 
-        def seconds(send, recv):
+        def seconds(send, recv, inside):
             b = max(send, recv)
             return float(max(self.prof.transfer_s(b * share_intra, "intra", "alltoall"),
-                             self.prof.transfer_s(b * (1 - share_intra), "inter", "alltoall")))
+                             self.prof.transfer_s(b * (1 - share_intra), "inter", "alltoall"))
+                         + self.prof.transfer_s(inside, "intra", "alltoall"))
         return tuple(tuple(seconds(*m) for m in msgs)
                      for msgs in self._alltoall_messages(float(sp.rows.max()), hd, sizes, kv, replicated))
 
     def _alltoall_messages(self, n: float, hd: int, sizes, kv, replicated) -> tuple:
-        """(bytes sent, bytes received) by the heads rank with the most heads, for each all-to-all:
-        forward q/k/v in and out back; backward dO in, dq/dk/dv back (dk/dv in float32 where a kv
-        head has several readers). ``n``: rows of the sequence shard the group shares."""
+        """(bytes sent, bytes received, bytes passed among a kv head's readers inside a host) by the
+        heads rank with the most heads, for each all-to-all: forward q/k/v in and out (with lse) back;
+        backward dO (with lse and delta) in, dq/dk/dv back. One hop: dk/dv in float32 where a kv head has several readers. Two hops
+        (``relay_readers``: K/V reach one reader of each kv head, which pass them on; dK/dV summed
+        among the readers in float32, then sent home once in the inputs' dtype). ``n``: rows of the
+        sequence shard the group shares."""
         d, e = self.pb.head_dim, self.pb.elem
         j = int(np.argmax(sizes))
         h, k = float(sizes[j]), float(kv[j])
         others_h, others_kv = float(sizes.sum()) - h, float(kv.sum()) - k
-        g = 4 if replicated else e
         mine, rest = n / hd, n - n / hd
-        return ([(mine * (others_h + 2 * others_kv) * d * e, rest * (h + 2 * k) * d * e),
-                 (rest * h * (d * e + 4), mine * others_h * (d * e + 4))],
-                [(mine * others_h * d * e, rest * h * d * e),
-                 (rest * (h * d * e + 2 * k * d * g), mine * (others_h * d * e + 2 * others_kv * d * g))])
+        c = relay_readers(self.pb.heads, self.pb.kv_heads, hd, self.g) if self.relay else 0
+        if c:  # each rank reads one kv head, its own shard of it kept (it is that head's reader for itself)
+            kv_out, kv_in = mine * 2 * (self.pb.kv_heads - 1) * d * e, (n / c - mine) * 2 * d * e
+            passed = n * (c - 1) / c * 2 * d
+            return ([(mine * others_h * d * e + kv_out, rest * h * d * e + kv_in, passed * e),
+                     (rest * h * (d * e + 4), mine * others_h * (d * e + 4), 0.0)],
+                    [(mine * others_h * (d * e + 8), rest * h * (d * e + 8), 0.0),
+                     (rest * h * d * e + kv_in, mine * others_h * d * e + kv_out, passed * 4)])
+        g = 4 if replicated else e
+        return ([(mine * (others_h + 2 * others_kv) * d * e, rest * (h + 2 * k) * d * e, 0.0),
+                 (rest * h * (d * e + 4), mine * others_h * (d * e + 4), 0.0)],
+                [(mine * others_h * (d * e + 8), rest * h * (d * e + 8), 0.0),
+                 (rest * (h * d * e + 2 * k * d * g), mine * (others_h * d * e + 2 * others_kv * d * g), 0.0)])
 
     def _memory(self, cand, sp, h, k) -> float:
         """Peak bytes per rank: the layer's inputs, outputs and saved tensors, plus the larger of the

@@ -60,7 +60,7 @@ class ShardedAttentionFn(torch.autograd.Function):
 def _spec(comm, q, k, v, s: float, causal: bool, layout: str, schedule: str, kw, lens: tuple) -> AttnSpec:
     """The agreed spec; ring / allgather with their plan (kept for the next calls alike)."""
     (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
-    q_lens, k_lens = lens
+    q_lens, k_lens = lens[:2]
     planned = None
     if schedule != "tree":
         planned = plan_of(comm.rank, q_lens, k_lens, layout, causal, kw.docs, kw.window)

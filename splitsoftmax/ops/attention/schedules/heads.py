@@ -16,6 +16,16 @@ pieces:
    shards; the dK/dV of a kv head that several ranks read travel in float32 and are summed in rank
    order, then cast once.
 
+Two hops for shared kv heads. Where the group spans machines (the handshake gathers each rank's
+``Communicator.host``), every rank reads at most one kv head and each kv head's readers share a
+machine (:func:`relay_groups`; Llama-3-8B's 32 / 8 heads over 16 or 32 ranks of 8-GPU hosts), a
+rank's shard of kv head ``j`` goes to one of ``j``'s readers (:meth:`HeadsSpec.via`), which pass the
+shards on among themselves inside the machine (:func:`_relay_kv`, its own tag); backward, each reader
+sums in float32 the readers' dK/dV of the shards that came through it (every reader's share, in
+rank order: the one-hop sum, bit for bit), casts once and sends them home with dq
+(:func:`_relay_grads`). A shard of a kv head crosses machines once instead of once per reader, its
+gradient once in the inputs' dtype instead of once per reader in float32.
+
 Between the exchanges runs the inner op on the heads' tensors, a pair ``(fwd, bwd)`` with the
 ring's signatures (:func:`sequence_op`). In one dimension it is the ring's visit of a one-rank plan
 over the whole sequence: the single-device op, every keyword in its global meaning. On a 2-D mesh
@@ -70,7 +80,7 @@ from ..op import backward_stats
 from .allgather import allgather_attention_bwd, allgather_attention_fwd
 from .ring import plan_of, ring_attention_bwd, ring_attention_fwd
 
-TAG_QKV, TAG_OUT, TAG_DOUT, TAG_GRAD = 51, 52, 53, 54
+TAG_QKV, TAG_OUT, TAG_DOUT, TAG_GRAD, TAG_RELAY = 51, 52, 53, 54, 55
 CHUNKS = 2  # the query-head chunks q arrives in (the first visit starts on the first)
 _SEQUENCE = {"ring": (ring_attention_fwd, ring_attention_bwd),
              "allgather": (allgather_attention_fwd, allgather_attention_bwd)}
@@ -106,6 +116,22 @@ def head_split(h: int, hkv: int, p: int) -> tuple:
 def kv_shared(split: tuple, hkv: int) -> bool:
     """Whether some kv head is read by more than one rank."""
     return sum(s.nkv for s in split) > hkv
+
+
+def relay_groups(split: tuple, hkv: int, hosts: tuple) -> Optional[tuple]:
+    """The ranks reading each kv head (``hosts[r]``: rank ``r``'s machine) where K/V and their
+    gradients take two hops (:func:`_relay_kv`, :func:`_relay_grads`): every rank reads at most one
+    kv head, some kv head has several readers, each kv head's readers share a machine and the group
+    spans several. Else None (one hop)."""
+    if len(set(hosts)) < 2 or any(s.nkv > 1 for s in split):
+        return None
+    readers: list = [[] for _ in range(hkv)]
+    for r, s in enumerate(split):
+        if s.nkv:
+            readers[s.k0].append(r)
+    if max(len(g) for g in readers) < 2 or any(len({hosts[r] for r in g}) > 1 for g in readers):
+        return None
+    return tuple(tuple(g) for g in readers)
 
 
 def kv_count(hd: Heads, g: int) -> int:
@@ -199,6 +225,7 @@ class HeadsSpec:
     q_place: Placement
     k_place: Placement
     inner: tuple  # (fwd(q, k, v) -> (out, lse), bwd(q, k, v, dout, lse, delta) -> (dq, dk, dv)), accumulation dtype
+    relay: Optional[tuple] = None  # relay_groups: each kv head's readers, where K/V take two hops
 
     @property
     def mine(self) -> Heads:
@@ -215,6 +242,11 @@ class HeadsSpec:
     def chunk(self, bounds: tuple, c: int, r: int) -> tuple:
         """The query heads ``(a, b)`` of rank ``r``'s chunk ``c`` of ``bounds`` (:meth:`chunks`)."""
         return self.split[r].q0 + bounds[r][c], self.split[r].q0 + bounds[r][c + 1]
+
+    def via(self, o: int, j: int) -> int:
+        """Under :attr:`relay`: the reader of kv head ``j`` that rank ``o``'s shard of it goes through."""
+        g = self.relay[j]
+        return g[o % len(g)]
 
 
 def sequence_op(comm: Communicator, schedule: str, b: int, hd: Heads, d: int, dv: int, scale: float,
@@ -268,16 +300,27 @@ def _arriving(hs: HeadsSpec, tensors: list, bounds: tuple, step: str, tag: int) 
                                            for c in range(n)])
 
 
-def _to_seq(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int) -> list:
+def _to_seq(hs: HeadsSpec, tensors: list, places: list, step: str, tag: int, relayed: Optional[tuple] = None) -> list:
     """Heads -> sequence shards: ``tensors`` ``(t, kv?, dtype)`` of this rank's heads, split along
-    dim 2 by ``places``; returns, per tensor, every rank's part ``[from rank 0, ...]``."""
+    dim 2 by ``places``; returns, per tensor, every rank's part ``[from rank 0, ...]``. With
+    ``relayed`` (``(per_rank, kdt, vdt)``: :func:`_relay_grads`' lists and their dtypes) those travel
+    too, and a last result is ``[dk, dv]`` ``(B, Hkv, S_r, D)``, each kv head's from the reader its
+    shard went through."""
     p, r = hs.comm.size, hs.comm.rank
     parts = [pl.split(t.to(dt)) for (t, kv, dt), pl in zip(tensors, places)]
-    sends = [[pt[o] for pt in parts] for o in range(p)]
+    sends = [[pt[o] for pt in parts] + (relayed[0][o] if relayed else []) for o in range(p)]
     specs = [[((t.shape[0], hs.split[o].nkv if kv else hs.split[o].nq, pl.lens[r], *t.shape[3:]), dt)
               for (t, kv, dt), pl in zip(tensors, places)] for o in range(p)]
+    if relayed:
+        for j in range(hs.hkv):
+            specs[hs.via(r, j)] += [((hs.b, 1, hs.k_place.lens[r], d), dt) for d, dt in ((hs.d, relayed[1]),
+                                                                                       (hs.dv, relayed[2]))]
     got = exchange(hs.comm, sends, specs, step, tag, tensors[0][0].device)
-    return [[g[i] for g in got] for i in range(len(tensors))]
+    out = [[g[i] for g in got] for i in range(len(tensors))]
+    if relayed:
+        n = len(tensors)
+        out.append([torch.cat(ts, 1) for ts in zip(*(got[hs.via(r, j)][n:n + 2] for j in range(hs.hkv)))])
+    return out
 
 
 def _summed(parts: list, split: tuple, hkv: int, shared: bool, dtype: torch.dtype) -> Tensor:
@@ -292,6 +335,74 @@ def _summed(parts: list, split: tuple, hkv: int, shared: bool, dtype: torch.dtyp
     return total.to(dtype)
 
 
+def _relay_kv(hs: HeadsSpec, k: Tensor, v: Tensor) -> Started:
+    """``k``, ``v`` ``(B, Hkv, S_r, D)`` to the readers of each kv head in two hops (``hs.relay``):
+    each rank's shard of kv head ``j`` to one of its readers (:meth:`HeadsSpec.via`), then among the
+    readers, each passing on the shards it got (inside one machine). The first hop is waited for, the
+    second started: its ``wait()`` gives ``[kh, vh]`` ``(B, nkv, S, D)`` as one hop assembles them."""
+    p, r, me, lens = hs.comm.size, hs.comm.rank, hs.mine, hs.k_place.lens
+    sends: list = [[] for _ in range(p)]
+    for j in range(hs.hkv):
+        sends[hs.via(r, j)] += [k[:, j:j + 1], v[:, j:j + 1]]
+
+    def specs(o: int) -> list:
+        return [((k.shape[0], 1, lens[o], k.shape[3]), k.dtype), ((v.shape[0], 1, lens[o], v.shape[3]), v.dtype)]
+    if not me.nkv:
+        exchange(hs.comm, sends, [[]] * p, "heads forward: k, v to a reader", TAG_QKV, k.device)
+        return start_exchange(hs.comm, [[]] * p, [[]] * p, "heads forward: k, v among readers", TAG_RELAY, k.device
+                              ).then(lambda _: [k.new_empty((k.shape[0], 0, hs.k_place.total, k.shape[3])),
+                                                v.new_empty((v.shape[0], 0, hs.k_place.total, v.shape[3]))])
+    group = hs.relay[me.k0]
+    via = [hs.via(o, me.k0) for o in range(p)]
+    got = exchange(hs.comm, sends, [specs(o) if via[o] == r else [] for o in range(p)],
+                   "heads forward: k, v to a reader", TAG_QKV, k.device)
+    fellows = [x for x in group if x != r]
+    mine = [t for o in range(p) if via[o] == r for t in got[o]]
+    passed = start_exchange(hs.comm, [mine if x in fellows else [] for x in range(p)],
+                            [[sp for o in range(p) if via[o] == x for sp in specs(o)] if x in fellows else []
+                             for x in range(p)], "heads forward: k, v among readers", TAG_RELAY, k.device)
+
+    def assemble(got2: list) -> list:
+        parts = {o: got[o] for o in range(p) if via[o] == r}
+        for x in fellows:
+            shards = [o for o in range(p) if via[o] == x]
+            parts.update({o: got2[x][2 * i:2 * i + 2] for i, o in enumerate(shards)})
+        return [hs.k_place.assemble([parts[o][i] for o in range(p)]) for i in range(2)]
+    return passed.then(assemble)
+
+
+def _relay_grads(hs: HeadsSpec, dkh: Tensor, dvh: Tensor, kdt: torch.dtype, vdt: torch.dtype) -> list:
+    """The first hop back of :func:`_relay_kv`: this reader's ``dkh``, ``dvh`` ``(B, nkv, S, D)`` (the
+    accumulation dtype) summed among the kv head's readers, each reader summing the shards that came
+    through it (every reader's share in rank order, as one hop sums them, then cast to ``kdt``,
+    ``vdt``). Returns, per rank ``o``, ``[dk, dv]`` of its shard where ``o``'s shard came through
+    this rank, else ``[]``."""
+    p, r, me = hs.comm.size, hs.comm.rank, hs.mine
+    if not me.nkv:
+        exchange(hs.comm, [[]] * p, [[]] * p, "heads backward: dk, dv among readers", TAG_RELAY, dkh.device)
+        return [[] for _ in range(p)]
+    group = hs.relay[me.k0]
+    via = [hs.via(o, me.k0) for o in range(p)]
+    dk_parts, dv_parts = hs.k_place.split(dkh), hs.k_place.split(dvh)
+    fellows = [x for x in group if x != r]
+    mine = [o for o in range(p) if via[o] == r]
+    got = exchange(hs.comm, [[t for o in range(p) if via[o] == x for t in (dk_parts[o], dv_parts[o])]
+                             if x in fellows else [] for x in range(p)],
+                   [[((t.shape[0], 1, hs.k_place.lens[o], t.shape[3]), t.dtype) for o in mine for t in (dkh, dvh)]
+                    if x in fellows else [] for x in range(p)], "heads backward: dk, dv among readers", TAG_RELAY,
+                   dkh.device)
+    out: list = [[] for _ in range(p)]
+    for i, o in enumerate(mine):
+        sums = []
+        for a, own in enumerate((dk_parts[o], dv_parts[o])):
+            total = torch.zeros_like(own)
+            for x in group:
+                total += own if x == r else got[x][2 * i + a]
+            sums.append(total)
+        out[o] = [sums[0].to(kdt), sums[1].to(vdt)]
+    return out
+
+
 class HeadsAttentionFn(torch.autograd.Function):
     """``(out (B,H,Sq_r,Dv), lse (B,H,Sq_r))`` of this rank's sequence shard; saves the heads'
     q, k, v for the backward (its exchanges carry only gradients and row statistics)."""
@@ -299,8 +410,8 @@ class HeadsAttentionFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sinks, hs: HeadsSpec):
         me, acc = hs.mine, state.stat_dtype(q.dtype)
-        kv = _to_heads(hs, [(k, hs.kv_heads), (v, hs.kv_heads)], [hs.k_place, hs.k_place],
-                       "heads forward: k, v to heads", TAG_QKV)
+        kv = (_to_heads(hs, [(k, hs.kv_heads), (v, hs.kv_heads)], [hs.k_place, hs.k_place],
+                        "heads forward: k, v to heads", TAG_QKV) if hs.relay is None else _relay_kv(hs, k, v))
         qa = _arriving(hs, [q], hs.chunks(), "heads forward: q to heads", TAG_QKV)
         runs = kv_runs(me, hs.h // hs.hkv)
         try:
@@ -342,15 +453,23 @@ class HeadsAttentionFn(torch.autograd.Function):
             raise
         qdt, kdt, vdt = ctx.dtypes
         acc = state.stat_dtype(qdt)
-        grads = [(dqh, False, qdt), (dkh, True, acc if shared else kdt), (dvh, True, acc if shared else vdt)]
+        grads = [(dqh, False, qdt)]
+        relayed = None
+        if hs.relay is None:
+            grads += [(dkh, True, acc if shared else kdt), (dvh, True, acc if shared else vdt)]
+        else:
+            relayed = (_relay_grads(hs, dkh, dvh, kdt, vdt), kdt, vdt)
         if exact is not None:  # each row's rowsum(dout * out) of the output before rounding, with the gradients
             grads.append(((douth.to(acc) * exact).sum(-1), False, acc))
-        back = _to_seq(hs, grads, [hs.q_place, hs.k_place, hs.k_place, hs.q_place][:len(grads)],
-                       "heads backward: gradients to sequence shards", TAG_GRAD)
-        dk, dv = (_summed(parts, hs.split, hs.hkv, shared, dt) for parts, dt in ((back[1], kdt), (back[2], vdt)))
+        places = [hs.q_place] + [hs.k_place] * (len(grads) - 1 - (exact is not None)) + [hs.q_place] * (exact is not None)
+        back = _to_seq(hs, grads, places, "heads backward: gradients to sequence shards", TAG_GRAD, relayed)
+        if relayed is None:
+            dk, dv = (_summed(parts, hs.split, hs.hkv, shared, dt) for parts, dt in ((back[1], kdt), (back[2], vdt)))
+        else:
+            dk, dv = back[-1]
         dsinks = None
         if exact is not None and ctx.needs_input_grad[3]:
-            rowsum = torch.cat(back[3], 1)
+            rowsum = torch.cat(back[len(grads) - 1], 1)
             dsinks = state.sink_grad(lse, rowsum if dlse is None else rowsum - dlse.to(rowsum.dtype), sinks)
         return torch.cat(back[0], 1), dk, dv, dsinks, None
 
@@ -358,7 +477,7 @@ class HeadsAttentionFn(torch.autograd.Function):
 def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, layout: str,
                     kw: Keywords, lens: tuple) -> tuple[Tensor, Tensor]:
     """``schedule="heads"`` after the handshake: ``(out (B,H,Sq_r,Dv) in q.dtype, lse (B,H,Sq_r)
-    float32)`` of this rank's sequence shard. ``lens``: every rank's ``(q lengths, k lengths)``."""
+    float32)`` of this rank's sequence shard. ``lens``: every rank's ``(q lengths, k lengths, machines)``."""
     (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
     docs = kw.docs if layout != "contiguous" else None
     q_lens, k_lens = tuple(lens[0]), tuple(lens[1])
@@ -367,7 +486,7 @@ def heads_attention(comm: Communicator, q: Tensor, k: Tensor, v: Tensor, scale: 
     inner = sequence_op(_Solo(), "ring", b, me, d, dv, scale, causal, "contiguous", kw, (sum(q_lens),),
                         (sum(k_lens),), kv_count(me, h // hkv))
     hs = HeadsSpec(comm, b, h, hkv, d, dv, split, sequence_placement(layout, q_lens, docs),
-                   sequence_placement(layout, k_lens, docs), inner)
+                   sequence_placement(layout, k_lens, docs), inner, relay_groups(split, hkv, tuple(lens[2])))
     return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)
 
 
@@ -375,14 +494,15 @@ def mesh_attention(mesh, q: Tensor, k: Tensor, v: Tensor, scale: float, causal: 
                    lens: tuple, schedule: str) -> tuple[Tensor, Tensor]:
     """``schedule="heads+ring"`` / ``"heads+allgather"`` on a :class:`~splitsoftmax.distributed.mesh.Mesh`
     after the handshake: ``(out (B,H,n,Dv), lse (B,H,n) float32)`` of this rank's rows, ``n`` its piece of
-    its sequence shard. ``lens``: every mesh rank's ``(q lengths, k lengths)``, mesh rank order."""
+    its sequence shard. ``lens``: every mesh rank's ``(q lengths, k lengths, machines)``, mesh rank order."""
     (b, h, _, d), hkv, dv = q.shape, k.shape[1], v.shape[-1]
     (ps, ph), s = mesh.shape, mesh.seq.rank
-    q_mine, k_mine = (tuple(x[s * ph:(s + 1) * ph]) for x in lens)
-    q_seq, k_seq = (tuple(seq_lengths(x, mesh.shape)) for x in lens)
+    q_mine, k_mine, hosts = (tuple(x[s * ph:(s + 1) * ph]) for x in lens)
+    q_seq, k_seq = (tuple(seq_lengths(x, mesh.shape)) for x in lens[:2])
     split = head_split(h, hkv, ph)
     me = split[mesh.heads.rank]
     inner = sequence_op(mesh.seq, schedule.split("+")[1], b, me, d, dv, scale, causal, layout, kw, q_seq, k_seq,
                         kv_count(me, h // hkv))
-    hs = HeadsSpec(mesh.heads, b, h, hkv, d, dv, split, Placement(q_mine, None), Placement(k_mine, None), inner)
+    hs = HeadsSpec(mesh.heads, b, h, hkv, d, dv, split, Placement(q_mine, None), Placement(k_mine, None), inner,
+                   relay_groups(split, hkv, hosts))
     return HeadsAttentionFn.apply(q, k, v, kw.sinks, hs)

@@ -83,3 +83,28 @@ def test_relay_bit_for_bit(h, hkv, hosts, lens, monkeypatch):
     assert not one.sends.get(TAG_RELAY) and two.across[TAG_RELAY] == 0 < two.bytes[TAG_RELAY]
     for t in (TAG_QKV, TAG_GRAD):
         assert two.across[t] < one.across[t], (t, two.across[t], one.across[t])
+
+
+def case_gloo_relay(group):
+    """The heads cases over real process groups whose ranks count as machines of two ranks each
+    (``SPLITSOFTMAX_HOST``), the two-hop path counted."""
+    import os
+
+    import torch.distributed as dist
+    os.environ["SPLITSOFTMAX_HOST"] = f"machine {dist.get_rank() // 2}"
+    calls = []
+    relay_kv = heads._relay_kv
+    heads._relay_kv = lambda *a: calls.append(1) or relay_kv(*a)
+    try:
+        for case in (case_shapes, case_variants):
+            case(group)
+    finally:
+        heads._relay_kv = relay_kv
+    assert calls
+
+
+@pytest.mark.distributed
+def test_gloo_relay():
+    from _dist_util import assert_ok, spawn
+    assert_ok(spawn(4, "tests/test_heads_relay.py:case_gloo_relay", timeout=240, env={"SPLITSOFTMAX_TIMEOUT": "60"}),
+              "gloo world of 4 on two machines")

@@ -14,12 +14,15 @@ index ``local``, holding global positions ``glob .. glob + n - 1``.
   the causal work per rank; long ones zigzagged as above (:func:`balanced`).
 
 In every layout a rank's positions increase with the local index.
+
+Heads under the heads schedule (:func:`head_split`, :func:`relay_groups`): query heads split like
+``torch.tensor_split``, each rank reading the kv heads of its query heads.
 """
 from __future__ import annotations
 
 import heapq
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 SKIP, FULL, DIAG = "skip", "full", "diag"
 BALANCE_SLACK = 10  # "balanced": the busiest rank's causal work within (1 + 1/10) of the mean
@@ -42,6 +45,54 @@ def starts(sizes: list[int]) -> list[int]:
         out.append(acc)
         acc += s
     return out
+
+
+class Heads(NamedTuple):
+    """A rank's query heads ``[q0, q1)`` and the kv heads ``[k0, k1)`` they read."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+
+    @property
+    def nq(self) -> int:
+        return self.q1 - self.q0
+
+    @property
+    def nkv(self) -> int:
+        return self.k1 - self.k0
+
+
+@lru_cache(maxsize=64)
+def head_split(h: int, hkv: int, p: int) -> tuple:
+    """Every rank's :class:`Heads` under the heads schedule: query heads as
+    ``torch.tensor_split(range(H), P)``, query head ``i`` reading kv head ``i // (H // Hkv)``."""
+    g = h // hkv
+    sizes = split_sizes(h, p)
+    return tuple(Heads(a, a + n, a // g, (a + n - 1) // g + 1) if n else Heads(a, a, 0, 0)
+                 for a, n in zip(starts(sizes), sizes))
+
+
+def kv_shared(split: tuple, hkv: int) -> bool:
+    """Whether some kv head is read by more than one rank."""
+    return sum(s.nkv for s in split) > hkv
+
+
+def relay_groups(split: tuple, hkv: int, hosts: tuple) -> Optional[tuple]:
+    """The ranks reading each kv head (``hosts[r]``: rank ``r``'s machine) where the heads schedule
+    sends K/V and their gradients in two hops (through one reader of each kv head, passed on among
+    its readers): every rank reads at most one kv head, some kv head has several readers, each kv
+    head's readers share a machine and the group spans several. Else None (one hop)."""
+    if len(set(hosts)) < 2 or any(s.nkv > 1 for s in split):
+        return None
+    readers: list = [[] for _ in range(hkv)]
+    for r, s in enumerate(split):
+        if s.nkv:
+            readers[s.k0].append(r)
+    if max(len(g) for g in readers) < 2 or any(len({hosts[r] for r in g}) > 1 for g in readers):
+        return None
+    return tuple(tuple(g) for g in readers)
 
 
 def shard_lengths(total: int, size: int, layout: str, docs=None) -> list[int]:

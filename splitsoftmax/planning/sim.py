@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..ops.attention.schedules.heads import head_split as schedule_split, relay_groups
+from ..distributed.layout import head_split as rank_heads, kv_shared, relay_groups
 from .model import Profile, Work
 from .work import full_sequence, split
 
@@ -108,20 +108,16 @@ class Result:
 
 
 def head_split(heads: int, kv_heads: int, degree: int) -> tuple[np.ndarray, np.ndarray, bool]:
-    """Query heads and kv heads per rank of a heads group (``torch.tensor_split`` of the query heads),
-    and whether some kv head is read by more than one rank."""
-    sizes = np.array([heads // degree + (1 if j < heads % degree else 0) for j in range(degree)])
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-    group = heads // kv_heads
-    first, last = starts // group, (starts + sizes - 1) // group
-    kv = np.where(sizes > 0, last - first + 1, 0)
-    return sizes, kv, bool(kv.sum() > kv_heads)
+    """Query heads and kv heads per rank of a heads group (the heads schedule's split,
+    ``layout.head_split``), and whether some kv head is read by more than one rank."""
+    split = rank_heads(heads, kv_heads, degree)
+    return np.array([s.nq for s in split]), np.array([s.nkv for s in split]), kv_shared(split, kv_heads)
 
 
 def relay_readers(heads: int, kv_heads: int, degree: int, gpus_per_host: int) -> int:
     """The readers of a kv head where the heads schedule sends K/V in two hops (its
     ``relay_groups``, for a heads group of ``degree`` ranks from a host's first), else 0."""
-    groups = relay_groups(schedule_split(heads, kv_heads, degree), kv_heads,
+    groups = relay_groups(rank_heads(heads, kv_heads, degree), kv_heads,
                           tuple(r // gpus_per_host for r in range(degree)))
     return max(len(g) for g in groups) if groups else 0
 

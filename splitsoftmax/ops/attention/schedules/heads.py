@@ -64,7 +64,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache, partial
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -73,6 +73,7 @@ from ....core import state
 from ....distributed import layout as lay
 from ....distributed.alltoall import Arriving, Started, exchange, start_exchange
 from ....distributed.attn_meta import Keywords
+from ....distributed.layout import Heads, head_split, kv_shared, relay_groups
 from ....distributed.comm import Communicator
 from ....distributed.mesh import seq_lengths
 from ....distributed.work import AttnSpec
@@ -84,54 +85,6 @@ TAG_QKV, TAG_OUT, TAG_DOUT, TAG_GRAD, TAG_RELAY = 51, 52, 53, 54, 55
 CHUNKS = 2  # the query-head chunks q arrives in (the first visit starts on the first)
 _SEQUENCE = {"ring": (ring_attention_fwd, ring_attention_bwd),
              "allgather": (allgather_attention_fwd, allgather_attention_bwd)}
-
-
-class Heads(NamedTuple):
-    """A rank's query heads ``[q0, q1)`` and the kv heads ``[k0, k1)`` they read."""
-
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-
-    @property
-    def nq(self) -> int:
-        return self.q1 - self.q0
-
-    @property
-    def nkv(self) -> int:
-        return self.k1 - self.k0
-
-
-@lru_cache(maxsize=64)
-def head_split(h: int, hkv: int, p: int) -> tuple:
-    """Every rank's :class:`Heads`: query heads as ``torch.tensor_split(range(H), P)``, query head
-    ``i`` reading kv head ``i // (H // Hkv)``."""
-    g = h // hkv
-    sizes = lay.split_sizes(h, p)
-    return tuple(Heads(a, a + n, a // g, (a + n - 1) // g + 1) if n else Heads(a, a, 0, 0)
-                 for a, n in zip(lay.starts(sizes), sizes))
-
-
-def kv_shared(split: tuple, hkv: int) -> bool:
-    """Whether some kv head is read by more than one rank."""
-    return sum(s.nkv for s in split) > hkv
-
-
-def relay_groups(split: tuple, hkv: int, hosts: tuple) -> Optional[tuple]:
-    """The ranks reading each kv head (``hosts[r]``: rank ``r``'s machine) where K/V and their
-    gradients take two hops (:func:`_relay_kv`, :func:`_relay_grads`): every rank reads at most one
-    kv head, some kv head has several readers, each kv head's readers share a machine and the group
-    spans several. Else None (one hop)."""
-    if len(set(hosts)) < 2 or any(s.nkv > 1 for s in split):
-        return None
-    readers: list = [[] for _ in range(hkv)]
-    for r, s in enumerate(split):
-        if s.nkv:
-            readers[s.k0].append(r)
-    if max(len(g) for g in readers) < 2 or any(len({hosts[r] for r in g}) > 1 for g in readers):
-        return None
-    return tuple(tuple(g) for g in readers)
 
 
 def kv_count(hd: Heads, g: int) -> int:

@@ -26,3 +26,12 @@ def test_nccl_heads(size):
 def test_nccl_heads_faults(case, victim_rc):
     """A peer that exits or stalls inside NCCL's all-to-all -> RuntimeError naming it, no hang."""
     faults.run_case(case, 2, victim_rc, backend="nccl")
+
+
+def test_nccl_heads_relay():
+    """Four ranks counted as two machines of two (``SPLITSOFTMAX_HOST``): K/V in two hops over
+    ``all_to_all_single``, every head split and keyword against float64."""
+    if torch.cuda.device_count() < 4:
+        pytest.skip("needs 4 GPUs")
+    assert_ok(spawn(4, "tests/test_heads_relay.py:case_gloo_relay", timeout=300, env={"SPLITSOFTMAX_TIMEOUT": "60"},
+                    backend="nccl"), "nccl world of 4 on two machines")

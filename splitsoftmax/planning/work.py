@@ -157,13 +157,20 @@ class Split:
 
     def walk(self, costs: list, block: int = 64) -> list:
         """:meth:`costed` for each of ``costs`` by walking every step of every rank once (``block``
-        steps at a time; a cost is elementwise, so it takes the block's 2-D fields as they are)."""
+        steps at a time). A cost is elementwise, so it takes the block's fields at the (step, rank)
+        entries that hold any work, and an empty Work's cost everywhere else."""
         tables = [{} for _ in costs]
+        empty = Work(*(np.zeros(1) for _ in FIELDS))
+        idle = [float(np.broadcast_to(cost(empty), (1,))[0]) for cost in costs]
         for i in range(0, len(self.active), block):
             ts = self.active[i:i + block]
             w = self.at_block(ts)
-            for table, cost in zip(tables, costs):
-                table.update(zip(ts, np.broadcast_to(cost(w), (len(ts), self.p)).astype(float)))
+            busy = np.nonzero(np.logical_or.reduce([np.asarray(getattr(w, f)) != 0 for f in FIELDS]))
+            some = Work(*(np.broadcast_to(getattr(w, f), (len(ts), self.p))[busy] for f in FIELDS))
+            for table, cost, zero in zip(tables, costs, idle):
+                out = np.full((len(ts), self.p), zero)
+                out[busy] = np.broadcast_to(cost(some), busy[0].shape)
+                table.update(zip(ts, out))
         out = []
         for table, cost in zip(tables, costs):
             c0 = np.broadcast_to(cost(self.own), (self.p,)).astype(float)
@@ -421,31 +428,34 @@ def _balanced_cover(p: int, docs: tuple, owner, split, causal: bool, tiles) -> t
     q, rem = np.divmod(length[d_split], 2 * p)  # (S,)
     r = np.arange(p)
 
-    def size(i):  # (P, S): chunk i[r] of each split document
-        return q[None, :] + (i[:, None] < rem[None, :])
-    front, back = size(r), size(2 * p - 1 - r)
-    whole = np.nonzero(owner >= 0)[0]
+    def chunk(i, j):  # the rows of chunk i of split document j (arrays alike)
+        return q[j] + (i < rem[j])
+    # the chunks that take rows, rank by rank (documents shorter than 2P leave most of theirs empty)
+    (fr, fs) = np.nonzero((q[None, :] > 0) | (r[:, None] < rem[None, :]))
+    (br, bs) = np.nonzero((q[None, :] > 0) | (2 * p - 1 - r[:, None] < rem[None, :]))
+    whole = np.nonzero((owner >= 0) & (length > 0))[0]
+    rk = np.concatenate([owner[whole], fr, br])
+    doc = np.concatenate([whole, d_split[fs], d_split[bs]])
+    sub = np.concatenate([np.full(whole.size, -1), np.zeros(fr.size, dtype=np.int64), np.ones(br.size, dtype=np.int64)])
+    j = np.concatenate([np.zeros(whole.size, dtype=np.int64), fs, bs])
+    n = np.concatenate([length[whole], chunk(fr, fs), chunk(2 * p - 1 - br, bs)])
+    order = np.lexsort((sub, doc, rk))
+    rk, sub, j, n = rk[order], sub[order], j[order], n[order]
+    at = np.cumsum(n) - n
+    start = at - at[np.searchsorted(rk, rk, side="left")]
     out = []
-    for u in (r - 1, r + 1):
-        there = ((u >= 0) & (u < p))[:, None]
+    for lower in (True, False):
+        u = rk - 1 if lower else rk + 1
+        there = (sub >= 0) & (u >= 0) & (u < p)
         uc = np.clip(u, 0, p - 1)
-        kf = np.where(there, size(uc), 0)  # its first chunk, and all of its chunks
-        ku = kf + np.where(there, size(2 * p - 1 - uc), 0)
+        kf = np.where(there, chunk(uc, j), 0)  # its first chunk, and all of its chunks
+        ku = kf + np.where(there, chunk(2 * p - 1 - uc, j), 0)
         if not causal:
-            seen_f, seen_b = ku > 0, ku > 0
-        elif u[0] < 0:  # from a lower rank: both chunks see its first chunk
-            seen_f, seen_b = kf > 0, kf > 0
+            seen = ku > 0
+        elif lower:  # from a lower rank: both chunks see its first chunk
+            seen = kf > 0
         else:  # from a higher rank: the second chunk sees all of its, the first nothing
-            seen_f, seen_b = np.zeros_like(ku, dtype=bool), ku > 0
-        rk = np.concatenate([owner[whole], np.repeat(np.arange(p), d_split.size), np.repeat(np.arange(p), d_split.size)])
-        doc = np.concatenate([whole, np.tile(d_split, p), np.tile(d_split, p)])
-        sub = np.concatenate([np.zeros(whole.size), np.zeros(p * d_split.size), np.ones(p * d_split.size)])
-        n = np.concatenate([length[whole], front.reshape(-1), back.reshape(-1)])
-        seen = np.concatenate([np.zeros(whole.size, dtype=bool), seen_f.reshape(-1), seen_b.reshape(-1)])
-        order = np.lexsort((sub, doc, rk))
-        rk, n, seen = rk[order], n[order], seen[order]
-        at = np.cumsum(n) - n
-        start = at - at[np.searchsorted(rk, rk, side="left")]
+            seen = (sub == 1) & (ku > 0)
         out.append(row_cover(rk[seen], start[seen], n[seen], p, tiles))
     return tuple(out)
 

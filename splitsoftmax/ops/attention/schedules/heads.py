@@ -73,8 +73,8 @@ from ....core import state
 from ....distributed import layout as lay
 from ....distributed.alltoall import Arriving, Started, exchange, start_exchange
 from ....distributed.attn_meta import Keywords
-from ....distributed.layout import Heads, head_split, kv_shared, relay_groups
 from ....distributed.comm import Communicator
+from ....distributed.layout import Heads, head_split, kv_shared, relay_groups
 from ....distributed.mesh import seq_lengths
 from ....distributed.work import AttnSpec
 from ..op import backward_stats
@@ -406,15 +406,15 @@ class HeadsAttentionFn(torch.autograd.Function):
             raise
         qdt, kdt, vdt = ctx.dtypes
         acc = state.stat_dtype(qdt)
-        grads = [(dqh, False, qdt)]
-        relayed = None
+        grads, places, relayed = [(dqh, False, qdt)], [hs.q_place], None
         if hs.relay is None:
             grads += [(dkh, True, acc if shared else kdt), (dvh, True, acc if shared else vdt)]
+            places += [hs.k_place, hs.k_place]
         else:
             relayed = (_relay_grads(hs, dkh, dvh, kdt, vdt), kdt, vdt)
         if exact is not None:  # each row's rowsum(dout * out) of the output before rounding, with the gradients
             grads.append(((douth.to(acc) * exact).sum(-1), False, acc))
-        places = [hs.q_place] + [hs.k_place] * (len(grads) - 1 - (exact is not None)) + [hs.q_place] * (exact is not None)
+            places.append(hs.q_place)
         back = _to_seq(hs, grads, places, "heads backward: gradients to sequence shards", TAG_GRAD, relayed)
         if relayed is None:
             dk, dv = (_summed(parts, hs.split, hs.hkv, shared, dt) for parts, dt in ((back[1], kdt), (back[2], vdt)))

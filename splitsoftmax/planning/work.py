@@ -165,7 +165,10 @@ class Split:
         for i in range(0, len(self.active), block):
             ts = self.active[i:i + block]
             w = self.at_block(ts)
-            busy = np.nonzero(np.logical_or.reduce([np.asarray(getattr(w, f)) != 0 for f in FIELDS]))
+            held = np.zeros((len(ts), self.p), dtype=bool)
+            for f in FIELDS:
+                held |= np.asarray(getattr(w, f)) != 0
+            busy = np.nonzero(held)
             some = Work(*(np.broadcast_to(getattr(w, f), (len(ts), self.p))[busy] for f in FIELDS))
             for table, cost, zero in zip(tables, costs, idle):
                 out = np.full((len(ts), self.p), zero)

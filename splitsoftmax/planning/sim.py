@@ -10,8 +10,9 @@ compute stream and a transfer stream:
   ``torch.tensor_split``, a rank receiving the kv heads its query heads read. Where the group spans
   hosts and each kv head's readers share one (:func:`relay_readers`), K/V take two hops as the
   schedule sends them: each shard to one reader, passed on among the readers inside the host; their
-  float32 dK/dV summed there, then sent home once in the inputs' dtype. The all-to-alls do not overlap the ring (an implementation that starts
-  the first ring step before the whole all-to-all is done is faster than predicted).
+  float32 dK/dV summed there, then sent home once in the inputs' dtype. The all-to-alls do not
+  overlap the ring (an implementation that starts the first ring step before the whole all-to-all
+  is done is faster than predicted).
 - ring (sequence groups): step 0 computes a rank's own keys; a step's K/V block travels to the next
   rank while the step computes (two receive buffers: a block may arrive only once the step two
   before has finished); backward, K/V travel the same way and each block's dK/dV sums (the profile's
@@ -371,10 +372,10 @@ class Simulator:
     def _alltoall_messages(self, n: float, hd: int, sizes, kv, replicated) -> tuple:
         """(bytes sent, bytes received, bytes passed among a kv head's readers inside a host) by the
         heads rank with the most heads, for each all-to-all: forward q/k/v in and out (with lse) back;
-        backward dO (with lse and delta) in, dq/dk/dv back. One hop: dk/dv in float32 where a kv head has several readers. Two hops
-        (``relay_readers``: K/V reach one reader of each kv head, which pass them on; dK/dV summed
-        among the readers in float32, then sent home once in the inputs' dtype). ``n``: rows of the
-        sequence shard the group shares."""
+        backward dO (with lse and delta) in, dq/dk/dv back. One hop: dk/dv in float32 where a kv head
+        has several readers. Two hops (``relay_readers``: K/V reach one reader of each kv head, which
+        pass them on; dK/dV summed among the readers in float32, then sent home once in the inputs'
+        dtype). ``n``: rows of the sequence shard the group shares."""
         d, e = self.pb.head_dim, self.pb.elem
         j = int(np.argmax(sizes))
         h, k = float(sizes[j]), float(kv[j])

@@ -147,6 +147,7 @@ def test_verify_rejects_no_ranks(capsys):
 def test_env_reports_transformers_launchers_and_settings(capsys, monkeypatch):
     monkeypatch.setenv("SPLITSOFTMAX_TIMEOUT", "17")
     monkeypatch.setenv("SPLITSOFTMAX_LOG", "info")
+    monkeypatch.setenv("SPLITSOFTMAX_HOST", "node-7")
     rc, out, _ = cli(capsys, "env")
     assert rc == 0
     lines = {ln.split(None, 1)[0]: ln.split(None, 1)[1] for ln in out.splitlines() if ln.strip()}
@@ -154,6 +155,7 @@ def test_env_reports_transformers_launchers_and_settings(capsys, monkeypatch):
     assert lines["transformers"] == want
     assert "mpirun" in lines["launchers"] and "torchrun" in lines["launchers"]
     assert "SPLITSOFTMAX_TIMEOUT 17 s;" in lines["settings"] and "SPLITSOFTMAX_LOG info" in lines["settings"]
+    assert "SPLITSOFTMAX_HOST node-7" in lines["settings"]
     monkeypatch.delenv("SPLITSOFTMAX_TIMEOUT")
     assert "SPLITSOFTMAX_TIMEOUT 300 s (default)" in cli(capsys, "env")[1]
 

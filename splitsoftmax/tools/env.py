@@ -46,7 +46,8 @@ def _settings() -> str:
         timeout = f"invalid ({e})"
     source = "" if os.environ.get("SPLITSOFTMAX_TIMEOUT") else " (default)"
     log = os.environ.get("SPLITSOFTMAX_LOG", "") or "unset (warnings only)"
-    return f"SPLITSOFTMAX_TIMEOUT {timeout}{source}; SPLITSOFTMAX_LOG {log}"
+    host = os.environ.get("SPLITSOFTMAX_HOST", "") or "unset (the host name)"
+    return f"SPLITSOFTMAX_TIMEOUT {timeout}{source}; SPLITSOFTMAX_LOG {log}; SPLITSOFTMAX_HOST {host}"
 
 
 def _devices() -> list[str]:

@@ -33,5 +33,5 @@ def test_nccl_heads_relay():
     ``all_to_all_single``, every head split and keyword against float64."""
     if torch.cuda.device_count() < 4:
         pytest.skip("needs 4 GPUs")
-    assert_ok(spawn(4, "tests/test_heads_relay.py:case_gloo_relay", timeout=300, env={"SPLITSOFTMAX_TIMEOUT": "60"},
+    assert_ok(spawn(4, "tests/test_heads_relay.py:case_two_machines", timeout=300, env={"SPLITSOFTMAX_TIMEOUT": "60"},
                     backend="nccl"), "nccl world of 4 on two machines")

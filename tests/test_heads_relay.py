@@ -85,9 +85,9 @@ def test_relay_bit_for_bit(h, hkv, hosts, lens, monkeypatch):
         assert two.across[t] < one.across[t], (t, two.across[t], one.across[t])
 
 
-def case_gloo_relay(group):
-    """The heads cases over real process groups whose ranks count as machines of two ranks each
-    (``SPLITSOFTMAX_HOST``), the two-hop path counted."""
+def case_two_machines(group):
+    """The heads cases over real process groups (Gloo, NCCL) whose ranks count as machines of two
+    ranks each (``SPLITSOFTMAX_HOST``), the two-hop path counted."""
     import os
 
     import torch.distributed as dist
@@ -106,5 +106,5 @@ def case_gloo_relay(group):
 @pytest.mark.distributed
 def test_gloo_relay():
     from _dist_util import assert_ok, spawn
-    assert_ok(spawn(4, "tests/test_heads_relay.py:case_gloo_relay", timeout=240, env={"SPLITSOFTMAX_TIMEOUT": "60"}),
+    assert_ok(spawn(4, "tests/test_heads_relay.py:case_two_machines", timeout=240, env={"SPLITSOFTMAX_TIMEOUT": "60"}),
               "gloo world of 4 on two machines")

@@ -68,7 +68,11 @@ def host_code() -> int:
     """This process's machine as a non-negative int63: a hash of ``SPLITSOFTMAX_HOST`` where set (ranks
     that should count as one machine, or as several on one), else of the host name. The heads
     schedule reads every rank's (``Communicator.host``) to know which ranks share a host."""
-    name = os.environ.get("SPLITSOFTMAX_HOST") or socket.gethostname()
+    return _name_code(os.environ.get("SPLITSOFTMAX_HOST") or socket.gethostname())
+
+
+@functools.lru_cache(maxsize=8)
+def _name_code(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") >> 1
 
 
